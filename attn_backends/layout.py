@@ -1,0 +1,386 @@
+"""The layout builders: one per mode, the only place stride and extent arithmetic lives.
+
+Eager metadata, graph capture and graph replay all call :func:`build_layout`. Eager gets
+fresh tensors sized to the batch; capture and replay pass ``out=`` views of the static
+buffers (:class:`LayoutBuffers`) and the builder writes its result there in place.
+
+Canonical fields (``Layout.as_dict()``), for ``bs`` requests:
+
+===================  ==================  ==============================================
+``cu_seqlens_q``     ``[bs+1]`` int32    query rows; ``arange(0, bs*W+1, W)`` in uniform modes
+``seq_lens_k``       ``[bs]`` int32      KV tokens incl. this forward's (``prefix + W``)
+``prefix_lens``      ``[bs]`` int32      ``seq_lens_k - q_len``
+``page_table``       ``[bs, P]`` int32   page ids; 0 (the reserved page) past each row's pages
+``kv_indptr``        ``[bs+1]`` int32    cumsum of pages per row (``cdiv(seq_len, page)``)
+``kv_indices``       ``[C]`` int32       the pages of all rows back to back, then zeros
+``kv_last_page_len`` ``[bs]`` int32      tokens in each row's last page
+``custom_mask``      ``[bs*W*W]`` bool   tree verify: draft-block mask, row-major per request
+``mask_indptr``      ``[bs+1]`` int32    tree verify: ``arange(0, (bs+1)*W*W, W*W)``
+``draft_prefix_lens````[bs]`` int32      draft decode: prompt prefix before the branches
+``max_seq_len_q``    host int            ``W`` in uniform modes
+``max_seq_len_k``    host int            eager: the batch maximum; graph: the static bound
+===================  ==================  ==============================================
+
+Padding (rows ``raw_bs..bs-1``) is written by the builder itself, whatever the inputs hold:
+request row 0, ``seq_len = pad_seq_len (>= W)``, causal tree mask, so pad rows are canonical
+and history-independent. The tree ``custom_mask`` covers only the ``W x W`` draft block; the
+prefix is always visible, so a padded request adds a fixed ``W*W`` block, never a
+length-dependent one.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from .batch import ForwardBatch, ForwardMode, GraphInputs, SpecInfo, query_width
+
+I32 = torch.int32
+DEBUG = os.environ.get("ATTN_BACKENDS_DEBUG", "0") == "1"
+
+
+class MaskKind(str, enum.Enum):
+    CAUSAL = "causal"   # row j of request i sees p <= prefix_i + j (decode: all of seq_len)
+    TREE = "tree"       # p < prefix_i, or custom_mask[i, j, p - prefix_i]
+    DRAFT = "draft"     # p < draft_prefix_i, or (p - draft_prefix_i) % W == j
+
+
+class LayoutError(ValueError):
+    """A batch that no kernel may be launched on; the message names value and limit."""
+
+
+@dataclass
+class Layout:
+    mode: ForwardMode
+    bs: int
+    width: int                  # W; 0 for ragged EXTEND
+    page_size: int
+    mask: MaskKind
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    prefix_lens: torch.Tensor
+    page_table: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    max_seq_len_q: int
+    max_seq_len_k: int
+    custom_mask: Optional[torch.Tensor] = None
+    mask_indptr: Optional[torch.Tensor] = None
+    draft_prefix_lens: Optional[torch.Tensor] = None
+
+    def as_dict(self) -> dict:
+        skip = {"mode", "bs", "width", "page_size", "mask"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in skip and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class LayoutInputs:
+    """Everything a builder reads; made from a ForwardBatch or from GraphInputs."""
+
+    mode: ForwardMode
+    req_pool_indices: torch.Tensor      # [bs] int32/int64, device
+    seq_lens: torch.Tensor              # [bs] int32, device
+    seq_lens_cpu: torch.Tensor          # [bs] int32, host
+    raw_bs: int
+    spec_info: Optional[SpecInfo]
+    req_to_token: torch.Tensor          # [rows, max_context_len] int32
+    page_size: int
+    num_slots: int
+    pad_seq_len: int                    # backend fill value, raised to W
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_seq_lens_cpu: Optional[torch.Tensor] = None
+    static: bool = False                # graph mode: host scalars from the key alone
+    check_device_values: bool = False   # validate device tensors too (syncs; never in replay)
+
+    @property
+    def bs(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.req_to_token.shape[1])
+
+
+def inputs_from_batch(batch: ForwardBatch, req_to_token, page_size, num_slots, fill) -> LayoutInputs:
+    w = 1 if batch.forward_mode == ForwardMode.EXTEND else batch.width
+    dev = batch.seq_lens.device.type == "cpu" or DEBUG
+    return LayoutInputs(batch.forward_mode, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
+                        batch.raw_bs, batch.spec_info, req_to_token, page_size, num_slots,
+                        max(fill, w), batch.extend_seq_lens, batch.extend_seq_lens_cpu,
+                        static=False, check_device_values=dev)
+
+
+def inputs_from_graph(inputs: GraphInputs, req_to_token, page_size, num_slots, fill,
+                      capture: bool = False) -> LayoutInputs:
+    # Capture may sync (it validates the capture batch, I13); replay never does.
+    dev = capture and not torch.cuda.is_current_stream_capturing()
+    return LayoutInputs(inputs.key.forward_mode, inputs.req_pool_indices, inputs.seq_lens,
+                        inputs.seq_lens_cpu, inputs.raw_bs, inputs.spec_info, req_to_token, page_size,
+                        num_slots, max(fill, inputs.key.width), static=True, check_device_values=dev)
+
+
+class LayoutBuffers:
+    """Static buffers at the largest size; every captured graph reads views of them."""
+
+    def __init__(self, max_bs: int, max_width: int, max_context_len: int, page_size: int, device) -> None:
+        if max_context_len % page_size:
+            raise LayoutError(f"max_context_len={max_context_len} is not a multiple of page_size={page_size}")
+        self.max_bs, self.max_width, self.page_size = max_bs, max_width, page_size
+        self.max_pages = max_context_len // page_size
+        z = lambda *s, dtype=I32: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+        self.cu_seqlens_q = z(max_bs + 1)
+        self.seq_lens_k = z(max_bs)
+        self.prefix_lens = z(max_bs)
+        self.page_table = z(max_bs, self.max_pages)
+        self.kv_indptr = z(max_bs + 1)
+        self.kv_indices = z(max_bs * self.max_pages)       # I6: worst case, every row full
+        self.kv_last_page_len = z(max_bs)
+        self.custom_mask = z(max_bs * max_width * max_width, dtype=torch.bool)
+        self.mask_indptr = z(max_bs + 1)
+        self.draft_prefix_lens = z(max_bs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    def check_capacity(self, bs: int, width: int) -> None:
+        if bs > self.max_bs:
+            raise LayoutError(f"bs={bs} exceeds the graph buffers' max_bs={self.max_bs}")
+        if width > self.max_width:
+            raise LayoutError(f"width W={width} exceeds the graph buffers' max width {self.max_width}")
+
+    def views(self, mode: ForwardMode, bs: int, width: int, mask: MaskKind, max_seq_len_k: int) -> Layout:
+        self.check_capacity(bs, width)
+        tree, draft = mask == MaskKind.TREE, mask == MaskKind.DRAFT
+        return Layout(mode, bs, width, self.page_size, mask,
+                      self.cu_seqlens_q[:bs + 1], self.seq_lens_k[:bs], self.prefix_lens[:bs],
+                      self.page_table[:bs], self.kv_indptr[:bs + 1], self.kv_indices[:bs * self.max_pages],
+                      self.kv_last_page_len[:bs], width, max_seq_len_k,
+                      self.custom_mask[:bs * width * width] if tree else None,
+                      self.mask_indptr[:bs + 1] if tree else None,
+                      self.draft_prefix_lens[:bs] if draft else None)
+
+
+def mask_kind(mode: ForwardMode, spec: Optional[SpecInfo]) -> MaskKind:
+    if spec is not None and mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
+        return MaskKind.TREE
+    if spec is not None and mode == ForwardMode.DECODE and spec.is_draft_decode and spec.topk > 1:
+        return MaskKind.DRAFT
+    return MaskKind.CAUSAL
+
+
+# --------------------------------------------------------------------------- validation
+
+def validate(inp: LayoutInputs) -> None:
+    """Raise LayoutError for a batch no kernel may run on. Host checks always; device
+    values only when ``inp.check_device_values`` (they sync)."""
+    bs, mode, spec = inp.bs, inp.mode, inp.spec_info
+    if bs < 1:
+        raise LayoutError(f"bs={bs} must be >= 1")
+    for name in ("seq_lens", "seq_lens_cpu"):
+        t = getattr(inp, name)
+        if tuple(t.shape) != (bs,):
+            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected ({bs},) like req_pool_indices")
+    if inp.seq_lens_cpu.device.type != "cpu":
+        raise LayoutError(f"seq_lens_cpu must be a host tensor, got device {inp.seq_lens_cpu.device}")
+    if inp.req_pool_indices.dtype not in (torch.int32, torch.int64):
+        raise LayoutError(f"req_pool_indices dtype {inp.req_pool_indices.dtype} is not int32/int64")
+    if not 1 <= inp.raw_bs <= bs:
+        raise LayoutError(f"raw_bs={inp.raw_bs} outside 1..bs={bs}")
+    if mode == ForwardMode.IDLE:
+        raise LayoutError("IDLE batches carry no tokens and get no attention metadata")
+    seq = inp.seq_lens_cpu[:inp.raw_bs].to(torch.int64)
+    ctx = inp.max_context_len
+    if int(seq.max()) > ctx:
+        raise LayoutError(f"seq_len={int(seq.max())} exceeds max_context_len={ctx}")
+    if mode == ForwardMode.EXTEND:
+        ext = inp.extend_seq_lens_cpu
+        if ext is None or inp.extend_seq_lens is None:
+            raise LayoutError("EXTEND needs extend_seq_lens and extend_seq_lens_cpu")
+        if tuple(ext.shape) != (bs,):
+            raise LayoutError(f"extend_seq_lens_cpu has shape {tuple(ext.shape)}, expected ({bs},)")
+        bad = (ext[:inp.raw_bs] < 1) | (ext[:inp.raw_bs].to(torch.int64) > seq)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise LayoutError(f"request {i}: extend_seq_len={int(ext[i])} outside 1..seq_len={int(seq[i])}")
+    else:
+        w = query_width(mode, spec)
+        need = w * spec.draft_step if (spec is not None and spec.is_draft_decode) else w
+        if int(seq.min()) < need:
+            i = int((seq < need).nonzero()[0])
+            raise LayoutError(f"request {i}: seq_len={int(seq[i])} < {need} query tokens "
+                              f"(W={w}{', draft_step=%d' % spec.draft_step if need != w else ''}); "
+                              "seq_lens must include this forward's tokens")
+        if mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
+            tm = spec.tree_mask
+            if tm is None or tm.dim() != 3 or tm.shape[1:] != (w, w) or tm.shape[0] < inp.raw_bs:
+                raise LayoutError(f"tree verify needs tree_mask [bs, {w}, {w}], got "
+                                  f"{None if tm is None else tuple(tm.shape)}")
+            if inp.check_device_values and not bool(tm[:inp.raw_bs].diagonal(dim1=1, dim2=2).all()):
+                raise LayoutError("tree_mask diagonal must be True: every draft token sees itself")
+        if mode == ForwardMode.DRAFT_EXTEND and spec.accept_lens is not None and inp.check_device_values:
+            acc = spec.accept_lens[:inp.raw_bs]
+            if bool(((acc < 1) | (acc > w)).any()):
+                raise LayoutError(f"accept_lens {acc.tolist()} outside 1..N={w} (valid tokens incl. the bonus)")
+    if inp.check_device_values:
+        req = inp.req_pool_indices[:inp.raw_bs]
+        rows = inp.req_to_token.shape[0]
+        if bool(((req < 0) | (req >= rows)).any()):
+            raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
+        if not torch.equal(inp.seq_lens[:inp.raw_bs].cpu().to(torch.int64), seq):
+            raise LayoutError("seq_lens and seq_lens_cpu disagree")
+        pos = torch.arange(ctx, device=req.device)
+        used = pos[None, :] < inp.seq_lens[:inp.raw_bs, None]
+        slots = inp.req_to_token[req.long()]
+        if bool(((slots < 0) | (slots >= inp.num_slots))[used].any()):
+            raise LayoutError(f"req_to_token holds slots outside the pool 0..{inp.num_slots - 1}")
+
+
+# --------------------------------------------------------------------------- builders
+
+def _fresh(mode, bs, width, page_size, mask, max_k, n_pages_total, device) -> Layout:
+    z = lambda *s, dtype=I32: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+    maxp = -(-max_k // page_size)
+    tree, draft = mask == MaskKind.TREE, mask == MaskKind.DRAFT
+    return Layout(mode, bs, width, page_size, mask, z(bs + 1), z(bs), z(bs), z(bs, maxp), z(bs + 1),
+                  z(n_pages_total), z(bs), width, max_k,
+                  z(bs * width * width, dtype=torch.bool) if tree else None,
+                  z(bs + 1) if tree else None, z(bs) if draft else None)
+
+
+def _canonical_rows(inp: LayoutInputs):
+    """(req, seq) with pad rows forced to request row 0 and ``pad_seq_len``."""
+    dev = inp.seq_lens.device
+    real = torch.arange(inp.bs, device=dev) < inp.raw_bs
+    req = torch.where(real, inp.req_pool_indices.to(torch.int64), 0)
+    seq = torch.where(real, inp.seq_lens.to(I32), inp.pad_seq_len)
+    return req, seq
+
+
+def _host_max_k(inp: LayoutInputs) -> tuple[int, int]:
+    """(max_seq_len_k, total pages) from host values: the static bound in graph mode."""
+    seq = inp.seq_lens_cpu[:inp.raw_bs].to(torch.int64)
+    pad = inp.bs - inp.raw_bs
+    ps = inp.page_size
+    if inp.static:
+        return inp.max_context_len, inp.bs * (inp.max_context_len // ps)
+    max_k = max(int(seq.max()), inp.pad_seq_len if pad else 0)
+    pages = int(((seq + ps - 1) // ps).sum()) + pad * (-(-inp.pad_seq_len // ps))
+    return max_k, pages
+
+
+def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tensor) -> None:
+    """seq_lens_k, page_table, kv_indptr, kv_indices, kv_last_page_len: no host sync."""
+    ps = inp.page_size
+    maxp = out.page_table.shape[1]
+    npages = (seq + ps - 1) // ps                                       # [bs]
+    cols = torch.arange(maxp, device=seq.device)
+    first_slot = inp.req_to_token[req][:, ::ps][:, :maxp]               # [bs, maxp]
+    out.seq_lens_k.copy_(seq)
+    out.page_table.copy_(torch.where(cols[None, :] < npages[:, None], first_slot // ps, 0))
+    out.kv_indptr[0] = 0
+    torch.cumsum(npages, 0, out=out.kv_indptr[1:])
+    out.kv_last_page_len.copy_(seq - (npages - 1) * ps)
+    # kv_indices[j] = page_table[row(j), j - kv_indptr[row(j)]], zeros past the used part.
+    j = torch.arange(out.kv_indices.shape[0], device=seq.device, dtype=I32)
+    row = torch.searchsorted(out.kv_indptr[1:], j, right=True)          # [C] in 0..bs
+    inside = row < inp.bs
+    row_c = row.clamp(max=inp.bs - 1)
+    col = (j - out.kv_indptr[row_c]).clamp(0, maxp - 1)
+    out.kv_indices.copy_(torch.where(inside, out.page_table[row_c, col], 0))
+
+
+def _uniform(inp: LayoutInputs, width: int, mask: MaskKind, out: Optional[Layout]) -> Layout:
+    validate(inp)
+    max_k, n_pages = _host_max_k(inp)
+    if out is None:
+        out = _fresh(inp.mode, inp.bs, width, inp.page_size, mask, max_k, n_pages, inp.seq_lens.device)
+    elif (out.bs, out.width, out.mask) != (inp.bs, width, mask):
+        raise LayoutError(f"buffers bound for (bs={out.bs}, W={out.width}, {out.mask.value}) "
+                          f"but the batch is (bs={inp.bs}, W={width}, {mask.value})")
+    req, seq = _canonical_rows(inp)
+    out.cu_seqlens_q.copy_(torch.arange(0, (inp.bs + 1) * width, width, dtype=I32, device=seq.device))
+    out.prefix_lens.copy_(seq - width)
+    _write_kv(out, inp, req, seq)
+    out.max_seq_len_q, out.max_seq_len_k = width, max_k
+    return out
+
+
+def build_decode(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    """DECODE: W=1, or draft decode with W=topk branch rows per request."""
+    spec = inp.spec_info
+    if spec is not None and spec.is_draft_decode:
+        return build_draft_decode(inp, out)
+    return _uniform(inp, 1, MaskKind.CAUSAL, out)
+
+
+def build_draft_decode(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    spec = inp.spec_info
+    w = spec.topk
+    lay = _uniform(inp, w, mask_kind(inp.mode, spec), out)
+    if lay.draft_prefix_lens is not None:
+        lay.draft_prefix_lens.copy_((lay.seq_lens_k - w * spec.draft_step).clamp(min=0))
+    return lay
+
+
+def build_target_verify(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    spec = inp.spec_info
+    w = query_width(inp.mode, spec)
+    lay = _uniform(inp, w, mask_kind(inp.mode, spec), out)
+    if lay.custom_mask is not None:
+        dev = lay.custom_mask.device
+        m = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev)).repeat(inp.bs, 1, 1)
+        m[:inp.raw_bs] = spec.tree_mask[:inp.raw_bs].to(device=dev, dtype=torch.bool)
+        lay.custom_mask.copy_(m.reshape(-1))
+        lay.mask_indptr.copy_(torch.arange(0, (inp.bs + 1) * w * w, w * w, dtype=I32, device=dev))
+    return lay
+
+
+def build_draft_extend(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    """DRAFT_EXTEND: every request owns N rows; accept lengths only select rows afterwards."""
+    return _uniform(inp, query_width(inp.mode, inp.spec_info), MaskKind.CAUSAL, out)
+
+
+def build_extend(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    """EXTEND: ragged query lengths; eager only (never captured as a uniform graph)."""
+    if out is not None:
+        raise LayoutError("EXTEND is ragged and has no static graph layout")
+    validate(inp)
+    max_k, n_pages = _host_max_k(inp)
+    ext_cpu = inp.extend_seq_lens_cpu.to(torch.int64).clone()
+    ext_cpu[inp.raw_bs:] = 1
+    lay = _fresh(inp.mode, inp.bs, 0, inp.page_size, MaskKind.CAUSAL, max_k, n_pages, inp.seq_lens.device)
+    req, seq = _canonical_rows(inp)
+    real = torch.arange(inp.bs, device=seq.device) < inp.raw_bs
+    ext = torch.where(real, inp.extend_seq_lens.to(I32), 1)
+    lay.cu_seqlens_q[0] = 0
+    torch.cumsum(ext, 0, out=lay.cu_seqlens_q[1:])
+    lay.prefix_lens.copy_(seq - ext)
+    _write_kv(lay, inp, req, seq)
+    lay.max_seq_len_q, lay.max_seq_len_k = int(ext_cpu.max()), max_k
+    return lay
+
+
+BUILDERS = {
+    ForwardMode.EXTEND: build_extend,
+    ForwardMode.DECODE: build_decode,
+    ForwardMode.TARGET_VERIFY: build_target_verify,
+    ForwardMode.DRAFT_EXTEND: build_draft_extend,
+}
+
+
+def build_layout(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
+    try:
+        builder = BUILDERS[inp.mode]
+    except KeyError:
+        raise LayoutError(f"forward_mode={inp.mode.name} has no attention layout") from None
+    return builder(inp, out)
+
+
+def select_rows(bs: int, width: int, accept_lens: torch.Tensor) -> torch.Tensor:
+    """Output rows kept after a uniform forward: ``arange(bs)*N + accept_lens - 1``."""
+    return torch.arange(bs, device=accept_lens.device) * width + accept_lens.to(torch.int64) - 1
