@@ -171,11 +171,34 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
 
 
-def decode_workspace(bs, num_heads, head_dim_v, num_kv_splits, device):
-    """Allocate the split-KV workspace once (e.g. at graph capture) for reuse."""
-    part = torch.empty(bs, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32, device=device)
-    lse = torch.empty(bs, num_heads, num_kv_splits, dtype=torch.float32, device=device)
+def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device):
+    """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
+    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32)``."""
+    part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
+                       device=device)
+    lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
     return part, lse
+
+
+def split_targets(name, out, workspace, num_kv_splits):
+    """Where pass 1 writes: straight into ``out [T, H, Dv]`` for one split (no merge
+    pass), else into the workspace (allocated here when None, which a graph must avoid).
+    Returns (o, lse, (stride_t, stride_h, stride_split), (lse stride_t, stride_h))."""
+    T, H, Dv = out.shape
+    if num_kv_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+    if workspace is None:
+        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device)
+    o, lse = workspace
+    if (o.shape[0] < T or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
+            or lse.shape[0] < T or tuple(lse.shape[1:]) != (H, num_kv_splits)
+            or o.dtype != torch.float32 or lse.dtype != torch.float32
+            or o.stride(-1) != 1 or lse.stride(-1) != 1):
+        raise ValueError(f"{name}: workspace {tuple(o.shape)} {o.dtype} / {tuple(lse.shape)} "
+                         f"{lse.dtype} does not fit rows={T}, H={H}, splits={num_kv_splits}, "
+                         f"Dv={Dv} (float32, contiguous last dim)")
+    o, lse = o[:T], lse[:T]
+    return o, lse, (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
@@ -210,20 +233,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     group = H // Hkv
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
-    if num_kv_splits == 1:
-        o, lse, o_strides = out, out, (out.stride(0), out.stride(1), 0)
-        lse_strides = (0, 0)
-    else:
-        if workspace is None:
-            workspace = decode_workspace(bs, H, Dv, num_kv_splits, q.device)
-        o, lse = workspace
-        if (o.shape[0] < bs or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
-                or lse.shape[0] < bs or tuple(lse.shape[1:]) != (H, num_kv_splits)):
-            raise ValueError(f"decode_attention_fwd: workspace {tuple(o.shape)}/{tuple(lse.shape)} "
-                             f"too small for bs={bs}, H={H}, splits={num_kv_splits}, Dv={Dv}")
-        o, lse = o[:bs], lse[:bs]
-        o_strides = (o.stride(0), o.stride(1), o.stride(2))
-        lse_strides = (lse.stride(0), lse.stride(1))
+    o, lse, o_strides, lse_strides = split_targets("decode_attention_fwd", out, workspace,
+                                                   num_kv_splits)
     _decode_split_kernel[(bs, Hkv, num_kv_splits)](
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse,
         sm_scale * LOG2E,

@@ -1,0 +1,224 @@
+"""Paged GQA extend / verify attention with causal, tree and draft-branch masks.
+
+Query rows of request i are ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``; they attend to the
+request's whole KV extent (prefix and the new tokens, which were stored in the cache
+first) through the page table. One program handles BLOCK_Q query rows times every query
+head of one KV head group, flattened into BLOCK_M = BLOCK_Q * GROUP_PAD rows, so each KV
+tile is loaded once per group and, for verify (W <= 8), once per request. An optional
+split-KV axis (merged by ``merge_splits``) adds parallelism for short queries over long
+caches.
+
+The grid is ``(bs, Hkv, cdiv(max_q_len, BLOCK_Q) * num_kv_splits)``, from host ints only
+(``max_q_len`` is a bound given by the caller, e.g. W), so the launch is graph safe;
+programs past a request's rows do no work.
+
+Masks (query row j of request i, KV position p, prefix = seq_lens_k[i] - q_len_i):
+  causal: p <= prefix + j
+  tree:   p < prefix or custom_mask[i*W*W + j*W + (p - prefix)]     (uniform W rows)
+  draft:  p < draft_prefix_lens[i] or (p - draft_prefix_lens[i]) % W == j
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import LOG2E, check_paged_inputs, merge_splits, split_targets
+
+MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
+
+
+@triton.jit
+def visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base,
+                 MASK: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] visibility of KV positions offs_n for query indices j."""
+    vis = (offs_n[None, :] < seq_len) & (j[:, None] < q_len)
+    if MASK == 0:
+        vis = vis & (offs_n[None, :] <= prefix + j[:, None])
+    elif MASK == 1:
+        rel = offs_n[None, :] - prefix
+        in_tail = vis & (rel >= 0)
+        bits = tl.load(mask_ptr + mask_base + j[:, None] * q_len + rel, mask=in_tail, other=0)
+        vis = vis & ((rel < 0) | (bits != 0))
+    else:
+        rel = offs_n[None, :] - draft_prefix
+        vis = vis & ((rel < 0) | (rel % q_len == j[:, None]))
+    return vis
+
+
+@triton.jit
+def _extend_split_kernel(
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
+    o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    qb = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = tl.load(draft_prefix_ptr + b)
+    mask_base = b.to(tl.int64) * q_len * q_len  # tree masks are uniform W x W blocks
+
+    # Row r of the tile is query index j = qb*BLOCK_Q + r // GROUP_PAD of head g = r % GROUP_PAD.
+    offs_m = tl.arange(0, BLOCK_M)
+    j = qb * BLOCK_Q + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_ok = (j < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    rows = (q_start + j).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # KV extent this tile can see: causal rows stop at prefix + last row; a tile past
+    # the request's rows (the grid is sized for max_q_len) sees nothing.
+    kv_end = seq_len
+    if MASK == 0:
+        kv_end = tl.minimum(seq_len, prefix + qb * BLOCK_Q + BLOCK_Q)
+    kv_end = tl.where(qb * BLOCK_Q < q_len, kv_end, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    pt_row = page_table_ptr + b * stride_pb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+        vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix,
+                                             mask_ptr, mask_base, MASK)
+        s = tl.where(vis, s, float("-inf"))
+        # A row may see nothing in this tile (masks); keep its exponents finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptr + o_off + offs_dv[None, :], out, mask=row_ok[:, None] & mask_dv[None, :])
+    if NUM_SPLITS > 1:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+
+
+def pick_block_q(max_q_len, group_pad, max_rows=64):
+    """Query rows per tile: all W rows of a verify request when they fit in max_rows,
+    and at least 16 rows in all (tl.dot needs M >= 16)."""
+    block_q = min(triton.next_power_of_2(max(max_q_len, 1)), max(1, max_rows // group_pad))
+    return max(block_q, 16 // min(group_pad, 16))
+
+
+def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
+                         page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
+                         draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
+                         block_n=64, num_warps=4, num_stages=2):
+    """Paged extend / verify attention, written into ``out``.
+
+    Parameters
+    ----------
+    q : [T, H, D]; k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv] (q's dtype)
+    page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32
+    cu_seqlens_q : [bs+1] int32 with ``cu[bs] == T`` (rows past cu[bs] are undefined)
+    page_size, max_q_len, num_kv_splits : host ints; ``max_q_len`` bounds every
+        request's rows (it sizes the grid; rows beyond it are not computed)
+    out : [T, H, Dv], q's dtype
+    mask : "causal" | "tree" (needs ``custom_mask`` bool/uint8 [bs*W*W], uniform W rows)
+        | "draft" (needs ``draft_prefix_lens`` [bs] int32, uniform W rows)
+    workspace : ``decode_workspace(T, H, Dv, num_kv_splits)`` when num_kv_splits > 1
+    """
+    name = "extend_attention_fwd"
+    T, H, D = q.shape
+    bs = cu_seqlens_q.shape[0] - 1
+    Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
+    check_paged_inputs(name, q, (k_buffer, v_buffer), page_table, seq_lens_k, page_size, bs)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
+        raise ValueError(f"{name}: cu_seqlens_q must be int32 on {q.device}, got "
+                         f"{cu_seqlens_q.dtype} on {cu_seqlens_q.device}")
+    if H % Hkv != 0 or k_buffer.shape[2] != D or v_buffer.shape[1] != Hkv:
+        raise ValueError(f"{name}: q heads {H} x dim {D} incompatible with k_buffer "
+                         f"{tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)}")
+    if tuple(out.shape) != (T, H, Dv) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype}, expected "
+                         f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
+    if mask not in MASK_KINDS:
+        raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
+    if num_kv_splits < 1 or max_q_len < 1:
+        raise ValueError(f"{name}: num_kv_splits={num_kv_splits} and max_q_len={max_q_len} "
+                         f"must be >= 1")
+    mask_arg, draft_arg = cu_seqlens_q, cu_seqlens_q  # placeholders, never read
+    if mask == "tree":
+        if custom_mask is None or custom_mask.numel() < bs * max_q_len * max_q_len:
+            got = None if custom_mask is None else custom_mask.numel()
+            raise ValueError(f"{name}: tree mask needs custom_mask with >= bs*W*W = "
+                             f"{bs * max_q_len * max_q_len} elements, got {got}")
+        if custom_mask.dtype not in (torch.bool, torch.uint8) or custom_mask.device != q.device:
+            raise ValueError(f"{name}: custom_mask must be bool/uint8 on {q.device}, got "
+                             f"{custom_mask.dtype} on {custom_mask.device}")
+        mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+    if mask == "draft":
+        if (draft_prefix_lens is None or draft_prefix_lens.dtype != torch.int32
+                or draft_prefix_lens.shape[0] < bs or draft_prefix_lens.device != q.device):
+            raise ValueError(f"{name}: draft mask needs draft_prefix_lens int32 [>= {bs}] "
+                             f"on {q.device}")
+        draft_arg = draft_prefix_lens
+    if bs == 0 or T == 0:
+        return out
+    group = H // Hkv
+    group_pad = triton.next_power_of_2(group)
+    block_q = block_q or pick_block_q(max_q_len, group_pad)
+    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
+    grid = (bs, Hkv, triton.cdiv(max_q_len, block_q) * num_kv_splits)
+    _extend_split_kernel[grid](
+        q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
+        o, lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        page_table.stride(0),
+        *o_strides, *lse_strides,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
+        MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_kv_splits > 1:
+        merge_splits(o, lse, out)
+    return out

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
+from kernels.decode_attention import decode_workspace
+from kernels.extend_attention import extend_attention_fwd
+
+
+def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,
+               pad_rows=1, draft_prefix=None, seed=0):
+    """Requests with q_lens[i] rows over seq_lens[i] KV tokens, plus padding rows that
+    own W = q_lens[0] rows over page 0 (seq_len = W)."""
+    torch.manual_seed(seed)
+    W = q_lens[0]
+    page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
+                                                   pad_len=W, device=device, seed=seed)
+    all_q = list(q_lens) + [W] * pad_rows
+    bs = len(all_q)
+    cu = torch.tensor([0] + all_q, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    T = int(cu[-1])
+    k_buf = torch.randn(num_pages * page_size, Hkv, D, device=device).to(dtype)
+    v_buf = torch.randn(num_pages * page_size, Hkv, D, device=device).to(dtype)
+    q = torch.randn(T, H, D, device=device).to(dtype)
+    custom_mask = draft_lens = None
+    if mask == TREE:
+        custom_mask = torch.rand(bs * W * W, device=device) < 0.5
+        custom_mask.view(bs, W, W).diagonal(dim1=1, dim2=2).fill_(True)
+    if mask == DRAFT:
+        draft_lens = torch.tensor(list(draft_prefix) + [0] * pad_rows, dtype=torch.int32,
+                                  device=device)
+    out = torch.full((T, H, D), float("nan"), device=device, dtype=dtype)
+    ws = None
+    if splits > 1:
+        ws = decode_workspace(T, H, D, splits, device)
+        ws[0].fill_(float("nan"))
+        ws[1].fill_(float("nan"))
+    scale = D ** -0.5
+    extend_attention_fwd(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, max(all_q),
+                         out, mask=mask, custom_mask=custom_mask, draft_prefix_lens=draft_lens,
+                         num_kv_splits=splits, workspace=ws)
+    ref = ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
+                              custom_mask, draft_lens)
+    return out, ref
+
+
+@pytest.mark.parametrize("page_size,q_lens,seq_lens,H,Hkv,splits", [
+    (1, [5, 1, 9], [5, 40, 30], 4, 2, 1),      # ragged extend, first request has no prefix
+    (16, [7, 20, 3], [50, 20, 70], 2, 1, 1),
+    (64, [3, 11], [140, 75], 8, 2, 2),         # split-KV with causal tiles
+])
+def test_extend_causal_cpu(page_size, q_lens, seq_lens, H, Hkv, splits):
+    out, ref = run_extend(q_lens, seq_lens, page_size, H, Hkv, 16, torch.float32, "cpu",
+                          splits=splits)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, TREE])
+@pytest.mark.parametrize("page_size,W,splits", [(1, 4, 1), (16, 3, 2), (64, 8, 1)])
+def test_verify_cpu(mask, page_size, W, splits):
+    seq_lens = [W + 17, W, W + 70]
+    out, ref = run_extend([W] * 3, seq_lens, page_size, 4, 1, 16, torch.float32, "cpu",
+                          mask=mask, splits=splits, pad_rows=2)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("page_size,W,steps,splits", [(1, 2, 3, 1), (16, 4, 2, 2)])
+def test_draft_branch_cpu(page_size, W, steps, splits):
+    draft_prefix = [9, 30]
+    seq_lens = [p + steps * W for p in draft_prefix]
+    out, ref = run_extend([W] * 2, seq_lens, page_size, 4, 2, 16, torch.float32, "cpu",
+                          mask=DRAFT, splits=splits, draft_prefix=draft_prefix)
+    assert_close(out, ref, 1e-5)
+
+
+def test_extend_rejects_bad_mask():
+    q = torch.zeros(2, 4, 16)
+    kv = torch.zeros(10, 2, 16)
+    pt = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    cu = torch.arange(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="custom_mask"):
+        extend_attention_fwd(q, kv, kv, pt, lens, cu, 1, 1.0, 1, torch.zeros(2, 4, 16),
+                             mask="tree")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mask,W", [(CAUSAL, 4), (TREE, 8)])
+def test_verify_gpu(dtype, D, group, page_size, mask, W):
+    seq_lens = [W, W + 1, 1000, 4096, 32768]
+    out, ref = run_extend([W] * 5, seq_lens, page_size, 4 * group, 4, D, dtype, "cuda",
+                          mask=mask, splits=4, pad_rows=2)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_extend_gpu(dtype, page_size):
+    q_lens = [300, 1, 77, 1024]
+    seq_lens = [300, 500, 2000, 9000]
+    out, ref = run_extend(q_lens, seq_lens, page_size, 32, 8, 128, dtype, "cuda")
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_draft_branch_gpu(dtype, page_size):
+    draft_prefix = [1, 300, 5000]
+    out, ref = run_extend([4] * 3, [p + 12 for p in draft_prefix], page_size, 32, 8, 128,
+                          dtype, "cuda", mask=DRAFT, draft_prefix=draft_prefix)
+    assert_close(out, ref, 1e-2)
