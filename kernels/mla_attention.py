@@ -1,0 +1,172 @@
+"""Absorbed MLA attention over the paged latent cache: decode (W = 1) and verify (W rows).
+
+Cache ``kv_buffer [num_slots, 1, 576]`` holds latent 512 then rope 64 per token; query
+``q [bs*W, H, 576]`` holds the absorbed q_nope 512 then q_pe 64. Scores use all 576
+columns; the output is softmax . latent -> ``[bs*W, H, 512]`` (still in latent space).
+
+One program handles all W query rows times BLOCK_H heads of one request (rows flattened
+into BLOCK_M = W_PAD * BLOCK_H), so every latent tile is loaded once and used both as K
+(scores) and as V (output). A split-KV axis gives bs * head_blocks * splits programs,
+merged by ``merge_splits``; split boundaries come from ``seq_lens_k`` on the device and
+the grid from host ints only, so the launch is graph safe. Verify masks: causal or tree
+(``custom_mask [bs*W*W]``), as in ``extend_attention``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import LOG2E, check_paged_inputs, merge_splits, split_targets
+from .extend_attention import MASK_KINDS, visible_mask
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvs,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = W_PAD * BLOCK_H
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - W
+    mask_base = b.to(tl.int64) * W * W
+
+    # Row r of the tile is query row j = r // BLOCK_H of head hb*BLOCK_H + r % BLOCK_H.
+    offs_m = tl.arange(0, BLOCK_M)
+    j = offs_m // BLOCK_H
+    heads = hb * BLOCK_H + offs_m % BLOCK_H
+    row_ok = (j < W) & (heads < NUM_HEADS)
+    rows = b.to(tl.int64) * W + j
+    offs_c = tl.arange(0, LATENT)
+    offs_r = tl.arange(0, ROPE)
+    q_row = q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, 512]
+    q_pe = tl.load(q_row + LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, 64]
+
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, LATENT], tl.float32)
+    pt_row = page_table_ptr + b * stride_pb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        kv_row = kv_ptr + slot[:, None] * stride_kvs
+        latent = tl.load(kv_row + offs_c[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, 512]
+        rope = tl.load(kv_row + LATENT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q_nope, tl.trans(latent), input_precision=INPUT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(rope), s, input_precision=INPUT_PRECISION) * scale_log2
+        vis = mask_n[None, :] & visible_mask(offs_n, j, W, seq_len, prefix, 0, mask_ptr,
+                                             mask_base, MASK)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row masked in this tile
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent,
+                                            input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptr + o_off + offs_c[None, :], out, mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+
+
+def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
+                      out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
+                      block_h=None, block_n=32, num_warps=4, num_stages=2):
+    """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
+
+    Parameters
+    ----------
+    q : [bs*W, H, 576] (latent 512 + rope 64), float16/bfloat16/float32
+    kv_buffer : [num_slots, 1, 576], q's dtype
+    page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32 (>= W each)
+    page_size, num_kv_splits, q_per_req (W) : host ints
+    out : [bs*W, H, 512], q's dtype
+    mask : "causal" or "tree" (``custom_mask`` bool/uint8 [bs*W*W])
+    workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
+    """
+    name = "mla_attention_fwd"
+    T, H, D = q.shape
+    Dv = out.shape[-1]
+    W = q_per_req
+    if W < 1 or T % W != 0:
+        raise ValueError(f"{name}: q has {T} rows, not a multiple of q_per_req={W}")
+    bs = T // W
+    check_paged_inputs(name, q, (kv_buffer,), page_table, seq_lens_k, page_size, bs)
+    rope = D - Dv
+    if (kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D or rope <= 0
+            or triton.next_power_of_2(Dv) != Dv or triton.next_power_of_2(rope) != rope):
+        raise ValueError(f"{name}: q {tuple(q.shape)}, out {tuple(out.shape)} and kv_buffer "
+                         f"{tuple(kv_buffer.shape)} need kv [slots, 1, latent+rope] with "
+                         f"power-of-two latent and rope dims (512 + 64)")
+    if tuple(out.shape) != (T, H, Dv) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype}, expected "
+                         f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
+    if mask not in ("causal", "tree"):
+        raise ValueError(f"{name}: mask={mask!r} not in ['causal', 'tree']")
+    if num_kv_splits < 1:
+        raise ValueError(f"{name}: num_kv_splits={num_kv_splits} must be >= 1")
+    mask_arg = seq_lens_k  # placeholder, never read for causal
+    if mask == "tree":
+        if (custom_mask is None or custom_mask.numel() < bs * W * W
+                or custom_mask.dtype not in (torch.bool, torch.uint8)
+                or custom_mask.device != q.device):
+            raise ValueError(f"{name}: tree mask needs custom_mask bool/uint8 with >= "
+                             f"bs*W*W = {bs * W * W} elements on {q.device}")
+        mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+    if bs == 0:
+        return out
+    w_pad = triton.next_power_of_2(W)
+    if block_h is None:
+        # At most 64 rows per tile (the [rows, 512] float32 accumulator lives in
+        # registers) and at least 16 (tl.dot needs M >= 16).
+        block_h = min(triton.next_power_of_2(H), max(1, 64 // w_pad))
+        block_h = max(block_h, 16 // min(w_pad, 16))
+    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
+    grid = (bs, triton.cdiv(H, block_h), num_kv_splits)
+    _mla_split_kernel[grid](
+        q, kv_buffer, page_table, seq_lens_k, mask_arg, o, lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_buffer.stride(0),
+        page_table.stride(0),
+        *o_strides, *lse_strides,
+        NUM_HEADS=H, BLOCK_H=block_h, W=W, W_PAD=w_pad, LATENT=Dv, ROPE=rope,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
+        MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_kv_splits > 1:
+        merge_splits(o, lse, out)
+    return out
+
+
+def mla_decode_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
+                   out, workspace=None, **tuning):
+    """MLA decode: one query row per request (``q [bs, H, 576]`` -> ``out [bs, H, 512]``)."""
+    return mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
+                             num_kv_splits, out, q_per_req=1, workspace=workspace, **tuning)

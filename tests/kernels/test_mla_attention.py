@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
+from kernels.decode_attention import decode_workspace
+from kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
+
+LATENT, ROPE = 512, 64
+
+
+def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
+            seed=0):
+    torch.manual_seed(seed)
+    page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
+                                                   pad_len=W, device=device, seed=seed)
+    bs = lens.shape[0]
+    kv = torch.randn(num_pages * page_size, 1, LATENT + ROPE, device=device).to(dtype)
+    q = torch.randn(bs * W, H, LATENT + ROPE, device=device).to(dtype)
+    custom_mask = None
+    if mask == TREE:
+        custom_mask = torch.rand(bs * W * W, device=device) < 0.5
+        custom_mask.view(bs, W, W).diagonal(dim1=1, dim2=2).fill_(True)
+    out = torch.full((bs * W, H, LATENT), float("nan"), device=device, dtype=dtype)
+    ws = None
+    if splits > 1:
+        ws = decode_workspace(bs * W, H, LATENT, splits, device)
+        ws[0].fill_(float("nan"))
+        ws[1].fill_(float("nan"))
+    scale = 0.1
+    if W == 1 and mask == CAUSAL:
+        mla_decode_fwd(q, kv, page_table, lens, page_size, scale, splits, out, workspace=ws)
+    else:
+        mla_attention_fwd(q, kv, page_table, lens, page_size, scale, splits, out, q_per_req=W,
+                          mask=mask, custom_mask=custom_mask, workspace=ws)
+    cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
+    ref = ref_paged_attention(q, kv, kv[:, :, :LATENT], page_table, lens, cu, page_size, scale,
+                              mask, custom_mask)
+    return out, ref
+
+
+@pytest.mark.parametrize("page_size,seq_lens,H,splits", [
+    (1, [9, 1], 16, 3),
+    (16, [40, 17], 4, 1),
+    (64, [130, 2], 16, 2),
+])
+def test_mla_decode_cpu(page_size, seq_lens, H, splits):
+    out, ref = run_mla(seq_lens, 1, page_size, H, torch.float32, "cpu", splits=splits)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, TREE])
+@pytest.mark.parametrize("page_size,W,splits", [(1, 3, 2), (16, 4, 1)])
+def test_mla_verify_cpu(mask, page_size, W, splits):
+    out, ref = run_mla([W + 20, W], W, page_size, 16, torch.float32, "cpu", mask=mask,
+                       splits=splits, pad_rows=1)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mask,W", [(CAUSAL, 1), (CAUSAL, 4), (TREE, 8)])
+def test_mla_gpu(dtype, H, page_size, mask, W):
+    seq_lens = [W, 33, 1000, 4096, 32768]
+    out, ref = run_mla(seq_lens, W, page_size, H, dtype, "cuda", mask=mask, splits=8,
+                       pad_rows=2)
+    assert_close(out, ref, 1e-2)
