@@ -1,0 +1,80 @@
+"""Write new K/V rows into the paged KV pool at ``out_cache_loc`` slots.
+
+MHA/GQA: ``k [T, Hkv, D]`` -> ``k_buffer[out_cache_loc]`` and likewise v.
+MLA: ``latent [T, 1, 512]`` and ``rope [T, 1, 64]`` -> columns [0:512) and [512:576) of
+``kv_buffer [num_slots, 1, 576]``. One kernel copies a [T, H, D] source into a column
+range of a [num_slots, H, C] pool; sources may be strided views (e.g. slices of a fused
+qkv projection) as long as the last dim is contiguous. Padding tokens carry
+``out_cache_loc = 0`` and write into the reserved slot 0, which nobody reads as data.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_rows_kernel(
+    src_ptr, dst_ptr, loc_ptr,
+    col_offset,
+    stride_st, stride_sh,
+    stride_ds, stride_dh,
+    HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < HEADS)[:, None] & (offs_d < DIM)[None, :]
+    slot = tl.load(loc_ptr + t).to(tl.int64)  # int64: slot * stride can pass 2^31
+    val = tl.load(src_ptr + t.to(tl.int64) * stride_st + offs_h[:, None] * stride_sh
+                  + offs_d[None, :], mask=mask)
+    tl.store(dst_ptr + slot * stride_ds + offs_h[:, None] * stride_dh + col_offset
+             + offs_d[None, :], val, mask=mask)
+
+
+def _store(name, src, dst, loc, col_offset):
+    if src.dim() != 3 or dst.dim() != 3:
+        raise ValueError(f"{name}: src {tuple(src.shape)} and buffer {tuple(dst.shape)} must be 3-D")
+    T, H, D = src.shape
+    if dst.shape[1] != H or col_offset + D > dst.shape[2]:
+        raise ValueError(f"{name}: src {tuple(src.shape)} does not fit buffer "
+                         f"{tuple(dst.shape)} at column {col_offset}")
+    if src.dtype != dst.dtype or src.device != dst.device:
+        raise ValueError(f"{name}: src is {src.dtype} on {src.device}, buffer is {dst.dtype} "
+                         f"on {dst.device}")
+    if src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError(f"{name}: src and buffer need a contiguous last dim")
+    if loc.shape != (T,) or loc.dtype not in (torch.int32, torch.int64) or loc.device != src.device:
+        raise ValueError(f"{name}: out_cache_loc {tuple(loc.shape)} {loc.dtype} on {loc.device}, "
+                         f"expected ({T},) int32/int64 on {src.device}")
+    if T == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
+    _store_rows_kernel[(T, triton.cdiv(H, block_h))](
+        src, dst, loc, col_offset,
+        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        HEADS=H, DIM=D, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+def store_kv(k, v, k_buffer, v_buffer, out_cache_loc):
+    """``k_buffer[out_cache_loc] = k`` and ``v_buffer[out_cache_loc] = v``.
+
+    k : [T, Hkv, D], v : [T, Hkv, Dv]; buffers [num_slots, Hkv, D/Dv] of the same dtype;
+    out_cache_loc : [T] int32/int64 slot ids.
+    """
+    _store("store_kv", k, k_buffer, out_cache_loc, 0)
+    _store("store_kv", v, v_buffer, out_cache_loc, 0)
+
+
+def store_mla_kv(latent, rope, kv_buffer, out_cache_loc):
+    """``kv_buffer[out_cache_loc] = cat(latent, rope, -1)`` without materialising the cat.
+
+    latent : [T, 1, 512], rope : [T, 1, 64], kv_buffer : [num_slots, 1, 576].
+    """
+    if latent.shape[-1] + rope.shape[-1] != kv_buffer.shape[-1]:
+        raise ValueError(f"store_mla_kv: latent {tuple(latent.shape)} + rope "
+                         f"{tuple(rope.shape)} != buffer width {kv_buffer.shape[-1]}")
+    _store("store_mla_kv", latent, kv_buffer, out_cache_loc, 0)
+    _store("store_mla_kv", rope, kv_buffer, out_cache_loc, latent.shape[-1])
