@@ -115,10 +115,15 @@ def inputs_from_batch(batch: ForwardBatch, req_to_token, page_size, num_slots, f
                         static=False, check_device_values=dev)
 
 
+def stream_capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def inputs_from_graph(inputs: GraphInputs, req_to_token, page_size, num_slots, fill,
                       capture: bool = False) -> LayoutInputs:
     # Capture may sync (it validates the capture batch, I13); replay never does.
-    dev = capture and not torch.cuda.is_current_stream_capturing()
+    dev = capture and not stream_capturing()
     return LayoutInputs(inputs.key.forward_mode, inputs.req_pool_indices, inputs.seq_lens,
                         inputs.seq_lens_cpu, inputs.raw_bs, inputs.spec_info, req_to_token, page_size,
                         num_slots, max(fill, inputs.key.width), static=True, check_device_values=dev)

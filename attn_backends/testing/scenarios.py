@@ -64,7 +64,7 @@ class Materialized:
 
 
 def make_memory(cfg: ModelConfig, *, num_pages: int, max_reqs: int, max_context_len: int,
-                page_order: str = "shuffled", seed: int = 0, device="cpu") -> KVMemory:
+                page_order: str = "shuffled", seed: int = 0, device="cpu", fill: bool = True) -> KVMemory:
     alloc_order = "shuffled" if page_order == "interleaved" else page_order
     mem = KVMemory(num_layers=cfg.num_layers, num_pages=num_pages, page_size=cfg.page_size,
                    max_reqs=max_reqs, max_context_len=max_context_len, is_mla=cfg.is_mla,
@@ -72,7 +72,8 @@ def make_memory(cfg: ModelConfig, *, num_pages: int, max_reqs: int, max_context_
                    kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=cfg.dtype,
                    device=device, page_order=alloc_order, seed=seed)
     mem.page_order = page_order
-    fill_pool_random(mem, seed)
+    if fill:  # metadata-only checks need no KV data
+        fill_pool_random(mem, seed)
     return mem
 
 

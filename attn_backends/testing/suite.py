@@ -1,0 +1,264 @@
+"""The layout-equivalence suite: invariants I1-I6 and I13-I15 of DESIGN.md, at metadata level,
+for any backend, in every mode it declares.
+
+One *case* = one backend instance, one GraphKey (mode, bucket, W), a capture batch C and a
+history A, B, A of different ragged batches with the same key. Before each replay the static
+buffers are poisoned; after it ``as_layout()`` is compared with the eager metadata of the
+same padded batch (a second backend instance), with the layout the runner wrote (stride W,
+positions, out_cache_loc) and with the scenario's own numbers. EXTEND, which is never
+captured, is checked eagerly (I1 against the runner, I3-I6, I14).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..batch import ForwardMode, GraphInputs
+from ..config import ModelConfig
+from ..registry import get_backend_class, unavailable_reason
+from .checks import check_layout, compare_layouts, poison, snapshot
+from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
+from .report import Failure, SuiteReport
+from .scenarios import (PAGE_ORDERS, Scenario, draft_decode_spec, draft_extend_spec, make_memory,
+                        materialize, verify_spec)
+
+MODES = ("decode", "extend", "verify_chain", "verify_tree", "draft_extend", "draft_decode")
+MAX_CTX = 256
+MAX_BS = 8
+
+
+def declared_modes(caps) -> list:
+    out = []
+    m = caps.modes
+    if ForwardMode.DECODE in m:
+        out.append("decode")
+        if caps.draft_decode:
+            out.append("draft_decode")
+    if ForwardMode.EXTEND in m:
+        out.append("extend")
+    if ForwardMode.TARGET_VERIFY in m:
+        out.append("verify_chain")
+        if caps.topk_gt1:
+            out.append("verify_tree")
+    if ForwardMode.DRAFT_EXTEND in m:
+        out.append("draft_extend")
+    return out
+
+
+@dataclass
+class CaseSpec:
+    """Everything one case needs; random_case draws it, hypothesis can build it too."""
+
+    mode: str
+    page_size: int
+    page_order: str
+    mla: bool
+    bs: int
+    n: int = 1                      # N (verify, draft extend)
+    topk: int = 1
+    steps: int = 1
+    draft_step: int = 1
+    batches: list = field(default_factory=list)   # [capture, A, B] of (prefixes, accept/extend)
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (f"mode={self.mode} page={self.page_size} layout={self.page_order} "
+                f"{'MLA' if self.mla else 'GQA'} bucket={self.bs} N={self.n} topk={self.topk} "
+                f"steps={self.steps} draft_step={self.draft_step} batches={self.batches}")
+
+
+def _width(c: CaseSpec) -> int:
+    return {"decode": 1, "draft_decode": c.topk}.get(c.mode, c.n)
+
+
+def _prefix(rng: random.Random, ps: int, lo: int, hi: int) -> int:
+    k = rng.randint(1, max(1, hi // max(ps, 1)))
+    pick = rng.choice([0, ps - 1, ps, ps + 1, k * ps - 1, k * ps + 1, rng.randint(0, hi)])
+    return min(max(pick, lo), hi)
+
+
+def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> CaseSpec:
+    ps = caps.page_sizes[rng.randrange(len(caps.page_sizes))]
+    c = CaseSpec(mode, ps, rng.choice(PAGE_ORDERS), mla, bs=rng.randint(2, MAX_BS), seed=seed)
+    if mode in ("verify_chain", "draft_extend"):
+        c.n = rng.randint(2, 8)
+        c.steps = c.n - 1
+    elif mode == "verify_tree":
+        c.topk = rng.choice([2, 4, 8])
+        c.steps = rng.randint(1, 5)
+        c.n = rng.randint(c.steps + 1, min(c.steps * c.topk + 1, 16))
+    elif mode == "draft_decode":
+        c.topk = rng.choice([1, 2, 4, 8] if caps.topk_gt1 else [1])
+        c.steps = rng.randint(1, 5)
+        c.draft_step = rng.randint(1, c.steps)
+    w = _width(c)
+    lo = w * (c.draft_step - 1) if mode == "draft_decode" else 0
+    raw_a = rng.randint(1, c.bs)
+    raws = [rng.randint(1, c.bs), raw_a, rng.randint(1, raw_a)]   # history biased to shrink
+    for raw in raws:
+        prefixes = [_prefix(rng, ps, lo, MAX_CTX - max(w, 8)) for _ in range(raw)]
+        if mode == "extend":
+            extra = [rng.randint(1, min(8, MAX_CTX - p)) for p in prefixes]
+        elif mode == "draft_extend":
+            kind = rng.random()
+            extra = ([1] * raw if kind < 0.2 else [c.n] * raw if kind < 0.4
+                     else [rng.randint(1, c.n) for _ in range(raw)])
+        else:
+            extra = None
+        c.batches.append((prefixes, extra))
+    return c
+
+
+def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scenario:
+    mode = {"decode": ForwardMode.DECODE, "draft_decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
+            "verify_chain": ForwardMode.TARGET_VERIFY, "verify_tree": ForwardMode.TARGET_VERIFY,
+            "draft_extend": ForwardMode.DRAFT_EXTEND}[c.mode]
+    spec = None
+    raw = len(prefixes)
+    bs = raw if c.mode == "extend" else c.bs
+    if c.mode in ("verify_chain", "verify_tree"):
+        spec = verify_spec(c.n, bs, rng, topk=c.topk, steps=c.steps, device=device)
+    elif c.mode == "draft_extend":
+        spec = draft_extend_spec(c.n, bs, raw, extra, device=device)
+    elif c.mode == "draft_decode":
+        spec = draft_decode_spec(c.topk, c.steps, c.draft_step)
+    return Scenario(mode, bs, list(prefixes), spec, extra if c.mode == "extend" else None, name=c.mode)
+
+
+def _config(c: CaseSpec) -> ModelConfig:
+    if c.mla:
+        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size)
+    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=c.page_size)
+
+
+def _guarded_inputs(gi: GraphInputs) -> GraphInputs:
+    spec = gi.spec_info
+    if spec is not None:
+        spec = type(spec)(**{**vars(spec), "accept_lens": guard(spec.accept_lens), "tree_mask": guard(spec.tree_mask)})
+    return GraphInputs(gi.key, guard(gi.req_pool_indices), guard(gi.seq_lens), gi.seq_lens_cpu, spec, gi.raw_bs)
+
+
+def _plain(d: dict) -> dict:
+    return {k: (v.as_subclass(torch.Tensor).clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+def run_case(cls, c: CaseSpec, report: SuiteReport, device="cpu", name: Optional[str] = None) -> None:
+    name = name or getattr(cls, "name", cls.__name__)
+    rng = random.Random(c.seed)
+    cfg = _config(c)
+    w = _width(c)
+    per_req = -(-MAX_CTX // c.page_size)
+    mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
+                      page_order=c.page_order, seed=c.seed, device=device, fill=False)
+    graph_be, eager_be = cls(cfg, mem), cls(cfg, mem)
+    fill = graph_be.get_cuda_graph_seq_len_fill_value()
+    mats = [materialize(_scenario(c, p, e, rng, device), mem, fill) for p, e in c.batches]
+    report.cases[(name, c.mode)] += 1
+    case = c.describe()
+
+    def judge(inv: str, msgs: list) -> bool:
+        for m in msgs:
+            report.fail(Failure(name, c.mode, inv, m, case, c.seed))
+        if not msgs:
+            report.record(name, c.mode, inv, True)
+        return not msgs
+
+    if c.mode == "extend":
+        layouts = []
+        for m in [mats[1], mats[2], mats[1]]:
+            eager_be.init_forward_metadata(m.batch)
+            lay = _plain(eager_be.forward_metadata.as_layout())
+            _judge_layout(judge, lay, None, m, mem, fill)
+            layouts.append(lay)
+        judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
+        return
+
+    graph_be.init_cuda_graph_state(MAX_BS, MAX_BS * max(w, 1))
+    cap = mats[0].batch.graph_inputs()
+    try:
+        graph_be.init_forward_metadata_capture_cuda_graph(cap)
+        ok13 = []
+    except Exception as e:  # noqa: BLE001 - any refusal of a valid capture batch is the finding
+        ok13 = [f"capture of a valid batch failed: {type(e).__name__}: {e}"]
+    if not judge("I13", ok13):
+        return
+    try:  # I15 under (simulated) capture: prepare again with guarded device inputs
+        with no_host_sync(mem, simulate_capture=True):
+            graph_be.init_forward_metadata_capture_cuda_graph(_guarded_inputs(cap))
+        judge("I15", [])
+    except HostSyncError as e:
+        judge("I15", [f"capture: {e}"])
+    bufs0 = snapshot(graph_be.graph_buffers())
+    lay_ptrs = {k: v.data_ptr() for k, v in graph_be.forward_metadata.as_layout().items()
+                if isinstance(v, torch.Tensor)}
+    _spacer = torch.empty(4096, dtype=torch.int32, device=device)  # noqa: F841 - an allocation between capture and replay
+    layouts = []
+    for m in [mats[1], mats[2], mats[1]]:
+        poison(graph_be.graph_buffers())
+        try:
+            with no_host_sync(mem):
+                graph_be.init_forward_metadata_replay_cuda_graph(_guarded_inputs(m.batch.graph_inputs()))
+            judge("I15", [])
+        except HostSyncError as e:
+            judge("I15", [f"replay: {e}"])
+            graph_be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
+        rep = _plain(graph_be.forward_metadata.as_layout())
+        moved = [f"layout field {k} moved: data_ptr {lay_ptrs.get(k)} at capture, {v.data_ptr()} at replay"
+                 for k, v in graph_be.forward_metadata.as_layout().items()
+                 if isinstance(v, torch.Tensor) and lay_ptrs.get(k) != v.data_ptr()]
+        judge("I2", moved + [f"graph buffer {k}: {a} at capture, {b} now" for k, a, b in
+                             _snapshot_diff(bufs0, snapshot(graph_be.graph_buffers()))])
+        eager_be.init_forward_metadata(m.batch)
+        eager = _plain(eager_be.forward_metadata.as_layout())
+        _judge_layout(judge, rep, eager, m, mem, fill)
+        layouts.append(rep)
+    judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
+
+
+def _snapshot_diff(a: dict, b: dict):
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            yield k, a.get(k), b.get(k)
+
+
+def _judge_layout(judge, lay: dict, eager: Optional[dict], m, mem, fill) -> None:
+    res = check_layout(lay, m, mem, fill)
+    i1 = res.pop("I1")
+    if eager is not None:
+        i1 = compare_layouts(lay, eager, exact=False) + i1
+    judge("I1", i1)
+    for inv in ("I3", "I4", "I5", "I6"):
+        judge(inv, res[inv])
+
+
+def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int = 0,
+              modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
+              report: Optional[SuiteReport] = None) -> SuiteReport:
+    """Run ``cases`` random cases per declared mode of ``backend`` (a name, ``module:Class``,
+    or a class). The failures carry the seed that replays each case alone."""
+    cls = backend if isinstance(backend, type) else get_backend_class(backend)
+    name = backend if isinstance(backend, str) else getattr(cls, "name", cls.__name__)
+    reason = unavailable_reason(cls, device)
+    if reason:
+        raise ValueError(f"backend {name!r} is not available on {device}: {reason}")
+    caps = cls.capabilities
+    report = report or SuiteReport()
+    todo = [m for m in declared_modes(caps) if modes is None or m in modes]
+    total, done = len(todo) * cases, 0
+    kinds = [k for k, ok in (("mha", caps.mha), ("mla", caps.mla)) if ok]
+    for mi, mode in enumerate(todo):
+        for i in range(cases):
+            case_seed = seed + 1_000_003 * mi + i if cases > 1 else seed
+            rng = random.Random(case_seed)
+            c = random_case(rng, mode, caps, kinds[case_seed % len(kinds)] == "mla", case_seed)
+            run_case(cls, c, report, device, name)
+            done += 1
+            if progress:
+                progress(done, total)
+    return report
+
+
+__all__ = ["CaseSpec", "GuardedTensor", "declared_modes", "random_case", "run_case", "run_suite", "MODES"]
