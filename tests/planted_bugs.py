@@ -1,0 +1,107 @@
+"""Copies of the reference backend, each with one known bug of BUGS.md planted.
+
+The suite must report every one of them (tests/test_planted_bugs.py)."""
+from __future__ import annotations
+
+import torch
+
+from attn_backends import ForwardMode
+from attn_backends.backends.torch_native import TorchNativeBackend
+from attn_backends.base import ForwardMetadata
+from attn_backends.layout import build_layout, inputs_from_graph
+
+
+class PackedReplay(TorchNativeBackend):
+    """A1 (sgl #19807): replay builds cu_seqlens_q = cumsum(accept_lens), the runner strides N."""
+
+    name = "bug_packed_replay"
+
+    def _prepare_graph(self, inputs, capture):
+        super()._prepare_graph(inputs, capture)
+        spec = inputs.spec_info
+        if not capture and inputs.key.forward_mode == ForwardMode.DRAFT_EXTEND:
+            lay = self.forward_metadata.layout
+            torch.cumsum(spec.accept_lens.to(torch.int32), 0, out=lay.cu_seqlens_q[1:])
+
+
+class StepsStride(TorchNativeBackend):
+    """A2 (sgl #27545): stride num_steps + 1 instead of N while topk > 1, in eager and replay alike."""
+
+    name = "bug_steps_stride"
+
+    def _wrong_stride(self, spec):
+        lay = self.forward_metadata.layout
+        if spec is not None and spec.topk > 1 and lay.mode == ForwardMode.TARGET_VERIFY:
+            stride = spec.num_steps + 1
+            lay.cu_seqlens_q.copy_(torch.arange(lay.bs + 1, dtype=torch.int32,
+                                                device=lay.cu_seqlens_q.device) * stride)
+            lay.max_seq_len_q = stride
+
+    def init_forward_metadata(self, batch):
+        super().init_forward_metadata(batch)
+        self._wrong_stride(batch.spec_info)
+
+    def _prepare_graph(self, inputs, capture):
+        super()._prepare_graph(inputs, capture)
+        self._wrong_stride(inputs.spec_info)
+
+
+class NoPlusW(TorchNativeBackend):
+    """A3 (sgl KNOWN_FAILURES C.3): replay sets the KV extent to the prefix, without + W."""
+
+    name = "bug_no_plus_w"
+
+    def _prepare_graph(self, inputs, capture):
+        super()._prepare_graph(inputs, capture)
+        if not capture:
+            lay = self.forward_metadata.layout
+            lay.seq_lens_k.sub_(lay.width)
+
+
+class StalePadRows(TorchNativeBackend):
+    """B1 (sgl #10892, #28569): replay refreshes rows [:raw_bs] only; pad rows keep old values."""
+
+    name = "bug_stale_pad_rows"
+
+    def _prepare_graph(self, inputs, capture):
+        bufs = self._bufs
+        raw, bs = inputs.raw_bs, inputs.key.bs
+        saved = {n: getattr(bufs, n)[raw:bs].clone() for n in ("seq_lens_k", "page_table", "prefix_lens")}
+        super()._prepare_graph(inputs, capture)
+        if not capture:
+            for n, old in saved.items():
+                getattr(bufs, n)[raw:bs] = old
+
+
+class ReallocOnReplay(TorchNativeBackend):
+    """A4 (rtp-llm #1259, sgl #37975): replay builds fresh tensors instead of writing in place."""
+
+    name = "bug_realloc_on_replay"
+
+    def _prepare_graph(self, inputs, capture):
+        if capture:
+            return super()._prepare_graph(inputs, capture)
+        inp = inputs_from_graph(inputs, self.memory.req_to_token, self.memory.page_size,
+                                self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value())
+        self.forward_metadata = ForwardMetadata(build_layout(inp))
+
+
+class HostItemInReplay(TorchNativeBackend):
+    """C1 (transformers #45323, sgl #29413): a host .item() on a device tensor in replay prep."""
+
+    name = "bug_host_item"
+
+    def _prepare_graph(self, inputs, capture):
+        self._max_len_hint = int(inputs.seq_lens.max().item())
+        super()._prepare_graph(inputs, capture)
+
+
+PLANTED = {
+    # bug class: (modes that exercise it, invariants that must report it)
+    PackedReplay: (["draft_extend"], {"I1"}),
+    StepsStride: (["verify_tree"], {"I1"}),
+    NoPlusW: (["decode", "verify_chain", "draft_extend"], {"I1", "I5"}),
+    StalePadRows: (["decode", "verify_chain"], {"I3"}),
+    ReallocOnReplay: (["decode", "verify_tree"], {"I2"}),
+    HostItemInReplay: (["decode"], {"I15"}),
+}
