@@ -70,3 +70,25 @@ def test_build_page_indices_rejects_int64_page_table():
         build_page_indices(table, torch.zeros(1, dtype=torch.int64),
                            torch.ones(1, dtype=torch.int32), 1,
                            torch.zeros(1, 8, dtype=torch.int64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_build_page_indices_gpu(page_size):
+    seq_lens = [1, 4096, 700, 32768, 64]
+    rows = [9, 2, 4, 1, 7]
+    max_context = 32768 + 64
+    table = make_req_to_token(seq_lens, rows, page_size, max_context)
+    bs, max_pages = len(rows), max_context // page_size
+    capacity = bs * max_pages
+    page_table = torch.full((bs, max_pages), POISON, dtype=torch.int32, device="cuda")
+    indptr = torch.full((bs + 1,), POISON, dtype=torch.int32, device="cuda")
+    indices = torch.full((capacity,), POISON, dtype=torch.int32, device="cuda")
+    build_page_indices(table.cuda(), torch.tensor(rows, device="cuda"),
+                       torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                       page_size, page_table, indptr, indices)
+    pt_ref, indptr_ref, idx_ref = ref_indices(table, rows, seq_lens, page_size, max_pages,
+                                              capacity)
+    assert torch.equal(page_table.cpu(), pt_ref)
+    assert torch.equal(indptr.cpu(), indptr_ref)
+    assert torch.equal(indices.cpu(), idx_ref)

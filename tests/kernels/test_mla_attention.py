@@ -62,6 +62,8 @@ def test_mla_verify_cpu(mask, page_size, W, splits):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mask,W", [(CAUSAL, 1), (CAUSAL, 4), (TREE, 8)])
 def test_mla_gpu(dtype, H, page_size, mask, W):
+    if dtype == torch.float16 and page_size != 64:
+        pytest.skip("fp16 runs at page size 64 only (compile budget)")
     seq_lens = [W, 33, 1000, 4096, 32768]
     out, ref = run_mla(seq_lens, W, page_size, H, dtype, "cuda", mask=mask, splits=8,
                        pad_rows=2)

@@ -1,0 +1,51 @@
+"""Print the benchmark table and the target checks from BENCH_RESULTS JSON lines."""
+
+import json
+import sys
+
+# H100 reference points from the project brief (FlashInfer, same shapes).
+FLASHINFER_H100_US = {"gqa_decode": 374.0, "mla_decode": 123.0}
+
+
+def main(path):
+    rows = [json.loads(line) for line in open(path)]
+    copy = next((r for r in rows if r["kernel"] == "device_copy"), None)
+    if copy:
+        print(f"device: {copy['device']}   device copy: {copy['gbs']:.0f} GB/s")
+    print(f"{'kernel':14s} {'impl':11s} {'us':>9s} {'GB/s':>8s} {'%copy':>7s}  config")
+    us = {}
+    for r in rows:
+        if r["kernel"] == "device_copy":
+            continue
+        if "error" in r:
+            print(f"{r['kernel']:14s} {r['impl']:11s} error: {r['error']}")
+            continue
+        us[(r["kernel"], r["impl"])] = r["us"]
+        print(f"{r['kernel']:14s} {r['impl']:11s} {r['us']:9.1f} {r['gbs']:8.0f} "
+              f"{r['frac_copy']:7.1%}  {r.get('cfg') or ''}")
+    t = lambda k: us.get((k, "triton"))
+    fi = lambda k: us.get((k, "flashinfer"), FLASHINFER_H100_US.get(k))
+    checks = []
+    if t("gqa_decode") and copy:
+        frac = next(r["frac_copy"] for r in rows if r["kernel"] == "gqa_decode"
+                    and r.get("impl") == "triton")
+        checks.append(("GQA decode >= 90% of copy bandwidth", f"{frac:.1%}", frac >= 0.9))
+    for k, lim in [("gqa_verify4", 1.3), ("gqa_verify8", None)]:
+        if t(k) and t("gqa_decode"):
+            ratio = t(k) / t("gqa_decode")
+            checks.append((f"{k} / gqa_decode" + (f" <= {lim}" if lim else ""),
+                           f"{ratio:.2f}x", ratio <= lim if lim else None))
+    if t("mla_decode") and fi("mla_decode"):
+        ratio = t("mla_decode") / fi("mla_decode")
+        checks.append(("MLA decode <= FlashInfer fa3 / 0.9", f"{ratio:.2f}x", ratio <= 1 / 0.9))
+    if t("mla_verify4") and t("mla_decode"):
+        ratio = t("mla_verify4") / t("mla_decode")
+        checks.append(("MLA verify4 / MLA decode <= 1.2", f"{ratio:.2f}x", ratio <= 1.2))
+    print()
+    for what, got, ok in checks:
+        mark = "" if ok is None else ("PASS" if ok else "MISS")
+        print(f"{what:42s} {got:>8s}  {mark}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
