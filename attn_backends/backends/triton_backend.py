@@ -1,0 +1,60 @@
+"""``triton``: MHA/GQA over the paged cache with the kernels of ``kernels/``.
+
+DECODE runs the split-KV decode kernel; EXTEND, TARGET_VERIFY (chain and tree),
+DRAFT_EXTEND and draft decode (topk branch rows) run the extend kernel with the mask the
+layout names. Every host value a launch takes (W, split count, grid) comes from the
+layout's host ints, which in graph mode come from the GraphKey alone.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kernels.decode_attention import decode_attention_fwd
+from kernels.extend_attention import extend_attention_fwd
+from kernels.kv_store import store_kv
+
+from ..base import Capabilities, ForwardMetadata, GraphSupport
+from ..batch import ForwardMode
+from ..config import AttentionLayer
+from ..layout import Layout, MaskKind
+from .triton_common import TritonBackendBase
+
+ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                       ForwardMode.DRAFT_EXTEND})
+
+
+def is_plain_decode(lay: Layout) -> bool:
+    return lay.mode == ForwardMode.DECODE and lay.width == 1
+
+
+class TritonBackend(TritonBackendBase):
+    name: ClassVar[str] = "triton"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        modes=ALL_MODES, mha=True, mla=False, page_sizes=(1, 16, 64), topk_gt1=True,
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
+
+    def _programs(self, bs: int, width: int) -> int:
+        return bs * self.config.num_kv_heads
+
+    def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
+        pool = self.memory.pool
+        store_kv(k, v, pool.k[layer.layer_id], pool.v[layer.layer_id], loc)
+
+    def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
+        lay = meta.layout
+        pool = self.memory.pool
+        kb, vb = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        out = torch.empty(q.shape[0], q.shape[1], vb.shape[2], dtype=q.dtype, device=q.device)
+        splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
+        if is_plain_decode(lay):
+            return decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
+                                        layer.scaling, splits, out, workspace=ws)
+        return extend_attention_fwd(
+            q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
+            lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
+            draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws)
+
+
+__all__ = ["TritonBackend", "MaskKind"]

@@ -1,0 +1,80 @@
+"""What the ``triton`` and ``triton_mla`` backends share: device facts, the split-KV count
+(a host int that depends on the GraphKey alone) and the split-KV workspace."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ..base import ForwardMetadata, LayoutBackend
+from ..batch import GraphInputs, GraphKey
+from ..layout import Layout
+
+MAX_KV_SPLITS = 32
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int) -> int:
+    """Splits so that ``programs * splits`` fills the GPU about twice over (never more
+    splits than pages). Depends only on host facts fixed by the GraphKey."""
+    if device.type != "cuda":
+        return 2  # the interpreter: exercise the merge pass at small cost
+    target = 2 * sm_count(device.index or 0)
+    splits = -(-target // max(programs, 1))
+    return int(max(1, min(MAX_KV_SPLITS, splits, max_pages)))
+
+
+class TritonBackendBase(LayoutBackend):
+    """Split counts and workspaces: eager and graph paths pick them from (bs, W) alone, so
+    replay and eager launch identical kernels on the same padded batch (bitwise equal)."""
+
+    @classmethod
+    def extra_unavailable_reason(cls, device: str) -> Optional[str]:
+        if device == "cpu" and not interpreting():
+            return "Triton kernels need CUDA, or TRITON_INTERPRET=1 to run on the CPU (slow)"
+        return None
+
+    def _programs(self, bs: int, width: int) -> int:
+        raise NotImplementedError
+
+    def _out_dim(self) -> int:
+        return self.config.out_dim
+
+    def _splits(self, lay: Layout) -> int:
+        width = lay.width or max(1, lay.max_seq_len_q)
+        max_pages = -(-self.memory.max_context_len // self.memory.page_size)
+        return choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages)
+
+    def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
+        splits = self._splits(layout)
+        ws = None
+        if key is not None and splits > 1:
+            rows = key.bs * key.width
+            h, dv = self.config.num_q_heads, self._out_dim()
+            dev = self.memory.device
+            ws = (torch.empty(rows, h, splits, dv, dtype=torch.float32, device=dev),
+                  torch.empty(rows, h, splits, dtype=torch.float32, device=dev))
+        return {"num_kv_splits": splits, "workspace": ws}
+
+    def _extra_graph_buffers(self) -> dict:
+        out = {}
+        for key, meta in self._graph_meta.items():
+            ws = meta.extra.get("workspace")
+            if ws is not None:
+                tag = f"{key.forward_mode.name}_{key.bs}x{key.width}"
+                out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = ws
+        return out
+
+    def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
+        # I4: the split count is re-derived on every replay from the key alone.
+        meta.extra["num_kv_splits"] = self._splits(meta.layout)
