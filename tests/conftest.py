@@ -1,0 +1,26 @@
+"""Test setup shared by every test directory.
+
+Without CUDA, Triton kernels run in the interpreter: ``@triton.jit`` reads
+``TRITON_INTERPRET`` when a kernel module is imported, so the variable is set here, at the
+top of the root conftest, before any test module (or ``kernels.*``) imports triton.
+GPU tests carry ``@pytest.mark.cuda`` (the marker is declared in pyproject.toml) and are
+skipped, with the reason, on a machine without CUDA.
+"""
+import os
+
+import torch  # does not import triton
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

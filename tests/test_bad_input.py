@@ -1,0 +1,432 @@
+"""Bad input gets a clear error, naming the value and the limit, before any kernel runs.
+
+Every batch is built with the scenario helpers on a real KV memory and run through the
+``torch_native`` backend; each test asserts the message. "Before any kernel runs" is
+checked by making the attention itself explode (``no_kernel``) and by checking that the
+KV pool was not written.
+"""
+import random
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attn_backends import (Capabilities, ForwardMode, GraphKey, KVCacheFullError, LayoutError,
+                           ModelConfig, SpecInfo, get_backend)
+from attn_backends.backends.torch_native import TorchNativeBackend
+from attn_backends.layout import LayoutBuffers, build_layout, inputs_from_batch
+from attn_backends.testing.scenarios import (Scenario, draft_decode_spec, draft_extend_spec,
+                                             make_memory, materialize, verify_spec)
+
+MHA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16)
+MLA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=1, is_mla=True, kv_lora_rank=32,
+                  qk_rope_head_dim=8)
+
+
+@pytest.fixture
+def rng():
+    return random.Random(0)
+
+
+def setup(cfg=MHA, *, num_pages=64, max_reqs=8, max_context_len=128):
+    mem = make_memory(cfg, num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len)
+    return mem, get_backend("torch_native", cfg, mem)
+
+
+def batch_of(backend, mem, scn):
+    return materialize(scn, mem, backend.get_cuda_graph_seq_len_fill_value()).batch
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Any attention launch fails the test: the error must come first."""
+    def boom(*a, **k):
+        raise AssertionError("an attention kernel ran on a bad batch")
+    monkeypatch.setattr(TorchNativeBackend, "_run", boom)
+
+
+def qkv(cfg, rows):
+    q = torch.randn(rows, cfg.num_q_heads, cfg.qk_dim)
+    k = torch.randn(rows, cfg.num_kv_heads, cfg.qk_dim)
+    v = torch.randn(rows, cfg.num_kv_heads, cfg.out_dim)
+    return q, k, v
+
+
+# --------------------------------------------------------------------------- bs and graph buffers
+
+def test_bs_over_the_graph_buffers():
+    bufs = LayoutBuffers(max_bs=4, max_width=4, max_context_len=128, page_size=1, device="cpu")
+    with pytest.raises(LayoutError, match=r"bs=5 exceeds the graph buffers' max_bs=4"):
+        bufs.check_capacity(5, 1)
+    with pytest.raises(LayoutError, match=r"width W=5 exceeds the graph buffers' max width 4"):
+        bufs.check_capacity(4, 5)
+
+
+def test_capture_of_a_bucket_over_max_bs():
+    mem, be = setup()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=8, prefix_lens=[5, 6]))
+    with pytest.raises(LayoutError, match=r"bs=8 exceeds the graph buffers' max_bs=4"):
+        be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
+
+
+def test_capture_before_graph_state():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    with pytest.raises(LayoutError, match=r"init_cuda_graph_state\(\) must run before capture"):
+        be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
+
+
+def test_replay_of_a_key_never_captured():
+    mem, be = setup()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+    small = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    be.init_forward_metadata_capture_cuda_graph(small.graph_inputs())
+    big = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=4, prefix_lens=[5, 6, 7]))
+    with pytest.raises(LayoutError, match=r"no graph captured for .*bs=4.*; captured: .*bs=2"):
+        be.init_forward_metadata_replay_cuda_graph(big.graph_inputs())
+
+
+def test_raw_bs_over_bs():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.raw_bs = 3
+    with pytest.raises(LayoutError, match=r"raw_bs=3 outside 1\.\.bs=2"):
+        be.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match=r"raw_bs=3 exceeds the bucket bs=2"):
+        batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6, 7]))
+
+
+# --------------------------------------------------------------------------- width
+
+def test_q_rows_not_bs_times_w(rng, no_kernel):
+    mem, be = setup()
+    spec = verify_spec(4, 2, rng)
+    batch = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec))
+    be.init_forward_metadata(batch)
+    before = mem.pool.k[0].clone()
+    q, k, v = qkv(MHA, 7)
+    with pytest.raises(ValueError, match=r"q has 7 rows, the layout expects bs\*W = 2\*4 = 8"):
+        be.forward(q, k, v, MHA.layer(0), batch)
+    assert torch.equal(mem.pool.k[0], before)                  # nothing stored either
+
+
+def test_q_heads_or_dim_wrong(no_kernel):
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    be.init_forward_metadata(batch)
+    _, k, v = qkv(MHA, 2)
+    with pytest.raises(ValueError, match=r"q has shape \(2, 3, 16\), expected \[T, 4, 16\]"):
+        be.forward(torch.randn(2, 3, 16), k, v, MHA.layer(0), batch)
+
+
+def test_k_rows_and_out_cache_loc_disagree_with_q(no_kernel):
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    be.init_forward_metadata(batch)
+    q, k, v = qkv(MHA, 2)
+    with pytest.raises(ValueError, match=r"save_kv_cache needs k and out_cache_loc with 2 rows, got \(1, 2, 16\)"):
+        be.forward(q, k[:1], v[:1], MHA.layer(0), batch)
+
+
+def test_graph_key_width_differs_from_the_spec(rng):
+    mem, be = setup()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=32)
+    spec = verify_spec(4, 2, rng)
+    gi = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec)).graph_inputs()
+    gi.key = GraphKey(ForwardMode.TARGET_VERIFY, bs=2, width=3)
+    with pytest.raises(LayoutError, match=r"bound for \(bs=2, W=3, causal\) but the batch is \(bs=2, W=4, causal\)"):
+        be.init_forward_metadata_capture_cuda_graph(gi)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="EXTEND forward does not check q rows against the batch's tokens when "
+                          "save_kv_cache=False (see report: base.LayoutBackend.forward)")
+def test_extend_q_rows_not_the_batch_tokens(no_kernel):
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.EXTEND, bs=2, prefix_lens=[5, 6], extend_lens=[3, 4]))
+    be.init_forward_metadata(batch)
+    q, k, v = qkv(MHA, 8)                                      # the batch has 7 new tokens
+    with pytest.raises(ValueError, match=r"q has 8 rows.* 7"):
+        be.forward(q, k, v, MHA.layer(0), batch, save_kv_cache=False)
+
+
+# --------------------------------------------------------------------------- extents and ranges
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "draft_extend", "draft_decode"])
+def test_seq_len_shorter_than_w(mode, rng):
+    mem, be = setup()
+    spec, m, w = {
+        "decode": (None, ForwardMode.DECODE, 1),
+        "verify": (verify_spec(4, 2, rng), ForwardMode.TARGET_VERIFY, 4),
+        "draft_extend": (draft_extend_spec(4, 2, 2, [1, 4]), ForwardMode.DRAFT_EXTEND, 4),
+        "draft_decode": (draft_decode_spec(topk=2, steps=3, step=1), ForwardMode.DECODE, 2),
+    }[mode]
+    batch = batch_of(be, mem, Scenario(m, bs=2, prefix_lens=[5, 6], spec=spec))
+    short = w - 1
+    batch.seq_lens_cpu[1] = short
+    batch.seq_lens[1] = short
+    with pytest.raises(LayoutError, match=rf"request 1: seq_len={short} < {w} query tokens \(W={w}"):
+        be.init_forward_metadata(batch)
+
+
+def test_draft_decode_seq_len_shorter_than_its_branches():
+    mem, be = setup()
+    spec = draft_decode_spec(topk=2, steps=3, step=3)         # 3 steps of 2 branches: 6 tokens
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6], spec=spec))
+    batch.seq_lens_cpu[0] = batch.seq_lens[0] = 5
+    with pytest.raises(LayoutError, match=r"request 0: seq_len=5 < 6 query tokens \(W=2, draft_step=3\)"):
+        be.init_forward_metadata(batch)
+
+
+def test_seq_lens_and_host_copy_disagree():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.seq_lens = batch.seq_lens.clone()
+    batch.seq_lens[0] += 1
+    with pytest.raises(LayoutError, match=r"seq_lens and seq_lens_cpu disagree"):
+        be.init_forward_metadata(batch)
+
+
+def test_req_pool_index_beyond_the_table():
+    mem, be = setup(max_reqs=8)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.req_pool_indices[0] = 99
+    with pytest.raises(LayoutError, match=r"req_pool_indices \[99, \d+\] outside 0\.\.8"):
+        be.init_forward_metadata(batch)
+
+
+def test_req_pool_index_beyond_the_table_at_capture():
+    mem, be = setup(max_reqs=8)
+    be.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.req_pool_indices[1] = -1
+    with pytest.raises(LayoutError, match=r"req_pool_indices \[\d+, -1\] outside 0\.\.8"):
+        be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
+
+
+def test_req_to_token_slot_beyond_the_pool():
+    mem, be = setup(num_pages=64)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    row = int(batch.req_pool_indices[0])
+    mem.req_to_token[row, 2] = 10_000
+    with pytest.raises(LayoutError, match=r"req_to_token holds slots outside the pool 0\.\.63"):
+        be.init_forward_metadata(batch)
+
+
+@pytest.mark.parametrize("cfg", [MHA, MLA], ids=["mha", "mla"])
+def test_seq_len_over_max_context_len(cfg):
+    mem, be = setup(cfg, max_context_len=128)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.seq_lens_cpu[1] = batch.seq_lens[1] = 129
+    with pytest.raises(LayoutError, match=r"seq_len=129 exceeds max_context_len=128"):
+        be.init_forward_metadata(batch)
+
+
+# --------------------------------------------------------------------------- KV memory
+
+def test_kv_memory_exhausted_overwrites_nothing():
+    cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+    mem = make_memory(cfg, num_pages=4, max_reqs=4, max_context_len=128)   # 3 usable pages
+    a = mem.new_request()
+    mem.extend(a, 40)                                           # 3 pages
+    b = mem.new_request()
+    table, free = mem.req_to_token.clone(), mem.pages.num_free
+    with pytest.raises(KVCacheFullError, match=r"need 1 pages, only 0 of 3 free"):
+        mem.extend(b, 1)
+    with pytest.raises(KVCacheFullError, match=r"need 1 pages, only 0 of 3 free"):
+        mem.extend(a, 9)                                        # 40 + 9 crosses into a 4th page
+    assert torch.equal(mem.req_to_token, table)
+    assert mem.pages.num_free == free and mem.seq_len(a) == 40 and mem.seq_len(b) == 0
+    mem.extend(a, 8)                                            # the last page still has room
+
+
+def test_kv_request_over_max_context_len_overwrites_nothing():
+    mem, _ = setup(num_pages=200, max_context_len=128)
+    row = mem.new_request()
+    mem.extend(row, 100)
+    table = mem.req_to_token.clone()
+    with pytest.raises(KVCacheFullError, match=rf"request row {row}: 129 tokens exceed max_context_len=128"):
+        mem.extend(row, 29)
+    assert torch.equal(mem.req_to_token, table) and mem.seq_len(row) == 100
+
+
+def test_request_rows_exhausted():
+    mem, _ = setup(max_reqs=2)
+    mem.new_request(), mem.new_request()
+    with pytest.raises(KVCacheFullError, match=r"no free request row: all 2 rows are in use"):
+        mem.new_request()
+
+
+# --------------------------------------------------------------------------- spec inputs
+
+def test_accept_lens_outside_1_to_n(no_kernel):
+    mem, be = setup()
+    for bad in ([0, 2], [2, 5]):
+        spec = draft_extend_spec(4, 2, 2, bad)
+        batch = batch_of(be, mem, Scenario(ForwardMode.DRAFT_EXTEND, bs=2, prefix_lens=[5, 6], spec=spec))
+        with pytest.raises(LayoutError, match=re.escape(f"accept_lens {bad} outside 1..N=4")):
+            be.init_forward_metadata(batch)
+
+
+def test_tree_mask_of_wrong_shape(rng):
+    mem, be = setup()
+    spec = verify_spec(4, 2, rng, topk=2)
+    spec.tree_mask = spec.tree_mask[:, :3, :3]
+    batch = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec))
+    with pytest.raises(LayoutError, match=r"tree verify needs tree_mask \[bs, 4, 4\], got \(2, 3, 3\)"):
+        be.init_forward_metadata(batch)
+    spec.tree_mask = None
+    with pytest.raises(LayoutError, match=r"tree verify needs tree_mask \[bs, 4, 4\], got None"):
+        be.init_forward_metadata(batch)
+
+
+def test_tree_mask_without_its_diagonal(rng):
+    mem, be = setup()
+    spec = verify_spec(4, 2, rng, topk=2)
+    spec.tree_mask[1, 2, 2] = False
+    batch = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec))
+    with pytest.raises(LayoutError, match=r"tree_mask diagonal must be True"):
+        be.init_forward_metadata(batch)
+
+
+def test_spec_stride_beyond_what_the_draft_can_make():
+    with pytest.raises(ValueError, match=r"num_draft_tokens=5 exceeds num_steps\+1=4"):
+        SpecInfo(num_draft_tokens=5, topk=1, num_steps=3)
+    with pytest.raises(ValueError, match=r"num_draft_tokens=8 exceeds num_steps\*topk\+1=7"):
+        SpecInfo(num_draft_tokens=8, topk=2, num_steps=3)
+
+
+def test_verify_without_spec_info():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    with pytest.raises(ValueError, match=r"TARGET_VERIFY needs a SpecInfo \(num_draft_tokens\), got None"):
+        be.init_forward_metadata(batch)
+
+
+# --------------------------------------------------------------------------- modes
+
+def test_extend_without_extend_seq_lens():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.EXTEND, bs=2, prefix_lens=[5, 6], extend_lens=[3, 4]))
+    batch.extend_seq_lens = batch.extend_seq_lens_cpu = None
+    with pytest.raises(LayoutError, match=r"EXTEND needs extend_seq_lens and extend_seq_lens_cpu"):
+        be.init_forward_metadata(batch)
+
+
+def test_extend_len_longer_than_the_sequence():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.EXTEND, bs=2, prefix_lens=[5, 6], extend_lens=[3, 4]))
+    batch.extend_seq_lens_cpu[1] = batch.extend_seq_lens[1] = 11
+    with pytest.raises(LayoutError, match=r"request 1: extend_seq_len=11 outside 1\.\.seq_len=10"):
+        be.init_forward_metadata(batch)
+
+
+def test_idle_mode():
+    mem, be = setup()
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
+    batch.forward_mode = ForwardMode.IDLE
+    with pytest.raises(LayoutError, match=r"does not run mode IDLE"):
+        be.init_forward_metadata(batch)
+    with pytest.raises(ValueError, match=r"forward_mode=IDLE has no uniform query width"):
+        build_layout(inputs_from_batch(batch, mem.req_to_token, 1, mem.num_slots, 1))
+    with pytest.raises(ValueError, match=r"forward_mode=IDLE cannot be graph-captured"):
+        GraphKey(ForwardMode.IDLE, bs=2, width=1)
+
+
+def test_extend_cannot_be_captured():
+    with pytest.raises(ValueError, match=r"forward_mode=EXTEND cannot be graph-captured as a uniform batch"):
+        GraphKey(ForwardMode.EXTEND, bs=2, width=1)
+
+
+class DecodeOnly(TorchNativeBackend):
+    name = "decode_only"
+    capabilities = Capabilities(modes=frozenset({ForwardMode.DECODE}), mla=True, topk_gt1=False,
+                                draft_decode=False)
+
+
+def test_mode_not_supported_by_the_backend(rng):
+    mem, _ = setup()
+    be = DecodeOnly(MHA, mem)
+    spec = verify_spec(4, 2, rng)
+    batch = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec))
+    with pytest.raises(LayoutError, match=r"backend decode_only does not run mode TARGET_VERIFY; it runs \['DECODE'\]"):
+        be.init_forward_metadata(batch)
+    be.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+    with pytest.raises(LayoutError, match=r"backend decode_only does not run mode TARGET_VERIFY"):
+        be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
+
+
+def test_topk_and_draft_decode_not_supported_by_the_backend():
+    mem, _ = setup()
+    be = DecodeOnly(MHA, mem)
+    spec = draft_decode_spec(topk=2, steps=3, step=1)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6], spec=spec))
+    with pytest.raises(LayoutError, match=r"backend decode_only does not support topk=2 > 1"):
+        be.init_forward_metadata(batch)
+    spec1 = draft_decode_spec(topk=1, steps=3, step=1)
+    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6], spec=spec1))
+    with pytest.raises(LayoutError, match=r"backend decode_only does not support draft decode"):
+        be.init_forward_metadata(batch)
+
+
+def test_select_refuses_a_mode_with_the_reason():
+    from attn_backends.registry import select
+    with pytest.raises(ValueError, match=r"no backend can serve this model in IDLE on cpu"):
+        select(MHA, mode=ForwardMode.IDLE, device="cpu")
+
+
+# --------------------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("page_size", [2, 8, 32, 128])
+def test_page_size_not_supported(page_size):
+    with pytest.raises(ValueError, match=rf"page_size={page_size} is not one of \(1, 16, 64\)"):
+        make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=page_size),
+                    num_pages=4, max_reqs=1, max_context_len=256)
+    cfg = ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=page_size)
+    mem = make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8),
+                      num_pages=4, max_reqs=1, max_context_len=256)
+    with pytest.raises(ValueError, match=rf"cannot serve this model on cpu: page_size={page_size} not in \(1, 16, 64\)"):
+        get_backend("torch_native", cfg, mem)
+
+
+def test_config_and_memory_page_sizes_differ():
+    cfg16 = ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=16)
+    mem1 = make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8),
+                       num_pages=4, max_reqs=1, max_context_len=64)
+    with pytest.raises(ValueError, match=r"config page_size=16 != memory page_size=1"):
+        get_backend("torch_native", cfg16, mem1)
+
+
+def test_max_context_len_not_a_page_multiple():
+    with pytest.raises(ValueError, match=r"max_context_len=100 is not a multiple of page_size=16"):
+        make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=16),
+                    num_pages=4, max_reqs=1, max_context_len=100)
+
+
+def test_mla_with_more_than_one_kv_head():
+    with pytest.raises(ValueError, match=r"MLA has one latent KV head, got num_kv_heads=2"):
+        ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, is_mla=True)
+
+
+def test_gqa_heads_not_divisible():
+    with pytest.raises(ValueError, match=r"num_q_heads=6 is not a multiple of num_kv_heads=4"):
+        ModelConfig(num_layers=1, num_q_heads=6, num_kv_heads=4)
+
+
+def test_unknown_backend_name():
+    mem, _ = setup()
+    with pytest.raises(ValueError, match=r"backend 'no_such_backend' is neither a registered name nor 'module:Class'"):
+        get_backend("no_such_backend", MHA, mem)
+    with pytest.raises(ValueError, match=r"cannot load backend class 'no_such_mod:Backend'"):
+        get_backend("no_such_mod:Backend", MHA, mem)
+
+
+def test_mla_model_on_an_mha_only_backend(monkeypatch):
+    monkeypatch.setattr(TorchNativeBackend, "capabilities", replace(TorchNativeBackend.capabilities, mla=False))
+    mem = make_memory(MLA, num_pages=8, max_reqs=1, max_context_len=16)
+    with pytest.raises(ValueError, match=r"backend 'torch_native' cannot serve this model on cpu: "
+                                         r"MHA/GQA only, model is MLA"):
+        get_backend("torch_native", MLA, mem)

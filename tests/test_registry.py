@@ -1,0 +1,154 @@
+"""The registry: lazy entries, availability with reasons, select, third-party backends."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from attn_backends import ForwardMode, ModelConfig, get_backend, list_backends, register, select
+from attn_backends import registry
+from attn_backends.backends.torch_native import TorchNativeBackend
+from attn_backends.testing.scenarios import make_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKEND_SOURCE = textwrap.dedent("""
+    from attn_backends.backends.torch_native import TorchNativeBackend
+
+    class ThirdPartyBackend(TorchNativeBackend):
+        name = "{name}"
+""")
+
+
+def mha_config(page_size=1):
+    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=page_size)
+
+
+def mla_config():
+    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=1, is_mla=True,
+                       kv_lora_rank=32, qk_rope_head_dim=8)
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """Runtime registrations made by a test vanish after it."""
+    monkeypatch.setattr(registry, "_extra", {})
+
+
+@pytest.fixture
+def third_party_dist(tmp_path, monkeypatch):
+    assert registry.ENTRY_POINT_GROUP == "attn_backends.backends"
+    """An installed-looking distribution (a dist-info with entry_points.txt) on sys.path."""
+    pkg = tmp_path / "thirdparty_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backend.py").write_text(BACKEND_SOURCE.format(name="thirdparty"))
+    info = tmp_path / "thirdparty_attn-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-attn\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINT_GROUP}]\nthirdparty = thirdparty_attn.backend:ThirdPartyBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "thirdparty"
+    for mod in [m for m in sys.modules if m.startswith("thirdparty_attn")]:
+        del sys.modules[mod]
+
+
+def test_list_backends_names_every_builtin_with_a_reason_when_unavailable():
+    infos = {i.name: i for i in list_backends("cpu")}
+    assert {"torch_native", "triton", "triton_mla"} <= set(infos)
+    assert infos["torch_native"].available and infos["torch_native"].reason is None
+    for info in infos.values():
+        assert info.available == (info.reason is None), info
+        if not info.available:
+            assert isinstance(info.reason, str) and info.reason.strip(), info
+
+
+def test_get_backend_builds_the_reference_for_mha_and_mla():
+    for cfg in (mha_config(), mla_config()):
+        mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=16, fill=False)
+        backend = get_backend("torch_native", cfg, mem)
+        assert isinstance(backend, TorchNativeBackend) and backend.config is cfg
+
+
+def test_get_backend_accepts_module_class_targets():
+    cfg = mha_config()
+    mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=16, fill=False)
+    backend = get_backend("attn_backends.backends.torch_native:TorchNativeBackend", cfg, mem)
+    assert isinstance(backend, TorchNativeBackend)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND])
+@pytest.mark.parametrize("cfg", [mha_config(), mla_config()], ids=["mha", "mla"])
+def test_select_returns_a_choice_and_a_reason_for_every_other_backend(cfg, mode):
+    sel = select(cfg, mode=mode, device="cpu")
+    names = {i.name for i in list_backends("cpu")}
+    assert sel.name in names
+    assert set(sel.refused) == names - {sel.name}
+    assert all(isinstance(r, str) and r for r in sel.refused.values()), sel.refused
+    chosen = {i.name: i for i in list_backends("cpu")}[sel.name]
+    assert chosen.available and chosen.capabilities.refusal(cfg, mode, "cpu") is None
+    if "triton" in names and sel.name != "triton":
+        expected = "MHA/GQA only" if cfg.is_mla else ""
+        assert expected in sel.refused["triton"]
+
+
+def test_select_explains_when_nothing_fits():
+    with pytest.raises(ValueError, match=r"no backend can serve this model in IDLE on cpu"):
+        select(mha_config(), mode=ForwardMode.IDLE, device="cpu")
+
+
+def test_register_module_class_is_lazy_and_usable(isolated_registry, tmp_path, monkeypatch):
+    (tmp_path / "late_backend_mod.py").write_text(BACKEND_SOURCE.format(name="late"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register("late", "late_backend_mod:ThirdPartyBackend")
+    assert "late_backend_mod" not in sys.modules            # nothing imported at register time
+    info = {i.name: i for i in list_backends("cpu")}["late"]
+    assert info.available and info.target == "late_backend_mod:ThirdPartyBackend"
+    cfg = mha_config()
+    mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=16, fill=False)
+    assert type(get_backend("late", cfg, mem)).__name__ == "ThirdPartyBackend"
+    monkeypatch.delitem(sys.modules, "late_backend_mod")
+
+
+def test_register_rejects_a_target_without_class(isolated_registry):
+    with pytest.raises(ValueError, match=r"must look like 'package.module:Class'"):
+        register("x", "just_a_module")
+
+
+def test_register_names_the_cause_when_the_class_cannot_load(isolated_registry):
+    register("broken", "no_such_module_xyz:Backend")
+    info = {i.name: i for i in list_backends("cpu")}["broken"]
+    assert not info.available and "no_such_module_xyz" in info.reason
+
+
+def test_third_party_backend_through_the_entry_point_group(third_party_dist):
+    infos = {i.name: i for i in list_backends("cpu")}
+    assert third_party_dist in infos, sorted(infos)
+    assert infos[third_party_dist].available
+    assert infos[third_party_dist].target == "thirdparty_attn.backend:ThirdPartyBackend"
+    cfg = mla_config()
+    mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=16, fill=False)
+    assert type(get_backend(third_party_dist, cfg, mem)).__name__ == "ThirdPartyBackend"
+    sel = select(cfg, mode=ForwardMode.DECODE, device="cpu")
+    assert sel.name == third_party_dist or third_party_dist in sel.refused
+
+
+def test_third_party_backend_runs_through_the_suite(third_party_dist):
+    suite = pytest.importorskip("attn_backends.testing.suite",
+                                reason="attn_backends.testing.suite is not written yet")
+    report = suite.run_suite(third_party_dist, device="cpu", cases=1, seed=3)
+    assert report.ok, "\n".join(map(str, report.failures))
+
+
+def test_importing_the_package_imports_no_backend_and_no_optional_dependency():
+    code = textwrap.dedent("""
+        import sys
+        import attn_backends, attn_backends.cli
+        bad = sorted(m for m in sys.modules
+                     if m.startswith(("attn_backends.backends.", "flashinfer", "kernels", "triton")))
+        print(",".join(bad))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "", f"importing attn_backends imported {out}"
