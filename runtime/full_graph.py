@@ -1,0 +1,127 @@
+"""Full-graph runners for the uniform modes: DECODE and TARGET_VERIFY, and DRAFT_EXTEND of
+uniform width N, whose output rows are selected by accept length after the forward."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
+
+from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
+
+I32, I64 = torch.int32, torch.int64
+
+
+class UniformGraphRunner(GraphRunnerBase):
+    """One graph per bucket of requests; every request owns W rows."""
+
+    modes = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+    def __init__(self, model, backends, memory, mode: ForwardMode, buckets, spec: Optional[SpecInfo] = None,
+                 capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
+        super().__init__(model, backends, memory, buckets, capture_hidden_mode)
+        if mode not in self.modes:
+            raise ValueError(f"{type(self).__name__} runs {[m.name for m in self.modes]}, not {mode.name}")
+        if mode != ForwardMode.DECODE and spec is None:
+            raise ValueError(f"{mode.name} needs a SpecInfo template (num_draft_tokens, topk)")
+        self.mode, self.spec = mode, spec
+        self.width = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
+        self.tree = spec is not None and spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY
+        w, n, dev = self.width, self.max_bs * self.width, self.device
+        self.input_ids = torch.zeros(n, dtype=I64, device=dev)
+        self.positions = torch.zeros(n, dtype=I64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=I64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=I32, device=dev)
+        self.seq_lens = torch.full((self.max_bs,), max(self.fill, w), dtype=I32, device=dev)
+        self.seq_lens_cpu = torch.full((self.max_bs,), max(self.fill, w), dtype=I32)
+        self.accept_lens = torch.ones(self.max_bs, dtype=I32, device=dev)
+        self.tree_mask = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev)).repeat(self.max_bs, 1, 1)
+        for b in self.backends:
+            b.init_cuda_graph_state(self.max_bs, n)
+
+    def refusal(self, batch: ForwardBatch) -> Optional[str]:
+        reason = super().refusal(batch)
+        if reason:
+            return reason
+        if batch.forward_mode != self.mode:
+            return f"mode {batch.forward_mode.name} was not captured (captured {self.mode.name})"
+        if batch.raw_bs > self.max_bs:
+            return f"bs={batch.raw_bs} exceeds the largest captured bucket {self.max_bs}"
+        if self.spec is not None and batch.spec_info is not None:
+            s = batch.spec_info
+            if s.num_draft_tokens != self.spec.num_draft_tokens or (s.topk > 1) != self.tree:
+                return (f"spec N={s.num_draft_tokens}, topk={s.topk} differs from the captured "
+                        f"N={self.spec.num_draft_tokens}, topk={self.spec.topk}")
+        if self.mode == ForwardMode.DECODE and batch.spec_info is not None and batch.spec_info.is_draft_decode:
+            return "draft decode runs on the multi-step draft runner"
+        return None
+
+    def _static_spec(self, bs: int) -> Optional[SpecInfo]:
+        if self.spec is None:
+            return None
+        s = self.spec
+        return SpecInfo(s.num_draft_tokens, s.topk, s.num_steps, accept_lens=self.accept_lens[:bs],
+                        tree_mask=self.tree_mask[:bs] if self.tree else None)
+
+    def _static_batch(self, bucket: int):
+        n = bucket * self.width
+        sb = ForwardBatch(self.mode, bucket, self.req_pool_indices[:bucket], self.seq_lens[:bucket],
+                          self.seq_lens_cpu[:bucket], self.out_cache_loc[:n], self.positions[:n],
+                          spec_info=self._static_spec(bucket), capture_hidden_mode=self.capture_hidden_mode,
+                          input_ids=self.input_ids[:n], raw_bs=bucket)
+        return sb.graph_key(), sb
+
+    def _forward(self, static_batch):
+        return self.model.forward(static_batch, self.layer_backends)
+
+    def _load(self, batch: ForwardBatch):
+        raw, w = batch.raw_bs, self.width
+        bs = self.bucket_for(raw)
+        key = GraphKey(self.mode, bs, w, self.capture_hidden_mode)
+        graph, out, sb = self.graphs[key]
+        nr, n = raw * w, bs * w
+        for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
+                         (self.out_cache_loc, batch.out_cache_loc)):
+            dst[:nr].copy_(src[:nr])
+            dst[nr:n].zero_()                                  # pad rows: token 0, slot 0
+        self.req_pool_indices[:raw].copy_(batch.req_pool_indices[:raw])
+        self.req_pool_indices[raw:bs].zero_()                  # the reserved request row
+        pad = max(self.fill, w)
+        self.seq_lens[:raw].copy_(batch.seq_lens[:raw])
+        self.seq_lens[raw:bs].fill_(pad)
+        self.seq_lens_cpu[:raw].copy_(batch.seq_lens_cpu[:raw])
+        self.seq_lens_cpu[raw:bs].fill_(pad)
+        spec = batch.spec_info
+        if spec is not None and spec.accept_lens is not None:
+            self.accept_lens[:raw].copy_(spec.accept_lens[:raw])
+        self.accept_lens[raw:bs].fill_(1)
+        if self.tree:
+            self.tree_mask[:raw].copy_(spec.tree_mask[:raw])
+            self.tree_mask[raw:bs] = torch.tril(torch.ones(w, w, dtype=torch.bool, device=self.device))
+        sb.raw_bs = raw
+        return key, graph, out, sb
+
+    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
+        logits, hidden = out
+        n = batch.raw_bs * self.width
+        return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, self.width))
+
+
+class DraftExtendRunner(UniformGraphRunner):
+    """DRAFT_EXTEND at uniform width N; after the forward, row ``i*N + accept_len - 1`` of each
+    request is kept (logits and hidden), so acceptance never changes the attention layout."""
+
+    modes = (ForwardMode.DRAFT_EXTEND,)
+
+    def refusal(self, batch: ForwardBatch) -> Optional[str]:
+        reason = super().refusal(batch)
+        if reason is None and (batch.spec_info is None or batch.spec_info.accept_lens is None):
+            return "DRAFT_EXTEND needs spec_info.accept_lens to select rows"
+        return reason
+
+    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
+        logits, hidden = out
+        rows = select_rows(batch.raw_bs, self.width, self.accept_lens[:batch.raw_bs])
+        h = None if batch.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[rows].clone()
+        return RunnerOutput(logits[rows].clone(), h, rows=rows)

@@ -1,0 +1,194 @@
+"""Tiny models with seeded random weights that call attention through the backend contract.
+
+``TinyLlama``: RMSNorm, RoPE, GQA attention, SwiGLU. ``TinyDeepSeek``: MLA with a latent KV
+(latent + decoupled rope key in one cache row); q_nope is absorbed into latent space
+(``q_nope @ W_kc``) and the latent output leaves through ``W_vc``, in every mode.
+
+Both write their KV through the backend (``save_kv_cache``) into the model's KV pool and
+call attention through :func:`runtime.breaks.attention_call`, the one place a piecewise or
+breakable capture may cut the forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn_backends import AttentionBackend, ForwardBatch, ModelConfig
+
+from .breaks import attention_call
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    is_mla: bool = False
+    kv_lora_rank: int = 32
+    qk_rope_head_dim: int = 16
+    qk_nope_head_dim: int = 16
+    v_head_dim: int = 16
+    page_size: int = 1
+    dtype: torch.dtype = torch.float32
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def attention(self) -> ModelConfig:
+        if self.is_mla:
+            return ModelConfig(self.num_layers, self.num_q_heads, 1, is_mla=True, kv_lora_rank=self.kv_lora_rank,
+                               qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
+                               page_size=self.page_size, dtype=self.dtype)
+        return ModelConfig(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                           page_size=self.page_size, dtype=self.dtype)
+
+    @classmethod
+    def gpu_gqa(cls, **kw) -> "TinyConfig":
+        """Benchmark size: Llama-like attention shapes (32/8 heads, d 128), 4 layers."""
+        base = cls(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=4, num_q_heads=32,
+                   num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+        return replace(base, **kw)
+
+    @classmethod
+    def gpu_mla(cls, **kw) -> "TinyConfig":
+        """Benchmark size: DeepSeek-like MLA (16 heads, latent 512 + rope 64), 4 layers."""
+        base = cls(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=4, num_q_heads=16,
+                   is_mla=True, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                   page_size=64, dtype=torch.bfloat16)
+        return replace(base, **kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim of ``x [T, heads, d]`` at ``positions [T]``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = positions.float()[:, None] * inv[None, :]                      # [T, d/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(g) * u)
+
+
+class GQABlock(nn.Module):
+    def __init__(self, c: TinyConfig, layer_id: int) -> None:
+        super().__init__()
+        self.c, self.layer = c, c.attention().layer(layer_id)
+        self.norm1, self.norm2 = RMSNorm(c.hidden_size), RMSNorm(c.hidden_size)
+        self.qkv = nn.Linear(c.hidden_size, (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
+        self.o = nn.Linear(c.num_q_heads * c.head_dim, c.hidden_size, bias=False)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def pre_attn(self, h, positions):
+        c, t = self.c, h.shape[0]
+        q, k, v = self.qkv(self.norm1(h)).split(
+            [c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = apply_rope(q.view(t, c.num_q_heads, c.head_dim), positions, c.rope_theta)
+        k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
+
+    def post_attn(self, h, o):
+        h = h + self.o(o.reshape(h.shape[0], -1))
+        return h + self.mlp(self.norm2(h))
+
+
+class MLABlock(nn.Module):
+    def __init__(self, c: TinyConfig, layer_id: int) -> None:
+        super().__init__()
+        self.c, self.layer = c, c.attention().layer(layer_id)
+        h, n = c.hidden_size, c.num_q_heads
+        self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
+        self.q_proj = nn.Linear(h, n * (c.qk_nope_head_dim + c.qk_rope_head_dim), bias=False)
+        self.kv_a = nn.Linear(h, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.kv_lora_rank)
+        scale = c.kv_lora_rank ** -0.5
+        self.w_kc = nn.Parameter(torch.randn(n, c.qk_nope_head_dim, c.kv_lora_rank) * scale)  # absorbed into q
+        self.w_vc = nn.Parameter(torch.randn(n, c.kv_lora_rank, c.v_head_dim) * scale)        # latent -> v
+        self.o = nn.Linear(n * c.v_head_dim, h, bias=False)
+        self.mlp = SwiGLU(h, c.intermediate_size)
+
+    def pre_attn(self, h, positions):
+        c, t = self.c, h.shape[0]
+        x = self.norm1(h)
+        q = self.q_proj(x).view(t, c.num_q_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        latent, k_pe = self.kv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        q_pe = apply_rope(q_pe, positions, c.rope_theta)
+        k_pe = apply_rope(k_pe[:, None, :], positions, c.rope_theta)
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_kc.to(q_nope.dtype))   # [T, H, latent]
+        q = torch.cat([q_lat, q_pe], -1)                                            # [T, H, latent+rope]
+        k = torch.cat([self.kv_norm(latent)[:, None, :], k_pe], -1)               # [T, 1, latent+rope]
+        return q, k, None
+
+    def post_attn(self, h, o):
+        v = torch.einsum("thl,hlv->thv", o, self.w_vc.to(o.dtype))                 # [T, H, v_head]
+        h = h + self.o(v.reshape(h.shape[0], -1))
+        return h + self.mlp(self.norm2(h))
+
+
+Backends = Union[AttentionBackend, Sequence[AttentionBackend]]
+
+
+class TinyModel(nn.Module):
+    """``forward(batch, backends)`` -> ``(logits [T, vocab], hidden [T, hidden])`` over all rows."""
+
+    def __init__(self, c: TinyConfig, device="cpu") -> None:
+        super().__init__()
+        self.config = c
+        torch.manual_seed(c.seed)
+        block = MLABlock if c.is_mla else GQABlock
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(block(c, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() == 2 and p is not self.embed.weight:
+                    p.mul_(2.0)  # livelier logits: fewer ties in greedy tests
+        self.to(device=device, dtype=c.dtype)
+        self.eval()
+
+    def backends_per_layer(self, backends: Backends) -> list:
+        if isinstance(backends, AttentionBackend):
+            return [backends] * self.config.num_layers
+        if len(backends) != self.config.num_layers:
+            raise ValueError(f"{len(backends)} backends for {self.config.num_layers} layers")
+        return list(backends)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, backends: Backends, input_embeds: Optional[torch.Tensor] = None):
+        per_layer = self.backends_per_layer(backends)
+        h = self.embed(batch.input_ids) if input_embeds is None else input_embeds.to(self.config.dtype)
+        for block, be in zip(self.layers, per_layer):
+            q, k, v = block.pre_attn(h, batch.positions)
+            o = attention_call(be, q, k, v, block.layer, batch)
+            h = block.post_attn(h, o)
+        h = self.norm(h)
+        return self.lm_head(h).float(), h

@@ -1,0 +1,128 @@
+"""What every graph runner shares: buckets (captured largest first into one memory pool),
+static input buffers at the largest size, padding by the rules of DESIGN.md, ``can_run``
+guards, replay counting and output slicing (clones: a replay never aliases an earlier
+result)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attn_backends import CaptureHiddenMode, ForwardBatch
+
+from .graphs import make_graph
+
+
+class RunnerRefusal(ValueError):
+    """The runner cannot run this batch; the message names the value and the limit."""
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor                        # [raw rows, vocab]
+    hidden: Optional[torch.Tensor] = None       # per CaptureHiddenMode, raw rows only
+    input_embeds: Optional[torch.Tensor] = None # piecewise: the embeddings it was given
+    rows: Optional[torch.Tensor] = None         # rows kept (draft extend: selected by accept length)
+
+
+def slice_hidden(hidden: torch.Tensor, mode: CaptureHiddenMode, n_rows: int, width: int):
+    """Hidden states of the raw rows: None, the last row of each request, or every row."""
+    if mode == CaptureHiddenMode.NULL:
+        return None
+    if mode == CaptureHiddenMode.LAST:
+        return hidden[width - 1:n_rows:width].clone()
+    return hidden[:n_rows].clone()
+
+
+class GraphRunnerBase:
+    """Subclasses define the static batch, the captured function and the output slicing."""
+
+    def __init__(self, model, backends, memory, buckets, capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"buckets={buckets}: need at least one bucket >= 1")
+        self.model, self.memory = model, memory
+        self.layer_backends = model.backends_per_layer(backends)
+        self.backends = list({id(b): b for b in self.layer_backends}.values())  # I12: each refreshed once
+        self.buckets = sorted(set(buckets))
+        self.capture_hidden_mode = capture_hidden_mode
+        self.device = memory.device
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.graphs: dict = {}          # key -> (graph, static outputs, static batch)
+        self.replay_count = 0
+        self.fill = max(b.get_cuda_graph_seq_len_fill_value() for b in self.backends)
+
+    @property
+    def max_bs(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, n: int) -> int:
+        i = bisect.bisect_left(self.buckets, n)
+        if i == len(self.buckets):
+            raise RunnerRefusal(f"bs={n} exceeds the largest captured bucket {self.max_bs}")
+        return self.buckets[i]
+
+    def refusal(self, batch: ForwardBatch) -> Optional[str]:
+        """Why this runner cannot replay ``batch`` (None: it can). Subclasses add guards."""
+        if not self.graphs:
+            return "nothing captured yet: call capture() first"
+        if batch.input_embeds is not None and not getattr(self, "accepts_input_embeds", False):
+            return "input embeddings override the embedding lookup, which the graph captured"
+        if batch.capture_hidden_mode > self.capture_hidden_mode:
+            return (f"hidden mode {batch.capture_hidden_mode.name} exceeds the captured "
+                    f"{self.capture_hidden_mode.name}")
+        return None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.refusal(batch) is None
+
+    def capture(self) -> None:
+        for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
+            key, static_batch = self._static_batch(bucket)
+            for b in self.backends:
+                self._capture_metadata(b, static_batch)
+            graph = make_graph(self.device, self.pool, segmented=self.segmented)
+            out = graph.capture(lambda sb=static_batch: self._forward(sb))
+            self.graphs[key] = (graph, out, static_batch)
+
+    segmented = False
+
+    def _capture_metadata(self, backend, static_batch) -> None:
+        backend.init_forward_metadata_capture_cuda_graph(static_batch.graph_inputs())
+
+    def run(self, batch: ForwardBatch) -> RunnerOutput:
+        reason = self.refusal(batch)
+        if reason:
+            raise RunnerRefusal(f"{type(self).__name__} cannot run this batch: {reason}")
+        key, graph, out, static_batch = self._load(batch)
+        self._prepare_replay(static_batch)
+        graph.replay()
+        self.replay_count += 1
+        return self._slice(out, batch, static_batch)
+
+    def _prepare_replay(self, static_batch) -> None:
+        for b in self.backends:
+            b.init_forward_metadata_replay_cuda_graph(static_batch.graph_inputs())
+
+    # subclass hooks
+    def _static_batch(self, bucket: int):
+        raise NotImplementedError
+
+    def _forward(self, static_batch):
+        raise NotImplementedError
+
+    def _load(self, batch: ForwardBatch):
+        raise NotImplementedError
+
+    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
+        raise NotImplementedError
+
+
+def run_eager(model, backends, batch: ForwardBatch, width: int) -> RunnerOutput:
+    """The reference path: eager metadata on every backend, one model forward, raw rows."""
+    for b in {id(b): b for b in model.backends_per_layer(backends)}.values():
+        b.init_forward_metadata(batch)
+    logits, hidden = model.forward(batch, backends, batch.input_embeds)
+    n = batch.raw_bs * width if width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
+    return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, max(width, 1)))
