@@ -173,6 +173,7 @@ class TinyModel(nn.Module):
                 if p.dim() == 2 and p is not self.embed.weight:
                     p.mul_(2.0)  # livelier logits: fewer ties in greedy tests
         self.to(device=device, dtype=c.dtype)
+        self.requires_grad_(False)   # inference only: graph pieces run outside no_grad too
         self.eval()
 
     def backends_per_layer(self, backends: Backends) -> list:

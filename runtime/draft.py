@@ -1,0 +1,166 @@
+"""Multi-step draft decode: ``num_steps`` forwards of ``topk`` branch rows per request in one
+graph, each step with its own backend (its own metadata), greedy within each branch.
+
+Request ``i`` with prompt prefix ``P_i`` writes the step-``t`` token of branch ``j`` at
+position ``P_i + t*topk + j`` (step-major), so step ``s`` sees ``seq_lens = P_i + s*topk``
+and each forward appends ``topk`` contiguous positions, as every uniform mode does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+
+from .runner_base import GraphRunnerBase, RunnerOutput
+
+I32, I64 = torch.int32, torch.int64
+
+
+@dataclass
+class DraftInput:
+    req_pool_indices: torch.Tensor   # [raw_bs] int32, device
+    prefix_lens: torch.Tensor        # [raw_bs] int32, device: P_i, the tokens before drafting
+    prefix_lens_cpu: torch.Tensor    # [raw_bs] int32, host
+    input_ids: torch.Tensor          # [raw_bs * topk] int64: the first token of each branch
+    out_cache_loc: torch.Tensor      # [raw_bs, num_steps * topk] int64: slots, step-major
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    input_embeds: Optional[torch.Tensor] = None
+    forward_mode: ForwardMode = ForwardMode.DECODE
+
+    @property
+    def raw_bs(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+
+class MultiStepDraftRunner(GraphRunnerBase):
+    def __init__(self, model, step_backends: list, memory, topk: int, num_steps: int, buckets,
+                 capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
+        if len(step_backends) != num_steps:
+            raise ValueError(f"{len(step_backends)} step backends for num_steps={num_steps}")
+        super().__init__(model, step_backends[0], memory, buckets, capture_hidden_mode)
+        self.step_backends = [model.backends_per_layer(s) for s in step_backends]
+        self.backends = list({id(b): b for s in self.step_backends for b in s}.values())
+        self.fill = max(b.get_cuda_graph_seq_len_fill_value() for b in self.backends)
+        owners = {}
+        for step, bes in enumerate(self.step_backends):
+            for b in bes:
+                if owners.setdefault(id(b), step) != step:
+                    raise ValueError(f"steps {owners[id(b)] + 1} and {step + 1} share a backend instance; "
+                                     "each draft step needs its own (its own metadata)")
+        self.topk, self.num_steps, self.width = topk, num_steps, topk
+        n, dev, s = self.max_bs * topk, self.device, num_steps
+        self.input_ids = torch.zeros(n, dtype=I64, device=dev)
+        self.positions = torch.zeros(s, n, dtype=I64, device=dev)
+        self.out_cache_loc = torch.zeros(s, n, dtype=I64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=I32, device=dev)
+        self.seq_lens = torch.zeros(s, self.max_bs, dtype=I32, device=dev)
+        self.seq_lens_cpu = torch.zeros(s, self.max_bs, dtype=I32)
+        for b in self.backends:
+            b.init_cuda_graph_state(self.max_bs, n)
+
+    def spec(self, step: int) -> SpecInfo:
+        return SpecInfo(num_draft_tokens=self.num_steps * self.topk + 1, topk=self.topk,
+                        num_steps=self.num_steps, draft_step=step)
+
+    def refusal(self, inp) -> Optional[str]:
+        reason = super().refusal(inp)
+        if reason:
+            return reason
+        if inp.raw_bs > self.max_bs:
+            return f"bs={inp.raw_bs} exceeds the largest captured bucket {self.max_bs}"
+        if tuple(inp.out_cache_loc.shape) != (inp.raw_bs, self.num_steps * self.topk):
+            return (f"out_cache_loc {tuple(inp.out_cache_loc.shape)} != (bs, num_steps*topk) = "
+                    f"({inp.raw_bs}, {self.num_steps * self.topk})")
+        return None
+
+    def _step_batches(self, bs: int, raw: int) -> list:
+        n = bs * self.topk
+        return [ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq_lens[s, :bs],
+                             self.seq_lens_cpu[s, :bs], self.out_cache_loc[s, :n], self.positions[s, :n],
+                             spec_info=self.spec(s + 1), capture_hidden_mode=self.capture_hidden_mode,
+                             raw_bs=raw) for s in range(self.num_steps)]
+
+    def _static_batch(self, bucket: int):
+        self._write_pads(0, bucket, prefix_pad=True)
+        return GraphKey(ForwardMode.DECODE, bucket, self.topk, self.capture_hidden_mode), \
+            self._step_batches(bucket, bucket)
+
+    def _capture_metadata(self, backend, static_batches) -> None:
+        for s, sb in enumerate(static_batches):
+            if backend in self.step_backends[s]:
+                backend.init_forward_metadata_capture_cuda_graph(sb.graph_inputs())
+
+    def _prepare_replay(self, static_batches) -> None:
+        for s, sb in enumerate(static_batches):
+            gi = sb.graph_inputs()
+            for b in {id(b): b for b in self.step_backends[s]}.values():
+                b.init_forward_metadata_replay_cuda_graph(gi)
+
+    def _forward(self, static_batches, n: Optional[int] = None):
+        ids = self.input_ids[:static_batches[0].batch_size * self.topk]
+        tokens, logits, hidden = [], None, None
+        for s, sb in enumerate(static_batches):
+            sb.input_ids = ids
+            logits, hidden = self.model.forward(sb, self.step_backends[s])
+            ids = logits.argmax(-1)                                     # greedy within each branch
+            tokens.append(ids)
+        return torch.stack(tokens), logits, hidden                      # [steps, bs*topk], ...
+
+    def _write_pads(self, raw: int, bs: int, prefix_pad: bool = False) -> None:
+        k, pad = self.topk, max(self.fill, self.topk * self.num_steps)
+        self.input_ids[raw * k:bs * k].zero_()
+        self.out_cache_loc[:, raw * k:bs * k].zero_()
+        self.positions[:, raw * k:bs * k].zero_()
+        self.req_pool_indices[raw:bs].zero_()
+        for s in range(self.num_steps):
+            # pad rows: the reserved row, seq_len >= W * step so that every branch has a prefix >= 0
+            self.seq_lens[s, raw:bs].fill_(pad)
+            self.seq_lens_cpu[s, raw:bs].fill_(pad)
+
+    def _load(self, inp: DraftInput):
+        raw, k = inp.raw_bs, self.topk
+        bs = self.bucket_for(raw)
+        key = GraphKey(ForwardMode.DECODE, bs, k, self.capture_hidden_mode)
+        graph, out, sbs = self.graphs[key]
+        self.input_ids[:raw * k].copy_(inp.input_ids)
+        self.out_cache_loc[:, :raw * k].copy_(inp.out_cache_loc.view(raw, self.num_steps, k).transpose(0, 1)
+                                               .reshape(self.num_steps, raw * k))
+        self.req_pool_indices[:raw].copy_(inp.req_pool_indices)
+        for s in range(self.num_steps):
+            self.seq_lens[s, :raw].copy_(inp.prefix_lens + (s + 1) * k)
+            self.seq_lens_cpu[s, :raw].copy_(inp.prefix_lens_cpu + (s + 1) * k)
+            self.positions[s, :raw * k].copy_((inp.prefix_lens.to(I64) + s).repeat_interleave(k, output_size=raw * k))
+        self._write_pads(raw, bs)
+        for sb in sbs:
+            sb.raw_bs = raw
+        return key, graph, out, sbs
+
+    def _slice(self, out, inp: DraftInput, static_batches) -> RunnerOutput:
+        tokens, logits, hidden = out
+        n, k = inp.raw_bs * self.topk, self.topk
+        toks = tokens[:, :n].reshape(self.num_steps, inp.raw_bs, k).permute(1, 0, 2).clone()  # [bs, steps, topk]
+        h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[:n].clone()
+        return RunnerOutput(logits[:n].clone(), h, rows=toks)
+
+    def run_eager(self, inp: DraftInput) -> RunnerOutput:
+        """The same steps with eager metadata on the unpadded batch (the reference path)."""
+        raw, k = inp.raw_bs, self.topk
+        ids, tokens = inp.input_ids, []
+        loc = inp.out_cache_loc.view(raw, self.num_steps, k)
+        for s in range(self.num_steps):
+            seq_cpu = inp.prefix_lens_cpu + (s + 1) * k
+            b = ForwardBatch(ForwardMode.DECODE, raw, inp.req_pool_indices, inp.prefix_lens + (s + 1) * k, seq_cpu,
+                             loc[:, s].reshape(-1), (inp.prefix_lens.to(I64) + s).repeat_interleave(k),
+                             spec_info=self.spec(s + 1), capture_hidden_mode=inp.capture_hidden_mode,
+                             input_ids=ids)
+            for be in {id(b_): b_ for b_ in self.step_backends[s]}.values():
+                be.init_forward_metadata(b)
+            logits, hidden = self.model.forward(b, self.step_backends[s])
+            ids = logits.argmax(-1)
+            tokens.append(ids)
+        toks = torch.stack(tokens).reshape(self.num_steps, raw, k).permute(1, 0, 2)
+        h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden
+        return RunnerOutput(logits, h, rows=toks)
