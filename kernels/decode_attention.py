@@ -202,7 +202,7 @@ def split_targets(name, out, workspace, num_kv_splits):
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
-                         num_kv_splits, out, workspace=None, block_n=64, num_warps=4,
+                         num_kv_splits, out, workspace=None, block_n=32, num_warps=4,
                          num_stages=2):
     """Paged GQA decode attention, written into ``out``.
 

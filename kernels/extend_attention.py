@@ -8,9 +8,10 @@ tile is loaded once per group and, for verify (W <= 8), once per request. An opt
 split-KV axis (merged by ``merge_splits``) adds parallelism for short queries over long
 caches.
 
-The grid is ``(bs, Hkv, cdiv(max_q_len, BLOCK_Q) * num_kv_splits)``, from host ints only
+The grid is ``(cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs, Hkv)``, from host ints only
 (``max_q_len`` is a bound given by the caller, e.g. W), so the launch is graph safe;
-programs past a request's rows do no work.
+programs past a request's rows do no work. Query blocks of one request and KV head are
+adjacent on the fastest axis, so their repeated KV tile reads hit L2.
 
 Masks (query row j of request i, KV position p, prefix = seq_lens_k[i] - q_len_i):
   causal: p <= prefix + j
@@ -63,10 +64,11 @@ def _extend_split_kernel(
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    qb = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    num_qb = tl.num_programs(0) // NUM_SPLITS
+    qb = tl.program_id(0) % num_qb
+    split = tl.program_id(0) // num_qb
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
 
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
@@ -202,7 +204,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     group_pad = triton.next_power_of_2(group)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
-    grid = (bs, Hkv, triton.cdiv(max_q_len, block_q) * num_kv_splits)
+    grid = (triton.cdiv(max_q_len, block_q) * num_kv_splits, bs, Hkv)
     _extend_split_kernel[grid](
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse,

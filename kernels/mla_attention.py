@@ -4,10 +4,12 @@ Cache ``kv_buffer [num_slots, 1, 576]`` holds latent 512 then rope 64 per token;
 ``q [bs*W, H, 576]`` holds the absorbed q_nope 512 then q_pe 64. Scores use all 576
 columns; the output is softmax . latent -> ``[bs*W, H, 512]`` (still in latent space).
 
-One program handles all W query rows times BLOCK_H heads of one request (rows flattened
-into BLOCK_M = W_PAD * BLOCK_H), so every latent tile is loaded once and used both as K
-(scores) and as V (output). A split-KV axis gives bs * head_blocks * splits programs,
-merged by ``merge_splits``; split boundaries come from ``seq_lens_k`` on the device and
+One program handles BLOCK_W query rows times BLOCK_H heads of one request (rows
+flattened into BLOCK_M = BLOCK_W * BLOCK_H); each latent tile it loads serves both as K
+(scores) and as V (output). Programs that share a request's KV (its row blocks and head
+blocks) are adjacent on the fastest grid axis, so that when BLOCK_W < W or BLOCK_H < H
+the repeated tile reads of neighbours come from L2 while the tile state per program stays
+small. A split-KV axis gives the parallelism, merged by ``merge_splits``; split boundaries come from ``seq_lens_k`` on the device and
 the grid from host ints only, so the launch is graph safe. Verify masks: causal or tree
 (``custom_mask [bs*W*W]``), as in ``extend_attention``.
 """
@@ -29,23 +31,25 @@ def _mla_split_kernel(
     stride_pb,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, W_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = W_PAD * BLOCK_H
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
+    NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    hb = tl.program_id(0) % NUM_HB
+    wb = tl.program_id(0) // NUM_HB
+    b = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - W
     mask_base = b.to(tl.int64) * W * W
 
-    # Row r of the tile is query row j = r // BLOCK_H of head hb*BLOCK_H + r % BLOCK_H.
+    # Row r of the tile is query row j = wb*BLOCK_W + r // BLOCK_H of head hb*BLOCK_H + r % BLOCK_H.
     offs_m = tl.arange(0, BLOCK_M)
-    j = offs_m // BLOCK_H
+    j = wb * BLOCK_W + offs_m // BLOCK_H
     heads = hb * BLOCK_H + offs_m % BLOCK_H
     row_ok = (j < W) & (heads < NUM_HEADS)
     rows = b.to(tl.int64) * W + j
@@ -96,7 +100,7 @@ def _mla_split_kernel(
 
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
-                      block_h=None, block_n=32, num_warps=4, num_stages=2):
+                      block_h=None, block_w=None, block_n=32, num_warps=4, num_stages=2):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -140,14 +144,15 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     if bs == 0:
         return out
-    w_pad = triton.next_power_of_2(W)
+    if block_w is None:
+        # Few rows per tile: the [rows, 512] float32 accumulator lives in registers.
+        block_w = 1
     if block_h is None:
-        # At most 64 rows per tile (the [rows, 512] float32 accumulator lives in
-        # registers) and at least 16 (tl.dot needs M >= 16).
-        block_h = min(triton.next_power_of_2(H), max(1, 64 // w_pad))
-        block_h = max(block_h, 16 // min(w_pad, 16))
+        block_h = max(16 // block_w, min(triton.next_power_of_2(H), 16))
+    if block_w * block_h < 16:  # tl.dot needs M >= 16
+        raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
-    grid = (bs, triton.cdiv(H, block_h), num_kv_splits)
+    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
     _mla_split_kernel[grid](
         q, kv_buffer, page_table, seq_lens_k, mask_arg, o, lse,
         sm_scale * LOG2E,
@@ -155,7 +160,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         kv_buffer.stride(0),
         page_table.stride(0),
         *o_strides, *lse_strides,
-        NUM_HEADS=H, BLOCK_H=block_h, W=W, W_PAD=w_pad, LATENT=Dv, ROPE=rope,
+        NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

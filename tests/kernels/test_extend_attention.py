@@ -7,7 +7,7 @@ from kernels.extend_attention import extend_attention_fwd
 
 
 def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,
-               pad_rows=1, draft_prefix=None, seed=0):
+               pad_rows=1, draft_prefix=None, seed=0, block_q=None):
     """Requests with q_lens[i] rows over seq_lens[i] KV tokens, plus padding rows that
     own W = q_lens[0] rows over page 0 (seq_len = W)."""
     torch.manual_seed(seed)
@@ -37,7 +37,7 @@ def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSA
     scale = D ** -0.5
     extend_attention_fwd(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, max(all_q),
                          out, mask=mask, custom_mask=custom_mask, draft_prefix_lens=draft_lens,
-                         num_kv_splits=splits, workspace=ws)
+                         num_kv_splits=splits, workspace=ws, block_q=block_q)
     ref = ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
                               custom_mask, draft_lens)
     return out, ref
@@ -51,6 +51,13 @@ def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSA
 def test_extend_causal_cpu(page_size, q_lens, seq_lens, H, Hkv, splits):
     out, ref = run_extend(q_lens, seq_lens, page_size, H, Hkv, 16, torch.float32, "cpu",
                           splits=splits)
+    assert_close(out, ref, 1e-5)
+
+
+def test_extend_many_query_blocks_cpu():
+    """Several query blocks per request (block_q < q_len) with split-KV."""
+    out, ref = run_extend([13, 6], [40, 6], 16, 4, 1, 16, torch.float32, "cpu", splits=2,
+                          block_q=4)
     assert_close(out, ref, 1e-5)
 
 

@@ -9,7 +9,7 @@ LATENT, ROPE = 512, 64
 
 
 def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
-            seed=0):
+            seed=0, **tuning):
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
                                                    pad_len=W, device=device, seed=seed)
@@ -31,7 +31,7 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
         mla_decode_fwd(q, kv, page_table, lens, page_size, scale, splits, out, workspace=ws)
     else:
         mla_attention_fwd(q, kv, page_table, lens, page_size, scale, splits, out, q_per_req=W,
-                          mask=mask, custom_mask=custom_mask, workspace=ws)
+                          mask=mask, custom_mask=custom_mask, workspace=ws, **tuning)
     cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
     ref = ref_paged_attention(q, kv, kv[:, :, :LATENT], page_table, lens, cu, page_size, scale,
                               mask, custom_mask)
@@ -49,10 +49,10 @@ def test_mla_decode_cpu(page_size, seq_lens, H, splits):
 
 
 @pytest.mark.parametrize("mask", [CAUSAL, TREE])
-@pytest.mark.parametrize("page_size,W,splits", [(1, 3, 2), (16, 4, 1)])
-def test_mla_verify_cpu(mask, page_size, W, splits):
+@pytest.mark.parametrize("page_size,W,splits,block_w", [(1, 3, 2, 2), (16, 4, 1, 4)])
+def test_mla_verify_cpu(mask, page_size, W, splits, block_w):
     out, ref = run_mla([W + 20, W], W, page_size, 16, torch.float32, "cpu", mask=mask,
-                       splits=splits, pad_rows=1)
+                       splits=splits, pad_rows=1, block_w=block_w)
     assert_close(out, ref, 1e-5)
 
 
@@ -60,11 +60,11 @@ def test_mla_verify_cpu(mask, page_size, W, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("mask,W", [(CAUSAL, 1), (CAUSAL, 4), (TREE, 8)])
-def test_mla_gpu(dtype, H, page_size, mask, W):
+@pytest.mark.parametrize("mask,W,block_w", [(CAUSAL, 1, 1), (CAUSAL, 4, 2), (TREE, 8, 1)])
+def test_mla_gpu(dtype, H, page_size, mask, W, block_w):
     if dtype == torch.float16 and page_size != 64:
         pytest.skip("fp16 runs at page size 64 only (compile budget)")
     seq_lens = [W, 33, 1000, 4096, 32768]
     out, ref = run_mla(seq_lens, W, page_size, H, dtype, "cuda", mask=mask, splits=8,
-                       pad_rows=2)
+                       pad_rows=2, block_w=block_w)
     assert_close(out, ref, 1e-2)
