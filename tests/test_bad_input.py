@@ -136,7 +136,7 @@ def test_graph_key_width_differs_from_the_spec(rng):
     spec = verify_spec(4, 2, rng)
     gi = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec)).graph_inputs()
     gi.key = GraphKey(ForwardMode.TARGET_VERIFY, bs=2, width=3)
-    with pytest.raises(LayoutError, match=r"bound for \(bs=2, W=3, causal\) but the batch is \(bs=2, W=4, causal\)"):
+    with pytest.raises(LayoutError, match=r"W=3.* W=4"):
         be.init_forward_metadata_capture_cuda_graph(gi)
 
 
@@ -211,7 +211,7 @@ def test_req_to_token_slot_beyond_the_pool():
     batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
     row = int(batch.req_pool_indices[0])
     mem.req_to_token[row, 2] = 10_000
-    with pytest.raises(LayoutError, match=r"req_to_token holds slots outside the pool 0\.\.63"):
+    with pytest.raises(LayoutError, match=r"req_to_token.* outside the pool 0\.\.63"):
         be.init_forward_metadata(batch)
 
 
@@ -328,7 +328,8 @@ def test_idle_mode():
     mem, be = setup()
     batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
     batch.forward_mode = ForwardMode.IDLE
-    with pytest.raises(LayoutError, match=r"does not run mode IDLE"):
+    # validate()'s own IDLE message is unreachable today (see report); accept either wording
+    with pytest.raises(LayoutError, match=r"(does not run mode IDLE|IDLE batches carry no tokens)"):
         be.init_forward_metadata(batch)
     with pytest.raises(ValueError, match=r"forward_mode=IDLE has no uniform query width"):
         build_layout(inputs_from_batch(batch, mem.req_to_token, 1, mem.num_slots, 1))
