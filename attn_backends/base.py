@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
+from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, query_width
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
 from .layout import Layout, LayoutBuffers, LayoutError, build_layout, inputs_from_batch, \
@@ -135,8 +135,9 @@ class LayoutBackend(AttentionBackend):
         if self._bufs is None:
             raise LayoutError("init_cuda_graph_state() must run before capture")
         self._check_mode(key.forward_mode, inputs.spec_info)
-        if key.capture_hidden_mode is None:
-            raise LayoutError("GraphKey without a capture_hidden_mode")
+        want = query_width(key.forward_mode, inputs.spec_info)
+        if key.width != want:
+            raise LayoutError(f"GraphKey width W={key.width} but the spec gives W={want}")
         views = self._bufs.views(key.forward_mode, key.bs, key.width,
                                  mask_kind(key.forward_mode, inputs.spec_info), self.memory.max_context_len)
         self._graph_meta[key] = ForwardMetadata(views, **self._extras(views, key))
@@ -148,7 +149,7 @@ class LayoutBackend(AttentionBackend):
     def _prepare_graph(self, inputs: GraphInputs, capture: bool) -> None:
         meta = self._graph_meta.get(inputs.key)
         if meta is None:
-            raise LayoutError(f"no graph captured for {inputs.key}; captured: {sorted(map(str, self._graph_meta))}")
+            raise LayoutError(f"no graph captured for {inputs.key}; captured: {', '.join(sorted(map(str, self._graph_meta)))}")
         inp = inputs_from_graph(inputs, self.memory.req_to_token, self.memory.page_size,
                                 self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value(), capture)
         build_layout(inp, out=meta.layout)
@@ -180,6 +181,8 @@ class LayoutBackend(AttentionBackend):
         return {}
 
     def _check_mode(self, mode: ForwardMode, spec) -> None:
+        if mode == ForwardMode.IDLE:
+            raise LayoutError("IDLE batches carry no tokens and get no attention metadata")
         caps = self.capabilities
         if mode not in caps.modes:
             raise LayoutError(f"backend {self.name} does not run mode {mode.name}; it runs "
@@ -199,6 +202,8 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"q has shape {tuple(q.shape)}, expected [T, {layer.num_q_heads}, {layer.qk_dim}]")
         if lay.width and n != lay.bs * lay.width:
             raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{lay.width} = {lay.bs * lay.width}")
+        if not lay.width and n != batch.num_tokens:
+            raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "

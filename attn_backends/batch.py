@@ -108,6 +108,9 @@ class GraphKey:
     def num_tokens(self) -> int:
         return self.bs * self.width
 
+    def __str__(self) -> str:
+        return f"{self.forward_mode.name} bs={self.bs} W={self.width} hidden={self.capture_hidden_mode.name}"
+
 
 @dataclass
 class GraphInputs:

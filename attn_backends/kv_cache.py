@@ -159,7 +159,10 @@ class KVMemory:
         ps = self.page_size
         need = -(-new // ps) - len(self._pages[row])
         if need > 0:
-            self._pages[row] += self.pages.alloc(need)
+            try:
+                self._pages[row] += self.pages.alloc(need)
+            except KVCacheFullError as e:
+                raise KVCacheFullError(f"request row {row}, extending {old} -> {new} tokens: {e}") from None
         pos = torch.arange(old, new)
         page_ids = torch.tensor(self._pages[row], dtype=torch.int64)
         slots = page_ids[pos // ps] * ps + pos % ps

@@ -107,7 +107,7 @@ class LayoutInputs:
 
 
 def inputs_from_batch(batch: ForwardBatch, req_to_token, page_size, num_slots, fill) -> LayoutInputs:
-    w = 1 if batch.forward_mode == ForwardMode.EXTEND else batch.width
+    w = batch.width if batch.forward_mode.is_uniform() else 1
     dev = batch.seq_lens.device.type == "cpu" or DEBUG
     return LayoutInputs(batch.forward_mode, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
                         batch.raw_bs, batch.spec_info, req_to_token, page_size, num_slots,
@@ -241,8 +241,11 @@ def validate(inp: LayoutInputs) -> None:
         pos = torch.arange(ctx, device=req.device)
         used = pos[None, :] < inp.seq_lens[:inp.raw_bs, None]
         slots = inp.req_to_token[req.long()]
-        if bool(((slots < 0) | (slots >= inp.num_slots))[used].any()):
-            raise LayoutError(f"req_to_token holds slots outside the pool 0..{inp.num_slots - 1}")
+        bad = ((slots < 0) | (slots >= inp.num_slots)) & used
+        if bool(bad.any()):
+            i, t = (int(x) for x in bad.nonzero()[0])
+            raise LayoutError(f"req_to_token: request {i} (row {int(req[i])}), position {t}: slot {int(slots[i, t])} "
+                              f"outside the pool 0..{inp.num_slots - 1}")
 
 
 # --------------------------------------------------------------------------- builders
@@ -382,6 +385,8 @@ def build_layout(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
     try:
         builder = BUILDERS[inp.mode]
     except KeyError:
+        if inp.mode == ForwardMode.IDLE:
+            raise LayoutError("IDLE batches carry no tokens and get no attention metadata") from None
         raise LayoutError(f"forward_mode={inp.mode.name} has no attention layout") from None
     return builder(inp, out)
 
