@@ -34,7 +34,7 @@ def _mla_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -67,7 +67,9 @@ def _mla_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
-    for n0 in range(start, end, BLOCK_N):
+    # The tile loop is latency bound (one chain: load -> QK -> softmax -> PV); Hopper's
+    # warp specialisation (producer / consumer warps) is offered as a tuning switch.
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
@@ -100,7 +102,8 @@ def _mla_split_kernel(
 
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
-                      block_h=None, block_w=None, block_n=32, num_warps=4, num_stages=2):
+                      block_h=None, block_w=None, block_n=32, num_warps=None,
+                      num_stages=None, warp_specialize=False):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -112,6 +115,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     out : [bs*W, H, 512], q's dtype
     mask : "causal" or "tree" (``custom_mask`` bool/uint8 [bs*W*W])
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
+    block_w, block_h, block_n, num_warps, num_stages, warp_specialize : tuning knobs
+        (query rows, heads and KV tokens per tile); None picks the swept defaults
     """
     name = "mla_attention_fwd"
     T, H, D = q.shape
@@ -144,11 +149,15 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     if bs == 0:
         return out
+    # Defaults from the H200 sweeps (bench/tune.py): up to 4 query rows x 16 heads per tile;
+    # a 64-row tile needs 8 warps for its [64, 512] float32 accumulator.
     if block_w is None:
-        # Few rows per tile: the [rows, 512] float32 accumulator lives in registers.
-        block_w = 1
+        block_w = min(triton.next_power_of_2(W), 4)
     if block_h is None:
         block_h = max(16 // block_w, min(triton.next_power_of_2(H), 16))
+    rows = block_w * block_h
+    num_warps = num_warps or (8 if rows >= 64 else 4)
+    num_stages = num_stages or (3 if rows >= 64 else 2)
     if block_w * block_h < 16:  # tl.dot needs M >= 16
         raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
@@ -163,7 +172,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:
         merge_splits(o, lse, out)

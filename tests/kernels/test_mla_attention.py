@@ -60,7 +60,7 @@ def test_mla_verify_cpu(mask, page_size, W, splits, block_w):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("mask,W,block_w", [(CAUSAL, 1, 1), (CAUSAL, 4, 2), (TREE, 8, 1)])
+@pytest.mark.parametrize("mask,W,block_w", [(CAUSAL, 1, None), (CAUSAL, 4, 2), (TREE, 8, None)])
 def test_mla_gpu(dtype, H, page_size, mask, W, block_w):
     if dtype == torch.float16 and page_size != 64:
         pytest.skip("fp16 runs at page size 64 only (compile budget)")
