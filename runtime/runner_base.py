@@ -124,5 +124,11 @@ def run_eager(model, backends, batch: ForwardBatch, width: int) -> RunnerOutput:
     for b in {id(b): b for b in model.backends_per_layer(backends)}.values():
         b.init_forward_metadata(batch)
     logits, hidden = model.forward(batch, backends, batch.input_embeds)
-    n = batch.raw_bs * width if width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
-    return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, max(width, 1)))
+    if width:
+        n = batch.raw_bs * width
+        return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, width))
+    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(torch.int64)    # EXTEND: ragged, LAST = each request's end
+    n = int(lens.sum())
+    h = hidden[(lens.cumsum(0) - 1).to(hidden.device)] if batch.capture_hidden_mode == CaptureHiddenMode.LAST \
+        else slice_hidden(hidden, batch.capture_hidden_mode, n, 1)
+    return RunnerOutput(logits[:n].clone(), h)
