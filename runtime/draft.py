@@ -69,6 +69,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
         reason = super().refusal(inp)
         if reason:
             return reason
+        if inp.forward_mode != ForwardMode.DECODE:
+            return f"mode {inp.forward_mode.name} was not captured (captured DECODE draft steps)"
         if inp.raw_bs > self.max_bs:
             return f"bs={inp.raw_bs} exceeds the largest captured bucket {self.max_bs}"
         if tuple(inp.out_cache_loc.shape) != (inp.raw_bs, self.num_steps * self.topk):
