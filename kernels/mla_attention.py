@@ -34,7 +34,7 @@ def _mla_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -67,9 +67,9 @@ def _mla_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
-    # The tile loop is latency bound (one chain: load -> QK -> softmax -> PV); Hopper's
-    # warp specialisation (producer / consumer warps) is offered as a tuning switch.
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    # The tile loop is latency bound (one chain: load -> QK -> softmax -> PV per tile);
+    # tl.range(warp_specialize=True) was tried on an H200 and never helped.
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
@@ -103,7 +103,7 @@ def _mla_split_kernel(
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
                       block_h=None, block_w=None, block_n=32, num_warps=None,
-                      num_stages=None, warp_specialize=False):
+                      num_stages=None):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -115,7 +115,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     out : [bs*W, H, 512], q's dtype
     mask : "causal" or "tree" (``custom_mask`` bool/uint8 [bs*W*W])
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
-    block_w, block_h, block_n, num_warps, num_stages, warp_specialize : tuning knobs
+    block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     """
     name = "mla_attention_fwd"
@@ -172,7 +172,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:
         merge_splits(o, lse, out)
