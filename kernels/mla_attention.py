@@ -24,7 +24,7 @@ from .extend_attention import MASK_KINDS, visible_mask
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kvs,
@@ -34,7 +34,7 @@ def _mla_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -44,15 +44,26 @@ def _mla_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    prefix = seq_len - W
+    if RAGGED:  # EXTEND: rows cu[b]..cu[b+1]; W is only the host bound that sized the grid
+        row0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    else:
+        row0 = b.to(tl.int64) * W
+        q_len = W
+    if wb * BLOCK_W >= q_len:
+        return  # a row block past this request's rows: nothing to compute or store
+    prefix = seq_len - q_len
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = tl.load(draft_prefix_ptr + b)
     mask_base = b.to(tl.int64) * W * W
 
     # Row r of the tile is query row j = wb*BLOCK_W + r // BLOCK_H of head hb*BLOCK_H + r % BLOCK_H.
     offs_m = tl.arange(0, BLOCK_M)
     j = wb * BLOCK_W + offs_m // BLOCK_H
     heads = hb * BLOCK_H + offs_m % BLOCK_H
-    row_ok = (j < W) & (heads < NUM_HEADS)
-    rows = b.to(tl.int64) * W + j
+    row_ok = (j < q_len) & (heads < NUM_HEADS)
+    rows = row0 + j
     offs_c = tl.arange(0, LATENT)
     offs_r = tl.arange(0, ROPE)
     q_row = q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
@@ -62,6 +73,8 @@ def _mla_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if MASK == 0:  # causal: nothing past the block's last row is visible (prefill chunks)
+        end = tl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -79,8 +92,8 @@ def _mla_split_kernel(
         rope = tl.load(kv_row + LATENT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q_nope, tl.trans(latent), input_precision=INPUT_PRECISION)
         s = tl.dot(q_pe, tl.trans(rope), s, input_precision=INPUT_PRECISION) * scale_log2
-        vis = mask_n[None, :] & visible_mask(offs_n, j, W, seq_len, prefix, 0, mask_ptr,
-                                             mask_base, MASK)
+        vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix,
+                                             mask_ptr, mask_base, MASK)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row masked in this tile
@@ -103,7 +116,7 @@ def _mla_split_kernel(
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
                       block_h=None, block_w=None, block_n=32, num_warps=None,
-                      num_stages=None):
+                      num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -113,7 +126,10 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32 (>= W each)
     page_size, num_kv_splits, q_per_req (W) : host ints
     out : [bs*W, H, 512], q's dtype
-    mask : "causal" or "tree" (``custom_mask`` bool/uint8 [bs*W*W])
+    mask : "causal", "tree" (``custom_mask`` bool/uint8 [bs*W*W]) or "draft"
+        (``draft_prefix_lens`` int32 [bs]: row j sees p < draft_prefix or (p - draft_prefix) % W == j)
+    cu_seqlens_q, max_q_len : ragged EXTEND (causal only): rows of request i are
+        ``cu[i]:cu[i+1]``; ``max_q_len`` (host int) bounds them and sizes the grid
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
@@ -121,10 +137,19 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     name = "mla_attention_fwd"
     T, H, D = q.shape
     Dv = out.shape[-1]
-    W = q_per_req
-    if W < 1 or T % W != 0:
-        raise ValueError(f"{name}: q has {T} rows, not a multiple of q_per_req={W}")
-    bs = T // W
+    ragged = cu_seqlens_q is not None
+    if ragged:
+        if (max_q_len is None or max_q_len < 1 or cu_seqlens_q.dtype != torch.int32
+                or cu_seqlens_q.device != q.device or mask != "causal"):
+            raise ValueError(f"{name}: ragged rows need cu_seqlens_q int32 on {q.device}, "
+                             f"max_q_len >= 1 and mask='causal' (got max_q_len={max_q_len}, "
+                             f"mask={mask!r})")
+        W, bs = max_q_len, cu_seqlens_q.shape[0] - 1
+    else:
+        W = q_per_req
+        if W < 1 or T % W != 0:
+            raise ValueError(f"{name}: q has {T} rows, not a multiple of q_per_req={W}")
+        bs = T // W
     check_paged_inputs(name, q, (kv_buffer,), page_table, seq_lens_k, page_size, bs)
     rope = D - Dv
     if (kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D or rope <= 0
@@ -135,8 +160,14 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     if tuple(out.shape) != (T, H, Dv) or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"{name}: out {tuple(out.shape)} {out.dtype}, expected "
                          f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
-    if mask not in ("causal", "tree"):
-        raise ValueError(f"{name}: mask={mask!r} not in ['causal', 'tree']")
+    if mask not in MASK_KINDS:
+        raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
+    draft_arg = seq_lens_k  # placeholder, never read unless mask == "draft"
+    if mask == "draft":
+        if (draft_prefix_lens is None or draft_prefix_lens.dtype != torch.int32
+                or draft_prefix_lens.shape[0] < bs or draft_prefix_lens.device != q.device):
+            raise ValueError(f"{name}: draft mask needs draft_prefix_lens int32 [>= {bs}] on {q.device}")
+        draft_arg = draft_prefix_lens
     if num_kv_splits < 1:
         raise ValueError(f"{name}: num_kv_splits={num_kv_splits} must be >= 1")
     mask_arg = seq_lens_k  # placeholder, never read for causal
@@ -163,7 +194,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
     _mla_split_kernel[grid](
-        q, kv_buffer, page_table, seq_lens_k, mask_arg, o, lse,
+        q, kv_buffer, page_table, seq_lens_k, cu_seqlens_q if ragged else seq_lens_k, mask_arg,
+        draft_arg, o, lse,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_buffer.stride(0),
@@ -172,7 +204,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        RAGGED=ragged, num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:
         merge_splits(o, lse, out)

@@ -1,9 +1,9 @@
 """``triton_mla``: absorbed MLA over the latent cache ``[slots, 1, latent 512 + rope 64]``.
 
-DECODE, TARGET_VERIFY (chain and tree) and DRAFT_EXTEND run the MLA kernel, which loads
-each latent tile once for all W rows and a block of heads. Ragged EXTEND and multi-branch
-draft decode (uncommon for MLA, and off the hot path) run the generic extend kernel over
-views of the same cache (K = all 576 columns, V = the latent 512).
+Every mode runs the MLA kernel, which loads each latent tile once for a block of query
+rows and heads and uses it as both K (all 576 columns) and V (the latent 512): DECODE,
+TARGET_VERIFY (chain and tree), DRAFT_EXTEND, draft decode (branch mask) and ragged EXTEND
+(rows from ``cu_seqlens_q``, the grid sized by the host bound ``max_seq_len_q``).
 """
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ from typing import ClassVar
 
 import torch
 
-from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_mla_kv
 from kernels.mla_attention import mla_attention_fwd
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode
 from ..config import AttentionLayer
-from ..layout import MaskKind
 from .triton_common import TritonBackendBase
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
@@ -46,11 +44,10 @@ class TritonMLABackend(TritonBackendBase):
         r = self.config.kv_lora_rank
         out = torch.empty(q.shape[0], q.shape[1], r, dtype=q.dtype, device=q.device)
         splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
-        if lay.mode == ForwardMode.EXTEND or lay.mask == MaskKind.DRAFT:
-            return extend_attention_fwd(
-                q, kv, kv[..., :r], lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size,
-                layer.scaling, lay.max_seq_len_q, out, mask=lay.mask.value,
-                draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws)
+        ragged = lay.mode == ForwardMode.EXTEND
         return mla_attention_fwd(q, kv, lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
-                                 splits, out, q_per_req=lay.width, mask=lay.mask.value,
-                                 custom_mask=lay.custom_mask, workspace=ws)
+                                 splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,
+                                 custom_mask=lay.custom_mask, workspace=ws,
+                                 cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
+                                 max_q_len=lay.max_seq_len_q if ragged else None,
+                                 draft_prefix_lens=lay.draft_prefix_lens)
