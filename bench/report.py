@@ -20,6 +20,10 @@ def main(path):
         if "error" in r:
             print(f"{r['kernel']:14s} {r['impl']:11s} error: {r['error']}")
             continue
+        if "host_us" in r:
+            print(f"{r['kernel']:14s} {r['impl']:11s} host {r['host_us']:.1f} us, device {r['device_us']:.1f} us "
+                  "(one replay preparation, all metadata of one layer set)")
+            continue
         us[(r["kernel"], r["impl"])] = r["us"]
         print(f"{r['kernel']:14s} {r['impl']:11s} {r['us']:9.1f} {r['gbs']:8.0f} "
               f"{r['frac_copy']:7.1%}  {r.get('cfg') or ''}")
@@ -32,6 +36,12 @@ def main(path):
         frac = next(r["frac_copy"] for r in rows if r["kernel"] == "gqa_decode"
                     and r.get("impl") == "triton")
         checks.append(("GQA decode >= 90% of copy bandwidth", f"{frac:.1%}", frac >= 0.9))
+    if t("gqa_decode") and fi("gqa_decode"):
+        speed = fi("gqa_decode") / t("gqa_decode")
+        checks.append(("GQA decode speed >= 0.95x FlashInfer", f"{speed:.2f}x", speed >= 0.95))
+    if t("gqa_verify4") and us.get(("gqa_verify4", "flashinfer")):
+        speed = us[("gqa_verify4", "flashinfer")] / t("gqa_verify4")
+        checks.append(("GQA verify4 speed vs FlashInfer prefill path", f"{speed:.2f}x", None))
     for k, lim in [("gqa_verify4", 1.3), ("gqa_verify8", None)]:
         if t(k) and t("gqa_decode"):
             ratio = t(k) / t("gqa_decode")

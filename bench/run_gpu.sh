@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# GPU kernel tests, a launch-config sweep and the benchmarks in one call; prints a table.
+# GPU tests, the layout suite on CUDA and the benchmarks in one call; prints a table last.
 # Usage (repository root): bash bench/run_gpu.sh [OUT_DIR]
+#   STAGES   which stages to run (default "tests check bench"); also "sanitize" (compute-sanitizer
+#            memcheck over the GPU kernel tests) and "tune" (the launch-config sweep, ~200 s)
+#   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
 out=${1:-${OUT:-/tmp/attn-bench}}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export BENCH_TUNED="$out/tuned.json" BENCH_RESULTS="$out/results.jsonl"
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+stages=" ${STAGES:-tests check bench} "
+status=0
 rm -f "$BENCH_RESULTS"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not importable"
 
-echo "== GPU kernel tests"
-timeout "${TEST_TIMEOUT:-150}" python -m pytest tests/kernels -q -m cuda -x --durations=5 2>&1 \
-    | tee "$out/tests.log" | tail -25
-
-echo "== launch-config sweep"
-timeout "${TUNE_TIMEOUT:-200}" python bench/tune.py "$BENCH_TUNED" 2>&1 | tee "$out/tune.log" \
-    | grep -E "BEST|device|failed|took|Error"
-
-echo "== benchmarks"
-timeout "${BENCH_TIMEOUT:-100}" python -m pytest bench/bench_kernels.py -q \
-    --benchmark-columns=median,rounds 2>&1 | tee "$out/bench.log" | tail -20
-python bench/report.py "$BENCH_RESULTS" | tee "$out/table.txt"
+if [[ $stages == *" tests "* ]]; then
+  echo "== GPU tests (every test marked cuda)"
+  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests -q -m cuda -x -p no:cacheprovider 2>&1 \
+      | tee "$out/tests.log" | tail -15 || status=1
+fi
+if [[ $stages == *" check "* ]]; then
+  echo "== attn-backends check on cuda"
+  for b in triton triton_mla torch_native; do
+    timeout "${CHECK_TIMEOUT:-120}" python -m attn_backends.cli check --backend $b --device cuda \
+        --cases "${CHECK_CASES:-200}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
+  done
+fi
+if [[ $stages == *" sanitize "* ]]; then
+  echo "== compute-sanitizer memcheck (GPU kernel tests)"
+  timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 7 \
+      python -m pytest tests/kernels -q -m cuda -x -p no:cacheprovider -k "${SANITIZE_K:-not 32768}" 2>&1 \
+      | tee "$out/sanitize.log" | tail -6 || status=1
+fi
+if [[ $stages == *" tune "* ]]; then
+  echo "== launch-config sweep"
+  timeout "${TUNE_TIMEOUT:-200}" python bench/tune.py "$BENCH_TUNED" 2>&1 | tee "$out/tune.log" \
+      | grep -E "BEST|device|failed|took|Error"
+fi
+if [[ $stages == *" bench "* ]]; then
+  echo "== benchmarks"
+  timeout "${BENCH_TIMEOUT:-300}" python -m pytest bench/bench_kernels.py bench/bench_replay.py -q \
+      -p no:cacheprovider --benchmark-columns=median,rounds 2>&1 | tee "$out/bench.log" | tail -8 || status=1
+  python bench/report.py "$BENCH_RESULTS" | tee "$out/table.txt"
+fi
+exit $status

@@ -38,6 +38,9 @@ class TritonBackend(TritonBackendBase):
     def _programs(self, bs: int, width: int) -> int:
         return bs * self.config.num_kv_heads
 
+    def _per_sm(self, width: int) -> int:
+        return 16
+
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool
         store_kv(k, v, pool.k[layer.layer_id], pool.v[layer.layer_id], loc)

@@ -24,14 +24,16 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int) -> int:
-    """Splits so that ``programs * splits`` fills the GPU about twice over (never more
-    splits than pages). Depends only on host facts fixed by the GraphKey."""
+def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int) -> int:
+    """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
+    rounded down to a power of two, at most 32 and never more than the pages. Depends only
+    on host facts fixed by the GraphKey. ``per_sm`` comes from the H200 sweeps of
+    bench/tune.py (GQA decode at bs 64: 4 splits; MLA decode: 4; MLA verify: 2)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
-    target = 2 * sm_count(device.index or 0)
-    splits = -(-target // max(programs, 1))
-    return int(max(1, min(MAX_KV_SPLITS, splits, max_pages)))
+    want = per_sm * sm_count(device.index or 0) // max(programs, 1)
+    splits = 1 << max(0, min(want, MAX_KV_SPLITS, max_pages).bit_length() - 1)
+    return int(max(1, splits))
 
 
 class TritonBackendBase(LayoutBackend):
@@ -47,13 +49,17 @@ class TritonBackendBase(LayoutBackend):
     def _programs(self, bs: int, width: int) -> int:
         raise NotImplementedError
 
+    def _per_sm(self, width: int) -> int:
+        raise NotImplementedError
+
     def _out_dim(self) -> int:
         return self.config.out_dim
 
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
         max_pages = -(-self.memory.max_context_len // self.memory.page_size)
-        return choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages)
+        return choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
+                                    self._per_sm(width))
 
     def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
         splits = self._splits(layout)

@@ -34,6 +34,9 @@ class TritonMLABackend(TritonBackendBase):
         block_h = max(min(self.config.num_q_heads, max(1, 64 // w_pad)), 16 // min(w_pad, 16))
         return bs * -(-self.config.num_q_heads // block_h)
 
+    def _per_sm(self, width: int) -> int:
+        return 2 if width <= 1 else 1
+
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank
         store_mla_kv(k[..., :r], k[..., r:], self.memory.pool.kv[layer.layer_id], loc)
