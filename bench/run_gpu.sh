@@ -19,7 +19,7 @@ python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/de
 
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
-  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests -q -m cuda -x -p no:cacheprovider 2>&1 \
+  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests -q -m cuda -x -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then
