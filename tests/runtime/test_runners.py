@@ -72,20 +72,20 @@ def test_runner_invariants(kind, backend, mla, device):
 # ----------------------------------------------------------------------------- single properties (torch_native on CPU, triton on GPU)
 
 PROPS = [pytest.param("torch_native", "cpu", id="torch_native-cpu"),
-         pytest.param("triton", "cpu", id="triton-cpu"),     # the interpreter: slow, kept to a few batches
          pytest.param("triton", "cuda", id="triton-cuda", marks=pytest.mark.cuda),
          pytest.param("torch_native", "cuda", id="torch_native-cuda", marks=pytest.mark.cuda)]
 
 
-@pytest.mark.parametrize("backend,device", PROPS)
+@pytest.mark.parametrize("backend,device", PROPS + [pytest.param("triton", "cpu", id="triton-cpu")])
 @pytest.mark.parametrize("mla", MODELS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_eager_across_layouts_and_buckets(kind, mla, backend, device):
     tol, exact = tolerance(backend, device)
-    for order in ("shuffled", "interleaved", "reversed"):
+    interpreter = backend == "triton" and device == "cpu"    # slow: one layout, one batch
+    for order in ("interleaved",) if interpreter else ("shuffled", "interleaved", "reversed"):
         rig = make_rig(kind, backend, mla, device, page_order=order, page_size=1 if order == "reversed" else 16)
         rng = random.Random(hash(order) % 1000)
-        for raw in (3, 1):                          # buckets 4 and 2 (piecewise: token buckets 16, 8)
+        for raw in (3,) if interpreter else (3, 1):  # buckets 4 and 2 (piecewise: token buckets 16, 8)
             reqs = requests(rig, rng, raw)
             if kind == "draft_extend":
                 for i, q in enumerate(reqs):        # ragged, both extremes present

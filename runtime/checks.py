@@ -1,0 +1,568 @@
+"""Runner-level invariants of DESIGN.md (I7-I12, I14) over random cases, and the rig that
+builds a case: a tiny model, a KV memory with shuffled pages, per-layer backend instances, one
+runner of a given kind, and requests that can be assembled into batches at any bucket.
+
+``run_runner_suite(backend)`` draws ``cases`` random cases (runner kind, buckets, raw_bs,
+page size and layout, hidden mode) and records, per (backend, "runner:<kind>", invariant),
+passes and failures in a :class:`SuiteReport`, as ``attn_backends.testing.suite`` does:
+
+- I7  outputs cut to raw rows; real rows bit-identical when the pad rows' static inputs are
+      poisoned differently just before the replay;
+- I8  tensors returned by one replay unchanged after the next replay;
+- I9  replay == eager model forward (bitwise where ``exact``, else within ``tol``);
+- I10 a request's logits do not depend on bucket, slot or the others' accept lengths;
+- I11 ``can_run`` is true exactly when a replay happens (counted); refusals raise
+      :class:`RunnerRefusal`; every graph carries the captured hidden mode;
+- I12 every per-layer (and per-step) backend instance is refreshed once per replay;
+- I14 replaying A, B, A gives A's output twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, select_rows
+from attn_backends.registry import get_backend, get_backend_class, unavailable_reason
+from attn_backends.testing.report import Failure, SuiteReport
+from attn_backends.testing.scenarios import PAGE_ORDERS, make_memory, random_tree_mask
+
+from .breakable import BreakableGraphRunner
+from .draft import DraftInput, MultiStepDraftRunner
+from .full_graph import DraftExtendRunner, UniformGraphRunner
+from .models import TinyConfig, TinyModel
+from .piecewise import PiecewiseRunner
+from .runner_base import RunnerOutput, RunnerRefusal, run_eager
+
+I32, I64 = torch.int32, torch.int64
+KINDS = ("decode", "verify", "verify_tree", "draft_extend", "draft_decode", "piecewise",
+         "breakable_decode", "breakable_verify")
+MODE_NAMES = {"decode": "runner:decode", "verify": "runner:verify", "verify_tree": "runner:verify",
+              "draft_extend": "runner:draft_extend", "draft_decode": "runner:draft_decode",
+              "piecewise": "runner:piecewise", "breakable_decode": "runner:breakable",
+              "breakable_verify": "runner:breakable"}
+_MODE = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "verify_tree": ForwardMode.TARGET_VERIFY,
+         "draft_extend": ForwardMode.DRAFT_EXTEND, "draft_decode": ForwardMode.DECODE,
+         "piecewise": ForwardMode.EXTEND, "breakable_decode": ForwardMode.DECODE,
+         "breakable_verify": ForwardMode.TARGET_VERIFY}
+H = CaptureHiddenMode
+
+
+@dataclass
+class Req:
+    """One request of a rig: its KV row and the new tokens this forward writes."""
+    row: int
+    prefix: int
+    loc: torch.Tensor                  # [t] int64 new slots (draft decode: [steps*topk], step-major)
+    ids: torch.Tensor                  # [t] int64 (draft decode: [topk] first branch tokens)
+    accept: int = 1                    # DRAFT_EXTEND
+    mask: Optional[torch.Tensor] = None  # [N, N] bool, tree verify
+    embeds: Optional[torch.Tensor] = None  # [t, hidden]: piecewise input embeddings (override ids)
+
+
+@dataclass
+class RigSpec:
+    kind: str
+    backend: str = "torch_native"      # "triton" becomes "triton_mla" for an MLA model
+    mla: bool = False
+    buckets: tuple = (2, 4)            # requests (piecewise: tokens)
+    page_size: int = 16
+    page_order: str = "shuffled"
+    n: int = 3                         # N: verify and draft extend
+    topk: int = 2                      # tree verify, draft decode
+    steps: int = 2                     # draft decode
+    hidden: CaptureHiddenMode = H.FULL  # the captured hidden mode
+    per_layer: bool = True             # distinct backend instances per layer (I12)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_ctx: int = 128
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (f"kind={self.kind} backend={self.backend} {'MLA' if self.mla else 'GQA'} buckets={list(self.buckets)} "
+                f"page={self.page_size} layout={self.page_order} N={self.n} topk={self.topk} steps={self.steps} "
+                f"hidden={self.hidden.name} per_layer={self.per_layer} {self.device} {str(self.dtype)[6:]}")
+
+
+def backend_for(name: str, mla: bool) -> str:
+    return "triton_mla" if mla and name == "triton" else name
+
+
+class Rig:
+    def __init__(self, spec: RigSpec, capture: bool = True) -> None:
+        s = self.spec = spec
+        self.kind, self.mode, self.device = s.kind, _MODE[s.kind], torch.device(s.device)
+        self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed)
+        self.model = TinyModel(self.tc, s.device)
+        cfg = self.tc.attention()
+        self.mem = make_memory(cfg, num_pages=48 * (s.max_ctx // s.page_size) + 2, max_reqs=48,
+                               max_context_len=s.max_ctx, page_order=s.page_order, seed=s.seed, device=s.device)
+        self.backend_name = backend_for(s.backend, s.mla)
+        self.backends, self.ref_backends = self._backends(), self._backends()  # the reference never shares state
+        self.width = {"decode": 1, "breakable_decode": 1, "draft_decode": s.topk, "piecewise": 0}.get(s.kind, s.n)
+        self.runner = self._runner(self.backends)
+        if s.kind == "draft_decode":
+            self.ref_draft = MultiStepDraftRunner(self.model, self.ref_backends, self.mem, s.topk, s.steps, [1])
+        if capture:
+            self.runner.capture()
+
+    def _backends(self):
+        n = self.tc.num_layers
+        mk = lambda: get_backend(self.backend_name, self.tc.attention(), self.mem)  # noqa: E731
+        one = lambda: [mk() for _ in range(n)] if self.spec.per_layer else mk()  # noqa: E731
+        return [one() for _ in range(self.spec.steps)] if self.kind == "draft_decode" else one()
+
+    def flat(self, backends) -> list:
+        bs = backends if isinstance(backends, list) else [backends]
+        out = [b for x in bs for b in (x if isinstance(x, list) else [x])]
+        return list({id(b): b for b in out}.values())
+
+    def spec_template(self) -> Optional[SpecInfo]:
+        s = self.spec
+        if self.kind in ("verify", "breakable_verify", "draft_extend"):
+            return SpecInfo(s.n, 1, s.n - 1)
+        if self.kind == "verify_tree":
+            return SpecInfo(s.n, s.topk, s.steps)
+        return None
+
+    def _runner(self, backends):
+        s, m, mem = self.spec, self.model, self.mem
+        if self.kind == "draft_decode":
+            return MultiStepDraftRunner(m, backends, mem, s.topk, s.steps, s.buckets, s.hidden)
+        if self.kind == "piecewise":
+            return PiecewiseRunner(m, backends, mem, s.buckets, s.hidden)
+        cls = {"draft_extend": DraftExtendRunner, "breakable_decode": BreakableGraphRunner,
+               "breakable_verify": BreakableGraphRunner}.get(self.kind, UniformGraphRunner)
+        return cls(m, backends, mem, self.mode, s.buckets, spec=self.spec_template(), capture_hidden_mode=s.hidden)
+
+    @property
+    def fill(self) -> int:
+        return max(b.get_cuda_graph_seq_len_fill_value() for b in self.flat(self.backends))
+
+    # -- requests and batches
+    def new_requests(self, count: int, rng: random.Random, tokens: Optional[int] = None) -> list:
+        """``count`` requests with random prefixes (page-boundary biased); piecewise: at most
+        ``tokens`` new tokens in all (default: the largest token bucket)."""
+        s, mem = self.spec, self.mem
+        if self.kind == "piecewise":
+            budget = tokens or max(s.buckets)
+            per = max(1, budget // count)
+            new = [rng.randint(1, per) for _ in range(count)]
+        else:
+            new = [s.steps * s.topk if self.kind == "draft_decode" else self.width] * count
+        lo = 1 if self.kind == "draft_decode" else 0
+        ps = s.page_size
+        pre = [min(max(lo, rng.choice([0, ps - 1, ps, ps + 1, 2 * ps + 1, rng.randint(0, s.max_ctx)])),
+                   s.max_ctx - t) for t in new]
+        rows = [mem.new_request() for _ in range(count)]
+        left = list(pre)
+        step = ps if s.page_order == "interleaved" else s.max_ctx   # interleaved: round robin, a page at a time
+        while any(left):
+            for i, r in enumerate(rows):
+                k = min(left[i], step)
+                if k:
+                    mem.extend(r, k)
+                    left[i] -= k
+        reqs = []
+        for r, p, t in zip(rows, pre, new):
+            ids = torch.randint(0, self.tc.vocab_size, (s.topk if self.kind == "draft_decode" else t,),
+                                generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+            mask = random_tree_mask(s.n, rng) if self.kind == "verify_tree" else None
+            reqs.append(Req(r, p, mem.extend(r, t), ids.to(self.device), rng.randint(1, s.n), mask))
+        return reqs
+
+    def batch(self, reqs: list, bucket: Optional[int] = None, hidden=H.NULL):
+        """The batch of ``reqs`` in this order, padded by DESIGN.md's rules to ``bucket``
+        requests (uniform kinds; draft decode pads only for the eager reference)."""
+        dev, raw = self.device, len(reqs)
+        bs = bucket or raw
+        pad = bs - raw
+        z = lambda n: torch.zeros(n, dtype=I64, device=dev)  # noqa: E731
+        if self.kind == "draft_decode":
+            k, st = self.spec.topk, self.spec.steps
+            pre = torch.tensor([r.prefix for r in reqs] + [0] * pad, dtype=I32)
+            return DraftInput(torch.tensor([r.row for r in reqs] + [0] * pad, dtype=I32, device=dev), pre.to(dev), pre,
+                              torch.cat([r.ids for r in reqs] + [z(pad * k)]),
+                              torch.cat([r.loc.view(1, -1) for r in reqs] + [z(pad * st * k).view(pad, st * k)]),
+                              capture_hidden_mode=hidden)
+        if self.kind == "piecewise":
+            ext = torch.tensor([len(r.ids) for r in reqs], dtype=I32)
+            seq = torch.tensor([r.prefix + len(r.ids) for r in reqs], dtype=I32)
+            return ForwardBatch(ForwardMode.EXTEND, raw, torch.tensor([r.row for r in reqs], dtype=I32, device=dev),
+                                seq.to(dev), seq, torch.cat([r.loc for r in reqs]),
+                                torch.cat([torch.arange(r.prefix, r.prefix + len(r.ids), device=dev) for r in reqs]),
+                                ext.to(dev), ext, capture_hidden_mode=hidden, input_ids=torch.cat([r.ids for r in reqs]),
+                                input_embeds=torch.cat([r.embeds for r in reqs]) if reqs[0].embeds is not None else None)
+        w = self.width
+        seq = torch.tensor([r.prefix + w for r in reqs] + [max(self.fill, w)] * pad, dtype=I32)
+        spec = self.spec_template()
+        if self.kind == "verify_tree":
+            tril = torch.tril(torch.ones(w, w, dtype=torch.bool))
+            spec.tree_mask = torch.stack([r.mask for r in reqs] + [tril] * pad).to(dev)
+        elif self.kind == "draft_extend":
+            spec.accept_lens = torch.tensor([r.accept for r in reqs] + [1] * pad, dtype=I32, device=dev)
+        return ForwardBatch(self.mode, bs, torch.tensor([r.row for r in reqs] + [0] * pad, dtype=I32, device=dev),
+                            seq.to(dev), seq, torch.cat([r.loc for r in reqs] + [z(pad * w)]),
+                            torch.cat([torch.arange(r.prefix, r.prefix + w, device=dev) for r in reqs] + [z(pad * w)]),
+                            spec_info=spec, capture_hidden_mode=hidden,
+                            input_ids=torch.cat([r.ids for r in reqs] + [z(pad * w)]), raw_bs=raw)
+
+    def bucket(self, reqs: list) -> int:
+        n = sum(len(r.ids) for r in reqs) if self.kind == "piecewise" else len(reqs)
+        return self.runner.bucket_for(n)
+
+    # -- the reference
+    def expected(self, reqs: list, hidden=H.NULL, padded: bool = False) -> RunnerOutput:
+        """Eager model output of ``reqs`` on the reference backends: on the unpadded batch, or
+        (``padded``) on the batch padded to the runner's bucket, which launches the same
+        kernels as the replay (bitwise equal on the GPU)."""
+        raw, m = len(reqs), self.model
+        bucket = self.bucket(reqs) if padded else None
+        if self.kind == "draft_decode":
+            out = self.ref_draft.run_eager(self.batch(reqs, bucket, hidden))
+            n = raw * self.spec.topk
+            return RunnerOutput(out.logits[:n], None if out.hidden is None else out.hidden[:n], rows=out.rows[:raw])
+        if self.kind == "piecewise":
+            b = self.batch(reqs, hidden=hidden)
+            out = piecewise_eager(m, self.ref_backends, b, bucket) if padded else run_eager(m, self.ref_backends, b, 0)
+            out.input_embeds = b.input_embeds     # passed through, cut to the raw tokens
+            return out
+        if self.kind == "draft_extend":
+            b = self.batch(reqs, bucket, H.FULL)
+            out = run_eager(m, self.ref_backends, b, self.width)
+            rows = select_rows(raw, self.width, b.spec_info.accept_lens[:raw])
+            return RunnerOutput(out.logits[rows], None if hidden == H.NULL else out.hidden[rows], rows=rows)
+        return run_eager(m, self.ref_backends, self.batch(reqs, bucket, hidden), self.width)
+
+    def per_request(self, out: RunnerOutput, reqs: list) -> list:
+        """Each request's slice of ``out.logits`` (draft decode: with its tokens)."""
+        if self.kind == "piecewise":
+            ends = torch.tensor([len(r.ids) for r in reqs]).cumsum(0).tolist()
+            return [out.logits[e - len(r.ids):e] for r, e in zip(reqs, ends)]
+        w = 1 if self.kind == "draft_extend" else max(self.width, 1)
+        parts = [out.logits[i * w:(i + 1) * w] for i in range(len(reqs))]
+        if self.kind == "draft_decode":
+            return [(p, out.rows[i]) for i, p in enumerate(parts)]
+        return parts
+
+
+def piecewise_eager(model, backends, batch: ForwardBatch, t: int) -> RunnerOutput:
+    """EXTEND eagerly with the piecewise runner's shapes: the layers' dense parts over ``t``
+    padded token rows, attention over the raw tokens (the bitwise reference on the GPU)."""
+    per_layer = model.backends_per_layer(backends)
+    for b in {id(b): b for b in per_layer}.values():
+        b.init_forward_metadata(batch)
+    raw, c, dev = batch.num_tokens, model.config, batch.positions.device
+    pos = torch.zeros(t, dtype=I64, device=dev)
+    pos[:raw] = batch.positions
+    h = torch.zeros(t, c.hidden_size, dtype=c.dtype, device=dev)
+    h[:raw] = batch.input_embeds if batch.input_embeds is not None else model.embed(batch.input_ids)
+    with torch.no_grad():
+        for block, be in zip(model.layers, per_layer):
+            q, k, v = block.pre_attn(h, pos)
+            o = torch.zeros(t, *q.shape[1:2], c.kv_lora_rank if c.is_mla else c.head_dim, dtype=c.dtype, device=dev)
+            o[:raw] = be.forward(q[:raw], k[:raw], None if v is None else v[:raw], block.layer, batch)
+            h = block.post_attn(h, o)
+        h = model.norm(h)
+        logits = model.lm_head(h).float()
+    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(I64)
+    hidden = {H.NULL: None, H.LAST: h[(lens.cumsum(0) - 1).to(dev)], H.FULL: h[:raw]}[batch.capture_hidden_mode]
+    return RunnerOutput(logits[:raw].clone(), None if hidden is None else hidden.clone())
+
+
+# --------------------------------------------------------------------------- probes
+
+@contextlib.contextmanager
+def poisoned_pads(rig: Rig, n_raw: int, rng: random.Random):
+    """Write other (valid) values into the pad rows of the runner's static inputs right before
+    each replay: token ids, positions, embeddings, tree masks, accept lengths."""
+    r, s = rig.runner, rig.spec
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    rand = lambda hi, n: torch.randint(0, hi, (n,), generator=g).to(rig.device)  # noqa: E731
+
+    def poison(bucket: int) -> None:
+        if rig.kind == "piecewise":
+            lo, hi = n_raw, bucket
+            r.embeds[lo:hi] = torch.randn(hi - lo, r.embeds.shape[1], generator=g).to(r.embeds)
+            r.positions[lo:hi] = rand(s.max_ctx, hi - lo)
+            return
+        w = rig.width
+        lo, hi = n_raw * w, bucket * w
+        r.input_ids[lo:hi] = rand(rig.tc.vocab_size - 1, hi - lo) + 1
+        if rig.kind == "draft_decode":
+            r.positions[:, lo:hi] = rand(s.max_ctx, hi - lo)
+            return
+        r.positions[lo:hi] = rand(s.max_ctx, hi - lo)
+        if rig.kind == "verify_tree":
+            for i in range(n_raw, bucket):
+                r.tree_mask[i] = random_tree_mask(w, rng).to(rig.device)
+        if rig.kind == "draft_extend":
+            r.accept_lens[n_raw:bucket] = rand(w, bucket - n_raw).to(I32) + 1
+
+    wrapped = []
+    for key, entry in r.graphs.items():
+        g0 = entry[0][0] if rig.kind == "piecewise" else entry[0]
+        bucket = key if rig.kind == "piecewise" else key.bs
+        orig = g0.replay
+        g0.replay = lambda orig=orig, bucket=bucket: (poison(bucket), orig())
+        wrapped.append(g0)
+    try:
+        yield
+    finally:
+        for g0 in wrapped:
+            del g0.replay
+
+
+@contextlib.contextmanager
+def refresh_counts(backends: list):
+    """Count metadata refreshes per backend instance (replay-prep or eager init)."""
+    counts = {id(b): 0 for b in backends}
+    names = ("init_forward_metadata_replay_cuda_graph", "init_forward_metadata")
+    for b in backends:
+        for nm in names:
+            orig = getattr(b, nm)
+
+            def spy(*a, _orig=orig, _id=id(b), **k):
+                counts[_id] += 1
+                return _orig(*a, **k)
+            setattr(b, nm, spy)
+    try:
+        yield counts
+    finally:
+        for b in backends:
+            for nm in names:
+                delattr(b, nm)
+
+
+def outputs(o: RunnerOutput) -> dict:
+    return {k: v for k, v in (("logits", o.logits), ("hidden", o.hidden), ("input_embeds", o.input_embeds),
+                              ("rows", o.rows)) if isinstance(v, torch.Tensor)}
+
+
+def compare(got: RunnerOutput, want: RunnerOutput, tol: float, what: str) -> list:
+    """Messages for every output field that differs (``tol`` 0: bitwise)."""
+    g, w = outputs(got), outputs(want)
+    msgs = [f"{what}: field {k} is {'missing' if k not in g else 'unexpected'}" for k in set(g) ^ set(w)]
+    for k in sorted(set(g) & set(w)):
+        a, b = g[k], w[k]
+        if a.shape != b.shape:
+            msgs.append(f"{what}: {k} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
+        elif tol == 0 or not a.is_floating_point():
+            if not torch.equal(a, b):
+                bad = (a != b).nonzero()
+                msgs.append(f"{what}: {k} differs at {bad.shape[0]} of {a.numel()} entries, first {bad[0].tolist()}")
+        else:
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
+            if not err <= tol:   # NaN fails too
+                msgs.append(f"{what}: {k} relative error {err:.3g} > {tol:g}")
+    return msgs
+
+
+def clone(o: RunnerOutput) -> RunnerOutput:
+    return RunnerOutput(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(o).items()})
+
+
+# --------------------------------------------------------------------------- one case
+
+def refusal_batches(rig: Rig, rng: random.Random, reqs: list) -> list:
+    """(what, batch) pairs the runner must refuse, each with the text its message must hold."""
+    r, k, out = rig.runner, rig.kind, []
+    b = rig.batch(reqs, hidden=H.NULL)
+    over = rig.runner.max_bs + 1
+    if k == "piecewise":
+        big = rig.new_requests(1, rng, tokens=1)
+        big[0].ids = torch.zeros(over, dtype=I64, device=rig.device)   # only the count matters to the guard
+        big[0].loc = torch.zeros(over, dtype=I64, device=rig.device)
+        out.append(("tokens over the largest bucket", rig.batch(big), str(r.max_bs)))
+        out.append(("TARGET_VERIFY", dataclasses.replace(b, forward_mode=ForwardMode.TARGET_VERIFY,
+                                                         spec_info=SpecInfo(2, 1, 1)), "EXTEND"))
+    else:
+        out.append((f"bs={over} over the largest bucket", rig.batch(rig.new_requests(over, rng)), str(r.max_bs)))
+        out.append(("input embeddings", dataclasses.replace(b, input_embeds=torch.zeros(1)), "embed"))
+        if k == "draft_decode":
+            out.append(("out_cache_loc of another num_steps*topk",
+                        dataclasses.replace(b, out_cache_loc=b.out_cache_loc[:, :-1]), "num_steps*topk"))
+            out.append(("mode TARGET_VERIFY", dataclasses.replace(b, forward_mode=ForwardMode.TARGET_VERIFY), "TARGET_VERIFY"))
+        else:
+            other = ForwardMode.DRAFT_EXTEND if rig.mode != ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY
+            out.append((f"mode {other.name}", dataclasses.replace(b, forward_mode=other), other.name))
+        if rig.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+            s = b.spec_info
+            out.append(("spec N mismatch", dataclasses.replace(b, spec_info=dataclasses.replace(
+                s, num_draft_tokens=s.num_draft_tokens + 1, num_steps=s.num_steps + 1)), f"N={s.num_draft_tokens + 1}"))
+        if rig.mode == ForwardMode.DECODE and k != "draft_decode":
+            out.append(("draft decode batch", dataclasses.replace(
+                b, spec_info=SpecInfo(3, 2, 1, draft_step=1)), "draft"))
+    if r.capture_hidden_mode < H.FULL:
+        out.append(("hidden mode above the captured one", dataclasses.replace(
+            b, capture_hidden_mode=H(r.capture_hidden_mode + 1)), "hidden mode"))
+    return out
+
+
+def check_case(rig: Rig, rng: random.Random, judge: Callable[[str, list], None], *, tol: float,
+               exact: bool = False) -> None:
+    """Every runner invariant on one rig. ``judge(invariant, messages)`` records the outcome;
+    ``exact``: compare replay with the eager forward of the same padded batch bitwise."""
+    r, maxb = rig.runner, rig.runner.max_bs
+    budget = max(rig.spec.buckets)
+    if rig.kind == "piecewise":
+        reqs_a = rig.new_requests(rng.randint(1, 3), rng, tokens=budget - 1)   # raw tokens < bucket
+        reqs_b = rig.new_requests(rng.randint(1, 3), rng, tokens=max(1, budget // 2))
+    else:
+        ra = rng.randint(1, maxb - 1) if maxb > 1 else 1
+        rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
+        reqs_a, reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
+    hid = lambda: H(rng.randint(0, int(r.capture_hidden_mode)))  # noqa: E731
+    ha, hb = hid(), hid()
+    if rig.kind == "piecewise" and rng.random() < 0.5:
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        for q in reqs_a:
+            q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(device=rig.device, dtype=rig.tc.dtype)
+    backends = rig.flat(rig.backends)
+
+    def run(reqs, hidden, padded_input=True):
+        uniform = rig.kind not in ("draft_decode", "piecewise")
+        b = rig.batch(reqs, rig.bucket(reqs) if padded_input and uniform else None, hidden)
+        before = r.replay_count
+        can = r.can_run(b)
+        with refresh_counts(backends) as counts:
+            out = r.run(b)
+        msgs = [] if can else ["can_run was False for a batch the runner ran"]
+        if r.replay_count != before + 1:
+            msgs.append(f"replay_count went {before} -> {r.replay_count} for one run")
+        judge("I11", msgs)
+        judge("I12", [f"backend {i} ({type(be).__name__}) refreshed {counts[id(be)]} times in one replay, expected 1"
+                      for i, be in enumerate(backends) if counts[id(be)] != 1])
+        return out
+
+    # I9 / I7 slicing shapes, I8, I14
+    out_a = run(reqs_a, ha)
+    keep_a = clone(out_a)
+    judge("I9", compare(out_a, rig.expected(reqs_a, ha, exact), 0 if exact else tol, "A replay vs eager"))
+    out_b = run(reqs_b, hb, padded_input=False)
+    judge("I9", compare(out_b, rig.expected(reqs_b, hb, exact), 0 if exact else tol, "B replay vs eager"))
+    judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay"))
+    out_a2 = run(reqs_a, ha)
+    judge("I14", compare(out_a2, keep_a, 0, "A replayed after B"))
+    # I7: pad rows poisoned differently leave the real rows bit-identical
+    n_raw = sum(len(q.ids) for q in reqs_a) if rig.kind == "piecewise" else len(reqs_a)
+    with poisoned_pads(rig, n_raw, rng):
+        out_p = run(reqs_a, ha)
+    judge("I7", compare(out_p, keep_a, 0, "A with poisoned pad rows"))
+    # I10: the same requests reordered, fewer of them (another bucket/slot), others' accept lengths changed
+    target = reqs_a[0]
+    others = [dataclasses.replace(q, accept=rng.randint(1, rig.spec.n)) for q in reqs_a[1:]]
+    rng.shuffle(others)
+    others = others[:rng.randint(0, len(others))]
+    slot = rng.randint(0, len(others))
+    sub = others[:slot] + [target] + others[slot:]
+    out_s = run(sub, H.NULL)
+    got, want = rig.per_request(out_s, sub)[slot], rig.per_request(keep_a, reqs_a)[0]
+    what = f"request row {target.row} in slot {slot} of {len(sub)} (was slot 0 of {len(reqs_a)})"
+    tol10 = 3e-2 if exact else tol    # other buckets run other GEMM shapes: bf16 rounding differs
+    if rig.kind == "draft_decode":
+        msgs = compare(RunnerOutput(got[0]), RunnerOutput(want[0]), tol10, what)
+        if not exact and not torch.equal(got[1], want[1]):
+            msgs.append(f"{what}: draft tokens {got[1].tolist()} != {want[1].tolist()}")
+    else:
+        msgs = compare(RunnerOutput(got), RunnerOutput(want), tol10, what)
+    judge("I10", msgs)
+    # I11: refusals, and the hidden mode of every captured graph
+    keys = [k for k in r.graphs if not isinstance(k, int)]
+    judge("I11", [f"graph {k} captured with hidden mode {k.capture_hidden_mode.name}, runner has "
+                  f"{r.capture_hidden_mode.name}" for k in keys if k.capture_hidden_mode != r.capture_hidden_mode])
+    for what, b, needle in refusal_batches(rig, rng, reqs_b):
+        before, msgs = r.replay_count, []
+        if r.can_run(b):
+            msgs.append(f"can_run is True for {what}")
+        try:
+            r.run(b)
+            msgs.append(f"run accepted {what}")
+        except RunnerRefusal as e:
+            if needle.lower() not in str(e).lower():
+                msgs.append(f"refusal of {what} does not name {needle!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - anything else is a crash, not a refusal
+            msgs.append(f"{what}: {type(e).__name__} instead of RunnerRefusal: {e}")
+        if r.replay_count != before:
+            msgs.append(f"replay_count moved for a refused batch ({what})")
+        judge("I11", msgs)
+
+
+# --------------------------------------------------------------------------- the suite
+
+def kinds_for(caps) -> list:
+    out = []
+    for k in KINDS:
+        if _MODE[k] not in caps.modes:
+            continue
+        if k in ("verify_tree", "draft_decode") and not caps.topk_gt1:
+            continue
+        if k == "draft_decode" and not caps.draft_decode:
+            continue
+        out.append(k)
+    return out
+
+
+def random_spec(rng: random.Random, backend: str, caps, mla: bool, device: str, seed: int) -> RigSpec:
+    kind = rng.choice(kinds_for(caps))
+    pool = list(range(1, 9)) if kind != "piecewise" else [4, 8, 12, 16, 24, 32]
+    buckets = tuple(sorted(rng.sample(pool, rng.randint(1, 3))))
+    if max(buckets) < 2:
+        buckets = buckets + (rng.randint(2, 8),)
+    s = RigSpec(kind, backend, mla, buckets, page_size=rng.choice(caps.page_sizes),
+                page_order=rng.choice(PAGE_ORDERS), hidden=H(rng.randint(0, 2)),
+                per_layer=rng.random() < 0.8, device=device, seed=seed)
+    if kind in ("verify", "breakable_verify", "draft_extend"):
+        s.n = rng.randint(2, 5)
+    elif kind == "verify_tree":
+        s.topk, s.steps = rng.choice([2, 4]), rng.randint(1, 3)
+        s.n = rng.randint(s.steps + 1, min(s.steps * s.topk + 1, 6))
+    elif kind == "draft_decode":
+        s.topk, s.steps = rng.choice([1, 2, 4]), rng.randint(1, 3)
+    return s
+
+
+def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed: int = 0,
+                     progress: Optional[Callable[[int, int], None]] = None,
+                     report: Optional[SuiteReport] = None) -> SuiteReport:
+    """Run ``cases`` random runner cases on ``backend`` (a registered name) and record I7-I12
+    and I14 per (backend, "runner:<kind>"). Failures carry the seed that replays the case
+    (``cases=1, seed=...``). On the GPU, bf16 and a bitwise comparison with eager."""
+    cls = get_backend_class(backend)
+    reason = unavailable_reason(cls, device)
+    if reason:
+        raise ValueError(f"backend {backend!r} is not available on {device}: {reason}")
+    caps = cls.capabilities
+    kinds = [k for k, ok in ((False, caps.mha), (True, caps.mla)) if ok]
+    report = report or SuiteReport()
+    cuda = device == "cuda"
+    for i in range(cases):
+        case_seed = seed + i
+        rng = random.Random(case_seed)
+        spec = random_spec(rng, backend, caps, kinds[case_seed % len(kinds)], device, case_seed)
+        spec.dtype = torch.bfloat16 if cuda else torch.float32
+        mode = MODE_NAMES[spec.kind]
+        report.cases[(backend, mode)] += 1
+
+        def judge(inv: str, msgs: list, _mode=mode, _spec=spec, _seed=case_seed) -> None:
+            for m in msgs:
+                report.fail(Failure(backend, _mode, inv, m, _spec.describe(), _seed))
+            if not msgs:
+                report.record(backend, _mode, inv, True)
+
+        try:
+            rig = Rig(spec)
+            check_case(rig, rng, judge, tol=1e-4 if backend != "torch_native" else 1e-5, exact=cuda)
+        except Exception as e:  # noqa: BLE001 - a crash is a finding with its seed, not the end of the run
+            judge("I9", [f"crashed: {type(e).__name__}: {e}"])
+        if progress:
+            progress(i + 1, cases)
+    return report
+
+
+__all__ = ["KINDS", "MODE_NAMES", "Req", "Rig", "RigSpec", "check_case", "compare", "poisoned_pads",
+           "refresh_counts", "refusal_batches", "run_runner_suite", "piecewise_eager"]
