@@ -290,7 +290,7 @@ def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tens
     first_slot = inp.req_to_token[req][:, ::ps][:, :maxp]               # [bs, maxp]
     out.seq_lens_k.copy_(seq)
     out.page_table.copy_(torch.where(cols[None, :] < npages[:, None], first_slot // ps, 0))
-    out.kv_indptr[0] = 0
+    out.kv_indptr[:1].zero_()          # not `[0] = 0`: a scalar write is a host-to-device copy
     torch.cumsum(npages, 0, out=out.kv_indptr[1:])
     out.kv_last_page_len.copy_(seq - (npages - 1) * ps)
     # kv_indices[j] = page_table[row(j), j - kv_indptr[row(j)]], zeros past the used part.
@@ -365,7 +365,7 @@ def build_extend(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
     req, seq = _canonical_rows(inp)
     real = torch.arange(inp.bs, device=seq.device) < inp.raw_bs
     ext = torch.where(real, inp.extend_seq_lens.to(I32), 1)
-    lay.cu_seqlens_q[0] = 0
+    lay.cu_seqlens_q[:1].zero_()
     torch.cumsum(ext, 0, out=lay.cu_seqlens_q[1:])
     lay.prefix_lens.copy_(seq - ext)
     _write_kv(lay, inp, req, seq)

@@ -122,7 +122,7 @@ def materialize(scn: Scenario, mem: KVMemory, fill: int, device=None) -> Materia
     locs, positions, seq = [], [], []
     for i, r in enumerate(rows):
         n = scn.new_tokens(i)
-        locs.append(mem.extend(r, n))
+        locs.append(mem.extend(r, n).cpu())
         positions.append(torch.arange(scn.prefix_lens[i], scn.prefix_lens[i] + n))
         seq.append(scn.prefix_lens[i] + n)
     pad = scn.bs - scn.raw_bs
