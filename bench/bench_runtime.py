@@ -1,0 +1,182 @@
+"""Decode-step latency of the tiny models (GPU only): eager vs full graph vs piecewise vs
+breakable, bs 1, 8 and 64, with the ``triton`` / ``triton_mla`` backends, at
+``TinyConfig.gpu_gqa()`` / ``gpu_mla()`` sizes; and the host time of one replay preparation
+(``runner._load`` + ``_prepare_replay``: all metadata, all layers) under
+``torch.cuda.set_sync_debug_mode("error")``.
+
+One step = ``runner.run(batch)`` (inputs copied in, metadata, replay, outputs sliced and
+cloned) or, for eager, ``run_eager`` (eager metadata + the model forward). "piecewise" runs
+the decode step as an EXTEND of one token per request on the piecewise runner (dense pieces
+as graphs, attention eager). Times are do_bench medians; GB/s counts the weights and the KV
+read once. Rows go to ``$BENCH_RESULTS`` in bench_kernels' format; ``python
+bench/bench_runtime.py $BENCH_RESULTS`` prints the table and the targets.
+"""
+import json
+import random
+import statistics
+import sys
+import time
+
+import pytest
+import torch
+
+from attn_backends import ForwardBatch, ForwardMode, get_backend
+from attn_backends.testing.scenarios import make_memory
+from runtime.breakable import BreakableGraphRunner
+from runtime.full_graph import UniformGraphRunner
+from runtime.models import TinyConfig, TinyModel
+from runtime.piecewise import PiecewiseRunner
+from runtime.runner_base import run_eager
+
+BATCH_SIZES = (1, 8, 64)
+IMPLS = ("eager", "full_graph", "piecewise", "breakable")
+CONTEXT = 1024             # KV tokens per request before the step
+MAX_CTX = 2048
+
+
+class Setup:
+    """One model on the GPU, a KV memory with shuffled pages, one backend instance for all
+    layers, every runner captured for buckets 1, 8, 64, and one decode batch per bs."""
+
+    def __init__(self, which: str) -> None:
+        self.tc = TinyConfig.gpu_mla() if which == "mla" else TinyConfig.gpu_gqa()
+        self.model = TinyModel(self.tc, "cuda")
+        cfg = self.tc.attention()
+        ps = self.tc.page_size
+        self.mem = make_memory(cfg, num_pages=(max(BATCH_SIZES) + 2) * MAX_CTX // ps + 2, max_reqs=max(BATCH_SIZES) + 2,
+                               max_context_len=MAX_CTX, seed=0, device="cuda", fill=False)
+        self.backend = get_backend("triton_mla" if self.tc.is_mla else "triton", cfg, self.mem)
+        self.eager_backend = get_backend("triton_mla" if self.tc.is_mla else "triton", cfg, self.mem)
+        rng = random.Random(0)
+        rows = [self.mem.new_request() for _ in range(max(BATCH_SIZES))]
+        self.prefix = [CONTEXT - rng.randint(0, 64) for _ in rows]
+        for r, p in zip(rows, self.prefix):
+            self.mem.extend(r, p)
+        self.loc = torch.stack([self.mem.extend(r, 1) for r in rows]).view(-1)
+        self.rows = rows
+        self.runners = {
+            "full_graph": UniformGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
+            "breakable": BreakableGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
+            "piecewise": PiecewiseRunner(self.model, self.backend, self.mem, BATCH_SIZES),
+        }
+        for r in self.runners.values():
+            r.capture()
+
+    def batch(self, bs: int, extend: bool = False) -> ForwardBatch:
+        d = "cuda"
+        seq = torch.tensor([p + 1 for p in self.prefix[:bs]], dtype=torch.int32)
+        ids = torch.randint(0, self.tc.vocab_size, (bs,), generator=torch.Generator().manual_seed(bs)).to(d)
+        ones = torch.ones(bs, dtype=torch.int32)
+        return ForwardBatch(ForwardMode.EXTEND if extend else ForwardMode.DECODE, bs,
+                            torch.tensor(self.rows[:bs], dtype=torch.int32, device=d), seq.to(d), seq,
+                            self.loc[:bs].clone(), torch.tensor(self.prefix[:bs], device=d),
+                            extend_seq_lens=ones.to(d) if extend else None, extend_seq_lens_cpu=ones if extend else None,
+                            input_ids=ids)
+
+    def step(self, impl: str, bs: int):
+        if impl == "eager":
+            b = self.batch(bs)
+            return lambda: run_eager(self.model, self.eager_backend, b, 1)
+        b = self.batch(bs, extend=impl == "piecewise")
+        r = self.runners[impl]
+        return lambda: r.run(b)
+
+    def bytes_per_step(self, bs: int) -> int:
+        w = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        c = self.tc
+        row = (c.kv_lora_rank + c.qk_rope_head_dim) if c.is_mla else 2 * c.num_kv_heads * c.head_dim
+        kv = sum(p + 1 for p in self.prefix[:bs]) * row * c.num_layers * torch.finfo(c.dtype).bits // 8
+        return w + kv
+
+
+_SETUPS: dict = {}
+
+
+def setup(which: str) -> Setup:
+    if which not in _SETUPS:
+        _SETUPS[which] = Setup(which)
+    return _SETUPS[which]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_decode_step(benchmark, copy_gbs, which, bs, impl):
+    import workloads as W
+    s = setup(which)
+    fn = s.step(impl, bs)
+    fn()
+    torch.cuda.synchronize()
+    us = W.median_us(fn)
+    gbs = s.bytes_per_step(bs) / us / 1e3
+    benchmark.extra_info.update(us=us)
+    benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
+    record({"kernel": f"step_{which}_bs{bs}", "impl": impl, "us": us, "gbs": gbs, "frac_copy": gbs / copy_gbs,
+            "cfg": f"{which} {s.tc.num_layers} layers, ctx ~{CONTEXT}, page {s.tc.page_size}"})
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_replay_preparation_host_time(benchmark, which, bs):
+    """``_load`` + ``_prepare_replay`` of the full-graph runner: median host time, no sync."""
+    import triton
+    s = setup(which)
+    r = s.runners["full_graph"]
+    b = s.batch(bs)
+
+    def prep():
+        _, _, _, sb = r._load(b)
+        r._prepare_replay(sb)
+
+    for _ in range(20):
+        prep()
+    torch.cuda.synchronize()
+    host = []
+    torch.cuda.set_sync_debug_mode("error")     # any host sync in preparation raises here
+    try:
+        for _ in range(500):
+            t0 = time.perf_counter()
+            prep()
+            host.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host_us = statistics.median(host)
+    dev_us = triton.testing.do_bench(prep, warmup=10, rep=40, return_mode="median") * 1e3
+    benchmark.extra_info.update(host_us=host_us, device_us=dev_us)
+    benchmark.pedantic(lambda: (prep(), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
+    record({"kernel": f"runner_prep_{which}_bs{bs}", "impl": "full_graph", "host_us": host_us, "device_us": dev_us})
+
+
+def summarize(path: str) -> None:
+    rows = [json.loads(line) for line in open(path)]
+    steps = {(r["kernel"], r["impl"]): r["us"] for r in rows if r["kernel"].startswith("step_") and "us" in r}
+    print(f"{'decode step (us)':18s}" + "".join(f"{i:>12s}" for i in IMPLS) + f"{'eager/graph':>13s}")
+    for which in ("gqa", "mla"):
+        for bs in BATCH_SIZES:
+            k = f"step_{which}_bs{bs}"
+            cells = [steps.get((k, i)) for i in IMPLS]
+            ratio = cells[0] / cells[1] if cells[0] and cells[1] else None
+            print(f"{which + ' bs ' + str(bs):18s}" + "".join(f"{c:12.1f}" if c else f"{'-':>12s}" for c in cells)
+                  + (f"{ratio:12.2f}x" if ratio else ""))
+    for r in rows:
+        if r["kernel"].startswith("runner_prep_"):
+            ok = "PASS" if r["host_us"] < 30 else "MISS"
+            print(f"{r['kernel']:22s} host {r['host_us']:6.1f} us (target < 30: {ok}), device {r['device_us']:.1f} us, no sync")
+    e, g = steps.get(("step_gqa_bs1", "eager")), steps.get(("step_gqa_bs1", "full_graph"))
+    if e and g:
+        print(f"full-graph GQA decode bs 1: {e / g:.2f}x faster than eager (target >= 3x: {'PASS' if e / g >= 3 else 'MISS'})")
+
+
+def record(row):
+    from bench_kernels import record as _record
+    _record(row)
+
+
+try:  # the session fixture measuring copy bandwidth, shared with bench_kernels
+    from bench_kernels import copy_gbs  # noqa: F401,E402
+except Exception:  # noqa: BLE001 - without CUDA the module is only collected (and skipped)
+    pass
+
+
+if __name__ == "__main__":
+    summarize(sys.argv[1])
