@@ -2,9 +2,12 @@
 
 ``attn-backends list [--device cpu|cuda]``
     every registered backend, available here or not (and why), with its capabilities.
-``attn-backends check [--backend NAME|all|module:Class] [--device cpu|cuda] [--cases N] [--seed S]``
-    runs the suite (backend x mode x invariant), prints the matrix and each failure with the
-    seed that replays it; exit 1 on any failure, 2 for a backend that cannot run here.
+``attn-backends check [--backend NAME|all|module:Class] [--device cpu|cuda] [--cases N] [--seed S]
+[--suite-cases M]``
+    runs the layout suite (backend x mode x invariant), then every suite registered in the
+    entry-point group ``attn_backends.suites`` (this distribution registers the runner suite of
+    ``runtime``: I7, I8, I10-I12, I14), prints the matrix and each failure with the seed that
+    replays it; exit 1 on any failure, 2 for a backend that cannot run here.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from . import registry
 
 DEVICES = ("cpu", "cuda")
 SUITE_MODULE = "attn_backends.testing.suite"
+SUITES_GROUP = "attn_backends.suites"   # more suites, e.g. runtime's runner-level invariants
 MODE_ABBREV = {"EXTEND": "extend", "DECODE": "decode", "TARGET_VERIFY": "verify",
                "DRAFT_EXTEND": "draft_extend", "IDLE": "idle"}
 
@@ -113,9 +117,17 @@ def _load_run_suite():
         raise UsageError(f"{SUITE_MODULE} is missing from this installation") from None
 
 
+def _extra_suites() -> list:
+    """``(name, run)`` for each suite in the entry-point group: same signature as run_suite.
+    Found through the installed metadata, so attn_backends never imports runtime itself."""
+    from importlib.metadata import entry_points
+    return [(ep.name, ep.load()) for ep in sorted(entry_points(group=SUITES_GROUP), key=lambda e: e.name)]
+
+
 def cmd_check(args, out: TextIO, err: TextIO) -> int:
     names = _resolve(args.backend, args.device)
     run_suite = _load_run_suite()
+    extra = _extra_suites() if args.suite_cases else []
     failures = 0
     for name in names:
         print(f"== {name} on {args.device}: {args.cases} cases per mode, seed {args.seed}", file=out)
@@ -123,6 +135,9 @@ def cmd_check(args, out: TextIO, err: TextIO) -> int:
         progress = progress_bar(name, err) if err.isatty() else None
         t0 = time.monotonic()
         report = run_suite(name, device=args.device, cases=args.cases, seed=args.seed, progress=progress)
+        for suite_name, run in extra:
+            bar = progress_bar(f"{name} ({suite_name})", err) if err.isatty() else None
+            run(name, device=args.device, cases=args.suite_cases, seed=args.seed, progress=bar, report=report)
         print(report.table(), file=out)
         for f in report.failures:
             print(f"\nFAIL {f}", file=out)
@@ -158,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
     ck.add_argument("--cases", type=_positive, default=200, help="random cases per mode (default: 200)")
     ck.add_argument("--seed", type=int, default=0, help="random seed; a failure prints the seed that replays it (default: 0)")
+    ck.add_argument("--suite-cases", type=int, default=60,
+                    help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
+                         "e.g. the runner invariants spread over the runner kinds (default: 60; 0 skips them)")
     return p
 
 

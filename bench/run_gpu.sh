@@ -42,8 +42,9 @@ if [[ $stages == *" tune "* ]]; then
 fi
 if [[ $stages == *" bench "* ]]; then
   echo "== benchmarks"
-  timeout "${BENCH_TIMEOUT:-300}" python -m pytest bench/bench_kernels.py bench/bench_replay.py -q \
+  timeout "${BENCH_TIMEOUT:-300}" python -m pytest bench/bench_kernels.py bench/bench_replay.py bench/bench_runtime.py -q \
       -p no:cacheprovider --benchmark-columns=median,rounds 2>&1 | tee "$out/bench.log" | tail -8 || status=1
   python bench/report.py "$BENCH_RESULTS" | tee "$out/table.txt"
+  python bench/bench_runtime.py "$BENCH_RESULTS" | tee "$out/runtime_table.txt"
 fi
 exit $status

@@ -43,6 +43,14 @@ def fake_suite(monkeypatch):
     mod.run_suite = run_suite
     mod.calls = calls
     monkeypatch.setitem(sys.modules, SUITE, mod)
+    mod.extra_calls = []
+
+    def extra_suite(backend, *, device, cases, seed, progress, report):
+        mod.extra_calls.append(dict(backend=backend, cases=cases, seed=seed))
+        report.cases[(backend, "runner:decode")] += 1
+        report.record(backend, "runner:decode", "I8", True)
+
+    monkeypatch.setattr(cli, "_extra_suites", lambda: [("fake_runner", extra_suite)])
     return mod
 
 
@@ -137,6 +145,22 @@ def test_check_all_runs_every_available_backend(fake_suite, capsys):
     assert [c["backend"] for c in fake_suite.calls] == available and "torch_native" in available
 
 
+def test_check_runs_the_entry_point_suites_on_the_same_report(fake_suite, capsys):
+    assert cli.main(["check", "--cases", "1", "--suite-cases", "7", "--seed", "3"]) == 0
+    assert fake_suite.extra_calls == [dict(backend="torch_native", cases=7, seed=3)]
+    assert "runner:decode" in capsys.readouterr().out
+    fake_suite.extra_calls.clear()
+    assert cli.main(["check", "--cases", "1", "--suite-cases", "0"]) == 0
+    assert fake_suite.extra_calls == []
+
+
+def test_runner_suite_is_registered():
+    """This distribution registers runtime's runner invariants (issue #4 item 8)."""
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep.value for ep in entry_points(group=cli.SUITES_GROUP)}
+    assert eps.get("runner") == "runtime.checks:run_runner_suite", eps
+
+
 def test_check_passes_module_class_through(fake_suite):
     target = "attn_backends.backends.torch_native:TorchNativeBackend"
     assert cli.main(["check", "--backend", target, "--cases", "1"]) == 0
@@ -169,9 +193,10 @@ def test_progress_bar_only_on_a_terminal(fake_suite, monkeypatch):
 
 def test_check_torch_native_for_real(capsys):
     pytest.importorskip(SUITE, reason=f"{SUITE} is not importable yet")
-    assert cli.main(["check", "--backend", "torch_native", "--cases", "2"]) == 0
+    assert cli.main(["check", "--backend", "torch_native", "--cases", "2", "--suite-cases", "6"]) == 0
     out = capsys.readouterr().out
     assert "torch_native: ok" in out and "FAIL" not in out
+    assert "runner:" in out   # the runner invariants ran too
 
 
 def test_module_entry_point_runs_in_a_subprocess():
