@@ -4,7 +4,8 @@ MHA/GQA: ``k [T, Hkv, D]`` -> ``k_buffer[out_cache_loc]`` and likewise v.
 MLA: ``latent [T, 1, 512]`` and ``rope [T, 1, 64]`` -> columns [0:512) and [512:576) of
 ``kv_buffer [num_slots, 1, 576]``. One kernel copies a [T, H, D] source into a column
 range of a [num_slots, H, C] pool; sources may be strided views (e.g. slices of a fused
-qkv projection) as long as the last dim is contiguous. Padding tokens carry
+qkv projection) as long as the last dim is contiguous; ``out_cache_loc`` may be strided too
+(a column of a [bs, steps] slot table). Padding tokens carry
 ``out_cache_loc = 0`` and write into the reserved slot 0, which nobody reads as data.
 """
 
@@ -17,6 +18,7 @@ import triton.language as tl
 def _store_rows_kernel(
     src_ptr, dst_ptr, loc_ptr,
     col_offset,
+    stride_loc,
     stride_st, stride_sh,
     stride_ds, stride_dh,
     HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -25,7 +27,7 @@ def _store_rows_kernel(
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < HEADS)[:, None] & (offs_d < DIM)[None, :]
-    slot = tl.load(loc_ptr + t).to(tl.int64)  # int64: slot * stride can pass 2^31
+    slot = tl.load(loc_ptr + t * stride_loc).to(tl.int64)  # int64: slot * stride can pass 2^31
     val = tl.load(src_ptr + t.to(tl.int64) * stride_st + offs_h[:, None] * stride_sh
                   + offs_d[None, :], mask=mask)
     tl.store(dst_ptr + slot * stride_ds + offs_h[:, None] * stride_dh + col_offset
@@ -52,7 +54,7 @@ def _store(name, src, dst, loc, col_offset):
     block_d = triton.next_power_of_2(D)
     block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
     _store_rows_kernel[(T, triton.cdiv(H, block_h))](
-        src, dst, loc, col_offset,
+        src, dst, loc, col_offset, loc.stride(0),
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         HEADS=H, DIM=D, BLOCK_H=block_h, BLOCK_D=block_d,
     )

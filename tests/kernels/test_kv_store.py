@@ -21,6 +21,22 @@ def test_store_kv(loc_dtype):
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
 
 
+def test_store_kv_strided_slots():
+    """out_cache_loc as a column of a [bs, steps] slot table (the draft runner's eager path):
+    a strided view; the kernel must follow its stride (it once read it as contiguous)."""
+    torch.manual_seed(1)
+    T, Hkv, D, slots, steps = 6, 2, 8, 64, 3
+    table = (torch.randperm(slots - 1)[:T * steps] + 1).view(T, steps)
+    loc = table[:, 1]                                  # stride 3
+    assert loc.stride(0) == steps
+    k, v = torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    k_buf, v_buf = torch.randn(slots, Hkv, D), torch.randn(slots, Hkv, D)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    store_kv(k, v, k_buf, v_buf, loc)
+    k_ref[loc], v_ref[loc] = k, v
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
 def test_store_mla_kv():
     torch.manual_seed(0)
     T, slots = 4, 20
