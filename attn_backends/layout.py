@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -96,6 +96,10 @@ class LayoutInputs:
     extend_seq_lens_cpu: Optional[torch.Tensor] = None
     static: bool = False                # graph mode: host scalars from the key alone
     check_device_values: bool = False   # validate device tensors too (syncs; never in replay)
+    # Graph mode may pass raw_bs and draft_step as device scalars ([1] int32) so that the
+    # builder itself can be captured once (a "prep graph") and replayed for any raw_bs.
+    raw_bs_dev: Optional[torch.Tensor] = None
+    draft_step_dev: Optional[torch.Tensor] = None
 
     @property
     def bs(self) -> int:
@@ -148,6 +152,32 @@ class LayoutBuffers:
         self.custom_mask = z(max_bs * max_width * max_width, dtype=torch.bool)
         self.mask_indptr = z(max_bs + 1)
         self.draft_prefix_lens = z(max_bs)
+        # staged inputs: what a captured "prep graph" of the builder reads at replay
+        self.in_req = z(max_bs, dtype=torch.int64)
+        self.in_seq = z(max_bs)
+        self.in_raw = z(1)
+        self.in_step = z(1)
+        self.in_tree = z(max_bs * max_width * max_width, dtype=torch.bool)
+
+    def stage(self, inp: "LayoutInputs") -> "LayoutInputs":
+        """Copy the device inputs into the staged buffers (raw_bs and draft_step as device
+        scalars) and return inputs that read them: a builder run captured on these inputs
+        can be replayed for any batch of the same key. A few launches, no host sync."""
+        bs, raw, spec = inp.bs, inp.raw_bs, inp.spec_info
+        self.in_req[:bs].copy_(inp.req_pool_indices)
+        self.in_seq[:bs].copy_(inp.seq_lens)
+        self.in_raw.fill_(raw)
+        step = None
+        if spec is not None and spec.is_draft_decode:
+            self.in_step.fill_(spec.draft_step)
+            step = self.in_step
+        if spec is not None and spec.tree_mask is not None:
+            w = spec.tree_mask.shape[1]
+            tree = self.in_tree[:bs * w * w].view(bs, w, w)
+            tree[:raw].copy_(spec.tree_mask[:raw])
+            spec = replace(spec, tree_mask=tree)
+        return replace(inp, req_pool_indices=self.in_req[:bs], seq_lens=self.in_seq[:bs], spec_info=spec,
+                       raw_bs_dev=self.in_raw, draft_step_dev=step, check_device_values=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -198,11 +228,12 @@ def validate(inp: LayoutInputs) -> None:
         raise LayoutError(f"raw_bs={inp.raw_bs} outside 1..bs={bs}")
     if mode == ForwardMode.IDLE:
         raise LayoutError("IDLE batches carry no tokens and get no attention metadata")
-    seq = inp.seq_lens_cpu[:inp.raw_bs].to(torch.int64)
+    seqs = inp.seq_lens_cpu[:inp.raw_bs].tolist()   # a host tensor: no device sync; lists are fast
     ctx = inp.max_context_len
-    if int(seq.max()) > ctx:
-        raise LayoutError(f"seq_len={int(seq.max())} exceeds max_context_len={ctx}")
+    if max(seqs) > ctx:
+        raise LayoutError(f"seq_len={max(seqs)} exceeds max_context_len={ctx}")
     if mode == ForwardMode.EXTEND:
+        seq = torch.tensor(seqs, dtype=torch.int64)
         ext = inp.extend_seq_lens_cpu
         if ext is None or inp.extend_seq_lens is None:
             raise LayoutError("EXTEND needs extend_seq_lens and extend_seq_lens_cpu")
@@ -215,9 +246,9 @@ def validate(inp: LayoutInputs) -> None:
     else:
         w = query_width(mode, spec)
         need = w * spec.draft_step if (spec is not None and spec.is_draft_decode) else w
-        if int(seq.min()) < need:
-            i = int((seq < need).nonzero()[0])
-            raise LayoutError(f"request {i}: seq_len={int(seq[i])} < {need} query tokens "
+        if min(seqs) < need:
+            i = next(i for i, n in enumerate(seqs) if n < need)
+            raise LayoutError(f"request {i}: seq_len={seqs[i]} < {need} query tokens "
                               f"(W={w}{', draft_step=%d' % spec.draft_step if need != w else ''}); "
                               "seq_lens must include this forward's tokens")
         if mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
@@ -236,7 +267,7 @@ def validate(inp: LayoutInputs) -> None:
         rows = inp.req_to_token.shape[0]
         if bool(((req < 0) | (req >= rows)).any()):
             raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
-        if not torch.equal(inp.seq_lens[:inp.raw_bs].cpu().to(torch.int64), seq):
+        if inp.seq_lens[:inp.raw_bs].tolist() != seqs:
             raise LayoutError("seq_lens and seq_lens_cpu disagree")
         pos = torch.arange(ctx, device=req.device)
         used = pos[None, :] < inp.seq_lens[:inp.raw_bs, None]
@@ -262,11 +293,16 @@ def _fresh(mode, bs, width, page_size, mask, max_k, n_pages_total, device) -> La
 
 def _canonical_rows(inp: LayoutInputs):
     """(req, seq) with pad rows forced to request row 0 and ``pad_seq_len``."""
-    dev = inp.seq_lens.device
-    real = torch.arange(inp.bs, device=dev) < inp.raw_bs
+    real = real_rows(inp)
     req = torch.where(real, inp.req_pool_indices.to(torch.int64), 0)
     seq = torch.where(real, inp.seq_lens.to(I32), inp.pad_seq_len)
     return req, seq
+
+
+def real_rows(inp: LayoutInputs) -> torch.Tensor:
+    """``[bs]`` bool: rows below raw_bs (from the device scalar when there is one)."""
+    rows = torch.arange(inp.bs, device=inp.seq_lens.device, dtype=I32)
+    return rows < (inp.raw_bs_dev if inp.raw_bs_dev is not None else inp.raw_bs)
 
 
 def _host_max_k(inp: LayoutInputs) -> tuple[int, int]:
@@ -286,13 +322,18 @@ def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tens
     ps = inp.page_size
     maxp = out.page_table.shape[1]
     npages = (seq + ps - 1) // ps                                       # [bs]
+    out.seq_lens_k.copy_(seq)
+    out.kv_last_page_len.copy_(seq - (npages - 1) * ps)
+    if seq.is_cuda:
+        # one kernel for page_table, kv_indptr and kv_indices (same values as below)
+        from kernels.index_build import build_page_indices
+        build_page_indices(inp.req_to_token, req, seq, ps, out.page_table, out.kv_indptr, out.kv_indices)
+        return
     cols = torch.arange(maxp, device=seq.device)
     first_slot = inp.req_to_token[req][:, ::ps][:, :maxp]               # [bs, maxp]
-    out.seq_lens_k.copy_(seq)
     out.page_table.copy_(torch.where(cols[None, :] < npages[:, None], first_slot // ps, 0))
     out.kv_indptr[:1].zero_()          # not `[0] = 0`: a scalar write is a host-to-device copy
     torch.cumsum(npages, 0, out=out.kv_indptr[1:])
-    out.kv_last_page_len.copy_(seq - (npages - 1) * ps)
     # kv_indices[j] = page_table[row(j), j - kv_indptr[row(j)]], zeros past the used part.
     j = torch.arange(out.kv_indices.shape[0], device=seq.device, dtype=I32)
     row = torch.searchsorted(out.kv_indptr[1:], j, right=True)          # [C] in 0..bs
@@ -331,7 +372,8 @@ def build_draft_decode(inp: LayoutInputs, out: Optional[Layout] = None) -> Layou
     w = spec.topk
     lay = _uniform(inp, w, mask_kind(inp.mode, spec), out)
     if lay.draft_prefix_lens is not None:
-        lay.draft_prefix_lens.copy_((lay.seq_lens_k - w * spec.draft_step).clamp(min=0))
+        step = inp.draft_step_dev if inp.draft_step_dev is not None else spec.draft_step
+        lay.draft_prefix_lens.copy_((lay.seq_lens_k - w * step).clamp(min=0))
     return lay
 
 
@@ -341,8 +383,11 @@ def build_target_verify(inp: LayoutInputs, out: Optional[Layout] = None) -> Layo
     lay = _uniform(inp, w, mask_kind(inp.mode, spec), out)
     if lay.custom_mask is not None:
         dev = lay.custom_mask.device
-        m = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev)).repeat(inp.bs, 1, 1)
-        m[:inp.raw_bs] = spec.tree_mask[:inp.raw_bs].to(device=dev, dtype=torch.bool)
+        tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))
+        tree = spec.tree_mask.to(device=dev, dtype=torch.bool)
+        if tree.shape[0] < inp.bs:   # only the real rows are read; pad to bs rows
+            tree = torch.cat([tree, tril.expand(inp.bs - tree.shape[0], w, w)])
+        m = torch.where(real_rows(inp)[:, None, None], tree[:inp.bs], tril)   # pad rows: causal
         lay.custom_mask.copy_(m.reshape(-1))
         lay.mask_indptr.copy_(torch.arange(0, (inp.bs + 1) * w * w, w * w, dtype=I32, device=dev))
     return lay
