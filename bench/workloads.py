@@ -26,7 +26,7 @@ DEFAULTS = {
     "gqa_verify4": dict(num_kv_splits=4, block_n=64, num_warps=4, num_stages=2),
     "gqa_verify8": dict(num_kv_splits=4, block_n=64, num_warps=4, num_stages=2),
     "mla_decode": dict(num_kv_splits=4, block_n=32, num_warps=4, num_stages=2),
-    "mla_verify4": dict(num_kv_splits=2, block_n=32, num_warps=8, num_stages=3, block_w=4,
+    "mla_verify4": dict(num_kv_splits=2, block_n=64, num_warps=8, num_stages=2, block_w=4,
                         block_h=16),
 }
 

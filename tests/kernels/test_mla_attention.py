@@ -9,13 +9,19 @@ LATENT, ROPE = 512, 64
 
 
 def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
-            seed=0, **tuning):
+            seed=0, poison_unused=False, **tuning):
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
                                                    pad_len=W, device=device, seed=seed)
     bs = lens.shape[0]
     kv = torch.randn(num_pages * page_size, 1, LATENT + ROPE, device=device).to(dtype)
     q = torch.randn(bs * W, H, LATENT + ROPE, device=device).to(dtype)
+    if poison_unused:  # slots no request's positions reach (page tails) hold NaN
+        used = torch.zeros(kv.shape[0], dtype=torch.bool, device=device)
+        for i in range(bs):
+            pos = torch.arange(int(lens[i]), device=device)
+            used[page_table[i, pos // page_size].long() * page_size + pos % page_size] = True
+        kv[~used] = float("nan")
     custom_mask = None
     if mask == TREE:
         custom_mask = torch.rand(bs * W * W, device=device) < 0.5
@@ -28,7 +34,8 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
         ws[1].fill_(float("nan"))
     scale = 0.1
     if W == 1 and mask == CAUSAL:
-        mla_decode_fwd(q, kv, page_table, lens, page_size, scale, splits, out, workspace=ws)
+        mla_decode_fwd(q, kv, page_table, lens, page_size, scale, splits, out, workspace=ws,
+                       **tuning)
     else:
         mla_attention_fwd(q, kv, page_table, lens, page_size, scale, splits, out, q_per_req=W,
                           mask=mask, custom_mask=custom_mask, workspace=ws, **tuning)
@@ -67,4 +74,25 @@ def test_mla_gpu(dtype, H, page_size, mask, W, block_w):
     seq_lens = [W, 33, 1000, 4096, 32768]
     out, ref = run_mla(seq_lens, W, page_size, H, dtype, "cuda", mask=mask, splits=8,
                        pad_rows=2, block_w=block_w)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.parametrize("v_split,use_tma", [(2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("mask,W,splits", [(CAUSAL, 1, 3), (TREE, 4, 2), (CAUSAL, 3, 1)])
+def test_mla_split_v_tma_cpu(v_split, use_tma, mask, W, splits):
+    # page 64 = 4 tiles of 16: whole-page TMA tiles, a partial last tile and an empty split
+    out, ref = run_mla([W + 70, W, 64 + W], W, 64, 16, torch.float32, "cpu", mask=mask,
+                       splits=splits, pad_rows=1, block_n=16, v_split=v_split, use_tma=use_tma,
+                       poison_unused=True)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("v_split,use_tma", [(2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("mask,W,block_n,warps", [(CAUSAL, 1, 32, 4), (TREE, 4, 16, 4),
+                                                  (CAUSAL, 4, 32, 8)])
+def test_mla_split_v_tma_gpu(v_split, use_tma, mask, W, block_n, warps):
+    out, ref = run_mla([W, 33, 1000, 4096, 32768], W, 64, 16, torch.bfloat16, "cuda", mask=mask,
+                       splits=8, pad_rows=2, block_n=block_n, num_warps=warps, v_split=v_split,
+                       use_tma=use_tma, poison_unused=True)
     assert_close(out, ref, 1e-2)
