@@ -29,14 +29,16 @@ class UniformGraphRunner(GraphRunnerBase):
         self.width = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
         self.tree = spec is not None and spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY
         w, n, dev = self.width, self.max_bs * self.width, self.device
-        self.input_ids = torch.zeros(n, dtype=I64, device=dev)
-        self.positions = torch.zeros(n, dtype=I64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=I64, device=dev)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=I32, device=dev)
-        self.seq_lens = torch.full((self.max_bs,), max(self.fill, w), dtype=I32, device=dev)
+        # packed so that loading a batch is a few launches: rows of one buffer per dtype
+        self._tokens = torch.zeros(3, n, dtype=I64, device=dev)          # ids, positions, slots
+        self.input_ids, self.positions, self.out_cache_loc = self._tokens.unbind(0)
+        self._reqs = torch.zeros(2, self.max_bs, dtype=I32, device=dev)  # request rows, seq_lens
+        self.req_pool_indices, self.seq_lens = self._reqs.unbind(0)
+        self.seq_lens.fill_(max(self.fill, w))
         self.seq_lens_cpu = torch.full((self.max_bs,), max(self.fill, w), dtype=I32)
         self.accept_lens = torch.ones(self.max_bs, dtype=I32, device=dev)
-        self.tree_mask = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev)).repeat(self.max_bs, 1, 1)
+        self._tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))
+        self.tree_mask = self._tril.repeat(self.max_bs, 1, 1)
         for b in self.backends:
             b.init_cuda_graph_state(self.max_bs, n)
 
@@ -81,24 +83,23 @@ class UniformGraphRunner(GraphRunnerBase):
         key = GraphKey(self.mode, bs, w, self.capture_hidden_mode)
         graph, out, sb = self.graphs[key]
         nr, n = raw * w, bs * w
-        for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
-                         (self.out_cache_loc, batch.out_cache_loc)):
-            dst[:nr].copy_(src[:nr])
-            dst[nr:n].zero_()                                  # pad rows: token 0, slot 0
-        self.req_pool_indices[:raw].copy_(batch.req_pool_indices[:raw])
-        self.req_pool_indices[raw:bs].zero_()                  # the reserved request row
         pad = max(self.fill, w)
-        self.seq_lens[:raw].copy_(batch.seq_lens[:raw])
-        self.seq_lens[raw:bs].fill_(pad)
+        self._tokens[:, :nr].copy_(torch.stack([batch.input_ids[:nr], batch.positions[:nr],
+                                                batch.out_cache_loc[:nr]]))
+        self._reqs[:, :raw].copy_(torch.stack([batch.req_pool_indices[:raw].to(I32), batch.seq_lens[:raw].to(I32)]))
         self.seq_lens_cpu[:raw].copy_(batch.seq_lens_cpu[:raw])
-        self.seq_lens_cpu[raw:bs].fill_(pad)
+        if raw < bs:                          # pad rows: token 0, slot 0, request row 0, seq_len = fill
+            self._tokens[:, nr:n].zero_()
+            self.req_pool_indices[raw:bs].zero_()
+            self.seq_lens[raw:bs].fill_(pad)
+            self.seq_lens_cpu[raw:bs].fill_(pad)
         spec = batch.spec_info
-        if spec is not None and spec.accept_lens is not None:
+        if self.mode == ForwardMode.DRAFT_EXTEND:
             self.accept_lens[:raw].copy_(spec.accept_lens[:raw])
-        self.accept_lens[raw:bs].fill_(1)
+            self.accept_lens[raw:bs].fill_(1)
         if self.tree:
             self.tree_mask[:raw].copy_(spec.tree_mask[:raw])
-            self.tree_mask[raw:bs] = torch.tril(torch.ones(w, w, dtype=torch.bool, device=self.device))
+            self.tree_mask[raw:bs] = self._tril
         sb.raw_bs = raw
         return key, graph, out, sb
 
