@@ -172,7 +172,8 @@ class LayoutBackend(AttentionBackend):
     capture_prep_graph = True
 
     def _capture_prep(self, inp, layout: Layout):
-        staged = self._bufs.stage(inp)
+        self._bufs.stage(inp)
+        staged = self._bufs.staged(inp)
         build_layout(staged, out=layout)                     # warm-up on the staged inputs
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -159,25 +159,31 @@ class LayoutBuffers:
         self.in_step = z(1)
         self.in_tree = z(max_bs * max_width * max_width, dtype=torch.bool)
 
-    def stage(self, inp: "LayoutInputs") -> "LayoutInputs":
+    def stage(self, inp: "LayoutInputs") -> None:
         """Copy the device inputs into the staged buffers (raw_bs and draft_step as device
-        scalars) and return inputs that read them: a builder run captured on these inputs
-        can be replayed for any batch of the same key. A few launches, no host sync."""
+        scalars): what a builder run captured on :meth:`staged` inputs reads at replay.
+        A few launches, no host sync."""
         bs, raw, spec = inp.bs, inp.raw_bs, inp.spec_info
         self.in_req[:bs].copy_(inp.req_pool_indices)
         self.in_seq[:bs].copy_(inp.seq_lens)
         self.in_raw.fill_(raw)
-        step = None
         if spec is not None and spec.is_draft_decode:
             self.in_step.fill_(spec.draft_step)
-            step = self.in_step
         if spec is not None and spec.tree_mask is not None:
             w = spec.tree_mask.shape[1]
-            tree = self.in_tree[:bs * w * w].view(bs, w, w)
-            tree[:raw].copy_(spec.tree_mask[:raw])
-            spec = replace(spec, tree_mask=tree)
+            self.in_tree[:raw * w * w].view(raw, w, w).copy_(spec.tree_mask[:raw])
+
+    def staged(self, inp: "LayoutInputs") -> "LayoutInputs":
+        """Inputs that read the staged buffers: capture the builder on these once, then
+        :meth:`stage` + replay serves any batch of the same key."""
+        bs, spec = inp.bs, inp.spec_info
+        draft = spec is not None and spec.is_draft_decode
+        if spec is not None and spec.tree_mask is not None:
+            w = spec.tree_mask.shape[1]
+            spec = replace(spec, tree_mask=self.in_tree[:bs * w * w].view(bs, w, w))
         return replace(inp, req_pool_indices=self.in_req[:bs], seq_lens=self.in_seq[:bs], spec_info=spec,
-                       raw_bs_dev=self.in_raw, draft_step_dev=step, check_device_values=False)
+                       raw_bs_dev=self.in_raw, draft_step_dev=self.in_step if draft else None,
+                       check_device_values=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
