@@ -22,6 +22,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
+                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc,
+                      INPUT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax, shared by the decode and extend kernels.
+
+    q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
+    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc).
+    """
+    k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+    s = tl.where(vis, s, float("-inf"))
+    # A row may see nothing in this tile (masks); keep its exponents finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partial(acc, m_i, l_i, o_ptrs, o_mask, lse_ptrs, lse_mask, NUM_SPLITS: tl.constexpr):
+    """Write a (split's) normalised output and, with splits, its log2-sum-exp. An empty split
+    writes zeros and lse = -inf so that the merge gives it weight 0 whatever the workspace
+    held before (it may be poisoned or stale)."""
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptrs, out, mask=o_mask)
+    if NUM_SPLITS > 1:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptrs, lse, mask=lse_mask)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     scale_log2,
@@ -68,29 +106,13 @@ def _decode_split_kernel(
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot*stride can pass 2^31
-        k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # Every tile holds at least one valid position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = paged_tile_update(
+            q, k_ptr, v_ptr, slot, mask_n, mask_n[None, :], kvh, stride_ks, stride_kh, stride_vs,
+            stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
 
-    # An empty split writes zeros and lse = -inf so that the merge gives it weight 0
-    # whatever the workspace held before (it may be poisoned or stale).
-    nonempty = l_i > 0
-    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
-    tl.store(o_ptr + o_off, out, mask=mask_h[:, None] & mask_dv[None, :])
-    if NUM_SPLITS > 1:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
+                  lse_ptr + b * stride_lb + heads * stride_lh + split, mask_h, NUM_SPLITS)
 
 
 @triton.jit

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import LOG2E, check_paged_inputs, merge_splits, split_targets
+from .decode_attention import (LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets,
+                               store_partial)
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 
@@ -112,30 +113,15 @@ def _extend_split_kernel(
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
         vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix,
                                              mask_ptr, mask_base, MASK)
-        s = tl.where(vis, s, float("-inf"))
-        # A row may see nothing in this tile (masks); keep its exponents finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = paged_tile_update(
+            q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+            offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
 
-    nonempty = l_i > 0
-    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
-    tl.store(o_ptr + o_off + offs_dv[None, :], out, mask=row_ok[:, None] & mask_dv[None, :])
-    if NUM_SPLITS > 1:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+    store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
+                  lse_ptr + rows * stride_lt + heads * stride_lh + split, row_ok, NUM_SPLITS)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
