@@ -107,7 +107,6 @@ def test_replay_equals_eager_and_reference(backend, mode, ps):
 @pytest.mark.parametrize("ps", [1, 64])
 def test_extend_real_sizes(backend, ps):
     """Ragged EXTEND (prefill chunks after a cached prefix) at model sizes, bf16, eager."""
-    rng = random.Random(ps)
     cfg = _config(backend, ps, torch.bfloat16)
     mem = make_memory(cfg, num_pages=6 * 2048 // ps + 8, max_reqs=8, max_context_len=2048,
                       page_order="shuffled", seed=ps, device="cuda")

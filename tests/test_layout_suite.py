@@ -1,14 +1,11 @@
 """The layout-equivalence suite over every registered backend available here, every mode it
 declares; the worked example of issue #2; hypothesis over page sizes, layouts, buckets,
 accept lengths, topk and histories."""
-import random
-
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_backends import ForwardMode, GraphInputs, GraphKey, ModelConfig, get_backend, list_backends, select_rows
+from attn_backends import ForwardMode, ModelConfig, get_backend, list_backends, select_rows
 from attn_backends.registry import get_backend_class
 from attn_backends.testing.report import SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, Scenario, draft_extend_spec, make_memory, materialize

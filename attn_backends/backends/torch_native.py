@@ -42,7 +42,7 @@ def visible(lay: Layout, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tens
 def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float) -> torch.Tensor:
     """``q [T, H, D]`` against the paged cache ``k_cache [slots, Hkv, D]``,
     ``v_cache [slots, Hkv, Dv]`` -> ``[T, H, Dv]`` in ``q.dtype``."""
-    bs, ps = lay.bs, lay.page_size
+    ps = lay.page_size
     nq, nk = lay.max_seq_len_q, lay.max_seq_len_k
     dev = q.device
     h, hkv = q.shape[1], k_cache.shape[1]
