@@ -64,7 +64,8 @@ class ForwardMetadata:
     def __init__(self, layout: Layout, **extra) -> None:
         self.layout = layout
         self.extra = extra
-        self.prep_graph = None
+        self.prep_graph = None      # the builder on staged copies of the inputs
+        self.prep_direct = None     # (graph, input signature): the builder on the capture inputs
 
     def as_layout(self) -> dict:
         return self.layout.as_dict()
@@ -144,7 +145,8 @@ class LayoutBackend(AttentionBackend):
                                  mask_kind(key.forward_mode, inputs.spec_info), self.memory.max_context_len)
         old = self._graph_meta.get(key)
         meta = self._graph_meta[key] = ForwardMetadata(views, **self._extras(views, key))
-        meta.prep_graph = old.prep_graph if old is not None else None  # same views: still valid
+        if old is not None:                                 # same views: its prep graphs still hold
+            meta.prep_graph, meta.prep_direct = old.prep_graph, old.prep_direct
         self._prepare_graph(inputs, capture=True)
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
@@ -161,25 +163,21 @@ class LayoutBackend(AttentionBackend):
         if capture or meta.prep_graph is None:
             build_layout(inp, out=meta.layout)               # capture: validates device values too (I13)
             if capture and self.capture_prep_graph and inp.req_to_token.is_cuda and not stream_capturing():
-                meta.prep_graph = self._capture_prep(inp, meta.layout)
+                self._bufs.stage(inp)
+                meta.prep_graph = _capture_builder(self._bufs.staged(inp), meta.layout)
+                meta.prep_direct = (_capture_builder(self._bufs.direct(inp), meta.layout), _signature(inp))
         else:
             validate(inp)                                    # host checks, every replay
-            self._bufs.stage(inp)
-            meta.prep_graph.replay()
+            if meta.prep_direct is not None and meta.prep_direct[1] == _signature(inp):
+                self._bufs.stage_scalars(inp)                # a runner's static inputs: 1-2 launches
+                meta.prep_direct[0].replay()
+            else:
+                self._bufs.stage(inp)
+                meta.prep_graph.replay()
         self._refresh_extras(meta, inputs)
         self.forward_metadata = meta
 
     capture_prep_graph = True
-
-    def _capture_prep(self, inp, layout: Layout):
-        self._bufs.stage(inp)
-        staged = self._bufs.staged(inp)
-        build_layout(staged, out=layout)                     # warm-up on the staged inputs
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            build_layout(staged, out=layout)
-        g.replay()                                           # capture records, it does not run
-        return g
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -242,3 +240,21 @@ class LayoutBackend(AttentionBackend):
     @abstractmethod
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         """``q [T, H, Dqk]`` -> ``[T, H, Dv]`` over the cache, with ``meta.layout``."""
+
+
+def _signature(inp) -> tuple:
+    """Where and how the device inputs live: a prep graph captured on them reads exactly this."""
+    tensors = [inp.req_pool_indices, inp.seq_lens]
+    if inp.spec_info is not None and inp.spec_info.tree_mask is not None:
+        tensors.append(inp.spec_info.tree_mask)
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def _capture_builder(inp, layout: Layout):
+    """The layout builder captured as a CUDA graph on ``inp`` (device inputs at fixed addresses)."""
+    build_layout(inp, out=layout)                            # warm-up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        build_layout(inp, out=layout)
+    g.replay()                                               # capture records, it does not run
+    return g

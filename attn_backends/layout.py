@@ -159,6 +159,12 @@ class LayoutBuffers:
         self.in_step = z(1)
         self.in_tree = z(max_bs * max_width * max_width, dtype=torch.bool)
 
+    def stage_scalars(self, inp: "LayoutInputs") -> None:
+        """raw_bs (and draft_step) into their device scalars: fill kernels, no host sync."""
+        self.in_raw.fill_(inp.raw_bs)
+        if inp.spec_info is not None and inp.spec_info.is_draft_decode:
+            self.in_step.fill_(inp.spec_info.draft_step)
+
     def stage(self, inp: "LayoutInputs") -> None:
         """Copy the device inputs into the staged buffers (raw_bs and draft_step as device
         scalars): what a builder run captured on :meth:`staged` inputs reads at replay.
@@ -166,12 +172,17 @@ class LayoutBuffers:
         bs, raw, spec = inp.bs, inp.raw_bs, inp.spec_info
         self.in_req[:bs].copy_(inp.req_pool_indices)
         self.in_seq[:bs].copy_(inp.seq_lens)
-        self.in_raw.fill_(raw)
-        if spec is not None and spec.is_draft_decode:
-            self.in_step.fill_(spec.draft_step)
+        self.stage_scalars(inp)
         if spec is not None and spec.tree_mask is not None:
             w = spec.tree_mask.shape[1]
             self.in_tree[:raw * w * w].view(raw, w, w).copy_(spec.tree_mask[:raw])
+
+    def direct(self, inp: "LayoutInputs") -> "LayoutInputs":
+        """``inp`` itself with raw_bs / draft_step read from the device scalars: for a builder
+        captured on a caller's static inputs (a runner's buffers, refilled in place)."""
+        draft = inp.spec_info is not None and inp.spec_info.is_draft_decode
+        return replace(inp, raw_bs_dev=self.in_raw, draft_step_dev=self.in_step if draft else None,
+                       check_device_values=False)
 
     def staged(self, inp: "LayoutInputs") -> "LayoutInputs":
         """Inputs that read the staged buffers: capture the builder on these once, then
