@@ -11,8 +11,9 @@ import torch
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, query_width
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import Layout, LayoutBuffers, LayoutError, build_layout, inputs_from_batch, \
+from .layout import Layout, LayoutError, build_layout, inputs_from_batch, \
     inputs_from_graph, mask_kind, stream_capturing, validate
+from .layout_buffers import LayoutBuffers
 
 
 class GraphSupport(enum.IntEnum):

@@ -15,7 +15,8 @@ import torch
 from attn_backends import (Capabilities, ForwardMode, GraphKey, KVCacheFullError, LayoutError,
                            ModelConfig, SpecInfo, get_backend)
 from attn_backends.backends.torch_native import TorchNativeBackend
-from attn_backends.layout import LayoutBuffers, build_layout, inputs_from_batch
+from attn_backends.layout import build_layout, inputs_from_batch
+from attn_backends.layout_buffers import LayoutBuffers
 from attn_backends.testing.scenarios import (Scenario, draft_decode_spec, draft_extend_spec,
                                              make_memory, materialize, verify_spec)
 
