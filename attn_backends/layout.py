@@ -240,11 +240,11 @@ def real_rows(inp: LayoutInputs) -> torch.Tensor:
 
 def _host_max_k(inp: LayoutInputs) -> tuple[int, int]:
     """(max_seq_len_k, total pages) from host values: the static bound in graph mode."""
+    ps = inp.page_size
+    if inp.static:           # graph mode: nothing from the batch (replay reads no host values here)
+        return inp.max_context_len, inp.bs * (inp.max_context_len // ps)
     seq = inp.seq_lens_cpu[:inp.raw_bs].to(torch.int64)
     pad = inp.bs - inp.raw_bs
-    ps = inp.page_size
-    if inp.static:
-        return inp.max_context_len, inp.bs * (inp.max_context_len // ps)
     max_k = max(int(seq.max()), inp.pad_seq_len if pad else 0)
     pages = int(((seq + ps - 1) // ps).sum()) + pad * (-(-inp.pad_seq_len // ps))
     return max_k, pages

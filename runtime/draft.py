@@ -86,7 +86,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
                              raw_bs=raw) for s in range(self.num_steps)]
 
     def _static_batch(self, bucket: int):
-        self._write_pads(0, bucket, prefix_pad=True)
+        self._write_pads(0, bucket)
         return GraphKey(ForwardMode.DECODE, bucket, self.topk, self.capture_hidden_mode), \
             self._step_batches(bucket, bucket)
 
@@ -111,7 +111,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
             tokens.append(ids)
         return torch.stack(tokens), logits, hidden                      # [steps, bs*topk], ...
 
-    def _write_pads(self, raw: int, bs: int, prefix_pad: bool = False) -> None:
+    def _write_pads(self, raw: int, bs: int) -> None:
         k, pad = self.topk, max(self.fill, self.topk * self.num_steps)
         self.input_ids[raw * k:bs * k].zero_()
         self.out_cache_loc[:, raw * k:bs * k].zero_()

@@ -13,7 +13,7 @@ import torch
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode
 
 from .graphs import make_graph
-from .runner_base import GraphRunnerBase, RunnerOutput
+from .runner_base import GraphRunnerBase, RunnerOutput, RunnerRefusal
 
 
 class PiecewiseRunner(GraphRunnerBase):
@@ -67,7 +67,6 @@ class PiecewiseRunner(GraphRunnerBase):
         return first if i == 0 else last if i == len(layers) else middle
 
     def run(self, batch: ForwardBatch) -> RunnerOutput:
-        from .runner_base import RunnerRefusal
         reason = self.refusal(batch)
         if reason:
             raise RunnerRefusal(f"PiecewiseRunner cannot run this batch: {reason}")
