@@ -1,7 +1,6 @@
 """attn-backends: pluggable attention backends that stay correct under CUDA graphs."""
 from .base import AttentionBackend, Capabilities, ForwardMetadata, GraphSupport, LayoutBackend
-from .batch import (CaptureHiddenMode, ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo,
-                    query_width)
+from .batch import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo, query_width
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVCacheFullError, KVMemory
 from .layout import Layout, LayoutError, build_layout, select_rows

@@ -11,8 +11,16 @@ import torch
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, query_width
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import Layout, LayoutError, build_layout, inputs_from_batch, \
-    inputs_from_graph, mask_kind, stream_capturing, validate
+from .layout import (
+    Layout,
+    LayoutError,
+    build_layout,
+    inputs_from_batch,
+    inputs_from_graph,
+    mask_kind,
+    stream_capturing,
+    validate,
+)
 from .layout_buffers import LayoutBuffers
 
 
@@ -158,7 +166,8 @@ class LayoutBackend(AttentionBackend):
         on CUDA replays the builder captured at capture time (a few launches of host time)."""
         meta = self._graph_meta.get(inputs.key)
         if meta is None:
-            raise LayoutError(f"no graph captured for {inputs.key}; captured: {', '.join(sorted(map(str, self._graph_meta)))}")
+            captured = ", ".join(sorted(map(str, self._graph_meta)))
+            raise LayoutError(f"no graph captured for {inputs.key}; captured: {captured}")
         inp = inputs_from_graph(inputs, self.memory.req_to_token, self.memory.page_size,
                                 self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value(), capture)
         if capture or meta.prep_graph is None:

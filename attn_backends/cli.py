@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "'package.module:Class' (default: torch_native)")
     ck.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
     ck.add_argument("--cases", type=_positive, default=200, help="random cases per mode (default: 200)")
-    ck.add_argument("--seed", type=int, default=0, help="random seed; a failure prints the seed that replays it (default: 0)")
+    ck.add_argument("--seed", type=int, default=0,
+                    help="random seed; a failure prints the seed that replays it (default: 0)")
     ck.add_argument("--suite-cases", type=int, default=60,
                     help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
                          "e.g. the runner invariants spread over the runner kinds (default: 60; 0 skips them)")

@@ -259,7 +259,7 @@ def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tens
     out.kv_last_page_len.copy_(seq - (npages - 1) * ps)
     if seq.is_cuda:
         # one kernel for page_table, kv_indptr and kv_indices (same values as below)
-        from kernels.index_build import build_page_indices
+        from attn_backends_kernels.index_build import build_page_indices
         build_page_indices(inp.req_to_token, req, seq, ps, out.page_table, out.kv_indptr, out.kv_indices)
         return
     cols = torch.arange(maxp, device=seq.device)

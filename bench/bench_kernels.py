@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 import workloads as W
 
 FACTORIES = {

@@ -22,11 +22,11 @@ import torch
 
 from attn_backends import ForwardBatch, ForwardMode, get_backend
 from attn_backends.testing.scenarios import make_memory
-from runtime.breakable import BreakableGraphRunner
-from runtime.full_graph import UniformGraphRunner
-from runtime.models import TinyConfig, TinyModel
-from runtime.piecewise import PiecewiseRunner
-from runtime.runner_base import run_eager
+from attn_backends_runtime.breakable import BreakableGraphRunner
+from attn_backends_runtime.full_graph import UniformGraphRunner
+from attn_backends_runtime.models import TinyConfig, TinyModel
+from attn_backends_runtime.piecewise import PiecewiseRunner
+from attn_backends_runtime.runner_base import run_eager
 
 BATCH_SIZES = (1, 8, 64)
 IMPLS = ("eager", "full_graph", "piecewise", "breakable")
@@ -70,7 +70,8 @@ class Setup:
         return ForwardBatch(ForwardMode.EXTEND if extend else ForwardMode.DECODE, bs,
                             torch.tensor(self.rows[:bs], dtype=torch.int32, device=d), seq.to(d), seq,
                             self.loc[:bs].clone(), torch.tensor(self.prefix[:bs], device=d),
-                            extend_seq_lens=ones.to(d) if extend else None, extend_seq_lens_cpu=ones if extend else None,
+                            extend_seq_lens=ones.to(d) if extend else None,
+                            extend_seq_lens_cpu=ones if extend else None,
                             input_ids=ids)
 
     def step(self, impl: str, bs: int):
@@ -180,7 +181,8 @@ def summarize(path: str) -> None:
                   f"device {r['device_us']:.1f} us, no sync")
     e, g = steps.get(("step_gqa_bs1", "eager")), steps.get(("step_gqa_bs1", "full_graph"))
     if e and g:
-        print(f"full-graph GQA decode bs 1: {e / g:.2f}x faster than eager (target >= 3x: {'PASS' if e / g >= 3 else 'MISS'})")
+        verdict = "PASS" if e / g >= 3 else "MISS"
+        print(f"full-graph GQA decode bs 1: {e / g:.2f}x faster than eager (target >= 3x: {verdict})")
 
 
 def record(row):

@@ -9,8 +9,8 @@ import sys
 import time
 
 import torch
-
 import workloads as W
+
 
 def grid(**axes):
     keys = list(axes)
@@ -18,7 +18,7 @@ def grid(**axes):
 
 
 # H200 sweeps pruned these (gqa: 8 warps never won; mla: 1 stage, block_n 16, block_w 1,
-# tl.range(warp_specialize=True), use_tma and 8 decode splits never won; v_split=2 lost).
+# tl.range(warp_specialize=True), TMA loads, split output halves and 8 decode splits never won).
 SWEEPS = {
     "gqa_decode": grid(num_kv_splits=[4, 8], block_n=[32, 64], num_warps=[4],
                        num_stages=[2, 3, 4]),
@@ -26,12 +26,9 @@ SWEEPS = {
                         num_stages=[2, 3]),
     "gqa_verify8": grid(block_q=[8, 4], num_kv_splits=[4, 8], block_n=[32, 64],
                         num_warps=[4], num_stages=[2, 3]),
-    "mla_decode": grid(num_kv_splits=[4], block_n=[32, 64], num_warps=[4], num_stages=[2, 3])
-    + grid(num_kv_splits=[4], v_split=[2], block_n=[32], num_warps=[4], num_stages=[2]),
+    "mla_decode": grid(num_kv_splits=[4], block_n=[32, 64], num_warps=[4], num_stages=[2, 3]),
     "mla_verify4": grid(block_w=[4], block_h=[16], num_kv_splits=[2, 4], block_n=[32, 64],
-                        num_warps=[8], num_stages=[2, 3])
-    + grid(block_w=[4], block_h=[16], v_split=[2], num_kv_splits=[2], block_n=[16], num_warps=[4],
-           num_stages=[2]),
+                        num_warps=[8], num_stages=[2, 3]),
 }
 
 

@@ -13,9 +13,10 @@ import time
 import torch
 import triton
 
-from kernels.decode_attention import decode_attention_fwd, decode_workspace
-from kernels.extend_attention import extend_attention_fwd
-from kernels.mla_attention import mla_attention_fwd
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.mla_attention import mla_attention_fwd
 
 NUM_SETS = 2
 # "cpu" (with TRITON_INTERPRET=1 and small shapes) only to smoke-test this file.

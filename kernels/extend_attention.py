@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets,
-                               store_partial)
+from .attention_core import LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets, store_partial
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 

@@ -9,26 +9,26 @@ flattened into BLOCK_M = BLOCK_W * BLOCK_H); each latent tile it loads serves bo
 (scores) and as V (output). Programs that share a request's KV (its row blocks and head
 blocks) are adjacent on the fastest grid axis, so that when BLOCK_W < W or BLOCK_H < H
 the repeated tile reads of neighbours come from L2 while the tile state per program stays
-small. A split-KV axis gives the parallelism, merged by ``merge_splits``; split boundaries come from ``seq_lens_k`` on the device and
-the grid from host ints only, so the launch is graph safe. Verify masks: causal or tree
-(``custom_mask [bs*W*W]``), as in ``extend_attention``.
+small. A split-KV axis gives the parallelism, merged by ``merge_splits``; split boundaries
+come from ``seq_lens_k`` on the device and the grid from host ints only, so the launch is
+graph safe. Verify masks: causal or tree (``custom_mask [bs*W*W]``), as in
+``extend_attention``.
 """
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode_attention import LOG2E, check_paged_inputs, merge_splits, split_targets
+from .attention_core import LOG2E, check_paged_inputs, merge_splits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 
 
 @triton.jit
 def _mla_tile(q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j, q_len,
               seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2,
-              MASK: tl.constexpr, V_SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+              MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One KV tile: scores over all 576 columns (two latent halves + rope), online softmax,
-    then P . V into the half(s) of the output this program owns."""
+    then P . V into both output halves."""
     s = tl.dot(q_a, tl.trans(lat_a), input_precision=INPUT_PRECISION)
     s = tl.dot(q_b, tl.trans(lat_b), s, input_precision=INPUT_PRECISION)
     s = tl.dot(q_pe, tl.trans(rope), s, input_precision=INPUT_PRECISION) * scale_log2
@@ -42,14 +42,13 @@ def _mla_tile(q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(lat_a.dtype)
     acc_a = acc_a * alpha[:, None] + tl.dot(p, lat_a, input_precision=INPUT_PRECISION)
-    if V_SPLIT == 1:
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, lat_b, input_precision=INPUT_PRECISION)
+    acc_b = acc_b * alpha[:, None] + tl.dot(p, lat_b, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc_a, acc_b
 
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, kv_desc, rope_desc, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr,
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr,
     draft_prefix_ptr, o_ptr, lse_ptr,
     scale_log2,
     stride_qt, stride_qh,
@@ -61,18 +60,16 @@ def _mla_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr,
-    V_SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     HALF: tl.constexpr = LATENT // 2
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     # A tile-aligned split never crosses a page when PAGE_SIZE % BLOCK_N == 0: one page
-    # lookup per tile and a scalar base (or one TMA box) instead of per-row slots.
+    # lookup per tile and a scalar base instead of per-row slots.
     IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     pid = tl.program_id(0)
-    vs = pid % V_SPLIT  # the output half this program owns (V_SPLIT == 2), fastest axis
-    hb = (pid // V_SPLIT) % NUM_HB
-    wb = pid // (V_SPLIT * NUM_HB)
+    hb = pid % NUM_HB  # head blocks of one row block adjacent: the fastest axis
+    wb = pid // NUM_HB
     b = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -97,10 +94,10 @@ def _mla_split_kernel(
     heads = hb * BLOCK_H + offs_m % BLOCK_H
     row_ok = (j < q_len) & (heads < NUM_HEADS)
     rows = row0 + j
-    # Latent half a is this program's output half (both halves when V_SPLIT == 1);
-    # half b only enters the scores when V_SPLIT == 2.
-    col_a = vs * HALF
-    col_b = HALF - col_a
+    # The latent is handled as two halves (a: columns 0..255, b: 256..511) to bound the
+    # register tiles.
+    col_a = 0
+    col_b = HALF
     offs_c = tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE)
     q_row = q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
@@ -123,30 +120,16 @@ def _mla_split_kernel(
     tile_a = offs_t[:, None].to(tl.int64) * stride_kvs + col_a + offs_c[None, :]
     tile_b = offs_t[:, None].to(tl.int64) * stride_kvs + col_b + offs_c[None, :]
     tile_r = offs_t[:, None].to(tl.int64) * stride_kvs + LATENT + offs_r[None, :]
-    # Tiles that lie wholly below seq_len need no load mask (their rows are cache
-    # entries); TMA loads serve those, a masked pointer load the last partial one.
-    full_end = end
-    if USE_TMA:
-        full_end = tl.maximum(start, tl.minimum(end, (seq_len // BLOCK_N) * BLOCK_N))
-    # The tile loop is latency bound (one chain: load -> QK -> softmax -> PV per tile);
-    # tl.range(warp_specialize=True) was tried on an H200 and never helped.
-    for n0 in range(start, full_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_t
-        if USE_TMA:
-            page = tl.load(pt_row + n0 // PAGE_SIZE)
-            slot0 = (page * PAGE_SIZE + n0 % PAGE_SIZE).to(tl.int32)
-            lat_a = kv_desc.load([slot0, col_a])
-            lat_b = kv_desc.load([slot0, col_b])
-            rope = rope_desc.load([slot0, LATENT])
-        elif IN_PAGE:
-            mask_n = offs_n < end
+        mask_n = offs_n < end
+        if IN_PAGE:
             page = tl.load(pt_row + n0 // PAGE_SIZE)
             base = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
             lat_a = tl.load(base + tile_a, mask=mask_n[:, None], other=0.0)
             lat_b = tl.load(base + tile_b, mask=mask_n[:, None], other=0.0)
             rope = tl.load(base + tile_r, mask=mask_n[:, None], other=0.0)
         else:
-            mask_n = offs_n < end
             page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
             slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
             kv_row = kv_ptr + slot[:, None] * stride_kvs
@@ -155,41 +138,25 @@ def _mla_split_kernel(
             rope = tl.load(kv_row + LATENT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc_a, acc_b = _mla_tile(
             q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j, q_len,
-            seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2, MASK, V_SPLIT,
-            INPUT_PRECISION)
-    if USE_TMA:  # the partial tile past the last whole one (rows past seq_len are not read)
-        for n0 in range(full_end, end, BLOCK_N):
-            offs_n = n0 + offs_t
-            mask_n = offs_n < end
-            page = tl.load(pt_row + n0 // PAGE_SIZE)
-            base = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
-            lat_a = tl.load(base + tile_a, mask=mask_n[:, None], other=0.0)
-            lat_b = tl.load(base + tile_b, mask=mask_n[:, None], other=0.0)
-            rope = tl.load(base + tile_r, mask=mask_n[:, None], other=0.0)
-            m_i, l_i, acc_a, acc_b = _mla_tile(
-                q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j,
-                q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2, MASK,
-                V_SPLIT, INPUT_PRECISION)
+            seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2, MASK, INPUT_PRECISION)
 
     nonempty = l_i > 0
     inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     out_a = tl.where(nonempty[:, None], acc_a * inv_l[:, None], 0.0)
     tl.store(o_ptr + o_off + col_a + offs_c[None, :], out_a, mask=row_ok[:, None])
-    if V_SPLIT == 1:
-        out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)
-        tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b, mask=row_ok[:, None])
+    out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)
+    tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b, mask=row_ok[:, None])
     if NUM_SPLITS > 1:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
-                 mask=row_ok & (vs == 0))
+                 mask=row_ok)
 
 
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
                       block_h=None, block_w=None, block_n=None, num_warps=None,
-                      num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None,
-                      v_split=None, use_tma=None):
+                      num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -206,10 +173,6 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
-    v_split : 1, or 2 to give each output (V) half its own program (both compute all
-        576-wide scores; half the accumulator each, twice the programs)
-    use_tma : load whole KV tiles with tensor-memory-accelerator descriptors (needs
-        ``page_size % block_n == 0``, Hopper or the interpreter); None: on where it may
     """
     name = "mla_attention_fwd"
     T, H, D = q.shape
@@ -257,10 +220,10 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     if bs == 0:
         return out
-    # Defaults from the H200 sweeps (bench/tune.py, scratch/mla/sweep.py): up to 4 query rows
-    # x 16 heads per tile; a 64-row tile needs 8 warps for its [64, 512] float32 accumulator.
-    # v_split=2 and use_tma measured slower on an H200 (decode 101 -> 188 / 300 us, verify4
-    # 226 -> 247..400 us), so both stay off by default.
+    # Defaults from the H200 sweeps of bench/tune.py: up to 4 query rows x 16 heads per tile;
+    # a 64-row tile needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two
+    # output halves over two programs and TMA tile loads were measured slower on an H200,
+    # decode 101 -> 188 / 300 us, and were removed.)
     if block_w is None:
         block_w = min(triton.next_power_of_2(W), 4)
     if block_h is None:
@@ -273,29 +236,10 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     num_stages = num_stages or 2
     if block_w * block_h < 16:  # tl.dot needs M >= 16
         raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
-    if v_split is None:
-        v_split = 1
-    if v_split not in (1, 2):
-        raise ValueError(f"{name}: v_split={v_split} must be 1 or 2")
-    half = Dv // 2
-    tma_ok = (page_size % block_n == 0 and half <= 256 and kv_buffer.data_ptr() % 16 == 0
-              and (kv_buffer.stride(0) * kv_buffer.element_size()) % 16 == 0
-              and (q.device.type == "cpu"
-                   or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)))
-    if use_tma is None:
-        use_tma = False
-    if use_tma and not tma_ok:
-        raise ValueError(f"{name}: use_tma needs page_size % block_n == 0, 16-byte aligned "
-                         f"KV rows and a Hopper GPU (page_size={page_size}, block_n={block_n})")
-    kv_desc = rope_desc = kv_buffer  # placeholders, never read unless use_tma
-    if use_tma:
-        kv2d = kv_buffer[:, 0, :]
-        kv_desc = TensorDescriptor(kv2d, list(kv2d.shape), list(kv2d.stride()), [block_n, half])
-        rope_desc = TensorDescriptor(kv2d, list(kv2d.shape), list(kv2d.stride()), [block_n, rope])
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
-    grid = (v_split * triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
+    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
     _mla_split_kernel[grid](
-        q, kv_buffer, kv_desc, rope_desc, page_table, seq_lens_k,
+        q, kv_buffer, page_table, seq_lens_k,
         cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -305,7 +249,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        RAGGED=ragged, V_SPLIT=v_split, USE_TMA=bool(use_tma), num_warps=num_warps,
+        RAGGED=ragged, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_kv_splits > 1:

@@ -1,4 +1,7 @@
-"""Multi-step draft decode: ``num_steps`` forwards of ``topk`` branch rows per request in one
+"""The draft model's runners: DRAFT_EXTEND at uniform width N (rows selected by accept length
+afterwards) and multi-step draft decode.
+
+Multi-step draft decode: ``num_steps`` forwards of ``topk`` branch rows per request in one
 graph, each step with its own backend (its own metadata), greedy within each branch.
 
 Request ``i`` with prompt prefix ``P_i`` writes the step-``t`` token of branch ``j`` at
@@ -12,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
 
+from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput
 
 I32, I64 = torch.int32, torch.int64
@@ -33,6 +37,25 @@ class DraftInput:
     @property
     def raw_bs(self) -> int:
         return int(self.req_pool_indices.shape[0])
+
+
+class DraftExtendRunner(UniformGraphRunner):
+    """DRAFT_EXTEND at uniform width N; after the forward, row ``i*N + accept_len - 1`` of each
+    request is kept (logits and hidden), so acceptance never changes the attention layout."""
+
+    modes = (ForwardMode.DRAFT_EXTEND,)
+
+    def refusal(self, batch: ForwardBatch) -> Optional[str]:
+        reason = super().refusal(batch)
+        if reason is None and (batch.spec_info is None or batch.spec_info.accept_lens is None):
+            return "DRAFT_EXTEND needs spec_info.accept_lens to select rows"
+        return reason
+
+    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
+        logits, hidden = out
+        rows = select_rows(batch.raw_bs, self.width, self.accept_lens[:batch.raw_bs])
+        h = None if batch.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[rows].clone()
+        return RunnerOutput(logits[rows].clone(), h, rows=rows)
 
 
 class MultiStepDraftRunner(GraphRunnerBase):

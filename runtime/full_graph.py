@@ -1,12 +1,12 @@
-"""Full-graph runners for the uniform modes: DECODE and TARGET_VERIFY, and DRAFT_EXTEND of
-uniform width N, whose output rows are selected by accept length after the forward."""
+"""The full-graph runner of the uniform modes: DECODE and TARGET_VERIFY (chain and tree); the
+DRAFT_EXTEND runner (``draft.DraftExtendRunner``) builds on it."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
 
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
 
@@ -107,22 +107,3 @@ class UniformGraphRunner(GraphRunnerBase):
         logits, hidden = out
         n = batch.raw_bs * self.width
         return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, self.width))
-
-
-class DraftExtendRunner(UniformGraphRunner):
-    """DRAFT_EXTEND at uniform width N; after the forward, row ``i*N + accept_len - 1`` of each
-    request is kept (logits and hidden), so acceptance never changes the attention layout."""
-
-    modes = (ForwardMode.DRAFT_EXTEND,)
-
-    def refusal(self, batch: ForwardBatch) -> Optional[str]:
-        reason = super().refusal(batch)
-        if reason is None and (batch.spec_info is None or batch.spec_info.accept_lens is None):
-            return "DRAFT_EXTEND needs spec_info.accept_lens to select rows"
-        return reason
-
-    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
-        logits, hidden = out
-        rows = select_rows(batch.raw_bs, self.width, self.accept_lens[:batch.raw_bs])
-        h = None if batch.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[rows].clone()
-        return RunnerOutput(logits[rows].clone(), h, rows=rows)

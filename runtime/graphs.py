@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .breaks import splitting
+from .attention_hook import splitting
 
 
 def copy_into(dst: Any, src: Any) -> None:

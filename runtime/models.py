@@ -19,7 +19,7 @@ from torch import nn
 
 from attn_backends import AttentionBackend, ForwardBatch, ModelConfig
 
-from .breaks import attention_call
+from .attention_hook import attention_call
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,27 @@ from dataclasses import replace
 import pytest
 import torch
 
-from attn_backends import (Capabilities, ForwardMode, GraphKey, KVCacheFullError, LayoutError,
-                           ModelConfig, SpecInfo, get_backend)
+from attn_backends import (
+    Capabilities,
+    ForwardMode,
+    GraphKey,
+    KVCacheFullError,
+    LayoutError,
+    ModelConfig,
+    SpecInfo,
+    get_backend,
+)
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.layout import build_layout, inputs_from_batch
 from attn_backends.layout_buffers import LayoutBuffers
-from attn_backends.testing.scenarios import (Scenario, draft_decode_spec, draft_extend_spec,
-                                             make_memory, materialize, verify_spec)
+from attn_backends.testing.scenarios import (
+    Scenario,
+    draft_decode_spec,
+    draft_extend_spec,
+    make_memory,
+    materialize,
+    verify_spec,
+)
 
 MHA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16)
 MLA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=1, is_mla=True, kv_lora_rank=32,
@@ -386,7 +400,8 @@ def test_page_size_not_supported(page_size):
     cfg = ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=page_size)
     mem = make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8),
                       num_pages=4, max_reqs=1, max_context_len=256)
-    with pytest.raises(ValueError, match=rf"cannot serve this model on cpu: page_size={page_size} not in \(1, 16, 64\)"):
+    want = rf"cannot serve this model on cpu: page_size={page_size} not in \(1, 16, 64\)"
+    with pytest.raises(ValueError, match=want):
         get_backend("torch_native", cfg, mem)
 
 

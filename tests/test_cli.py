@@ -158,7 +158,7 @@ def test_runner_suite_is_registered():
     """This distribution registers runtime's runner invariants (issue #4 item 8)."""
     from importlib.metadata import entry_points
     eps = {ep.name: ep.value for ep in entry_points(group=cli.SUITES_GROUP)}
-    assert eps.get("runner") == "runtime.checks:run_runner_suite", eps
+    assert eps.get("runner") == "attn_backends_runtime.testing.runner_suite:run_runner_suite", eps
 
 
 def test_check_passes_module_class_through(fake_suite):
@@ -222,7 +222,7 @@ def test_readme_has_exactly_two_setup_commands():
         assert "\n" not in cmd, f"one command per block: {cmd!r}"
         assert cmd.startswith("python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && ")
     assert main_job.endswith("pip install -e . && attn-backends check")
-    assert tests.endswith("pip install -e '.[test]' && python -m pytest -q")
+    assert tests.endswith("pip install -e '.[test]' && ruff check . && python -m pytest -q")
     others = [body for lang, body in blocks if lang not in ("bash", "sh", "shell", "console")]
     assert not any("pip install" in body for body in others)
 

@@ -6,11 +6,17 @@ import random
 
 import pytest
 import torch
+from reference import dense_reference
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
-from attn_backends.testing.scenarios import (Scenario, draft_decode_spec, draft_extend_spec, make_memory,
-                                             materialize, verify_spec)
-from reference import dense_reference
+from attn_backends.testing.scenarios import (
+    Scenario,
+    draft_decode_spec,
+    draft_extend_spec,
+    make_memory,
+    materialize,
+    verify_spec,
+)
 
 pytestmark = pytest.mark.cuda
 BS = 8
@@ -23,7 +29,8 @@ def _scenarios(mode, rng, raw):
     if mode == "verify_chain":
         return Scenario(ForwardMode.TARGET_VERIFY, BS, pick(), spec=verify_spec(4, BS, rng, device="cuda"))
     if mode == "verify_tree":
-        return Scenario(ForwardMode.TARGET_VERIFY, BS, pick(), spec=verify_spec(8, BS, rng, topk=4, steps=3, device="cuda"))
+        spec = verify_spec(8, BS, rng, topk=4, steps=3, device="cuda")
+        return Scenario(ForwardMode.TARGET_VERIFY, BS, pick(), spec=spec)
     if mode == "draft_extend":
         return Scenario(ForwardMode.DRAFT_EXTEND, BS, pick(),
                         spec=draft_extend_spec(4, BS, raw, [rng.randint(1, 4) for _ in range(raw)], device="cuda"))

@@ -1,9 +1,9 @@
 """The suite can fail: every planted bug of issue #2 item 8 is reported."""
 import pytest
+from planted_bugs import PLANTED
 
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.testing.suite import run_suite
-from planted_bugs import PLANTED
 
 CASES = 12
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_backends import ForwardMode, ModelConfig, get_backend, list_backends, register, select
-from attn_backends import registry
+from attn_backends import ForwardMode, ModelConfig, get_backend, list_backends, register, registry, select
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.testing.scenarios import make_memory
 

@@ -5,11 +5,17 @@ import random
 
 import pytest
 import torch
+from reference import dense_reference
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
-from attn_backends.testing.scenarios import (Scenario, draft_decode_spec, draft_extend_spec, make_memory,
-                                             materialize, verify_spec)
-from reference import dense_reference
+from attn_backends.testing.scenarios import (
+    Scenario,
+    draft_decode_spec,
+    draft_extend_spec,
+    make_memory,
+    materialize,
+    verify_spec,
+)
 
 RNG = random.Random(0)
 

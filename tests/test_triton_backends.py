@@ -3,12 +3,12 @@ the graph metadata path, every declared mode. On the CPU this runs the kernels u
 TRITON_INTERPRET=1 (small shapes, float32); on a GPU the same test runs for real."""
 import pytest
 import torch
+from reference import dense_reference
+from test_torch_native import named_batches
 
 from attn_backends import ModelConfig, get_backend
 from attn_backends.registry import list_backends
 from attn_backends.testing.scenarios import make_memory, materialize
-from reference import dense_reference
-from test_torch_native import named_batches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 AVAILABLE = {b.name for b in list_backends(DEVICE) if b.available}

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from kernels.decode_attention import decode_attention_fwd
-from kernels.extend_attention import extend_attention_fwd
-from kernels.kv_store import store_kv
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels.kv_store import store_mla_kv
-from kernels.mla_attention import mla_attention_fwd
+from attn_backends_kernels.kv_store import store_mla_kv
+from attn_backends_kernels.mla_attention import mla_attention_fwd
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode

@@ -19,11 +19,18 @@ import torch
 from ..batch import ForwardMode, GraphInputs
 from ..config import ModelConfig
 from ..registry import get_backend_class, unavailable_reason
-from .checks import check_layout, compare_layouts, poison, snapshot
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
+from .layout_checks import check_layout, compare_layouts, poison, snapshot
 from .report import Failure, SuiteReport
-from .scenarios import (PAGE_ORDERS, Scenario, draft_decode_spec, draft_extend_spec, make_memory,
-                        materialize, verify_spec)
+from .scenarios import (
+    PAGE_ORDERS,
+    Scenario,
+    draft_decode_spec,
+    draft_extend_spec,
+    make_memory,
+    materialize,
+    verify_spec,
+)
 
 MODES = ("decode", "extend", "verify_chain", "verify_tree", "draft_extend", "draft_decode")
 MAX_CTX = 256

@@ -1,8 +1,9 @@
 import pytest
 import torch
-
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
-from kernels.decode_attention import decode_attention_fwd, decode_workspace
+
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.decode_attention import decode_attention_fwd
 
 
 def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1, seed=0,

@@ -1,9 +1,9 @@
 import pytest
 import torch
-
 from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
-from kernels.decode_attention import decode_workspace
-from kernels.extend_attention import extend_attention_fwd
+
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.extend_attention import extend_attention_fwd
 
 
 def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kernels.index_build import build_page_indices
+from attn_backends_kernels.index_build import build_page_indices
 
 POISON = -(2 ** 31) + 7
 

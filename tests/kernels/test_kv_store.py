@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.kv_store import store_kv, store_mla_kv
+from attn_backends_kernels.kv_store import store_kv, store_mla_kv
 
 
 @pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])

@@ -1,9 +1,9 @@
 import pytest
 import torch
-
 from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
-from kernels.decode_attention import decode_workspace
-from kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
+
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
 
 LATENT, ROPE = 512, 64
 
@@ -77,22 +77,19 @@ def test_mla_gpu(dtype, H, page_size, mask, W, block_w):
     assert_close(out, ref, 1e-2)
 
 
-@pytest.mark.parametrize("v_split,use_tma", [(2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("mask,W,splits", [(CAUSAL, 1, 3), (TREE, 4, 2), (CAUSAL, 3, 1)])
-def test_mla_split_v_tma_cpu(v_split, use_tma, mask, W, splits):
-    # page 64 = 4 tiles of 16: whole-page TMA tiles, a partial last tile and an empty split
+def test_mla_in_page_tiles_cpu(mask, W, splits):
+    # page 64 = 4 tiles of 16: in-page tiles (one page lookup each), a partial last tile and an
+    # empty split; unused slots poisoned
     out, ref = run_mla([W + 70, W, 64 + W], W, 64, 16, torch.float32, "cpu", mask=mask,
-                       splits=splits, pad_rows=1, block_n=16, v_split=v_split, use_tma=use_tma,
-                       poison_unused=True)
+                       splits=splits, pad_rows=1, block_n=16, poison_unused=True)
     assert_close(out, ref, 1e-5)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("v_split,use_tma", [(2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("mask,W,block_n,warps", [(CAUSAL, 1, 32, 4), (TREE, 4, 16, 4),
                                                   (CAUSAL, 4, 32, 8)])
-def test_mla_split_v_tma_gpu(v_split, use_tma, mask, W, block_n, warps):
+def test_mla_in_page_tiles_gpu(mask, W, block_n, warps):
     out, ref = run_mla([W, 33, 1000, 4096, 32768], W, 64, 16, torch.bfloat16, "cuda", mask=mask,
-                       splits=8, pad_rows=2, block_n=block_n, num_warps=warps, v_split=v_split,
-                       use_tma=use_tma, poison_unused=True)
+                       splits=8, pad_rows=2, block_n=block_n, num_warps=warps, poison_unused=True)
     assert_close(out, ref, 1e-2)

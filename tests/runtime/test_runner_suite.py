@@ -3,9 +3,9 @@ bug it must catch."""
 import pytest
 import torch
 
-from runtime import full_graph
-from runtime.checks import MODE_NAMES, run_runner_suite
-from runtime.runner_base import RunnerOutput, slice_hidden
+from attn_backends_runtime import full_graph
+from attn_backends_runtime.runner_base import RunnerOutput, slice_hidden
+from attn_backends_runtime.testing.runner_suite import MODE_NAMES, run_runner_suite
 
 
 def test_suite_passes_on_torch_native():

@@ -12,10 +12,19 @@ import random
 import pytest
 import torch
 
-from attn_backends import CaptureHiddenMode as H, ForwardMode, SpecInfo
-from runtime.checks import KINDS, Rig, RigSpec, check_case, compare, poisoned_pads, refresh_counts, \
-    refusal_batches
-from runtime.runner_base import RunnerRefusal
+from attn_backends import CaptureHiddenMode as H
+from attn_backends import ForwardMode, SpecInfo
+from attn_backends_runtime.runner_base import RunnerRefusal
+from attn_backends_runtime.testing.runner_suite import (
+    KINDS,
+    Rig,
+    RigSpec,
+    check_case,
+    compare,
+    poisoned_pads,
+    refresh_counts,
+    refusal_batches,
+)
 
 CPU = pytest.param("cpu", id="cpu")
 CUDA = pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)
@@ -69,7 +78,7 @@ def test_runner_invariants(kind, backend, mla, device):
     assert not failures, "\n".join(failures)
 
 
-# ----------------------------------------------------------------------------- single properties (torch_native on CPU, triton on GPU)
+# ------------------------------------------------------------- single properties (torch_native on CPU, triton on GPU)
 
 PROPS = [pytest.param("torch_native", "cpu", id="torch_native-cpu"),
          pytest.param("triton", "cuda", id="triton-cuda", marks=pytest.mark.cuda),

@@ -13,12 +13,12 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo
 from attn_backends.registry import get_backend
 from attn_backends.testing.scenarios import make_memory, random_tree_mask
 
-from .breakable import BreakableGraphRunner
-from .draft import DraftInput, MultiStepDraftRunner
-from .full_graph import DraftExtendRunner, UniformGraphRunner
-from .models import TinyConfig, TinyModel
-from .piecewise import PiecewiseRunner
-from .runner_base import RunnerOutput, run_eager
+from ..breakable import BreakableGraphRunner
+from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
+from ..full_graph import UniformGraphRunner
+from ..models import TinyConfig, TinyModel
+from ..piecewise import PiecewiseRunner
+from ..runner_base import RunnerOutput, run_eager
 
 I32, I64 = torch.int32, torch.int64
 KINDS = ("decode", "verify", "verify_tree", "draft_extend", "draft_decode", "piecewise",
@@ -177,8 +177,10 @@ class Rig:
             return ForwardBatch(ForwardMode.EXTEND, raw, torch.tensor([r.row for r in reqs], dtype=I32, device=dev),
                                 seq.to(dev), seq, torch.cat([r.loc for r in reqs]),
                                 torch.cat([torch.arange(r.prefix, r.prefix + len(r.ids), device=dev) for r in reqs]),
-                                ext.to(dev), ext, capture_hidden_mode=hidden, input_ids=torch.cat([r.ids for r in reqs]),
-                                input_embeds=torch.cat([r.embeds for r in reqs]) if reqs[0].embeds is not None else None)
+                                ext.to(dev), ext, capture_hidden_mode=hidden,
+                                input_ids=torch.cat([r.ids for r in reqs]),
+                                input_embeds=(torch.cat([r.embeds for r in reqs])
+                                              if reqs[0].embeds is not None else None))
         w = self.width
         seq = torch.tensor([r.prefix + w for r in reqs] + [max(self.fill, w)] * pad, dtype=I32)
         spec = self.spec_template()

@@ -30,8 +30,8 @@ from attn_backends.registry import get_backend_class, unavailable_reason
 from attn_backends.testing.report import Failure, SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
 
+from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import _MODE, I32, I64, KINDS, MODE_NAMES, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
-from .runner_base import RunnerOutput, RunnerRefusal
 
 H = CaptureHiddenMode
 
@@ -148,7 +148,8 @@ def refusal_batches(rig: Rig, rng: random.Random, reqs: list) -> list:
         if k == "draft_decode":
             out.append(("out_cache_loc of another num_steps*topk",
                         dataclasses.replace(b, out_cache_loc=b.out_cache_loc[:, :-1]), "num_steps*topk"))
-            out.append(("mode TARGET_VERIFY", dataclasses.replace(b, forward_mode=ForwardMode.TARGET_VERIFY), "TARGET_VERIFY"))
+            out.append(("mode TARGET_VERIFY", dataclasses.replace(b, forward_mode=ForwardMode.TARGET_VERIFY),
+                        "TARGET_VERIFY"))
         else:
             other = ForwardMode.DRAFT_EXTEND if rig.mode != ForwardMode.DRAFT_EXTEND else ForwardMode.TARGET_VERIFY
             out.append((f"mode {other.name}", dataclasses.replace(b, forward_mode=other), other.name))
@@ -183,7 +184,7 @@ def check_case(rig: Rig, rng: random.Random, judge: Callable[[str, list], None],
     if rig.kind == "piecewise" and rng.random() < 0.5:
         g = torch.Generator().manual_seed(rng.randrange(1 << 30))
         for q in reqs_a:
-            q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(device=rig.device, dtype=rig.tc.dtype)
+            q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(rig.device, rig.tc.dtype)
     backends = rig.flat(rig.backends)
 
     def run(reqs, hidden, padded_input=True):

@@ -101,12 +101,14 @@ def check_layout(lay: dict, m, mem, fill: int) -> dict:
         r0, n = int(cu[i]), int(qlen[i])
         want = prefix[i] + torch.arange(n)
         if not torch.equal(pos[r0:r0 + n], want):
-            out["I1"].append(f"request {i}: runner positions {pos[r0:r0 + n].tolist()} != prefix_lens+j {want.tolist()}")
+            out["I1"].append(f"request {i}: runner positions {pos[r0:r0 + n].tolist()} "
+                             f"!= prefix_lens+j {want.tolist()}")
             break
         if pt is not None and int(want.max()) // ps < pt.shape[1]:
             slots = pt[i, want // ps] * ps + want % ps
             if not torch.equal(slots, loc[r0:r0 + n]):
-                out["I1"].append(f"request {i}: page_table slots {slots.tolist()} != out_cache_loc {loc[r0:r0 + n].tolist()}")
+                out["I1"].append(f"request {i}: page_table slots {slots.tolist()} "
+                                 f"!= out_cache_loc {loc[r0:r0 + n].tolist()}")
                 break
     if spec is not None and spec.tree_mask is not None and scn.mode == ForwardMode.TARGET_VERIFY:
         cm = g.get("custom_mask")
@@ -119,7 +121,8 @@ def check_layout(lay: dict, m, mem, fill: int) -> dict:
         if int(seq[i]) != pad_seq or int(seq[i]) < max(w, 1):
             out["I3"].append(f"pad row {i}: seq_lens_k={int(seq[i])}, expected fill {pad_seq} (>= W={w})")
         if pt is not None and bool(pt[i].any()):
-            out["I3"].append(f"pad row {i}: page_table holds {pt[i][pt[i] != 0][:4].tolist()}, expected the reserved page 0")
+            held = pt[i][pt[i] != 0][:4].tolist()
+            out["I3"].append(f"pad row {i}: page_table holds {held}, expected the reserved page 0")
         if "kv_indptr" in g and "kv_indices" in g:
             a, b = int(g["kv_indptr"][i]), int(g["kv_indptr"][i + 1])
             if 0 <= a <= b <= g["kv_indices"].numel() and bool(g["kv_indices"][a:b].any()):
@@ -157,7 +160,8 @@ def check_layout(lay: dict, m, mem, fill: int) -> dict:
     for i in range(raw):
         want = scn.prefix_lens[i] + int(qlen[i])
         if int(seq[i]) != want:
-            out["I5"].append(f"request {i}: seq_lens_k={int(seq[i])} != prefix {scn.prefix_lens[i]} + q_len {int(qlen[i])}")
+            out["I5"].append(f"request {i}: seq_lens_k={int(seq[i])} "
+                             f"!= prefix {scn.prefix_lens[i]} + q_len {int(qlen[i])}")
             break
         n = int(npages[i])
         pages = r2t[m.rows[i], torch.arange(n) * ps] // ps

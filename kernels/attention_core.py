@@ -1,0 +1,158 @@
+"""The shared core of the paged attention kernels: one online-softmax tile step, the split
+epilogue, the log-sum-exp merge of split-KV partials, the split workspace and the launcher
+checks. ``decode_attention``, ``extend_attention`` and ``mla_attention`` build on it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
+# softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
+                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc,
+                      INPUT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax, shared by the decode and extend kernels.
+
+    q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
+    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc).
+    """
+    k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+    s = tl.where(vis, s, float("-inf"))
+    # A row may see nothing in this tile (masks); keep its exponents finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partial(acc, m_i, l_i, o_ptrs, o_mask, lse_ptrs, lse_mask, NUM_SPLITS: tl.constexpr):
+    """Write a (split's) normalised output and, with splits, its log2-sum-exp. An empty split
+    writes zeros and lse = -inf so that the merge gives it weight 0 whatever the workspace
+    held before (it may be poisoned or stale)."""
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptrs, out, mask=o_mask)
+    if NUM_SPLITS > 1:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptrs, lse, mask=lse_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_s = offs_s < NUM_SPLITS
+    mask_dv = offs_dv < HEAD_DIM_V
+    lse = tl.load(lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))  # [BLOCK_S], log2 units
+    m = tl.max(lse, 0)
+    # A row that saw no visible key at all (every split empty) is defined as zeros.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv, out, mask=mask_dv)
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge split-KV partials ``part [T, H, S, Dv]`` (float32, normalised per split)
+    with ``lse [T, H, S]`` (float32, log2 units) into ``out [T, H, Dv]``."""
+    T, H, S, Dv = part.shape
+    if tuple(lse.shape) != (T, H, S) or tuple(out.shape) != (T, H, Dv):
+        raise ValueError(f"merge_splits: part {tuple(part.shape)}, lse {tuple(lse.shape)} and "
+                         f"out {tuple(out.shape)} disagree")
+    if part.stride(-1) != 1 or lse.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("merge_splits: the last dimension of part, lse and out must be contiguous")
+    if T == 0:
+        return out
+    _merge_splits_kernel[(T, H)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S),
+        HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+    )
+    return out
+
+
+def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs):
+    """Shared launcher checks: devices, int32 metadata, contiguous head dims, page size."""
+    for t_name, t in [("page_table", page_table), ("seq_lens_k", seq_lens_k)]:
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: {t_name}.dtype={t.dtype}, expected torch.int32")
+    for t_name, t in [("k/v buffers", kv_buffers[0]), ("page_table", page_table),
+                      ("seq_lens_k", seq_lens_k)]:
+        if t.device != q.device:
+            raise ValueError(f"{name}: {t_name} is on {t.device}, q is on {q.device}")
+    if page_table.dim() != 2 or page_table.shape[0] < bs or page_table.stride(1) != 1:
+        raise ValueError(f"{name}: page_table shape {tuple(page_table.shape)} / stride "
+                         f"{page_table.stride()} needs >= {bs} rows and contiguous columns")
+    if seq_lens_k.shape[0] < bs:
+        raise ValueError(f"{name}: seq_lens_k has {seq_lens_k.shape[0]} rows, expected >= {bs}")
+    if page_size < 1:
+        raise ValueError(f"{name}: page_size={page_size} must be >= 1")
+    for buf in kv_buffers:
+        if buf.dtype != q.dtype:
+            raise ValueError(f"{name}: KV buffer dtype {buf.dtype} != q dtype {q.dtype}")
+        if buf.dim() != 3 or buf.stride(-1) != 1:
+            raise ValueError(f"{name}: KV buffer shape {tuple(buf.shape)} must be "
+                             f"[num_slots, heads, dim] with a contiguous last dim")
+    if q.stride(-1) != 1:
+        raise ValueError(f"{name}: q must have a contiguous last dim, stride={q.stride()}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
+
+
+def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device):
+    """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
+    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32)``."""
+    part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
+                       device=device)
+    lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
+    return part, lse
+
+
+def split_targets(name, out, workspace, num_kv_splits):
+    """Where pass 1 writes: straight into ``out [T, H, Dv]`` for one split (no merge
+    pass), else into the workspace (allocated here when None, which a graph must avoid).
+    Returns (o, lse, (stride_t, stride_h, stride_split), (lse stride_t, stride_h))."""
+    T, H, Dv = out.shape
+    if num_kv_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+    if workspace is None:
+        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device)
+    o, lse = workspace
+    if (o.shape[0] < T or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
+            or lse.shape[0] < T or tuple(lse.shape[1:]) != (H, num_kv_splits)
+            or o.dtype != torch.float32 or lse.dtype != torch.float32
+            or o.stride(-1) != 1 or lse.stride(-1) != 1):
+        raise ValueError(f"{name}: workspace {tuple(o.shape)} {o.dtype} / {tuple(lse.shape)} "
+                         f"{lse.dtype} does not fit rows={T}, H={H}, splits={num_kv_splits}, "
+                         f"Dv={Dv} (float32, contiguous last dim)")
+    o, lse = o[:T], lse[:T]
+    return o, lse, (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
