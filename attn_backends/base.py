@@ -8,20 +8,11 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, query_width
+from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import (
-    Layout,
-    LayoutError,
-    build_layout,
-    inputs_from_batch,
-    inputs_from_graph,
-    mask_kind,
-    stream_capturing,
-    validate,
-)
-from .layout_buffers import LayoutBuffers
+from .layout import Layout, LayoutError, build_layout, inputs_from_batch
+from .plan import LayoutPlan
 
 
 class GraphSupport(enum.IntEnum):
@@ -67,14 +58,12 @@ class Capabilities:
 
 
 class ForwardMetadata:
-    """What a forward reads: the canonical layout plus backend-private extras. In graph mode
-    on CUDA, ``prep_graph`` is the layout builder itself captured on staged inputs."""
+    """What a forward reads: the canonical layout (the step plan's) plus backend-private extras."""
 
-    def __init__(self, layout: Layout, **extra) -> None:
+    def __init__(self, layout: Layout, plan: Optional[LayoutPlan] = None, **extra) -> None:
         self.layout = layout
+        self.plan = plan              # graph mode: the plan whose static views ``layout`` is
         self.extra = extra
-        self.prep_graph = None      # the builder on staged copies of the inputs
-        self.prep_direct = None     # (graph, input signature): the builder on the capture inputs
 
     def as_layout(self) -> dict:
         return self.layout.as_dict()
@@ -112,90 +101,101 @@ class AttentionBackend(ABC):
 
 
 class LayoutBackend(AttentionBackend):
-    """Metadata through the layout builders; subclasses write ``_run`` (and ``_extras``).
+    """Metadata from the step plan (:mod:`attn_backends.plan`); subclasses write ``_run`` and may
+    derive private extras (``_extras`` / ``_refresh_extras``).
 
-    Capture and replay both go through :meth:`_prepare_graph`: capture binds views of the
-    static buffers for the key, then does exactly what replay does.
+    With a runner, the plan comes with the batch (``ForwardBatch.plan``, ``GraphInputs.plan``):
+    the layout is built once per step for every layer, and this backend only derives its extras.
+    Without one (a test, the suite, a third-party caller), the backend keeps a private plan and
+    prepares the layout itself, through the same builder. Capture and replay take the same
+    ``GraphInputs``; capture binds the plan's static views for the key, replay refreshes them.
     """
 
     def __init__(self, config: ModelConfig, memory: KVMemory) -> None:
         super().__init__(config, memory)
         if config.page_size != memory.page_size:
             raise ValueError(f"config page_size={config.page_size} != memory page_size={memory.page_size}")
-        self._bufs: Optional[LayoutBuffers] = None
+        self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
+        self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use
         self._graph_meta: dict[GraphKey, ForwardMetadata] = {}
 
     # -- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._check_mode(batch.forward_mode, batch.spec_info)
-        inp = inputs_from_batch(batch, self.memory.req_to_token, self.memory.page_size,
-                                self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value())
-        layout = build_layout(inp)
-        self.forward_metadata = ForwardMetadata(layout, **self._extras(layout, None))
+        if batch.plan is not None:
+            self._check_plan(batch.plan)
+            layout = batch.plan.layout_for(batch)
+        else:
+            layout = build_layout(inputs_from_batch(batch, self.memory, self.get_cuda_graph_seq_len_fill_value()))
+        self.forward_metadata = ForwardMetadata(layout, None, **self._extras(layout, None))
 
     # -- graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if max_bs < 1 or max_num_tokens < max_bs:
             raise ValueError(f"max_bs={max_bs}, max_num_tokens={max_num_tokens}: need 1 <= max_bs <= max_num_tokens")
-        self._bufs = LayoutBuffers(max_bs, max(1, max_num_tokens // max_bs), self.memory.max_context_len,
-                                   self.memory.page_size, self.memory.device)
+        self._graph_size = (max_bs, max(1, max_num_tokens // max_bs))
+        self._own_plan = None
         self._graph_meta.clear()
-        self._init_extra_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
         key = inputs.key
-        if self._bufs is None:
+        if self._graph_size is None:
             raise LayoutError("init_cuda_graph_state() must run before capture")
         self._check_mode(key.forward_mode, inputs.spec_info)
-        want = query_width(key.forward_mode, inputs.spec_info)
-        if key.width != want:
-            raise LayoutError(f"GraphKey width W={key.width} but the spec gives W={want}")
-        views = self._bufs.views(key.forward_mode, key.bs, key.width,
-                                 mask_kind(key.forward_mode, inputs.spec_info), self.memory.max_context_len)
-        old = self._graph_meta.get(key)
-        meta = self._graph_meta[key] = ForwardMetadata(views, **self._extras(views, key))
-        if old is not None:                                 # same views: its prep graphs still hold
-            meta.prep_graph, meta.prep_direct = old.prep_graph, old.prep_direct
-        self._prepare_graph(inputs, capture=True)
+        if inputs.plan is not None:                       # a runner captured the key in its plan
+            self._check_plan(inputs.plan)
+            plan = inputs.plan
+            layout = plan.captured(key).layout
+        else:
+            plan = self._private_plan()
+            plan.load(inputs, capture=True)               # validates first: a refusal changes nothing
+            layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)
+        meta = ForwardMetadata(layout, plan, **self._extras(layout, key))
+        self._graph_meta[key] = meta
+        self.forward_metadata = meta
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
-        self._prepare_graph(inputs, capture=False)
-
-    def _prepare_graph(self, inputs: GraphInputs, capture: bool) -> None:
-        """Capture and replay alike: the layout builder writes into the bound views. Replay
-        on CUDA replays the builder captured at capture time (a few launches of host time)."""
-        meta = self._graph_meta.get(inputs.key)
+        key = inputs.key
+        meta = self._graph_meta.get(key)
         if meta is None:
-            captured = ", ".join(sorted(map(str, self._graph_meta)))
-            raise LayoutError(f"no graph captured for {inputs.key}; captured: {captured}")
-        inp = inputs_from_graph(inputs, self.memory.req_to_token, self.memory.page_size,
-                                self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value(), capture)
-        if capture or meta.prep_graph is None:
-            build_layout(inp, out=meta.layout)               # capture: validates device values too (I13)
-            if capture and self.capture_prep_graph and inp.req_to_token.is_cuda and not stream_capturing():
-                self._bufs.stage(inp)
-                meta.prep_graph = _capture_builder(self._bufs.staged(inp), meta.layout)
-                meta.prep_direct = (_capture_builder(self._bufs.direct(inp), meta.layout), _signature(inp))
+            captured = ", ".join(sorted(map(str, self._graph_meta))) or "none"
+            raise LayoutError(f"no graph captured for {key}; captured: {captured}")
+        shared = meta.plan is not self._own_plan
+        if inputs.plan is not (meta.plan if shared else None):
+            raise LayoutError(f"{key} was captured {'with' if shared else 'without'} a step plan; capture and "
+                              "replay must both receive the same plan, or both none")
+        if inputs.plan is not None:
+            inputs.plan.check_current(key)                # the runner has updated it for this key
         else:
-            validate(inp)                                    # host checks, every replay
-            if meta.prep_direct is not None and meta.prep_direct[1] == _signature(inp):
-                self._bufs.stage_scalars(inp)                # a runner's static inputs: 1-2 launches
-                meta.prep_direct[0].replay()
-            else:
-                self._bufs.stage(inp)
-                meta.prep_graph.replay()
+            spec = inputs.spec_info
+            meta.plan.load(inputs)
+            meta.plan.update(key, inputs.raw_bs, spec.draft_step if spec is not None else None)
         self._refresh_extras(meta, inputs)
         self.forward_metadata = meta
 
-    capture_prep_graph = True
+    def _private_plan(self) -> LayoutPlan:
+        if self._own_plan is None:
+            max_bs, max_width = self._graph_size
+            self._own_plan = LayoutPlan(self.memory, self.get_cuda_graph_seq_len_fill_value(),
+                                        max_bs=max_bs, max_width=max_width)
+        return self._own_plan
+
+    def _check_plan(self, plan: LayoutPlan) -> None:
+        if plan.memory is not self.memory:
+            raise LayoutError(f"backend {self.name} reads another KV memory than the step plan it was given")
+
+    @property
+    def graph_plans(self) -> list:
+        """The plans whose static views this backend's captured graphs read."""
+        return list({id(m.plan): m.plan for m in self._graph_meta.values() if m.plan is not None}.values())
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
     def graph_buffers(self) -> dict[str, torch.Tensor]:
-        if self._bufs is None:
-            return {}
-        out = self._bufs.tensors()
+        out = {}
+        for i, plan in enumerate(self.graph_plans):
+            out.update({(k if i == 0 else f"{k}#{i}"): v for k, v in plan.tensors().items()})
         out.update(self._extra_graph_buffers())
         return out
 
@@ -203,9 +203,6 @@ class LayoutBackend(AttentionBackend):
     def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
         """Backend-private metadata derived from host values (key alone in graph mode)."""
         return {}
-
-    def _init_extra_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        pass
 
     def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
         pass
@@ -250,21 +247,3 @@ class LayoutBackend(AttentionBackend):
     @abstractmethod
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         """``q [T, H, Dqk]`` -> ``[T, H, Dv]`` over the cache, with ``meta.layout``."""
-
-
-def _signature(inp) -> tuple:
-    """Where and how the device inputs live: a prep graph captured on them reads exactly this."""
-    tensors = [inp.req_pool_indices, inp.seq_lens]
-    if inp.spec_info is not None and inp.spec_info.tree_mask is not None:
-        tensors.append(inp.spec_info.tree_mask)
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-
-
-def _capture_builder(inp, layout: Layout):
-    """The layout builder captured as a CUDA graph on ``inp`` (device inputs at fixed addresses)."""
-    build_layout(inp, out=layout)                            # warm-up
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        build_layout(inp, out=layout)
-    g.replay()                                               # capture records, it does not run
-    return g

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -72,4 +71,3 @@ class AttentionLayer:
     v_dim: int
     scaling: float
     is_mla: bool = False
-    logit_cap: Optional[float] = None

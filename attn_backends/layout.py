@@ -1,8 +1,9 @@
 """The layout builders: one per mode, the only place stride and extent arithmetic lives.
 
-Eager metadata, graph capture and graph replay all call :func:`build_layout`. Eager gets
-fresh tensors sized to the batch; capture and replay pass ``out=`` views of the static
-buffers (:class:`attn_backends.layout_buffers.LayoutBuffers`) and the builder writes its result there in place.
+Eager metadata, graph capture and graph replay all call :func:`build_layout`, through the
+step plan (:mod:`attn_backends.plan`), which builds each step's layout once for every layer
+and backend. Eager gets fresh tensors sized to the batch; capture and replay pass ``out=``
+views of the plan's static buffers and the builder writes its result there in place.
 
 Canonical fields (``Layout.as_dict()``), for ``bs`` requests:
 
@@ -21,35 +22,30 @@ Canonical fields (``Layout.as_dict()``), for ``bs`` requests:
 ``max_seq_len_k``    host int            eager: the batch maximum; graph: the static bound
 ===================  ==================  ==============================================
 
-Padding (rows ``raw_bs..bs-1``) is written by the builder itself, whatever the inputs hold:
-request row 0, ``seq_len = pad_seq_len (>= W)``, causal tree mask, so pad rows are canonical
-and history-independent. The tree ``custom_mask`` covers only the ``W x W`` draft block; the
-prefix is always visible, so a padded request adds a fixed ``W*W`` block, never a
-length-dependent one.
+Padding (rows ``raw_bs..bs-1``) follows one rule, :func:`canonical_rows` with
+:func:`pad_seq_len`, whatever the inputs hold: request row 0, ``seq_len = max(fill, W)``,
+causal tree mask, so pad rows are canonical and history-independent. The tree
+``custom_mask`` covers only the ``W x W`` draft block; the prefix is always visible, so a
+padded request adds a fixed ``W*W`` block, never a length-dependent one.
 """
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
-from .batch import ForwardBatch, ForwardMode, GraphInputs, SpecInfo, query_width
+from .batch import ForwardBatch, ForwardMode, SpecInfo, query_width
+from .validation import LayoutError, validate
 
 I32 = torch.int32
-DEBUG = os.environ.get("ATTN_BACKENDS_DEBUG", "0") == "1"
 
 
 class MaskKind(str, enum.Enum):
     CAUSAL = "causal"   # row j of request i sees p <= prefix_i + j (decode: all of seq_len)
     TREE = "tree"       # p < prefix_i, or custom_mask[i, j, p - prefix_i]
     DRAFT = "draft"     # p < draft_prefix_i, or (p - draft_prefix_i) % W == j
-
-
-class LayoutError(ValueError):
-    """A batch that no kernel may be launched on; the message names value and limit."""
 
 
 @dataclass
@@ -96,8 +92,9 @@ class LayoutInputs:
     extend_seq_lens_cpu: Optional[torch.Tensor] = None
     static: bool = False                # graph mode: host scalars from the key alone
     check_device_values: bool = False   # validate device tensors too (syncs; never in replay)
-    # Graph mode may pass raw_bs and draft_step as device scalars ([1] int32) so that the
-    # builder itself can be captured once (a "prep graph") and replayed for any raw_bs.
+    validated: bool = False             # the caller (the step plan) has validated it already
+    # Graph mode reads raw_bs and draft_step from device scalars ([1] int32), so that the step
+    # plan's captured builder serves any raw_bs of its key.
     raw_bs_dev: Optional[torch.Tensor] = None
     draft_step_dev: Optional[torch.Tensor] = None
 
@@ -110,27 +107,25 @@ class LayoutInputs:
         return int(self.req_to_token.shape[1])
 
 
-def inputs_from_batch(batch: ForwardBatch, req_to_token, page_size, num_slots, fill) -> LayoutInputs:
+def pad_seq_len(fill: int, width: int) -> int:
+    """The seq_len of a padding row: the backend's fill value, raised to the query width W so
+    that a pad row's prefix ``seq_len - W`` is never negative (BUGS.md B2)."""
+    return max(fill, width, 1)
+
+
+def inputs_from_batch(batch: ForwardBatch, memory, fill: int) -> LayoutInputs:
+    """Builder inputs of an eager batch. Device values are validated only where that costs no
+    device sync (tensors on the CPU)."""
     w = batch.width if batch.forward_mode.is_uniform() else 1
-    dev = batch.seq_lens.device.type == "cpu" or DEBUG
     return LayoutInputs(batch.forward_mode, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
-                        batch.raw_bs, batch.spec_info, req_to_token, page_size, num_slots,
-                        max(fill, w), batch.extend_seq_lens, batch.extend_seq_lens_cpu,
-                        static=False, check_device_values=dev)
+                        batch.raw_bs, batch.spec_info, memory.req_to_token, memory.page_size, memory.num_slots,
+                        pad_seq_len(fill, w), batch.extend_seq_lens, batch.extend_seq_lens_cpu,
+                        static=False, check_device_values=batch.seq_lens.device.type == "cpu")
 
 
 def stream_capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def inputs_from_graph(inputs: GraphInputs, req_to_token, page_size, num_slots, fill,
-                      capture: bool = False) -> LayoutInputs:
-    # Capture may sync (it validates the capture batch, I13); replay never does.
-    dev = capture and not stream_capturing()
-    return LayoutInputs(inputs.key.forward_mode, inputs.req_pool_indices, inputs.seq_lens,
-                        inputs.seq_lens_cpu, inputs.raw_bs, inputs.spec_info, req_to_token, page_size,
-                        num_slots, max(fill, inputs.key.width), static=True, check_device_values=dev)
 
 
 def mask_kind(mode: ForwardMode, spec: Optional[SpecInfo]) -> MaskKind:
@@ -139,77 +134,6 @@ def mask_kind(mode: ForwardMode, spec: Optional[SpecInfo]) -> MaskKind:
     if spec is not None and mode == ForwardMode.DECODE and spec.is_draft_decode and spec.topk > 1:
         return MaskKind.DRAFT
     return MaskKind.CAUSAL
-
-
-# --------------------------------------------------------------------------- validation
-
-def validate(inp: LayoutInputs) -> None:
-    """Raise LayoutError for a batch no kernel may run on. Host checks always; device
-    values only when ``inp.check_device_values`` (they sync)."""
-    bs, mode, spec = inp.bs, inp.mode, inp.spec_info
-    if bs < 1:
-        raise LayoutError(f"bs={bs} must be >= 1")
-    for name in ("seq_lens", "seq_lens_cpu"):
-        t = getattr(inp, name)
-        if tuple(t.shape) != (bs,):
-            raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected ({bs},) like req_pool_indices")
-    if inp.seq_lens_cpu.device.type != "cpu":
-        raise LayoutError(f"seq_lens_cpu must be a host tensor, got device {inp.seq_lens_cpu.device}")
-    if inp.req_pool_indices.dtype not in (torch.int32, torch.int64):
-        raise LayoutError(f"req_pool_indices dtype {inp.req_pool_indices.dtype} is not int32/int64")
-    if not 1 <= inp.raw_bs <= bs:
-        raise LayoutError(f"raw_bs={inp.raw_bs} outside 1..bs={bs}")
-    if mode == ForwardMode.IDLE:
-        raise LayoutError("IDLE batches carry no tokens and get no attention metadata")
-    seqs = inp.seq_lens_cpu[:inp.raw_bs].tolist()   # a host tensor: no device sync; lists are fast
-    ctx = inp.max_context_len
-    if max(seqs) > ctx:
-        raise LayoutError(f"seq_len={max(seqs)} exceeds max_context_len={ctx}")
-    if mode == ForwardMode.EXTEND:
-        seq = torch.tensor(seqs, dtype=torch.int64)
-        ext = inp.extend_seq_lens_cpu
-        if ext is None or inp.extend_seq_lens is None:
-            raise LayoutError("EXTEND needs extend_seq_lens and extend_seq_lens_cpu")
-        if tuple(ext.shape) != (bs,):
-            raise LayoutError(f"extend_seq_lens_cpu has shape {tuple(ext.shape)}, expected ({bs},)")
-        bad = (ext[:inp.raw_bs] < 1) | (ext[:inp.raw_bs].to(torch.int64) > seq)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise LayoutError(f"request {i}: extend_seq_len={int(ext[i])} outside 1..seq_len={int(seq[i])}")
-    else:
-        w = query_width(mode, spec)
-        need = w * spec.draft_step if (spec is not None and spec.is_draft_decode) else w
-        if min(seqs) < need:
-            i = next(i for i, n in enumerate(seqs) if n < need)
-            raise LayoutError(f"request {i}: seq_len={seqs[i]} < {need} query tokens "
-                              f"(W={w}{', draft_step=%d' % spec.draft_step if need != w else ''}); "
-                              "seq_lens must include this forward's tokens")
-        if mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
-            tm = spec.tree_mask
-            if tm is None or tm.dim() != 3 or tm.shape[1:] != (w, w) or tm.shape[0] < inp.raw_bs:
-                raise LayoutError(f"tree verify needs tree_mask [bs, {w}, {w}], got "
-                                  f"{None if tm is None else tuple(tm.shape)}")
-            if inp.check_device_values and not bool(tm[:inp.raw_bs].diagonal(dim1=1, dim2=2).all()):
-                raise LayoutError("tree_mask diagonal must be True: every draft token sees itself")
-        if mode == ForwardMode.DRAFT_EXTEND and spec.accept_lens is not None and inp.check_device_values:
-            acc = spec.accept_lens[:inp.raw_bs]
-            if bool(((acc < 1) | (acc > w)).any()):
-                raise LayoutError(f"accept_lens {acc.tolist()} outside 1..N={w} (valid tokens incl. the bonus)")
-    if inp.check_device_values:
-        req = inp.req_pool_indices[:inp.raw_bs]
-        rows = inp.req_to_token.shape[0]
-        if bool(((req < 0) | (req >= rows)).any()):
-            raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
-        if inp.seq_lens[:inp.raw_bs].tolist() != seqs:
-            raise LayoutError("seq_lens and seq_lens_cpu disagree")
-        pos = torch.arange(ctx, device=req.device)
-        used = pos[None, :] < inp.seq_lens[:inp.raw_bs, None]
-        slots = inp.req_to_token[req.long()]
-        bad = ((slots < 0) | (slots >= inp.num_slots)) & used
-        if bool(bad.any()):
-            i, t = (int(x) for x in bad.nonzero()[0])
-            raise LayoutError(f"req_to_token: request {i} (row {int(req[i])}), position {t}: slot {int(slots[i, t])} "
-                              f"outside the pool 0..{inp.num_slots - 1}")
 
 
 # --------------------------------------------------------------------------- builders
@@ -224,8 +148,8 @@ def _fresh(mode, bs, width, page_size, mask, max_k, n_pages_total, device) -> La
                   z(bs + 1) if tree else None, z(bs) if draft else None)
 
 
-def _canonical_rows(inp: LayoutInputs):
-    """(req, seq) with pad rows forced to request row 0 and ``pad_seq_len``."""
+def canonical_rows(inp: LayoutInputs):
+    """(req, seq) with pad rows forced to request row 0 and ``pad_seq_len``: the one pad rule."""
     real = real_rows(inp)
     req = torch.where(real, inp.req_pool_indices.to(torch.int64), 0)
     seq = torch.where(real, inp.seq_lens.to(I32), inp.pad_seq_len)
@@ -277,14 +201,13 @@ def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tens
 
 
 def _uniform(inp: LayoutInputs, width: int, mask: MaskKind, out: Optional[Layout]) -> Layout:
-    validate(inp)
     max_k, n_pages = _host_max_k(inp)
     if out is None:
         out = _fresh(inp.mode, inp.bs, width, inp.page_size, mask, max_k, n_pages, inp.seq_lens.device)
     elif (out.bs, out.width, out.mask) != (inp.bs, width, mask):
         raise LayoutError(f"buffers bound for (bs={out.bs}, W={out.width}, {out.mask.value}) "
                           f"but the batch is (bs={inp.bs}, W={width}, {mask.value})")
-    req, seq = _canonical_rows(inp)
+    req, seq = canonical_rows(inp)
     out.cu_seqlens_q.copy_(torch.arange(0, (inp.bs + 1) * width, width, dtype=I32, device=seq.device))
     out.prefix_lens.copy_(seq - width)
     _write_kv(out, inp, req, seq)
@@ -335,12 +258,11 @@ def build_extend(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
     """EXTEND: ragged query lengths; eager only (never captured as a uniform graph)."""
     if out is not None:
         raise LayoutError("EXTEND is ragged and has no static graph layout")
-    validate(inp)
     max_k, n_pages = _host_max_k(inp)
     ext_cpu = inp.extend_seq_lens_cpu.to(torch.int64).clone()
     ext_cpu[inp.raw_bs:] = 1
     lay = _fresh(inp.mode, inp.bs, 0, inp.page_size, MaskKind.CAUSAL, max_k, n_pages, inp.seq_lens.device)
-    req, seq = _canonical_rows(inp)
+    req, seq = canonical_rows(inp)
     real = torch.arange(inp.bs, device=seq.device) < inp.raw_bs
     ext = torch.where(real, inp.extend_seq_lens.to(I32), 1)
     lay.cu_seqlens_q[:1].zero_()
@@ -366,6 +288,8 @@ def build_layout(inp: LayoutInputs, out: Optional[Layout] = None) -> Layout:
         if inp.mode == ForwardMode.IDLE:
             raise LayoutError("IDLE batches carry no tokens and get no attention metadata") from None
         raise LayoutError(f"forward_mode={inp.mode.name} has no attention layout") from None
+    if not inp.validated:
+        validate(inp)
     return builder(inp, out)
 
 

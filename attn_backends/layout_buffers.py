@@ -1,17 +1,14 @@
-"""The static buffers a backend's captured graphs read, at the largest size.
+"""The static buffers of the canonical layout, at the largest size, owned by a step plan.
 
 Capture binds views of them for a GraphKey; replay writes the layout builder's output into the
-same storage. The staged inputs (``in_*``) hold what a captured "prep graph" of the builder
-reads, so that replay preparation is a few launches (see ``base.LayoutBackend``).
+same storage (see :mod:`attn_backends.plan`).
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from .batch import ForwardMode
-from .layout import I32, Layout, LayoutError, LayoutInputs, MaskKind
+from .layout import I32, Layout, LayoutError, MaskKind
 
 
 class LayoutBuffers:
@@ -33,49 +30,6 @@ class LayoutBuffers:
         self.custom_mask = z(max_bs * max_width * max_width, dtype=torch.bool)
         self.mask_indptr = z(max_bs + 1)
         self.draft_prefix_lens = z(max_bs)
-        # staged inputs: what a captured "prep graph" of the builder reads at replay
-        self.in_req = z(max_bs, dtype=torch.int64)
-        self.in_seq = z(max_bs)
-        self.in_raw = z(1)
-        self.in_step = z(1)
-        self.in_tree = z(max_bs * max_width * max_width, dtype=torch.bool)
-
-    def stage_scalars(self, inp: LayoutInputs) -> None:
-        """raw_bs (and draft_step) into their device scalars: fill kernels, no host sync."""
-        self.in_raw.fill_(inp.raw_bs)
-        if inp.spec_info is not None and inp.spec_info.is_draft_decode:
-            self.in_step.fill_(inp.spec_info.draft_step)
-
-    def stage(self, inp: LayoutInputs) -> None:
-        """Copy the device inputs into the staged buffers (raw_bs and draft_step as device
-        scalars): what a builder run captured on :meth:`staged` inputs reads at replay.
-        A few launches, no host sync."""
-        bs, raw, spec = inp.bs, inp.raw_bs, inp.spec_info
-        self.in_req[:bs].copy_(inp.req_pool_indices)
-        self.in_seq[:bs].copy_(inp.seq_lens)
-        self.stage_scalars(inp)
-        if spec is not None and spec.tree_mask is not None:
-            w = spec.tree_mask.shape[1]
-            self.in_tree[:raw * w * w].view(raw, w, w).copy_(spec.tree_mask[:raw])
-
-    def direct(self, inp: LayoutInputs) -> LayoutInputs:
-        """``inp`` itself with raw_bs / draft_step read from the device scalars: for a builder
-        captured on a caller's static inputs (a runner's buffers, refilled in place)."""
-        draft = inp.spec_info is not None and inp.spec_info.is_draft_decode
-        return replace(inp, raw_bs_dev=self.in_raw, draft_step_dev=self.in_step if draft else None,
-                       check_device_values=False)
-
-    def staged(self, inp: LayoutInputs) -> LayoutInputs:
-        """Inputs that read the staged buffers: capture the builder on these once, then
-        :meth:`stage` + replay serves any batch of the same key."""
-        bs, spec = inp.bs, inp.spec_info
-        draft = spec is not None and spec.is_draft_decode
-        if spec is not None and spec.tree_mask is not None:
-            w = spec.tree_mask.shape[1]
-            spec = replace(spec, tree_mask=self.in_tree[:bs * w * w].view(bs, w, w))
-        return replace(inp, req_pool_indices=self.in_req[:bs], seq_lens=self.in_seq[:bs], spec_info=spec,
-                       raw_bs_dev=self.in_raw, draft_step_dev=self.in_step if draft else None,
-                       check_device_values=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}

@@ -1,7 +1,8 @@
 """Decode-step latency of the tiny models (GPU only): eager vs full graph vs piecewise vs
 breakable, bs 1, 8 and 64, with the ``triton`` / ``triton_mla`` backends, at
 ``TinyConfig.gpu_gqa()`` / ``gpu_mla()`` sizes; and the host time of one replay preparation
-(``runner._load`` + ``_prepare_replay``: all metadata, all layers) under
+(``runner.prepare``: the batch's real rows into the step plan, one plan update, every layer's
+backend refreshed; one backend instance for all layers and one per layer) under
 ``torch.cuda.set_sync_debug_mode("error")``.
 
 One step = ``runner.run(batch)`` (inputs copied in, metadata, replay, outputs sliced and
@@ -58,6 +59,10 @@ class Setup:
             "full_graph": UniformGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
             "breakable": BreakableGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
             "piecewise": PiecewiseRunner(self.model, self.backend, self.mem, BATCH_SIZES),
+            # one backend instance per layer: the step plan still builds the layout once
+            "full_graph_per_layer": UniformGraphRunner(
+                self.model, [get_backend(self.backend.name, cfg, self.mem) for _ in range(self.tc.num_layers)],
+                self.mem, ForwardMode.DECODE, BATCH_SIZES),
         }
         for r in self.runners.values():
             r.capture()
@@ -116,49 +121,42 @@ def test_decode_step(benchmark, copy_gbs, which, bs, impl):
             "cfg": f"{which} {s.tc.num_layers} layers, ctx ~{CONTEXT}, page {s.tc.page_size}"})
 
 
-@pytest.mark.parametrize("bs", BATCH_SIZES)
-@pytest.mark.parametrize("which", ["gqa", "mla"])
-def test_replay_preparation_host_time(benchmark, which, bs):
-    """``_load`` + ``_prepare_replay`` of the full-graph runner: median host time, no sync."""
-    import triton
-    s = setup(which)
-    r = s.runners["full_graph"]
-    b = s.batch(bs)
-
-    def prep():
-        _, _, _, sb = r._load(b)
-        r._prepare_replay(sb)
-
+def _host_times(fn, n=500) -> float:
+    """Median host microseconds of ``fn`` under CUDA's sync debug mode (a host sync raises)."""
     for _ in range(20):
-        prep()
+        fn()
     torch.cuda.synchronize()
     host = []
-    torch.cuda.set_sync_debug_mode("error")     # any host sync in preparation raises here
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(500):
+        for _ in range(n):
             t0 = time.perf_counter()
-            prep()
+            fn()
             host.append((time.perf_counter() - t0) * 1e6)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    host_us = statistics.median(host)
-    dev_us = triton.testing.do_bench(prep, warmup=10, rep=40, return_mode="median") * 1e3
-    # the metadata alone (every backend of every layer), inputs already loaded
-    _, _, _, sb = r._load(b)
-    meta = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(500):
-            t0 = time.perf_counter()
-            r._prepare_replay(sb)
-            meta.append((time.perf_counter() - t0) * 1e6)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    meta_us = statistics.median(meta)
+    return statistics.median(host)
+
+
+@pytest.mark.parametrize("runner", ["full_graph", "full_graph_per_layer"])
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_replay_preparation_host_time(benchmark, which, bs, runner):
+    """``runner.prepare(batch)``: the whole step's replay preparation (the batch's real rows
+    into the step plan, one plan update, every backend's extras): median host time, no sync;
+    and the metadata part alone (plan update + backends)."""
+    import triton
+    s = setup(which)
+    r = s.runners[runner]
+    b = s.batch(bs)
+    host_us = _host_times(lambda: r.prepare(b))
+    dev_us = triton.testing.do_bench(lambda: r.prepare(b), warmup=10, rep=40, return_mode="median") * 1e3
+    key, sb = r._load(b)
+    meta_us = _host_times(lambda: r._prepare_replay(key, sb))
     benchmark.extra_info.update(host_us=host_us, device_us=dev_us, metadata_host_us=meta_us)
-    benchmark.pedantic(lambda: (prep(), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
-    record({"kernel": f"runner_prep_{which}_bs{bs}", "impl": "full_graph", "host_us": host_us, "device_us": dev_us,
-            "metadata_host_us": meta_us})
+    benchmark.pedantic(lambda: (r.prepare(b), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
+    record({"kernel": f"runner_prep_{which}_bs{bs}", "impl": runner, "host_us": host_us, "device_us": dev_us,
+            "metadata_host_us": meta_us, "layers": s.tc.num_layers})
 
 
 def summarize(path: str) -> None:
@@ -177,7 +175,7 @@ def summarize(path: str) -> None:
             ok = "PASS" if r["host_us"] < 30 else "MISS"
             meta = r.get("metadata_host_us")
             mok = "" if meta is None else f"; metadata alone {meta:.1f} us ({'PASS' if meta < 30 else 'MISS'})"
-            print(f"{r['kernel']:22s} host {r['host_us']:6.1f} us (target < 30: {ok}){mok}, "
+            print(f"{r['kernel']:22s} {r['impl']:21s} host {r['host_us']:6.1f} us (target < 30: {ok}){mok}, "
                   f"device {r['device_us']:.1f} us, no sync")
     e, g = steps.get(("step_gqa_bs1", "eager")), steps.get(("step_gqa_bs1", "full_graph"))
     if e and g:

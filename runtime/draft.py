@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
+from attn_backends.layout import pad_seq_len
+from attn_backends.plan import LayoutPlan, step_plan
 
 from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput
@@ -59,6 +61,9 @@ class DraftExtendRunner(UniformGraphRunner):
 
 
 class MultiStepDraftRunner(GraphRunnerBase):
+    """``num_steps`` draft-decode forwards in one graph, each step with its own backends and its
+    own step plan (step ``s`` sees ``seq_lens = prefix + s*topk``)."""
+
     def __init__(self, model, step_backends: list, memory, topk: int, num_steps: int, buckets,
                  capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
         if len(step_backends) != num_steps:
@@ -74,15 +79,12 @@ class MultiStepDraftRunner(GraphRunnerBase):
                     raise ValueError(f"steps {owners[id(b)] + 1} and {step + 1} share a backend instance; "
                                      "each draft step needs its own (its own metadata)")
         self.topk, self.num_steps, self.width = topk, num_steps, topk
-        n, dev, s = self.max_bs * topk, self.device, num_steps
-        self.input_ids = torch.zeros(n, dtype=I64, device=dev)
-        self.positions = torch.zeros(s, n, dtype=I64, device=dev)
-        self.out_cache_loc = torch.zeros(s, n, dtype=I64, device=dev)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=I32, device=dev)
-        self.seq_lens = torch.zeros(s, self.max_bs, dtype=I32, device=dev)
-        self.seq_lens_cpu = torch.zeros(s, self.max_bs, dtype=I32)
+        self.plans = [LayoutPlan(memory, self.fill, max_bs=self.max_bs, max_width=topk, tokens=True)
+                      for _ in range(num_steps)]
+        self.input_ids = self.plans[0].input_ids          # the first token of each branch
+        self._inputs = {}
         for b in self.backends:
-            b.init_cuda_graph_state(self.max_bs, n)
+            b.init_cuda_graph_state(self.max_bs, self.max_bs * topk)
 
     def spec(self, step: int) -> SpecInfo:
         return SpecInfo(num_draft_tokens=self.num_steps * self.topk + 1, topk=self.topk,
@@ -101,30 +103,36 @@ class MultiStepDraftRunner(GraphRunnerBase):
                     f"({inp.raw_bs}, {self.num_steps * self.topk})")
         return None
 
-    def _step_batches(self, bs: int, raw: int) -> list:
-        n = bs * self.topk
-        return [ForwardBatch(ForwardMode.DECODE, bs, self.req_pool_indices[:bs], self.seq_lens[s, :bs],
-                             self.seq_lens_cpu[s, :bs], self.out_cache_loc[s, :n], self.positions[s, :n],
-                             spec_info=self.spec(s + 1), capture_hidden_mode=self.capture_hidden_mode,
-                             raw_bs=raw) for s in range(self.num_steps)]
-
     def _static_batch(self, bucket: int):
-        self._write_pads(0, bucket)
-        return GraphKey(ForwardMode.DECODE, bucket, self.topk, self.capture_hidden_mode), \
-            self._step_batches(bucket, bucket)
+        key = GraphKey(ForwardMode.DECODE, bucket, self.topk, self.capture_hidden_mode)
+        n, k, batches = bucket * self.topk, self.topk, []
+        for s, p in enumerate(self.plans):
+            # a valid capture batch: request row 0 with a prefix of 0 (seq_len >= W * step)
+            seq = max(pad_seq_len(self.fill, k), k * (s + 1))
+            p.seq_lens[:bucket].fill_(seq)
+            p.seq_lens_cpu[:bucket] = seq
+            gi = p.graph_inputs(key, self.spec(s + 1))
+            self._inputs[(key, s)] = gi
+            batches.append(ForwardBatch(ForwardMode.DECODE, bucket, gi.req_pool_indices, gi.seq_lens, gi.seq_lens_cpu,
+                                        p.out_cache_loc[:n], p.positions[:n], spec_info=gi.spec_info,
+                                        capture_hidden_mode=self.capture_hidden_mode, raw_bs=bucket, plan=p))
+        return key, batches
 
-    def _capture_metadata(self, backend, static_batches) -> None:
-        for s, sb in enumerate(static_batches):
-            if backend in self.step_backends[s]:
-                backend.init_forward_metadata_capture_cuda_graph(sb.graph_inputs())
+    def _capture_metadata(self, key, static_batches) -> None:
+        for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
+            p.capture(key, sb.spec_info, key.bs)
+            for b in {id(b): b for b in self.step_backends[s]}.values():
+                b.init_forward_metadata_capture_cuda_graph(self._inputs[(key, s)])
 
-    def _prepare_replay(self, static_batches) -> None:
-        for s, sb in enumerate(static_batches):
-            gi = sb.graph_inputs()
+    def _prepare_replay(self, key, static_batches) -> None:
+        for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
+            p.update(key, sb.raw_bs)
+            gi = self._inputs[(key, s)]
+            gi.raw_bs = sb.raw_bs
             for b in {id(b): b for b in self.step_backends[s]}.values():
                 b.init_forward_metadata_replay_cuda_graph(gi)
 
-    def _forward(self, static_batches, n: Optional[int] = None):
+    def _forward(self, static_batches):
         ids = self.input_ids[:static_batches[0].batch_size * self.topk]
         tokens, logits, hidden = [], None, None
         for s, sb in enumerate(static_batches):
@@ -134,34 +142,20 @@ class MultiStepDraftRunner(GraphRunnerBase):
             tokens.append(ids)
         return torch.stack(tokens), logits, hidden                      # [steps, bs*topk], ...
 
-    def _write_pads(self, raw: int, bs: int) -> None:
-        k, pad = self.topk, max(self.fill, self.topk * self.num_steps)
-        self.input_ids[raw * k:bs * k].zero_()
-        self.out_cache_loc[:, raw * k:bs * k].zero_()
-        self.positions[:, raw * k:bs * k].zero_()
-        self.req_pool_indices[raw:bs].zero_()
-        for s in range(self.num_steps):
-            # pad rows: the reserved row, seq_len >= W * step so that every branch has a prefix >= 0
-            self.seq_lens[s, raw:bs].fill_(pad)
-            self.seq_lens_cpu[s, raw:bs].fill_(pad)
-
     def _load(self, inp: DraftInput):
         raw, k = inp.raw_bs, self.topk
-        bs = self.bucket_for(raw)
-        key = GraphKey(ForwardMode.DECODE, bs, k, self.capture_hidden_mode)
-        graph, out, sbs = self.graphs[key]
-        self.input_ids[:raw * k].copy_(inp.input_ids)
-        self.out_cache_loc[:, :raw * k].copy_(inp.out_cache_loc.view(raw, self.num_steps, k).transpose(0, 1)
-                                               .reshape(self.num_steps, raw * k))
-        self.req_pool_indices[:raw].copy_(inp.req_pool_indices)
-        for s in range(self.num_steps):
-            self.seq_lens[s, :raw].copy_(inp.prefix_lens + (s + 1) * k)
-            self.seq_lens_cpu[s, :raw].copy_(inp.prefix_lens_cpu + (s + 1) * k)
-            self.positions[s, :raw * k].copy_((inp.prefix_lens.to(I64) + s).repeat_interleave(k, output_size=raw * k))
-        self._write_pads(raw, bs)
-        for sb in sbs:
+        key = GraphKey(ForwardMode.DECODE, self.bucket_for(raw), k, self.capture_hidden_mode)
+        sbs = self.graphs[key][2]
+        nr = raw * k
+        loc = inp.out_cache_loc.view(raw, self.num_steps, k)
+        self.input_ids[:nr].copy_(inp.input_ids)
+        for s, (p, sb) in enumerate(zip(self.plans, sbs)):
+            pos = (inp.prefix_lens.to(I64) + s).repeat_interleave(k, output_size=nr)
+            torch.stack([pos, loc[:, s].reshape(-1)], out=p.tokens[1:, :nr])
+            torch.stack([inp.req_pool_indices, inp.prefix_lens + (s + 1) * k], out=p.requests[:, :raw])
+            p.seq_lens_cpu[:raw] = inp.prefix_lens_cpu + (s + 1) * k
             sb.raw_bs = raw
-        return key, graph, out, sbs
+        return key, sbs
 
     def _slice(self, out, inp: DraftInput, static_batches) -> RunnerOutput:
         tokens, logits, hidden = out
@@ -181,6 +175,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
                              loc[:, s].reshape(-1), (inp.prefix_lens.to(I64) + s).repeat_interleave(k),
                              spec_info=self.spec(s + 1), capture_hidden_mode=inp.capture_hidden_mode,
                              input_ids=ids)
+            b = step_plan(b, self.step_backends[s])
             for be in {id(b_): b_ for b_ in self.step_backends[s]}.values():
                 be.init_forward_metadata(b)
             logits, hidden = self.model.forward(b, self.step_backends[s])

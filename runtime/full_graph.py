@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+from attn_backends.plan import LayoutPlan
 
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
 
@@ -14,7 +15,9 @@ I32, I64 = torch.int32, torch.int64
 
 
 class UniformGraphRunner(GraphRunnerBase):
-    """One graph per bucket of requests; every request owns W rows."""
+    """One graph per bucket of requests; every request owns W rows. The step plan owns the
+    static inputs (``input_ids``, ``positions``, ``out_cache_loc``, ``req_pool_indices``,
+    ``seq_lens``, ``tree_mask``, ``accept_lens`` are views of its buffers) and their padding."""
 
     modes = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -28,19 +31,14 @@ class UniformGraphRunner(GraphRunnerBase):
         self.mode, self.spec = mode, spec
         self.width = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
         self.tree = spec is not None and spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY
-        w, n, dev = self.width, self.max_bs * self.width, self.device
-        # packed so that loading a batch is a few launches: rows of one buffer per dtype
-        self._tokens = torch.zeros(3, n, dtype=I64, device=dev)          # ids, positions, slots
-        self.input_ids, self.positions, self.out_cache_loc = self._tokens.unbind(0)
-        self._reqs = torch.zeros(2, self.max_bs, dtype=I32, device=dev)  # request rows, seq_lens
-        self.req_pool_indices, self.seq_lens = self._reqs.unbind(0)
-        self.seq_lens.fill_(max(self.fill, w))
-        self.seq_lens_cpu = torch.full((self.max_bs,), max(self.fill, w), dtype=I32)
-        self.accept_lens = torch.ones(self.max_bs, dtype=I32, device=dev)
-        self._tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))
-        self.tree_mask = self._tril.repeat(self.max_bs, 1, 1)
+        w = self.width
+        self.plan = p = LayoutPlan(memory, self.fill, max_bs=self.max_bs, max_width=w, tokens=True)
+        self.input_ids, self.positions, self.out_cache_loc = p.input_ids, p.positions, p.out_cache_loc
+        self.req_pool_indices, self.seq_lens, self.seq_lens_cpu = p.req_pool_indices, p.seq_lens, p.seq_lens_cpu
+        self.accept_lens, self.tree_mask = p.accept_lens, p.tree_mask(self.max_bs, w)
+        self._inputs = {}               # key -> GraphInputs handed to the backends at every replay
         for b in self.backends:
-            b.init_cuda_graph_state(self.max_bs, n)
+            b.init_cuda_graph_state(self.max_bs, self.max_bs * w)
 
     def refusal(self, batch: ForwardBatch) -> Optional[str]:
         reason = super().refusal(batch)
@@ -59,49 +57,48 @@ class UniformGraphRunner(GraphRunnerBase):
             return "draft decode runs on the multi-step draft runner"
         return None
 
-    def _static_spec(self, bs: int) -> Optional[SpecInfo]:
-        if self.spec is None:
-            return None
-        s = self.spec
-        return SpecInfo(s.num_draft_tokens, s.topk, s.num_steps, accept_lens=self.accept_lens[:bs],
-                        tree_mask=self.tree_mask[:bs] if self.tree else None)
-
     def _static_batch(self, bucket: int):
+        key = GraphKey(self.mode, bucket, self.width, self.capture_hidden_mode)
+        gi = self.plan.graph_inputs(key, self.spec)
         n = bucket * self.width
-        sb = ForwardBatch(self.mode, bucket, self.req_pool_indices[:bucket], self.seq_lens[:bucket],
-                          self.seq_lens_cpu[:bucket], self.out_cache_loc[:n], self.positions[:n],
-                          spec_info=self._static_spec(bucket), capture_hidden_mode=self.capture_hidden_mode,
-                          input_ids=self.input_ids[:n], raw_bs=bucket)
-        return sb.graph_key(), sb
+        sb = ForwardBatch(self.mode, bucket, gi.req_pool_indices, gi.seq_lens, gi.seq_lens_cpu,
+                          self.out_cache_loc[:n], self.positions[:n], spec_info=gi.spec_info,
+                          capture_hidden_mode=self.capture_hidden_mode, input_ids=self.input_ids[:n],
+                          raw_bs=bucket, plan=self.plan)
+        self._inputs[key] = gi
+        return key, sb
+
+    def _capture_metadata(self, key, static_batch) -> None:
+        self.plan.capture(key, static_batch.spec_info, static_batch.raw_bs)
+        for b in self.backends:
+            b.init_forward_metadata_capture_cuda_graph(self._inputs[key])
+
+    def _prepare_replay(self, key, static_batch) -> None:
+        self.plan.update(key, static_batch.raw_bs)
+        gi = self._inputs[key]
+        gi.raw_bs = static_batch.raw_bs
+        for b in self.backends:                  # I12: every backend instance, once
+            b.init_forward_metadata_replay_cuda_graph(gi)
 
     def _forward(self, static_batch):
         return self.model.forward(static_batch, self.layer_backends)
 
     def _load(self, batch: ForwardBatch):
-        raw, w = batch.raw_bs, self.width
-        bs = self.bucket_for(raw)
-        key = GraphKey(self.mode, bs, w, self.capture_hidden_mode)
-        graph, out, sb = self.graphs[key]
-        nr, n = raw * w, bs * w
-        pad = max(self.fill, w)
-        self._tokens[:, :nr].copy_(torch.stack([batch.input_ids[:nr], batch.positions[:nr],
-                                                batch.out_cache_loc[:nr]]))
-        self._reqs[:, :raw].copy_(torch.stack([batch.req_pool_indices[:raw].to(I32), batch.seq_lens[:raw].to(I32)]))
-        self.seq_lens_cpu[:raw].copy_(batch.seq_lens_cpu[:raw])
-        if raw < bs:                          # pad rows: token 0, slot 0, request row 0, seq_len = fill
-            self._tokens[:, nr:n].zero_()
-            self.req_pool_indices[raw:bs].zero_()
-            self.seq_lens[raw:bs].fill_(pad)
-            self.seq_lens_cpu[raw:bs].fill_(pad)
+        raw, w, p = batch.raw_bs, self.width, self.plan
+        key = GraphKey(self.mode, self.bucket_for(raw), w, self.capture_hidden_mode)
+        sb = self.graphs[key][2]
+        nr = raw * w
+        # real rows only, two launches: the plan's prep graph pads the rest
+        torch.stack([batch.input_ids[:nr], batch.positions[:nr], batch.out_cache_loc[:nr]], out=p.tokens[:, :nr])
+        torch.stack([batch.req_pool_indices[:raw], batch.seq_lens[:raw]], out=p.requests[:, :raw])
+        p.seq_lens_cpu[:raw] = batch.seq_lens_cpu[:raw]
         spec = batch.spec_info
         if self.mode == ForwardMode.DRAFT_EXTEND:
             self.accept_lens[:raw].copy_(spec.accept_lens[:raw])
-            self.accept_lens[raw:bs].fill_(1)
         if self.tree:
             self.tree_mask[:raw].copy_(spec.tree_mask[:raw])
-            self.tree_mask[raw:bs] = self._tril
         sb.raw_bs = raw
-        return key, graph, out, sb
+        return key, sb
 
     def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
         logits, hidden = out

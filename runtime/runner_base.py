@@ -1,7 +1,8 @@
 """What every graph runner shares: buckets (captured largest first into one memory pool),
-static input buffers at the largest size, padding by the rules of DESIGN.md, ``can_run``
-guards, replay counting and output slicing (clones: a replay never aliases an earlier
-result)."""
+``can_run`` guards, replay counting and output slicing (clones: a replay never aliases an
+earlier result). The static inputs and their padding belong to the step plan
+(:class:`attn_backends.plan.LayoutPlan`): a runner writes only the real rows of a batch and
+updates the plan once per replay."""
 from __future__ import annotations
 
 import bisect
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch
+from attn_backends.plan import step_plan
 
 from .graphs import make_graph
 
@@ -80,48 +82,59 @@ class GraphRunnerBase:
     def capture(self) -> None:
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
             key, static_batch = self._static_batch(bucket)
-            for b in self.backends:
-                self._capture_metadata(b, static_batch)
+            self._capture_metadata(key, static_batch)
             graph = make_graph(self.device, self.pool, segmented=self.segmented)
             out = graph.capture(lambda sb=static_batch: self._forward(sb))
             self.graphs[key] = (graph, out, static_batch)
 
     segmented = False
 
-    def _capture_metadata(self, backend, static_batch) -> None:
-        backend.init_forward_metadata_capture_cuda_graph(static_batch.graph_inputs())
-
-    def run(self, batch: ForwardBatch) -> RunnerOutput:
-        reason = self.refusal(batch)
-        if reason:
-            raise RunnerRefusal(f"{type(self).__name__} cannot run this batch: {reason}")
-        key, graph, out, static_batch = self._load(batch)
-        self._prepare_replay(static_batch)
+    def run(self, batch) -> RunnerOutput:
+        key, static_batch = self.prepare(batch)
+        graph, out, _ = self.graphs[key]
         graph.replay()
         self.replay_count += 1
         return self._slice(out, batch, static_batch)
 
-    def _prepare_replay(self, static_batch) -> None:
-        for b in self.backends:
-            b.init_forward_metadata_replay_cuda_graph(static_batch.graph_inputs())
+    def prepare(self, batch):
+        """Replay preparation of one step: the batch's real rows into the plan's inputs, one
+        plan update (padding and the layout of every layer), every backend's extras. Returns
+        ``(key, static batch)``; raises :class:`RunnerRefusal` for a batch it cannot run."""
+        reason = self.refusal(batch)
+        if reason:
+            raise RunnerRefusal(f"{type(self).__name__} cannot run this batch: {reason}")
+        key, static_batch = self._load(batch)
+        self._prepare_replay(key, static_batch)
+        return key, static_batch
 
     # subclass hooks
     def _static_batch(self, bucket: int):
+        """``(key, static batch)`` over the plan's inputs, holding a valid capture batch."""
+        raise NotImplementedError
+
+    def _capture_metadata(self, key, static_batch) -> None:
+        raise NotImplementedError
+
+    def _prepare_replay(self, key, static_batch) -> None:
         raise NotImplementedError
 
     def _forward(self, static_batch):
         raise NotImplementedError
 
-    def _load(self, batch: ForwardBatch):
+    def _load(self, batch):
+        """Write the batch's real rows into the plan's inputs; returns ``(key, static batch)``."""
         raise NotImplementedError
 
-    def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
+    def _slice(self, out, batch, static_batch) -> RunnerOutput:
         raise NotImplementedError
 
 
 def run_eager(model, backends, batch: ForwardBatch, width: int) -> RunnerOutput:
-    """The reference path: eager metadata on every backend, one model forward, raw rows."""
-    for b in {id(b): b for b in model.backends_per_layer(backends)}.values():
+    """The reference path: one eager step plan, eager metadata on every backend, one model
+    forward, raw rows."""
+    per_layer = model.backends_per_layer(backends)
+    batch = step_plan(batch, per_layer)
+    for b in {id(b): b for b in per_layer}.values():
         b.init_forward_metadata(batch)
     logits, hidden = model.forward(batch, backends, batch.input_embeds)
     if width:

@@ -8,7 +8,6 @@ import torch
 from attn_backends import ForwardMode
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.base import ForwardMetadata
-from attn_backends.layout import build_layout, inputs_from_graph
 
 
 class PackedReplay(TorchNativeBackend):
@@ -16,10 +15,10 @@ class PackedReplay(TorchNativeBackend):
 
     name = "bug_packed_replay"
 
-    def _prepare_graph(self, inputs, capture):
-        super()._prepare_graph(inputs, capture)
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
+        super().init_forward_metadata_replay_cuda_graph(inputs)
         spec = inputs.spec_info
-        if not capture and inputs.key.forward_mode == ForwardMode.DRAFT_EXTEND:
+        if inputs.key.forward_mode == ForwardMode.DRAFT_EXTEND:
             lay = self.forward_metadata.layout
             torch.cumsum(spec.accept_lens.to(torch.int32), 0, out=lay.cu_seqlens_q[1:])
 
@@ -41,8 +40,12 @@ class StepsStride(TorchNativeBackend):
         super().init_forward_metadata(batch)
         self._wrong_stride(batch.spec_info)
 
-    def _prepare_graph(self, inputs, capture):
-        super()._prepare_graph(inputs, capture)
+    def init_forward_metadata_capture_cuda_graph(self, inputs):
+        super().init_forward_metadata_capture_cuda_graph(inputs)
+        self._wrong_stride(inputs.spec_info)
+
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
+        super().init_forward_metadata_replay_cuda_graph(inputs)
         self._wrong_stride(inputs.spec_info)
 
 
@@ -51,11 +54,10 @@ class NoPlusW(TorchNativeBackend):
 
     name = "bug_no_plus_w"
 
-    def _prepare_graph(self, inputs, capture):
-        super()._prepare_graph(inputs, capture)
-        if not capture:
-            lay = self.forward_metadata.layout
-            lay.seq_lens_k.sub_(lay.width)
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
+        super().init_forward_metadata_replay_cuda_graph(inputs)
+        lay = self.forward_metadata.layout
+        lay.seq_lens_k.sub_(lay.width)
 
 
 class StalePadRows(TorchNativeBackend):
@@ -63,14 +65,13 @@ class StalePadRows(TorchNativeBackend):
 
     name = "bug_stale_pad_rows"
 
-    def _prepare_graph(self, inputs, capture):
-        bufs = self._bufs
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
         raw, bs = inputs.raw_bs, inputs.key.bs
-        saved = {n: getattr(bufs, n)[raw:bs].clone() for n in ("seq_lens_k", "page_table", "prefix_lens")}
-        super()._prepare_graph(inputs, capture)
-        if not capture:
-            for n, old in saved.items():
-                getattr(bufs, n)[raw:bs] = old
+        lay = self._graph_meta[inputs.key].layout
+        saved = {n: getattr(lay, n)[raw:bs].clone() for n in ("seq_lens_k", "page_table", "prefix_lens")}
+        super().init_forward_metadata_replay_cuda_graph(inputs)
+        for n, old in saved.items():
+            getattr(lay, n)[raw:bs] = old
 
 
 class ReallocOnReplay(TorchNativeBackend):
@@ -78,12 +79,11 @@ class ReallocOnReplay(TorchNativeBackend):
 
     name = "bug_realloc_on_replay"
 
-    def _prepare_graph(self, inputs, capture):
-        if capture:
-            return super()._prepare_graph(inputs, capture)
-        inp = inputs_from_graph(inputs, self.memory.req_to_token, self.memory.page_size,
-                                self.memory.num_slots, self.get_cuda_graph_seq_len_fill_value())
-        self.forward_metadata = ForwardMetadata(build_layout(inp))
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
+        super().init_forward_metadata_replay_cuda_graph(inputs)
+        lay = self.forward_metadata.layout
+        fresh = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(lay).items()}
+        self.forward_metadata = ForwardMetadata(type(lay)(**fresh), self.forward_metadata.plan)
 
 
 class HostItemInReplay(TorchNativeBackend):
@@ -91,9 +91,9 @@ class HostItemInReplay(TorchNativeBackend):
 
     name = "bug_host_item"
 
-    def _prepare_graph(self, inputs, capture):
+    def init_forward_metadata_replay_cuda_graph(self, inputs):
         self._max_len_hint = int(inputs.seq_lens.max().item())
-        super()._prepare_graph(inputs, capture)
+        super().init_forward_metadata_replay_cuda_graph(inputs)
 
 
 PLANTED = {

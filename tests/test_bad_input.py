@@ -343,7 +343,7 @@ def test_idle_mode():
     with pytest.raises(LayoutError, match=r"IDLE batches carry no tokens"):
         be.init_forward_metadata(batch)
     with pytest.raises(LayoutError, match=r"IDLE batches carry no tokens"):
-        build_layout(inputs_from_batch(batch, mem.req_to_token, 1, mem.num_slots, 1))
+        build_layout(inputs_from_batch(batch, mem, 1))
     with pytest.raises(ValueError, match=r"forward_mode=IDLE cannot be graph-captured"):
         GraphKey(ForwardMode.IDLE, bs=2, width=1)
 

@@ -82,5 +82,5 @@ class TritonBackendBase(LayoutBackend):
         return out
 
     def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
-        # I4: the split count is re-derived on every replay from the key alone.
+        # I4: the split count is re-derived on every replay from the key alone (a host int).
         meta.extra["num_kv_splits"] = self._splits(meta.layout)

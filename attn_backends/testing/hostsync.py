@@ -62,12 +62,20 @@ def guard(t):
     return t.as_subclass(GuardedTensor) if isinstance(t, torch.Tensor) else t
 
 
+PLAN_INPUTS = ("requests", "req_pool_indices", "seq_lens", "accept_lens", "tree_flat", "raw_bs_dev",
+               "draft_step_dev", "tokens")
+
+
 @contextlib.contextmanager
-def no_host_sync(memory, simulate_capture: bool = False):
-    """Guard ``memory.req_to_token`` for the duration; optionally pretend a capture is on."""
+def no_host_sync(memory, simulate_capture: bool = False, plans=()):
+    """Guard ``memory.req_to_token`` and the device inputs of the step ``plans`` for the
+    duration; optionally pretend a capture is on."""
     pool = memory.req_pool
     plain = pool.req_to_token
     pool.req_to_token = guard(plain)
+    saved = [(p, n, getattr(p, n)) for p in plans for n in PLAN_INPUTS if getattr(p, n, None) is not None]
+    for p, n, t in saved:
+        setattr(p, n, guard(t))
     stack = contextlib.ExitStack()
     if simulate_capture:
         stack.enter_context(mock.patch("attn_backends.layout.stream_capturing", return_value=True))
@@ -79,5 +87,7 @@ def no_host_sync(memory, simulate_capture: bool = False):
             yield
     finally:
         pool.req_to_token = plain
+        for p, n, t in saved:
+            setattr(p, n, t)
         if cuda:
             torch.cuda.set_sync_debug_mode("default")

@@ -17,6 +17,7 @@ import torch
 from ..batch import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, query_width
 from ..config import ModelConfig
 from ..kv_cache import KVMemory
+from ..layout import pad_seq_len
 
 PAGE_ORDERS = ("contiguous", "shuffled", "reversed", "interleaved")
 
@@ -127,7 +128,7 @@ def materialize(scn: Scenario, mem: KVMemory, fill: int, device=None) -> Materia
         seq.append(scn.prefix_lens[i] + n)
     pad = scn.bs - scn.raw_bs
     w = scn.width
-    pad_seq = max(fill, w or 1)
+    pad_seq = pad_seq_len(fill, w)
     if pad:
         n_pad = pad * (w or 1)
         locs.append(torch.zeros(n_pad, dtype=torch.int64))

@@ -16,8 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..batch import ForwardMode, GraphInputs
+from ..batch import GraphInputs
 from ..config import ModelConfig
+from ..kinds import BATCH_KINDS, kinds_served
 from ..registry import get_backend_class, unavailable_reason
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
@@ -32,27 +33,14 @@ from .scenarios import (
     verify_spec,
 )
 
-MODES = ("decode", "extend", "verify_chain", "verify_tree", "draft_extend", "draft_decode")
+MODES = tuple(BATCH_KINDS)
 MAX_CTX = 256
 MAX_BS = 8
 
 
 def declared_modes(caps) -> list:
-    out = []
-    m = caps.modes
-    if ForwardMode.DECODE in m:
-        out.append("decode")
-        if caps.draft_decode:
-            out.append("draft_decode")
-    if ForwardMode.EXTEND in m:
-        out.append("extend")
-    if ForwardMode.TARGET_VERIFY in m:
-        out.append("verify_chain")
-        if caps.topk_gt1:
-            out.append("verify_tree")
-    if ForwardMode.DRAFT_EXTEND in m:
-        out.append("draft_extend")
-    return out
+    """The batch kinds (``kinds.BATCH_KINDS``) a backend declares, i.e. the suite's modes."""
+    return kinds_served(caps)
 
 
 @dataclass
@@ -120,9 +108,7 @@ def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> Ca
 
 
 def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scenario:
-    mode = {"decode": ForwardMode.DECODE, "draft_decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND,
-            "verify_chain": ForwardMode.TARGET_VERIFY, "verify_tree": ForwardMode.TARGET_VERIFY,
-            "draft_extend": ForwardMode.DRAFT_EXTEND}[c.mode]
+    mode = BATCH_KINDS[c.mode].mode
     spec = None
     raw = len(prefixes)
     bs = raw if c.mode == "extend" else c.bs
@@ -153,81 +139,99 @@ def _plain(d: dict) -> dict:
 
 
 def run_case(cls, c: CaseSpec, report: SuiteReport, device="cpu", name: Optional[str] = None) -> None:
-    name = name or getattr(cls, "name", cls.__name__)
-    rng = random.Random(c.seed)
-    cfg = _config(c)
-    w = _width(c)
-    per_req = -(-MAX_CTX // c.page_size)
-    mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
-                      page_order=c.page_order, seed=c.seed, device=device, fill=False)
-    graph_be, eager_be = cls(cfg, mem), cls(cfg, mem)
-    fill = graph_be.get_cuda_graph_seq_len_fill_value()
-    mats = [materialize(_scenario(c, p, e, rng, device), mem, fill) for p, e in c.batches]
-    report.cases[(name, c.mode)] += 1
-    case = c.describe()
+    """One case: capture C, then replay A, B, A with poisoned buffers (EXTEND: eager only)."""
+    run = _CaseRun(cls, c, report, device, name or getattr(cls, "name", cls.__name__))
+    if c.mode == "extend":
+        run.eager_history()
+    elif run.capture():
+        run.replay_history()
 
-    def judge(inv: str, msgs: list) -> bool:
+
+class _CaseRun:
+    """The state of one case: its memory, a graph and an eager backend instance, its batches."""
+
+    def __init__(self, cls, c: CaseSpec, report: SuiteReport, device, name: str) -> None:
+        self.c, self.report, self.name, self.device = c, report, name, device
+        rng = random.Random(c.seed)
+        cfg = _config(c)
+        per_req = -(-MAX_CTX // c.page_size)
+        self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
+                               page_order=c.page_order, seed=c.seed, device=device, fill=False)
+        self.graph_be, self.eager_be = cls(cfg, self.mem), cls(cfg, self.mem)
+        self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
+        self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
+        report.cases[(name, c.mode)] += 1
+
+    def judge(self, inv: str, msgs: list) -> bool:
         for m in msgs:
-            report.fail(Failure(name, c.mode, inv, m, case, c.seed))
+            self.report.fail(Failure(self.name, self.c.mode, inv, m, self.c.describe(), self.c.seed))
         if not msgs:
-            report.record(name, c.mode, inv, True)
+            self.report.record(self.name, self.c.mode, inv, True)
         return not msgs
 
-    if c.mode == "extend":
-        layouts = []
-        for m in [mats[1], mats[2], mats[1]]:
-            eager_be.init_forward_metadata(m.batch)
-            lay = _plain(eager_be.forward_metadata.as_layout())
-            _judge_layout(judge, lay, None, m, mem, fill)
-            layouts.append(lay)
-        judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
-        return
+    def _plans(self) -> list:
+        return getattr(self.graph_be, "graph_plans", [])
 
-    graph_be.init_cuda_graph_state(MAX_BS, MAX_BS * max(w, 1))
-    cap = mats[0].batch.graph_inputs()
-    try:
-        graph_be.init_forward_metadata_capture_cuda_graph(cap)
-        ok13 = []
-    except Exception as e:  # noqa: BLE001 - any refusal of a valid capture batch is the finding
-        ok13 = [f"capture of a valid batch failed: {type(e).__name__}: {e}"]
-    if not judge("I13", ok13):
-        return
-    try:  # I15 under (simulated) capture: prepare again with guarded device inputs
-        with no_host_sync(mem, simulate_capture=True):
-            graph_be.init_forward_metadata_capture_cuda_graph(_guarded_inputs(cap))
-        judge("I15", [])
-    except (HostSyncError, RuntimeError) as e:
-        if not _is_sync_error(e):
-            raise
-        judge("I15", [f"capture: {e}"])
-    bufs0 = snapshot(graph_be.graph_buffers())
-    lay_ptrs = {k: v.data_ptr() for k, v in graph_be.forward_metadata.as_layout().items()
-                if isinstance(v, torch.Tensor)}
-    spacer = torch.empty(4096, dtype=torch.int32, device=device)  # an allocation between capture and replay
-    layouts = []
-    for m in [mats[1], mats[2], mats[1]]:
-        poison(graph_be.graph_buffers())
+    def eager_history(self) -> None:
+        layouts = []
+        for m in [self.mats[1], self.mats[2], self.mats[1]]:
+            self.eager_be.init_forward_metadata(m.batch)
+            lay = _plain(self.eager_be.forward_metadata.as_layout())
+            _judge_layout(self.judge, lay, None, m, self.mem, self.fill)
+            layouts.append(lay)
+        self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
+
+    def capture(self) -> bool:
+        """I13 (a valid capture batch is accepted) and I15 under a (simulated) stream capture."""
+        be, w = self.graph_be, _width(self.c)
+        be.init_cuda_graph_state(MAX_BS, MAX_BS * max(w, 1))
+        cap = self.mats[0].batch.graph_inputs()
         try:
-            with no_host_sync(mem):
-                graph_be.init_forward_metadata_replay_cuda_graph(_guarded_inputs(m.batch.graph_inputs()))
-            judge("I15", [])
+            be.init_forward_metadata_capture_cuda_graph(cap)
+            ok13 = []
+        except Exception as e:  # noqa: BLE001 - any refusal of a valid capture batch is the finding
+            ok13 = [f"capture of a valid batch failed: {type(e).__name__}: {e}"]
+        if not self.judge("I13", ok13):
+            return False
+        self._guarded("capture", lambda: be.init_forward_metadata_capture_cuda_graph(_guarded_inputs(cap)),
+                      simulate_capture=True)
+        return True
+
+    def _guarded(self, what: str, fn, simulate_capture: bool = False) -> bool:
+        """Run ``fn`` with every device input guarded (I15); False if it synced."""
+        try:
+            with no_host_sync(self.mem, simulate_capture=simulate_capture, plans=self._plans()):
+                fn()
+            return self.judge("I15", [])
         except (HostSyncError, RuntimeError) as e:
             if not _is_sync_error(e):
                 raise
-            judge("I15", [f"replay: {e}"])
-            graph_be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
-        rep = _plain(graph_be.forward_metadata.as_layout())
-        moved = [f"layout field {k} moved: data_ptr {lay_ptrs.get(k)} at capture, {v.data_ptr()} at replay"
-                 for k, v in graph_be.forward_metadata.as_layout().items()
-                 if isinstance(v, torch.Tensor) and lay_ptrs.get(k) != v.data_ptr()]
-        judge("I2", moved + [f"graph buffer {k}: {a} at capture, {b} now" for k, a, b in
-                             _snapshot_diff(bufs0, snapshot(graph_be.graph_buffers()))])
-        eager_be.init_forward_metadata(m.batch)
-        eager = _plain(eager_be.forward_metadata.as_layout())
-        _judge_layout(judge, rep, eager, m, mem, fill)
-        layouts.append(rep)
-    judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
-    del spacer  # held through the replays: a re-allocating replay would not get the captured address
+            return self.judge("I15", [f"{what}: {e}"])
+
+    def replay_history(self) -> None:
+        """Replay A, B, A, each after poisoning every graph buffer: I1-I6, I2, I14, I15."""
+        be = self.graph_be
+        bufs0 = snapshot(be.graph_buffers())
+        ptrs = {k: v.data_ptr() for k, v in be.forward_metadata.as_layout().items() if isinstance(v, torch.Tensor)}
+        spacer = torch.empty(4096, dtype=torch.int32, device=self.device)  # an allocation between capture and replay
+        layouts = []
+        for m in [self.mats[1], self.mats[2], self.mats[1]]:
+            poison(be.graph_buffers())
+            inputs = m.batch.graph_inputs()
+            if not self._guarded("replay", lambda: be.init_forward_metadata_replay_cuda_graph(_guarded_inputs(inputs))):
+                be.init_forward_metadata_replay_cuda_graph(inputs)
+            rep = _plain(be.forward_metadata.as_layout())
+            moved = [f"layout field {k} moved: data_ptr {ptrs.get(k)} at capture, {v.data_ptr()} at replay"
+                     for k, v in be.forward_metadata.as_layout().items()
+                     if isinstance(v, torch.Tensor) and ptrs.get(k) != v.data_ptr()]
+            self.judge("I2", moved + [f"graph buffer {k}: {a} at capture, {b} now" for k, a, b in
+                                      _snapshot_diff(bufs0, snapshot(be.graph_buffers()))])
+            self.eager_be.init_forward_metadata(m.batch)
+            eager = _plain(self.eager_be.forward_metadata.as_layout())
+            _judge_layout(self.judge, rep, eager, m, self.mem, self.fill)
+            layouts.append(rep)
+        self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
+        del spacer  # held through the replays: a re-allocating replay would not get the captured address
 
 
 def _is_sync_error(e: Exception) -> bool:

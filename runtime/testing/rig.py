@@ -10,6 +10,9 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, select_rows
+from attn_backends.kinds import BATCH_KINDS
+from attn_backends.layout import pad_seq_len
+from attn_backends.plan import step_plan
 from attn_backends.registry import get_backend
 from attn_backends.testing.scenarios import make_memory, random_tree_mask
 
@@ -21,16 +24,36 @@ from ..piecewise import PiecewiseRunner
 from ..runner_base import RunnerOutput, run_eager
 
 I32, I64 = torch.int32, torch.int64
-KINDS = ("decode", "verify", "verify_tree", "draft_extend", "draft_decode", "piecewise",
-         "breakable_decode", "breakable_verify")
-MODE_NAMES = {"decode": "runner:decode", "verify": "runner:verify", "verify_tree": "runner:verify",
-              "draft_extend": "runner:draft_extend", "draft_decode": "runner:draft_decode",
-              "piecewise": "runner:piecewise", "breakable_decode": "runner:breakable",
-              "breakable_verify": "runner:breakable"}
-_MODE = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY, "verify_tree": ForwardMode.TARGET_VERIFY,
-         "draft_extend": ForwardMode.DRAFT_EXTEND, "draft_decode": ForwardMode.DECODE,
-         "piecewise": ForwardMode.EXTEND, "breakable_decode": ForwardMode.DECODE,
-         "breakable_verify": ForwardMode.TARGET_VERIFY}
+
+
+@dataclass(frozen=True)
+class RunnerKind:
+    """A runner class driven with one batch kind of ``attn_backends.kinds.BATCH_KINDS``."""
+    name: str
+    batch: str
+    runner: type
+
+    @property
+    def mode(self) -> ForwardMode:
+        return BATCH_KINDS[self.batch].mode
+
+    @property
+    def label(self) -> str:
+        """The mode column of the runner suite's rows."""
+        return f"runner:{self.name}"
+
+
+RUNNER_KINDS = {k.name: k for k in (
+    RunnerKind("decode", "decode", UniformGraphRunner),
+    RunnerKind("verify", "verify_chain", UniformGraphRunner),
+    RunnerKind("verify_tree", "verify_tree", UniformGraphRunner),
+    RunnerKind("draft_extend", "draft_extend", DraftExtendRunner),
+    RunnerKind("draft_decode", "draft_decode", MultiStepDraftRunner),
+    RunnerKind("piecewise", "extend", PiecewiseRunner),
+    RunnerKind("breakable_decode", "decode", BreakableGraphRunner),
+    RunnerKind("breakable_verify", "verify_chain", BreakableGraphRunner),
+)}
+KINDS = tuple(RUNNER_KINDS)
 H = CaptureHiddenMode
 
 
@@ -77,7 +100,7 @@ def backend_for(name: str, mla: bool) -> str:
 class Rig:
     def __init__(self, spec: RigSpec, capture: bool = True) -> None:
         s = self.spec = spec
-        self.kind, self.mode, self.device = s.kind, _MODE[s.kind], torch.device(s.device)
+        self.kind, self.mode, self.device = s.kind, RUNNER_KINDS[s.kind].mode, torch.device(s.device)
         self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed)
         self.model = TinyModel(self.tc, s.device)
         cfg = self.tc.attention()
@@ -117,8 +140,7 @@ class Rig:
             return MultiStepDraftRunner(m, backends, mem, s.topk, s.steps, s.buckets, s.hidden)
         if self.kind == "piecewise":
             return PiecewiseRunner(m, backends, mem, s.buckets, s.hidden)
-        cls = {"draft_extend": DraftExtendRunner, "breakable_decode": BreakableGraphRunner,
-               "breakable_verify": BreakableGraphRunner}.get(self.kind, UniformGraphRunner)
+        cls = RUNNER_KINDS[self.kind].runner
         return cls(m, backends, mem, self.mode, s.buckets, spec=self.spec_template(), capture_hidden_mode=s.hidden)
 
     @property
@@ -182,7 +204,7 @@ class Rig:
                                 input_embeds=(torch.cat([r.embeds for r in reqs])
                                               if reqs[0].embeds is not None else None))
         w = self.width
-        seq = torch.tensor([r.prefix + w for r in reqs] + [max(self.fill, w)] * pad, dtype=I32)
+        seq = torch.tensor([r.prefix + w for r in reqs] + [pad_seq_len(self.fill, w)] * pad, dtype=I32)
         spec = self.spec_template()
         if self.kind == "verify_tree":
             tril = torch.tril(torch.ones(w, w, dtype=torch.bool))
@@ -238,6 +260,7 @@ def piecewise_eager(model, backends, batch: ForwardBatch, t: int) -> RunnerOutpu
     """EXTEND eagerly with the piecewise runner's shapes: the layers' dense parts over ``t``
     padded token rows, attention over the raw tokens (the bitwise reference on the GPU)."""
     per_layer = model.backends_per_layer(backends)
+    batch = step_plan(batch, per_layer)
     for b in {id(b): b for b in per_layer}.values():
         b.init_forward_metadata(batch)
     raw, c, dev = batch.num_tokens, model.config, batch.positions.device

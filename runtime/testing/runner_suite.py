@@ -26,12 +26,13 @@ from typing import Callable, Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, SpecInfo
+from attn_backends.kinds import BATCH_KINDS
 from attn_backends.registry import get_backend_class, unavailable_reason
 from attn_backends.testing.report import Failure, SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
 
 from ..runner_base import RunnerOutput, RunnerRefusal
-from .rig import _MODE, I32, I64, KINDS, MODE_NAMES, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
+from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
 
 H = CaptureHiddenMode
 
@@ -56,7 +57,8 @@ def poisoned_pads(rig: Rig, n_raw: int, rng: random.Random):
         lo, hi = n_raw * w, bucket * w
         r.input_ids[lo:hi] = rand(rig.tc.vocab_size - 1, hi - lo) + 1
         if rig.kind == "draft_decode":
-            r.positions[:, lo:hi] = rand(s.max_ctx, hi - lo)
+            for p in r.plans:
+                p.positions[lo:hi] = rand(s.max_ctx, hi - lo)
             return
         r.positions[lo:hi] = rand(s.max_ctx, hi - lo)
         if rig.kind == "verify_tree":
@@ -170,104 +172,123 @@ def check_case(rig: Rig, rng: random.Random, judge: Callable[[str, list], None],
                exact: bool = False) -> None:
     """Every runner invariant on one rig. ``judge(invariant, messages)`` records the outcome;
     ``exact``: compare replay with the eager forward of the same padded batch bitwise."""
-    r, maxb = rig.runner, rig.runner.max_bs
-    budget = max(rig.spec.buckets)
-    if rig.kind == "piecewise":
-        reqs_a = rig.new_requests(rng.randint(1, 3), rng, tokens=budget - 1)   # raw tokens < bucket
-        reqs_b = rig.new_requests(rng.randint(1, 3), rng, tokens=max(1, budget // 2))
-    else:
-        ra = rng.randint(1, maxb - 1) if maxb > 1 else 1
-        rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
-        reqs_a, reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
-    hid = lambda: H(rng.randint(0, int(r.capture_hidden_mode)))  # noqa: E731
-    ha, hb = hid(), hid()
-    if rig.kind == "piecewise" and rng.random() < 0.5:
-        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-        for q in reqs_a:
-            q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(rig.device, rig.tc.dtype)
-    backends = rig.flat(rig.backends)
+    c = _Case(rig, rng, judge, tol, exact)
+    keep_a = c.history()
+    c.poisoned_pads(keep_a)
+    c.batch_invariance(keep_a)
+    c.refusals()
 
-    def run(reqs, hidden, padded_input=True):
+
+class _Case:
+    """One runner case: two request sets A and B drawn on the rig, and the checks run on them."""
+
+    def __init__(self, rig: Rig, rng: random.Random, judge, tol: float, exact: bool) -> None:
+        self.rig, self.rng, self.judge, self.tol, self.exact = rig, rng, judge, tol, exact
+        r, maxb = rig.runner, rig.runner.max_bs
+        budget = max(rig.spec.buckets)
+        if rig.kind == "piecewise":
+            self.reqs_a = rig.new_requests(rng.randint(1, 3), rng, tokens=budget - 1)   # raw tokens < bucket
+            self.reqs_b = rig.new_requests(rng.randint(1, 3), rng, tokens=max(1, budget // 2))
+        else:
+            ra = rng.randint(1, maxb - 1) if maxb > 1 else 1
+            rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
+            self.reqs_a, self.reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
+        self.ha, self.hb = (H(rng.randint(0, int(r.capture_hidden_mode))) for _ in range(2))
+        if rig.kind == "piecewise" and rng.random() < 0.5:
+            g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+            for q in self.reqs_a:
+                q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(rig.device, rig.tc.dtype)
+        self.backends = rig.flat(rig.backends)
+
+    def run(self, reqs, hidden, padded_input=True) -> RunnerOutput:
+        """One run, judged for I11 (can_run, one replay counted) and I12 (each backend refreshed once)."""
+        rig, r = self.rig, self.rig.runner
         uniform = rig.kind not in ("draft_decode", "piecewise")
         b = rig.batch(reqs, rig.bucket(reqs) if padded_input and uniform else None, hidden)
-        before = r.replay_count
-        can = r.can_run(b)
-        with refresh_counts(backends) as counts:
+        before, can = r.replay_count, r.can_run(b)
+        with refresh_counts(self.backends) as counts:
             out = r.run(b)
         msgs = [] if can else ["can_run was False for a batch the runner ran"]
         if r.replay_count != before + 1:
             msgs.append(f"replay_count went {before} -> {r.replay_count} for one run")
-        judge("I11", msgs)
-        judge("I12", [f"backend {i} ({type(be).__name__}) refreshed {counts[id(be)]} times in one replay, expected 1"
-                      for i, be in enumerate(backends) if counts[id(be)] != 1])
+        self.judge("I11", msgs)
+        self.judge("I12", [f"backend {i} ({type(be).__name__}) refreshed {counts[id(be)]} times in one replay, "
+                           "expected 1" for i, be in enumerate(self.backends) if counts[id(be)] != 1])
         return out
 
-    # I9 / I7 slicing shapes, I8, I14
-    out_a = run(reqs_a, ha)
-    keep_a = clone(out_a)
-    judge("I9", compare(out_a, rig.expected(reqs_a, ha, exact), 0 if exact else tol, "A replay vs eager"))
-    out_b = run(reqs_b, hb, padded_input=False)
-    judge("I9", compare(out_b, rig.expected(reqs_b, hb, exact), 0 if exact else tol, "B replay vs eager"))
-    judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay"))
-    out_a2 = run(reqs_a, ha)
-    judge("I14", compare(out_a2, keep_a, 0, "A replayed after B"))
-    # I7: pad rows poisoned differently leave the real rows bit-identical
-    n_raw = sum(len(q.ids) for q in reqs_a) if rig.kind == "piecewise" else len(reqs_a)
-    with poisoned_pads(rig, n_raw, rng):
-        out_p = run(reqs_a, ha)
-    judge("I7", compare(out_p, keep_a, 0, "A with poisoned pad rows"))
-    # I10: the same requests reordered, fewer of them (another bucket/slot), others' accept lengths changed
-    target = reqs_a[0]
-    others = [dataclasses.replace(q, accept=rng.randint(1, rig.spec.n)) for q in reqs_a[1:]]
-    rng.shuffle(others)
-    others = others[:rng.randint(0, len(others))]
-    slot = rng.randint(0, len(others))
-    sub = others[:slot] + [target] + others[slot:]
-    out_s = run(sub, H.NULL)
-    got, want = rig.per_request(out_s, sub)[slot], rig.per_request(keep_a, reqs_a)[0]
-    what = f"request row {target.row} in slot {slot} of {len(sub)} (was slot 0 of {len(reqs_a)})"
-    tol10 = 3e-2 if exact else tol    # other buckets run other GEMM shapes: bf16 rounding differs
-    if rig.kind == "draft_decode":
-        msgs = compare(RunnerOutput(got[0]), RunnerOutput(want[0]), tol10, what)
-        if not exact and not torch.equal(got[1], want[1]):
-            msgs.append(f"{what}: draft tokens {got[1].tolist()} != {want[1].tolist()}")
-    else:
-        msgs = compare(RunnerOutput(got), RunnerOutput(want), tol10, what)
-    judge("I10", msgs)
-    # I11: refusals, and the hidden mode of every captured graph
-    keys = [k for k in r.graphs if not isinstance(k, int)]
-    judge("I11", [f"graph {k} captured with hidden mode {k.capture_hidden_mode.name}, runner has "
-                  f"{r.capture_hidden_mode.name}" for k in keys if k.capture_hidden_mode != r.capture_hidden_mode])
-    for what, b, needle in refusal_batches(rig, rng, reqs_b):
-        before, msgs = r.replay_count, []
-        if r.can_run(b):
-            msgs.append(f"can_run is True for {what}")
-        try:
-            r.run(b)
-            msgs.append(f"run accepted {what}")
-        except RunnerRefusal as e:
-            if needle.lower() not in str(e).lower():
-                msgs.append(f"refusal of {what} does not name {needle!r}: {e}")
-        except Exception as e:  # noqa: BLE001 - anything else is a crash, not a refusal
-            msgs.append(f"{what}: {type(e).__name__} instead of RunnerRefusal: {e}")
-        if r.replay_count != before:
-            msgs.append(f"replay_count moved for a refused batch ({what})")
-        judge("I11", msgs)
+    def history(self) -> RunnerOutput:
+        """I9 (replay == eager), I8 (no aliasing), I14 (A, B, A); returns A's outputs."""
+        rig, tol = self.rig, 0 if self.exact else self.tol
+        out_a = self.run(self.reqs_a, self.ha)
+        keep_a = clone(out_a)
+        self.judge("I9", compare(out_a, rig.expected(self.reqs_a, self.ha, self.exact), tol, "A replay vs eager"))
+        out_b = self.run(self.reqs_b, self.hb, padded_input=False)
+        self.judge("I9", compare(out_b, rig.expected(self.reqs_b, self.hb, self.exact), tol, "B replay vs eager"))
+        self.judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay"))
+        self.judge("I14", compare(self.run(self.reqs_a, self.ha), keep_a, 0, "A replayed after B"))
+        return keep_a
+
+    def poisoned_pads(self, keep_a: RunnerOutput) -> None:
+        """I7: pad rows poisoned differently leave the real rows bit-identical."""
+        rig, reqs = self.rig, self.reqs_a
+        n_raw = sum(len(q.ids) for q in reqs) if rig.kind == "piecewise" else len(reqs)
+        with poisoned_pads(rig, n_raw, self.rng):
+            out_p = self.run(reqs, self.ha)
+        self.judge("I7", compare(out_p, keep_a, 0, "A with poisoned pad rows"))
+
+    def batch_invariance(self, keep_a: RunnerOutput) -> None:
+        """I10: the same request reordered among fewer others (another bucket and slot), the
+        others' accept lengths changed."""
+        rig, rng, reqs_a = self.rig, self.rng, self.reqs_a
+        target = reqs_a[0]
+        others = [dataclasses.replace(q, accept=rng.randint(1, rig.spec.n)) for q in reqs_a[1:]]
+        rng.shuffle(others)
+        others = others[:rng.randint(0, len(others))]
+        slot = rng.randint(0, len(others))
+        sub = others[:slot] + [target] + others[slot:]
+        got = rig.per_request(self.run(sub, H.NULL), sub)[slot]
+        want = rig.per_request(keep_a, reqs_a)[0]
+        what = f"request row {target.row} in slot {slot} of {len(sub)} (was slot 0 of {len(reqs_a)})"
+        tol10 = 3e-2 if self.exact else self.tol    # other buckets run other GEMM shapes: bf16 rounding differs
+        if rig.kind == "draft_decode":
+            msgs = compare(RunnerOutput(got[0]), RunnerOutput(want[0]), tol10, what)
+            if not self.exact and not torch.equal(got[1], want[1]):
+                msgs.append(f"{what}: draft tokens {got[1].tolist()} != {want[1].tolist()}")
+        else:
+            msgs = compare(RunnerOutput(got), RunnerOutput(want), tol10, what)
+        self.judge("I10", msgs)
+
+    def refusals(self) -> None:
+        """I11: every refused batch raises RunnerRefusal naming the reason, nothing replays; every
+        graph carries the captured hidden mode."""
+        r = self.rig.runner
+        keys = [k for k in r.graphs if not isinstance(k, int)]
+        self.judge("I11", [f"graph {k} captured with hidden mode {k.capture_hidden_mode.name}, runner has "
+                           f"{r.capture_hidden_mode.name}" for k in keys
+                           if k.capture_hidden_mode != r.capture_hidden_mode])
+        for what, b, needle in refusal_batches(self.rig, self.rng, self.reqs_b):
+            before, msgs = r.replay_count, []
+            if r.can_run(b):
+                msgs.append(f"can_run is True for {what}")
+            try:
+                r.run(b)
+                msgs.append(f"run accepted {what}")
+            except RunnerRefusal as e:
+                if needle.lower() not in str(e).lower():
+                    msgs.append(f"refusal of {what} does not name {needle!r}: {e}")
+            except Exception as e:  # noqa: BLE001 - anything else is a crash, not a refusal
+                msgs.append(f"{what}: {type(e).__name__} instead of RunnerRefusal: {e}")
+            if r.replay_count != before:
+                msgs.append(f"replay_count moved for a refused batch ({what})")
+            self.judge("I11", msgs)
 
 
 # --------------------------------------------------------------------------- the suite
 
 def kinds_for(caps) -> list:
-    out = []
-    for k in KINDS:
-        if _MODE[k] not in caps.modes:
-            continue
-        if k in ("verify_tree", "draft_decode") and not caps.topk_gt1:
-            continue
-        if k == "draft_decode" and not caps.draft_decode:
-            continue
-        out.append(k)
-    return out
+    """The runner kinds whose batch kind the backend serves (draft decode also draws topk > 1)."""
+    return [k.name for k in RUNNER_KINDS.values() if BATCH_KINDS[k.batch].served_by(caps)
+            and (k.batch != "draft_decode" or caps.topk_gt1)]
 
 
 def random_spec(rng: random.Random, backend: str, caps, mla: bool, device: str, seed: int) -> RigSpec:
@@ -310,7 +331,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         spec = random_spec(rng, backend, caps, kinds[case_seed % len(kinds)], device, case_seed)
         exact = cuda and backend != "torch_native"   # torch_native's shapes follow host max lengths
         spec.dtype = torch.bfloat16 if exact else torch.float32
-        mode = MODE_NAMES[spec.kind]
+        mode = RUNNER_KINDS[spec.kind].label
         report.cases[(backend, mode)] += 1
 
         def judge(inv: str, msgs: list, _mode=mode, _spec=spec, _seed=case_seed) -> None:
@@ -329,5 +350,5 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
     return report
 
 
-__all__ = ["KINDS", "MODE_NAMES", "Req", "Rig", "RigSpec", "check_case", "compare", "poisoned_pads",
+__all__ = ["KINDS", "RUNNER_KINDS", "Req", "Rig", "RigSpec", "check_case", "compare", "poisoned_pads",
            "refresh_counts", "refusal_batches", "run_runner_suite", "piecewise_eager"]

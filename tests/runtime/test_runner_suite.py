@@ -1,21 +1,21 @@
-"""``runtime.checks.run_runner_suite``: the runner invariants over random cases, and a planted
-bug it must catch."""
+"""``run_runner_suite``: the runner invariants over random cases, and a planted bug it must
+catch."""
 import pytest
 import torch
 
 from attn_backends_runtime import full_graph
 from attn_backends_runtime.runner_base import RunnerOutput, slice_hidden
-from attn_backends_runtime.testing.runner_suite import MODE_NAMES, run_runner_suite
+from attn_backends_runtime.testing.runner_suite import RUNNER_KINDS, run_runner_suite
 
 
 def test_suite_passes_on_torch_native():
     rep = run_runner_suite("torch_native", cases=20, seed=0)
     assert rep.ok, "\n".join(map(str, rep.failures))
     modes = {m for _, m in rep.cases}
-    assert {"runner:decode", "runner:verify", "runner:breakable"} <= modes
+    assert {"runner:decode", "runner:verify", "runner:breakable_decode"} <= modes
     invs = {k[2] for k in rep.counts}
     assert {"I7", "I8", "I9", "I10", "I11", "I12", "I14"} <= invs
-    assert set(MODE_NAMES.values()) >= modes
+    assert {k.label for k in RUNNER_KINDS.values()} >= modes
 
 
 def test_suite_catches_aliased_outputs(monkeypatch):

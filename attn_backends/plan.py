@@ -1,0 +1,310 @@
+"""The step plan: the canonical layout of one forward step, built once and read by every layer
+and every backend of the step.
+
+A step runs L layers, each through a backend instance (per-layer instances, or different
+backends per layer). They all attend over the same batch, so the canonical layout
+(:mod:`attn_backends.layout`) is built once per step, here, and each backend derives only its
+private extras from it (split counts, workspaces, a library's plan).
+
+Eager: :meth:`LayoutPlan.build` builds the layout of a batch (fresh tensors) and returns the
+batch with ``batch.plan`` set; every backend's ``init_forward_metadata`` reads that layout.
+
+Graphs: the plan owns everything of the batch that a captured graph reads:
+
+- the inputs at the largest size: ``req_pool_indices``, ``seq_lens`` (and the host copy
+  ``seq_lens_cpu``), ``tree_mask``, ``accept_lens`` and, for runners, ``tokens`` (input ids,
+  positions, out_cache_loc);
+- ``raw_bs`` and ``draft_step`` as device scalars;
+- the static buffers of the canonical layout (:class:`LayoutBuffers`), of which each GraphKey
+  binds views;
+- one captured *prep graph* per GraphKey: it writes the canonical padding into the input rows
+  ``raw_bs..bs-1`` in place (the one pad rule, :func:`layout.canonical_rows`; pad tokens get
+  id 0, position 0 and the reserved slot 0) and builds the layout into the key's views.
+
+A runner writes only the real rows of the inputs and calls :meth:`update` once per replay: a
+host check of ``seq_lens_cpu``, one fill of the ``raw_bs`` scalar and one graph replay; no
+allocation, no host sync. Its backends' replay methods then read the layout from the plan
+(``GraphInputs.plan``). A backend used without a runner (the suite, a test, a third-party
+caller) keeps a private plan and does the runner's part itself: :meth:`load` copies the
+caller's real rows in, then :meth:`update`. On a machine without CUDA the prep "graph" is the
+same function run eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import layout as _layout
+from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo, query_width
+from .layout import (
+    I32,
+    Layout,
+    LayoutInputs,
+    MaskKind,
+    build_layout,
+    canonical_rows,
+    inputs_from_batch,
+    mask_kind,
+    pad_seq_len,
+    real_rows,
+)
+from .layout_buffers import LayoutBuffers
+from .validation import LayoutError, check_lengths, validate
+
+I64 = torch.int64
+
+
+@dataclass
+class _Captured:
+    key: GraphKey
+    spec: Optional[SpecInfo]      # the template: N, topk, steps, draft step (tensors are the plan's)
+    layout: Layout                # views of the static buffers
+    graph: object = None          # the prep graph on CUDA; None: run the prep function itself
+
+
+class LayoutPlan:
+    """The canonical layout of each step, built once for every layer and backend.
+
+    Parameters
+    ----------
+    memory : KVMemory
+        The KV memory the step reads (``req_to_token``, page size, pool size).
+    fill : int
+        The pad rows' seq_len before raising it to W (the largest fill value of the step's
+        backends); see :func:`layout.pad_seq_len`.
+    max_bs, max_width : int
+        Graph mode: the largest bucket and query width W; 0 for an eager-only plan.
+    tokens : bool
+        Graph mode: also own the runner's token inputs ``tokens [3, max_bs*max_width]`` int64
+        (input ids, positions, out_cache_loc), padded by the prep graph like the rest.
+    """
+
+    def __init__(self, memory, fill: int = 1, *, max_bs: int = 0, max_width: int = 1, tokens: bool = False) -> None:
+        self.memory, self.fill = memory, fill
+        self.max_bs, self.max_width = max_bs, max_width
+        self.current: Optional[GraphKey] = None   # the key of the last update (or capture)
+        self.builds = 0                           # layouts built (eager) or prep runs (graph)
+        self._captured: dict[GraphKey, _Captured] = {}
+        self._eager: Optional[tuple] = None       # (batch, layout) of the last eager build
+        self._pool = None
+        if max_bs:
+            self._allocate(tokens)
+
+    # ------------------------------------------------------------------ eager
+    def build(self, batch: ForwardBatch) -> ForwardBatch:
+        """Build ``batch``'s layout once for the step; returns the batch with ``plan`` set,
+        which the step's backends and layers then receive."""
+        layout = build_layout(inputs_from_batch(batch, self.memory, self.fill))
+        out = dataclasses.replace(batch, plan=self)
+        self._eager = (out, layout)
+        self.builds += 1
+        return out
+
+    def layout_for(self, batch: ForwardBatch) -> Layout:
+        """The layout :meth:`build` made for exactly this batch object."""
+        if self._eager is None or self._eager[0] is not batch:
+            raise LayoutError("the step plan holds no layout for this batch: call plan.build(batch) and pass "
+                              "the batch it returns to every backend of the step")
+        return self._eager[1]
+
+    # ------------------------------------------------------------------ graphs
+    def _allocate(self, tokens: bool) -> None:
+        m, bs, w = self.memory, self.max_bs, self.max_width
+        dev = m.device
+        self.buffers = LayoutBuffers(bs, w, m.max_context_len, m.page_size, dev)
+        pad = pad_seq_len(self.fill, w)
+        self.requests = torch.zeros(2, bs, dtype=I32, device=dev)     # request rows, seq_lens
+        self.req_pool_indices, self.seq_lens = self.requests.unbind(0)
+        self.seq_lens.fill_(pad)
+        self.seq_lens_cpu = torch.full((bs,), pad, dtype=I32)
+        self.accept_lens = torch.ones(bs, dtype=I32, device=dev)
+        self.tree_flat = torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev)).repeat(bs, 1, 1).reshape(-1)
+        self.raw_bs_dev = torch.zeros(1, dtype=I32, device=dev)
+        self.draft_step_dev = torch.zeros(1, dtype=I32, device=dev)
+        self.tokens = torch.zeros(3, bs * w, dtype=I64, device=dev) if tokens else None
+        if dev.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tokens[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tokens[1]
+
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.tokens[2]
+
+    def tree_mask(self, bs: int, width: int) -> torch.Tensor:
+        """``[bs, W, W]`` bool view of the tree-mask input (contiguous per key)."""
+        return self.tree_flat[:bs * width * width].view(bs, width, width)
+
+    def spec_view(self, key: GraphKey, spec: Optional[SpecInfo]) -> Optional[SpecInfo]:
+        """``spec`` with its tensors replaced by the plan's own (what a graph of ``key`` reads)."""
+        if spec is None:
+            return None
+        tree = mask_kind(key.forward_mode, spec) == MaskKind.TREE
+        return SpecInfo(spec.num_draft_tokens, spec.topk, spec.num_steps,
+                        accept_lens=self.accept_lens[:key.bs] if key.forward_mode == ForwardMode.DRAFT_EXTEND else None,
+                        tree_mask=self.tree_mask(key.bs, key.width) if tree else None, draft_step=spec.draft_step)
+
+    def graph_inputs(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: Optional[int] = None) -> GraphInputs:
+        """The plan's own inputs for ``key``, as the step's backends receive them."""
+        bs = key.bs
+        return GraphInputs(key, self.req_pool_indices[:bs], self.seq_lens[:bs], self.seq_lens_cpu[:bs],
+                           self.spec_view(key, spec), bs if raw_bs is None else raw_bs, self)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured graph reads through the plan (for I2 and poisoning)."""
+        if not self.max_bs:
+            return {}
+        out = {f"plan.{k}": v for k, v in self.buffers.tensors().items()}
+        out.update({"plan.requests": self.requests, "plan.accept_lens": self.accept_lens,
+                    "plan.tree_mask": self.tree_flat, "plan.raw_bs": self.raw_bs_dev,
+                    "plan.draft_step": self.draft_step_dev})
+        if self.tokens is not None:
+            out["plan.tokens"] = self.tokens
+        return out
+
+    def load(self, inputs: GraphInputs, capture: bool = False) -> None:
+        """Copy a caller's real rows into the plan's inputs (what a runner does itself), after
+        validating them (device values too at capture, outside a stream capture: they sync);
+        nothing is written if they are refused."""
+        key, raw = inputs.key, inputs.raw_bs
+        self._check_capacity(key)
+        validate(self._inputs_of(inputs, check_device=capture and not _layout.stream_capturing()))
+        self.req_pool_indices[:raw].copy_(inputs.req_pool_indices[:raw])
+        self.seq_lens[:raw].copy_(inputs.seq_lens[:raw])
+        self.seq_lens_cpu[:raw].copy_(inputs.seq_lens_cpu[:raw])
+        spec = inputs.spec_info
+        if spec is not None and spec.accept_lens is not None and key.forward_mode == ForwardMode.DRAFT_EXTEND:
+            self.accept_lens[:raw].copy_(spec.accept_lens[:raw])
+        if spec is not None and spec.tree_mask is not None and mask_kind(key.forward_mode, spec) == MaskKind.TREE:
+            self.tree_mask(key.bs, key.width)[:raw].copy_(spec.tree_mask[:raw])
+
+    def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int) -> Layout:
+        """Bind the static views of ``key``, build the layout of the inputs the plan holds (the
+        capture batch, validated like any replay batch: I13) and, on CUDA, capture the prep
+        graph. A refused batch changes nothing."""
+        self._check_capacity(key)
+        if query_width(key.forward_mode, spec) != key.width:
+            raise LayoutError(f"GraphKey width W={key.width} but the spec gives "
+                              f"W={query_width(key.forward_mode, spec)}")
+        entry = _Captured(key, spec, None)
+        validate(self._inputs(entry, raw_bs, check_device=not _layout.stream_capturing()))
+        old = self._captured.get(key)
+        entry.layout = old.layout if old is not None else self.buffers.views(
+            key.forward_mode, key.bs, key.width, mask_kind(key.forward_mode, spec), self.memory.max_context_len)
+        self.raw_bs_dev.fill_(raw_bs)
+        self.draft_step_dev.fill_(spec.draft_step if spec is not None else 0)
+        self._prep(entry)
+        if self._pool is not None and not _layout.stream_capturing():
+            entry.graph = _capture(lambda: self._prep(entry), self._pool)
+        elif old is not None:
+            entry.graph = old.graph          # same views, same inputs: its prep graph still holds
+        self._captured[key] = entry
+        self.current = key
+        return entry.layout
+
+    def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None) -> Layout:
+        """Replay preparation of one step: pad rows ``raw_bs..bs-1`` of the inputs and build the
+        layout of ``key`` into its views. Host checks on ``seq_lens_cpu`` only; no host sync."""
+        entry = self.captured(key)
+        spec = entry.spec
+        if not 1 <= raw_bs <= key.bs:
+            raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
+        if draft_step is not None and spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
+            spec = dataclasses.replace(spec, draft_step=draft_step)
+        check_lengths(key.forward_mode, spec, self.seq_lens_cpu[:raw_bs].tolist(), self.memory.max_context_len)
+        self.raw_bs_dev.fill_(raw_bs)
+        if spec is not None and spec.is_draft_decode:
+            self.draft_step_dev.fill_(spec.draft_step)
+        self.seq_lens_cpu[raw_bs:key.bs] = pad_seq_len(self.fill, key.width)
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.builds += 1
+        else:
+            self._prep(entry)
+        self.current = key
+        return entry.layout
+
+    def captured(self, key: GraphKey) -> _Captured:
+        entry = self._captured.get(key)
+        if entry is None:
+            have = ", ".join(sorted(map(str, self._captured))) or "none"
+            raise LayoutError(f"the step plan has no capture for {key}; captured: {have}")
+        return entry
+
+    def check_current(self, key: GraphKey) -> None:
+        """Raise unless the last update (or capture) of this plan was for ``key``."""
+        if self.current != key:
+            raise LayoutError(f"the step plan was last prepared for {self.current}, not {key}: the runner "
+                              "must call plan.update() for this key before the backends' replay")
+
+    # ------------------------------------------------------------------ internals
+    def _check_capacity(self, key: GraphKey) -> None:
+        if not self.max_bs:
+            raise LayoutError("this step plan is eager-only (max_bs=0): no graph buffers")
+        self.buffers.check_capacity(key.bs, key.width)
+
+    def _inputs_of(self, inputs: GraphInputs, check_device: bool) -> LayoutInputs:
+        """Builder inputs over a caller's tensors (validation before :meth:`load`)."""
+        m = self.memory
+        return LayoutInputs(inputs.key.forward_mode, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu,
+                            inputs.raw_bs, inputs.spec_info, m.req_to_token, m.page_size, m.num_slots,
+                            pad_seq_len(self.fill, inputs.key.width), static=True, check_device_values=check_device)
+
+    def _inputs(self, entry: _Captured, raw_bs: int = 0, check_device: bool = False) -> LayoutInputs:
+        """Builder inputs over the plan's own tensors; ``raw_bs`` 0: read it from the device."""
+        key, m = entry.key, self.memory
+        bs = key.bs
+        spec = self.spec_view(key, entry.spec)
+        draft = spec is not None and spec.is_draft_decode
+        return LayoutInputs(key.forward_mode, self.req_pool_indices[:bs], self.seq_lens[:bs], self.seq_lens_cpu[:bs],
+                            raw_bs or bs, spec, m.req_to_token, m.page_size, m.num_slots,
+                            pad_seq_len(self.fill, key.width), static=True, check_device_values=check_device,
+                            validated=not raw_bs, raw_bs_dev=None if raw_bs else self.raw_bs_dev,
+                            draft_step_dev=self.draft_step_dev if draft and not raw_bs else None)
+
+    def _prep(self, entry: _Captured) -> None:
+        """What the prep graph holds: canonical pad rows in the inputs, then the layout."""
+        inp = self._inputs(entry)
+        key, spec = entry.key, inp.spec_info
+        real = real_rows(inp)
+        req, seq = canonical_rows(inp)
+        inp.req_pool_indices.copy_(req)
+        inp.seq_lens.copy_(seq)
+        if spec is not None and spec.accept_lens is not None:
+            spec.accept_lens.copy_(torch.where(real, spec.accept_lens, 1))
+        if spec is not None and spec.tree_mask is not None:
+            w = key.width
+            tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=real.device))
+            spec.tree_mask.copy_(torch.where(real[:, None, None], spec.tree_mask, tril))
+        if self.tokens is not None:
+            tok = self.tokens[:, :key.bs * key.width]
+            tok.mul_(real.repeat_interleave(key.width, output_size=tok.shape[1]))
+        build_layout(inp, out=entry.layout)
+        self.builds += 1
+
+
+def _capture(fn, pool) -> torch.cuda.CUDAGraph:
+    """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    g.replay()                       # capture records, it does not run
+    return g
+
+
+def step_plan(batch: ForwardBatch, backends) -> ForwardBatch:
+    """Eager: one plan for the step of ``batch`` over ``backends`` (one or per layer); returns the
+    batch to hand to them and to the model."""
+    uniq = list({id(b): b for b in backends}.values())
+    fill = max(b.get_cuda_graph_seq_len_fill_value() for b in uniq)
+    return LayoutPlan(uniq[0].memory, fill).build(batch)
