@@ -24,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    import random
+    return random.Random(0)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Any torch_native attention launch fails the test: the error must come first."""
+    from attn_backends.backends.torch_native import TorchNativeBackend
+
+    def boom(*a, **k):
+        raise AssertionError("an attention kernel ran on a bad batch")
+    monkeypatch.setattr(TorchNativeBackend, "_run", boom)

@@ -5,68 +5,29 @@ Every batch is built with the scenario helpers on a real KV memory and run throu
 checked by making the attention itself explode (``no_kernel``) and by checking that the
 KV pool was not written.
 """
-import random
+
 import re
-from dataclasses import replace
 
 import pytest
 import torch
+from bad_input_common import MHA, MLA, batch_of, qkv, setup
 
 from attn_backends import (
-    Capabilities,
     ForwardMode,
     GraphKey,
     KVCacheFullError,
     LayoutError,
     ModelConfig,
     SpecInfo,
-    get_backend,
 )
-from attn_backends.backends.torch_native import TorchNativeBackend
-from attn_backends.layout import build_layout, inputs_from_batch
 from attn_backends.layout_buffers import LayoutBuffers
 from attn_backends.testing.scenarios import (
     Scenario,
     draft_decode_spec,
     draft_extend_spec,
     make_memory,
-    materialize,
     verify_spec,
 )
-
-MHA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16)
-MLA = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=1, is_mla=True, kv_lora_rank=32,
-                  qk_rope_head_dim=8)
-
-
-@pytest.fixture
-def rng():
-    return random.Random(0)
-
-
-def setup(cfg=MHA, *, num_pages=64, max_reqs=8, max_context_len=128):
-    mem = make_memory(cfg, num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len)
-    return mem, get_backend("torch_native", cfg, mem)
-
-
-def batch_of(backend, mem, scn):
-    return materialize(scn, mem, backend.get_cuda_graph_seq_len_fill_value()).batch
-
-
-@pytest.fixture
-def no_kernel(monkeypatch):
-    """Any attention launch fails the test: the error must come first."""
-    def boom(*a, **k):
-        raise AssertionError("an attention kernel ran on a bad batch")
-    monkeypatch.setattr(TorchNativeBackend, "_run", boom)
-
-
-def qkv(cfg, rows):
-    q = torch.randn(rows, cfg.num_q_heads, cfg.qk_dim)
-    k = torch.randn(rows, cfg.num_kv_heads, cfg.qk_dim)
-    v = torch.randn(rows, cfg.num_kv_heads, cfg.out_dim)
-    return q, k, v
-
 
 # --------------------------------------------------------------------------- bs and graph buffers
 
@@ -316,130 +277,3 @@ def test_verify_without_spec_info():
     batch.forward_mode = ForwardMode.TARGET_VERIFY
     with pytest.raises(ValueError, match=r"TARGET_VERIFY needs a SpecInfo \(num_draft_tokens\), got None"):
         be.init_forward_metadata(batch)
-
-
-# --------------------------------------------------------------------------- modes
-
-def test_extend_without_extend_seq_lens():
-    mem, be = setup()
-    batch = batch_of(be, mem, Scenario(ForwardMode.EXTEND, bs=2, prefix_lens=[5, 6], extend_lens=[3, 4]))
-    batch.extend_seq_lens = batch.extend_seq_lens_cpu = None
-    with pytest.raises(LayoutError, match=r"EXTEND needs extend_seq_lens and extend_seq_lens_cpu"):
-        be.init_forward_metadata(batch)
-
-
-def test_extend_len_longer_than_the_sequence():
-    mem, be = setup()
-    batch = batch_of(be, mem, Scenario(ForwardMode.EXTEND, bs=2, prefix_lens=[5, 6], extend_lens=[3, 4]))
-    batch.extend_seq_lens_cpu[1] = batch.extend_seq_lens[1] = 11
-    with pytest.raises(LayoutError, match=r"request 1: extend_seq_len=11 outside 1\.\.seq_len=10"):
-        be.init_forward_metadata(batch)
-
-
-def test_idle_mode():
-    mem, be = setup()
-    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6]))
-    batch.forward_mode = ForwardMode.IDLE
-    with pytest.raises(LayoutError, match=r"IDLE batches carry no tokens"):
-        be.init_forward_metadata(batch)
-    with pytest.raises(LayoutError, match=r"IDLE batches carry no tokens"):
-        build_layout(inputs_from_batch(batch, mem, 1))
-    with pytest.raises(ValueError, match=r"forward_mode=IDLE cannot be graph-captured"):
-        GraphKey(ForwardMode.IDLE, bs=2, width=1)
-
-
-def test_extend_cannot_be_captured():
-    with pytest.raises(ValueError, match=r"forward_mode=EXTEND cannot be graph-captured as a uniform batch"):
-        GraphKey(ForwardMode.EXTEND, bs=2, width=1)
-
-
-class DecodeOnly(TorchNativeBackend):
-    name = "decode_only"
-    capabilities = Capabilities(modes=frozenset({ForwardMode.DECODE}), mla=True, topk_gt1=False,
-                                draft_decode=False)
-
-
-def test_mode_not_supported_by_the_backend(rng):
-    mem, _ = setup()
-    be = DecodeOnly(MHA, mem)
-    spec = verify_spec(4, 2, rng)
-    batch = batch_of(be, mem, Scenario(ForwardMode.TARGET_VERIFY, bs=2, prefix_lens=[5, 6], spec=spec))
-    with pytest.raises(LayoutError, match=r"backend decode_only does not run mode TARGET_VERIFY; it runs \['DECODE'\]"):
-        be.init_forward_metadata(batch)
-    be.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
-    with pytest.raises(LayoutError, match=r"backend decode_only does not run mode TARGET_VERIFY"):
-        be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
-
-
-def test_topk_and_draft_decode_not_supported_by_the_backend():
-    mem, _ = setup()
-    be = DecodeOnly(MHA, mem)
-    spec = draft_decode_spec(topk=2, steps=3, step=1)
-    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6], spec=spec))
-    with pytest.raises(LayoutError, match=r"backend decode_only does not support topk=2 > 1"):
-        be.init_forward_metadata(batch)
-    spec1 = draft_decode_spec(topk=1, steps=3, step=1)
-    batch = batch_of(be, mem, Scenario(ForwardMode.DECODE, bs=2, prefix_lens=[5, 6], spec=spec1))
-    with pytest.raises(LayoutError, match=r"backend decode_only does not support draft decode"):
-        be.init_forward_metadata(batch)
-
-
-def test_select_refuses_a_mode_with_the_reason():
-    from attn_backends.registry import select
-    with pytest.raises(ValueError, match=r"no backend can serve this model in IDLE on cpu"):
-        select(MHA, mode=ForwardMode.IDLE, device="cpu")
-
-
-# --------------------------------------------------------------------------- configuration
-
-@pytest.mark.parametrize("page_size", [2, 8, 32, 128])
-def test_page_size_not_supported(page_size):
-    with pytest.raises(ValueError, match=rf"page_size={page_size} is not one of \(1, 16, 64\)"):
-        make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=page_size),
-                    num_pages=4, max_reqs=1, max_context_len=256)
-    cfg = ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=page_size)
-    mem = make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8),
-                      num_pages=4, max_reqs=1, max_context_len=256)
-    want = rf"cannot serve this model on cpu: page_size={page_size} not in \(1, 16, 64\)"
-    with pytest.raises(ValueError, match=want):
-        get_backend("torch_native", cfg, mem)
-
-
-def test_config_and_memory_page_sizes_differ():
-    cfg16 = ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=16)
-    mem1 = make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8),
-                       num_pages=4, max_reqs=1, max_context_len=64)
-    with pytest.raises(ValueError, match=r"config page_size=16 != memory page_size=1"):
-        get_backend("torch_native", cfg16, mem1)
-
-
-def test_max_context_len_not_a_page_multiple():
-    with pytest.raises(ValueError, match=r"max_context_len=100 is not a multiple of page_size=16"):
-        make_memory(ModelConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=16),
-                    num_pages=4, max_reqs=1, max_context_len=100)
-
-
-def test_mla_with_more_than_one_kv_head():
-    with pytest.raises(ValueError, match=r"MLA has one latent KV head, got num_kv_heads=2"):
-        ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, is_mla=True)
-
-
-def test_gqa_heads_not_divisible():
-    with pytest.raises(ValueError, match=r"num_q_heads=6 is not a multiple of num_kv_heads=4"):
-        ModelConfig(num_layers=1, num_q_heads=6, num_kv_heads=4)
-
-
-def test_unknown_backend_name():
-    mem, _ = setup()
-    with pytest.raises(ValueError, match=r"backend 'no_such_backend' is neither a registered name nor 'module:Class'"):
-        get_backend("no_such_backend", MHA, mem)
-    with pytest.raises(ValueError, match=r"cannot load backend class 'no_such_mod:Backend'"):
-        get_backend("no_such_mod:Backend", MHA, mem)
-
-
-def test_mla_model_on_an_mha_only_backend(monkeypatch):
-    monkeypatch.setattr(TorchNativeBackend, "capabilities", replace(TorchNativeBackend.capabilities, mla=False))
-    mem = make_memory(MLA, num_pages=8, max_reqs=1, max_context_len=16)
-    with pytest.raises(ValueError, match=r"backend 'torch_native' cannot serve this model on cpu: "
-                                         r"MHA/GQA only, model is MLA"):
-        get_backend("torch_native", MLA, mem)
