@@ -12,8 +12,9 @@ mkdir -p "$out"
 # attn_backends_runtime) and the entry points (the runner suite of `check`); where pip cannot
 # install offline, links in a folder on the path give the import names.
 links=$(mktemp -d)
-if ! pip install -q --no-deps --no-build-isolation -e . >"$links/pip.log" 2>&1; then
-  echo "editable install failed (see below); import names from links, no entry points"; tail -3 "$links/pip.log"
+python -m pip install -q --no-deps --no-build-isolation -e . >"$links/pip.log" 2>&1
+if ! (cd /tmp && python -c "import attn_backends_kernels, attn_backends_runtime") 2>/dev/null; then
+  echo "editable install unusable (see below); import names from links, no entry points"; tail -3 "$links/pip.log"
   ln -s "$PWD/kernels" "$links/attn_backends_kernels"
   ln -s "$PWD/runtime" "$links/attn_backends_runtime"
 fi
