@@ -117,7 +117,7 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"config page_size={config.page_size} != memory page_size={memory.page_size}")
         self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
         self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use
-        self._graph_meta: dict[GraphKey, ForwardMetadata] = {}
+        self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, runner plan or None) -> metadata
 
     # -- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -151,21 +151,19 @@ class LayoutBackend(AttentionBackend):
             plan.load(inputs, capture=True)               # validates first: a refusal changes nothing
             layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)
         meta = ForwardMetadata(layout, plan, **self._extras(layout, key))
-        self._graph_meta[key] = meta
+        self._graph_meta[(key, inputs.plan)] = meta       # a runner's plan, or None: the private one
         self.forward_metadata = meta
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
-        key = inputs.key
-        meta = self._graph_meta.get(key)
+        key, plan = inputs.key, inputs.plan
+        meta = self._graph_meta.get((key, plan))
         if meta is None:
-            captured = ", ".join(sorted(map(str, self._graph_meta))) or "none"
-            raise LayoutError(f"no graph captured for {key}; captured: {captured}")
-        shared = meta.plan is not self._own_plan
-        if inputs.plan is not (meta.plan if shared else None):
-            raise LayoutError(f"{key} was captured {'with' if shared else 'without'} a step plan; capture and "
-                              "replay must both receive the same plan, or both none")
-        if inputs.plan is not None:
-            inputs.plan.check_current(key)                # the runner has updated it for this key
+            captured = ", ".join(sorted(f"{k}{' (step plan)' if p is not None else ''}" for k, p in self._graph_meta))
+            where = "with this step plan" if plan is not None else "without a step plan"
+            raise LayoutError(f"no graph captured for {key} {where}; captured: {captured or 'none'}")
+        if plan is not None:
+            if plan.current != key:                       # the runner updates the plan first
+                plan.check_current(key)
         else:
             spec = inputs.spec_info
             meta.plan.load(inputs)

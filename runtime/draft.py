@@ -148,12 +148,11 @@ class MultiStepDraftRunner(GraphRunnerBase):
         sbs = self.graphs[key][2]
         nr = raw * k
         loc = inp.out_cache_loc.view(raw, self.num_steps, k)
-        self.input_ids[:nr].copy_(inp.input_ids)
         for s, (p, sb) in enumerate(zip(self.plans, sbs)):
             pos = (inp.prefix_lens.to(I64) + s).repeat_interleave(k, output_size=nr)
-            torch.stack([pos, loc[:, s].reshape(-1)], out=p.tokens[1:, :nr])
-            torch.stack([inp.req_pool_indices, inp.prefix_lens + (s + 1) * k], out=p.requests[:, :raw])
-            p.seq_lens_cpu[:raw] = inp.prefix_lens_cpu + (s + 1) * k
+            p.load_rows(key, raw, inp.req_pool_indices, inp.prefix_lens + (s + 1) * k,
+                        inp.prefix_lens_cpu + (s + 1) * k,
+                        tokens=[inp.input_ids if s == 0 else None, pos, loc[:, s].reshape(-1)])
             sb.raw_bs = raw
         return key, sbs
 

@@ -37,6 +37,7 @@ class UniformGraphRunner(GraphRunnerBase):
         self.req_pool_indices, self.seq_lens, self.seq_lens_cpu = p.req_pool_indices, p.seq_lens, p.seq_lens_cpu
         self.accept_lens, self.tree_mask = p.accept_lens, p.tree_mask(self.max_bs, w)
         self._inputs = {}               # key -> GraphInputs handed to the backends at every replay
+        self._by_raw = {}               # raw_bs -> (key, static batch) of its bucket, once captured
         for b in self.backends:
             b.init_cuda_graph_state(self.max_bs, self.max_bs * w)
 
@@ -46,8 +47,8 @@ class UniformGraphRunner(GraphRunnerBase):
             return reason
         if batch.forward_mode != self.mode:
             return f"mode {batch.forward_mode.name} was not captured (captured {self.mode.name})"
-        if batch.raw_bs > self.max_bs:
-            return f"bs={batch.raw_bs} exceeds the largest captured bucket {self.max_bs}"
+        if not 1 <= batch.raw_bs <= self.max_bs:
+            return f"bs={batch.raw_bs} outside 1..{self.max_bs}, the largest captured bucket"
         if self.spec is not None and batch.spec_info is not None:
             s = batch.spec_info
             if s.num_draft_tokens != self.spec.num_draft_tokens or (s.topk > 1) != self.tree:
@@ -70,6 +71,9 @@ class UniformGraphRunner(GraphRunnerBase):
 
     def _capture_metadata(self, key, static_batch) -> None:
         self.plan.capture(key, static_batch.spec_info, static_batch.raw_bs)
+        for raw in range(1, key.bs + 1):
+            if raw not in self._by_raw or self._by_raw[raw][0].bs > key.bs:
+                self._by_raw[raw] = (key, static_batch)
         for b in self.backends:
             b.init_forward_metadata_capture_cuda_graph(self._inputs[key])
 
@@ -84,19 +88,13 @@ class UniformGraphRunner(GraphRunnerBase):
         return self.model.forward(static_batch, self.layer_backends)
 
     def _load(self, batch: ForwardBatch):
-        raw, w, p = batch.raw_bs, self.width, self.plan
-        key = GraphKey(self.mode, self.bucket_for(raw), w, self.capture_hidden_mode)
-        sb = self.graphs[key][2]
-        nr = raw * w
-        # real rows only, two launches: the plan's prep graph pads the rest
-        torch.stack([batch.input_ids[:nr], batch.positions[:nr], batch.out_cache_loc[:nr]], out=p.tokens[:, :nr])
-        torch.stack([batch.req_pool_indices[:raw], batch.seq_lens[:raw]], out=p.requests[:, :raw])
-        p.seq_lens_cpu[:raw] = batch.seq_lens_cpu[:raw]
+        raw = batch.raw_bs
+        key, sb = self._by_raw[raw]
         spec = batch.spec_info
-        if self.mode == ForwardMode.DRAFT_EXTEND:
-            self.accept_lens[:raw].copy_(spec.accept_lens[:raw])
-        if self.tree:
-            self.tree_mask[:raw].copy_(spec.tree_mask[:raw])
+        self.plan.load_rows(key, raw, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
+                            tokens=[batch.input_ids, batch.positions, batch.out_cache_loc],
+                            accept_lens=spec.accept_lens if self.mode == ForwardMode.DRAFT_EXTEND else None,
+                            tree_mask=spec.tree_mask if self.tree else None)
         sb.raw_bs = raw
         return key, sb
 

@@ -67,7 +67,7 @@ class StalePadRows(TorchNativeBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, inputs):
         raw, bs = inputs.raw_bs, inputs.key.bs
-        lay = self._graph_meta[inputs.key].layout
+        lay = self._graph_meta[(inputs.key, inputs.plan)].layout
         saved = {n: getattr(lay, n)[raw:bs].clone() for n in ("seq_lens_k", "page_table", "prefix_lens")}
         super().init_forward_metadata_replay_cuda_graph(inputs)
         for n, old in saved.items():

@@ -137,7 +137,7 @@ def test_capture_and_replay_must_agree_on_the_plan():
     be.init_forward_metadata_capture_cuda_graph(gi)
     assert be.forward_metadata.layout is plan.captured(key).layout   # the plan's views, no copy
     gi.plan = None
-    with pytest.raises(LayoutError, match="captured with a step plan"):
+    with pytest.raises(LayoutError, match="without a step plan"):
         be.init_forward_metadata_replay_cuda_graph(gi)
     gi.plan = plan
     other = GraphKey(ForwardMode.TARGET_VERIFY, 2, key.width, CaptureHiddenMode.NULL)

@@ -57,9 +57,12 @@ class TritonBackendBase(LayoutBackend):
 
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
-        max_pages = -(-self.memory.max_context_len // self.memory.page_size)
-        return choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
-                                    self._per_sm(width))
+        cache = self.__dict__.setdefault("_split_cache", {})   # a function of (bs, W) alone
+        if (lay.bs, width) not in cache:
+            max_pages = -(-self.memory.max_context_len // self.memory.page_size)
+            cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
+                                                          max_pages, self._per_sm(width))
+        return cache[(lay.bs, width)]
 
     def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
         splits = self._splits(layout)
@@ -74,10 +77,10 @@ class TritonBackendBase(LayoutBackend):
 
     def _extra_graph_buffers(self) -> dict:
         out = {}
-        for key, meta in self._graph_meta.items():
+        for i, ((key, _), meta) in enumerate(self._graph_meta.items()):
             ws = meta.extra.get("workspace")
             if ws is not None:
-                tag = f"{key.forward_mode.name}_{key.bs}x{key.width}"
+                tag = f"{key.forward_mode.name}_{key.bs}x{key.width}#{i}"
                 out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = ws
         return out
 
