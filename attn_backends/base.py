@@ -156,13 +156,13 @@ class LayoutBackend(AttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
         key, plan = inputs.key, inputs.plan
-        meta = self._graph_meta.get((key, plan))
+        meta = self._graph_meta.get((key, plan))          # (a runner hands the same key object each replay)
         if meta is None:
             captured = ", ".join(sorted(f"{k}{' (step plan)' if p is not None else ''}" for k, p in self._graph_meta))
             where = "with this step plan" if plan is not None else "without a step plan"
             raise LayoutError(f"no graph captured for {key} {where}; captured: {captured or 'none'}")
         if plan is not None:
-            if plan.current != key:                       # the runner updates the plan first
+            if plan.current is not key and plan.current != key:   # the runner updates the plan first
                 plan.check_current(key)
         else:
             spec = inputs.spec_info

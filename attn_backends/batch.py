@@ -106,6 +106,11 @@ class GraphKey:
             raise ValueError(f"bs={self.bs} must be >= 1")
         if self.width < 1:
             raise ValueError(f"width={self.width} must be >= 1")
+        # Keys are looked up on every replay (plans, backends): hash once.
+        object.__setattr__(self, "_hash", hash((self.forward_mode, self.bs, self.width, self.capture_hidden_mode)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def num_tokens(self) -> int:

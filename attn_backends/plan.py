@@ -63,6 +63,8 @@ class _Captured:
     spec: Optional[SpecInfo]      # the template: N, topk, steps, draft step (tensors are the plan's)
     layout: Layout                # views of the static buffers
     graph: object = None          # the prep graph on CUDA; None: run the prep function itself
+    need: int = 1                 # the least seq_len of a real row (W, or W * draft_step)
+    pad: int = 1                  # the seq_len of a pad row
 
 
 class LayoutPlan:
@@ -126,14 +128,13 @@ class LayoutPlan:
         self.draft_step_dev = torch.zeros(1, dtype=I32, device=dev)
         self.tokens = torch.zeros(3, bs * w, dtype=I64, device=dev) if tokens else None
         self._seq_np = self.seq_lens_cpu.numpy()                 # the host copy, written without dispatch
-        # raw_bs reaches the device in the same launch as the request rows: a copy from constants
-        raw_values = torch.arange(bs + 1, dtype=I32, device=dev)
-        self._load_dst = [None] + [[self.req_pool_indices[:r], self.seq_lens[:r], self.raw_bs_dev]
+        # raw_bs and draft_step reach the device in the same launch as the request rows: copies
+        # from device constants
+        self._consts = torch.arange(bs + 65, dtype=I32, device=dev)
+        self._load_dst = [None] + [[self.req_pool_indices[:r], self.seq_lens[:r], self.raw_bs_dev, self.draft_step_dev]
                                    for r in range(1, bs + 1)]
-        self._raw_src = [raw_values[r:r + 1] for r in range(bs + 1)]
         self._tok_dst = [None] + ([list(self.tokens[:, :r * w].unbind(0)) for r in range(1, bs + 1)] if tokens else [])
-        self._loaded_raw = 0
-        self._step_held = 0
+        self._loaded = None                       # (raw_bs, draft_step) the last load_rows wrote
         if dev.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -191,17 +192,22 @@ class LayoutPlan:
         accept = spec.accept_lens if spec is not None and key.forward_mode == ForwardMode.DRAFT_EXTEND else None
         tree = spec.tree_mask if spec is not None and mask_kind(key.forward_mode, spec) == MaskKind.TREE else None
         self.load_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu,
-                       accept_lens=accept, tree_mask=tree)
+                       accept_lens=accept, tree_mask=tree, draft_step=spec.draft_step if spec is not None else 0)
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
-                  accept_lens=None, tree_mask=None) -> None:
-        """Copy the real rows of a batch into the plan's inputs: the request rows, seq_lens and
-        ``raw_bs`` (into its device scalar) in one launch, the ``tokens`` (``[input_ids,
-        positions, out_cache_loc]``, ``raw_bs * W`` rows each; None entries are left alone) in
-        another, and the host ``seq_lens_cpu``. Sources longer than the real rows are cut."""
+                  accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
+        """Copy the real rows of a batch into the plan's inputs: the request rows, seq_lens,
+        ``raw_bs`` and the draft step (into their device scalars; default: the captured step)
+        in one launch, the ``tokens`` (``[input_ids, positions, out_cache_loc]``, ``raw_bs * W``
+        rows each; None entries are left alone) in another, and the host ``seq_lens_cpu``.
+        Sources longer than the real rows are cut."""
         n = raw_bs * key.width
-        torch._foreach_copy_(self._load_dst[raw_bs],
-                             [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs), self._raw_src[raw_bs]])
+        if draft_step is None:
+            spec = self.captured(key).spec
+            draft_step = spec.draft_step if spec is not None else 0
+        c = self._consts
+        torch._foreach_copy_(self._load_dst[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs),
+                                                      c[raw_bs:raw_bs + 1], c[draft_step:draft_step + 1]])
         if tokens is not None:
             pairs = [(d, _rows(t, n)) for d, t in zip(self._tok_dst[raw_bs], tokens) if t is not None]
             torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
@@ -210,7 +216,7 @@ class LayoutPlan:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
         if tree_mask is not None:
             self.tree_mask(key.bs, key.width)[:raw_bs].copy_(tree_mask[:raw_bs])
-        self._loaded_raw = raw_bs
+        self._loaded = (raw_bs, draft_step)
 
     def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int) -> Layout:
         """Bind the static views of ``key``, build the layout of the inputs the plan holds (the
@@ -220,13 +226,14 @@ class LayoutPlan:
         if query_width(key.forward_mode, spec) != key.width:
             raise LayoutError(f"GraphKey width W={key.width} but the spec gives "
                               f"W={query_width(key.forward_mode, spec)}")
-        entry = _Captured(key, spec, None)
+        step = spec.draft_step if spec is not None and spec.is_draft_decode else 1
+        entry = _Captured(key, spec, None, need=key.width * step, pad=pad_seq_len(self.fill, key.width))
         validate(self._inputs(entry, raw_bs, check_device=not _layout.stream_capturing()))
         old = self._captured.get(key)
         entry.layout = old.layout if old is not None else self.buffers.views(
             key.forward_mode, key.bs, key.width, mask_kind(key.forward_mode, spec), self.memory.max_context_len)
         self.raw_bs_dev.fill_(raw_bs)
-        self._hold_step(spec.draft_step if spec is not None else 0)
+        self.draft_step_dev.fill_(spec.draft_step if spec is not None else 0)
         self._prep(entry)
         if self._pool is not None and not _layout.stream_capturing():
             entry.graph = _capture(lambda: self._prep(entry), self._pool)
@@ -239,20 +246,24 @@ class LayoutPlan:
     def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None) -> Layout:
         """Replay preparation of one step: pad rows ``raw_bs..bs-1`` of the inputs and build the
         layout of ``key`` into its views. Host checks on ``seq_lens_cpu`` only; no host sync.
-        After :meth:`load_rows` of the same ``raw_bs`` this is one graph replay."""
+        After :meth:`load_rows` of the same ``raw_bs`` this is one graph replay (the hot path of
+        every runner: kept to a few attribute reads besides the replay)."""
         entry = self._captured.get(key) or self.captured(key)
         spec = entry.spec
         if not 1 <= raw_bs <= key.bs:
             raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
         if draft_step is not None and spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        check_lengths(key.forward_mode, spec, self.seq_lens_cpu[:raw_bs].tolist(), self.memory.max_context_len)
-        if self._loaded_raw != raw_bs:
+        seqs = self._seq_np[:raw_bs].tolist()
+        need = entry.need if spec is entry.spec else None
+        if need is None or min(seqs) < need or max(seqs) > self.memory.max_context_len:
+            check_lengths(key.forward_mode, spec, seqs, self.memory.max_context_len)   # raises with the reason
+        step = spec.draft_step if spec is not None else 0
+        if self._loaded != (raw_bs, step):                # inputs written by hand, not by load_rows
             self.raw_bs_dev.fill_(raw_bs)
-        self._loaded_raw = 0
-        if spec is not None and spec.is_draft_decode:
-            self._hold_step(spec.draft_step)
-        self._seq_np[raw_bs:key.bs] = pad_seq_len(self.fill, key.width)
+            self.draft_step_dev.fill_(step)
+        self._loaded = None
+        self._seq_np[raw_bs:key.bs] = entry.pad
         if entry.graph is not None:
             entry.graph.replay()
             self.builds += 1
@@ -275,12 +286,6 @@ class LayoutPlan:
                               "must call plan.update() for this key before the backends' replay")
 
     # ------------------------------------------------------------------ internals
-    def _hold_step(self, step: int) -> None:
-        """The draft step into its device scalar, only when it changes (a runner's step plan never)."""
-        if step != self._step_held:
-            self.draft_step_dev.fill_(step)
-            self._step_held = step
-
     def _check_capacity(self, key: GraphKey) -> None:
         if not self.max_bs:
             raise LayoutError("this step plan is eager-only (max_bs=0): no graph buffers")
