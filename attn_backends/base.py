@@ -118,6 +118,7 @@ class LayoutBackend(AttentionBackend):
         self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
         self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, runner plan or None) -> metadata
+        self._last_replay: tuple = (None, None, None)           # (key, plan, metadata) of the last replay
 
     # -- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -136,6 +137,7 @@ class LayoutBackend(AttentionBackend):
         self._graph_size = (max_bs, max(1, max_num_tokens // max_bs))
         self._own_plan = None
         self._graph_meta.clear()
+        self._last_replay = (None, None, None)
 
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
         key = inputs.key
@@ -152,11 +154,13 @@ class LayoutBackend(AttentionBackend):
             layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)
         meta = ForwardMetadata(layout, plan, **self._extras(layout, key))
         self._graph_meta[(key, inputs.plan)] = meta       # a runner's plan, or None: the private one
+        self._last_replay = (None, None, None)
         self.forward_metadata = meta
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
         key, plan = inputs.key, inputs.plan
-        meta = self._graph_meta.get((key, plan))          # (a runner hands the same key object each replay)
+        last = self._last_replay                          # a runner hands the same key and plan every replay
+        meta = last[2] if last[0] is key and last[1] is plan else self._graph_meta.get((key, plan))
         if meta is None:
             captured = ", ".join(sorted(f"{k}{' (step plan)' if p is not None else ''}" for k, p in self._graph_meta))
             where = "with this step plan" if plan is not None else "without a step plan"
@@ -170,6 +174,7 @@ class LayoutBackend(AttentionBackend):
             meta.plan.update(key, inputs.raw_bs, spec.draft_step if spec is not None else None)
         self._refresh_extras(meta, inputs)
         self.forward_metadata = meta
+        self._last_replay = (key, plan, meta)
 
     def _private_plan(self) -> LayoutPlan:
         if self._own_plan is None:

@@ -40,6 +40,10 @@ class TritonBackendBase(LayoutBackend):
     """Split counts and workspaces: eager and graph paths pick them from (bs, W) alone, so
     replay and eager launch identical kernels on the same padded batch (bitwise equal)."""
 
+    def __init__(self, config, memory) -> None:
+        super().__init__(config, memory)
+        self._split_cache: dict = {}
+
     @classmethod
     def extra_unavailable_reason(cls, device: str) -> Optional[str]:
         if device == "cpu" and not interpreting():
@@ -57,7 +61,7 @@ class TritonBackendBase(LayoutBackend):
 
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
-        cache = self.__dict__.setdefault("_split_cache", {})   # a function of (bs, W) alone
+        cache = self._split_cache                              # a function of (bs, W) alone
         if (lay.bs, width) not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
