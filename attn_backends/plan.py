@@ -130,7 +130,7 @@ class LayoutPlan:
         self._seq_np = self.seq_lens_cpu.numpy()                 # the host copy, written without dispatch
         # raw_bs and draft_step reach the device in the same launch as the request rows: copies
         # from device constants
-        self._consts = torch.arange(bs + 65, dtype=I32, device=dev)
+        self._consts = list(torch.arange(bs + 65, dtype=I32, device=dev).view(-1, 1).unbind(0))   # [1] views
         self._load_dst = [None] + [[self.req_pool_indices[:r], self.seq_lens[:r], self.raw_bs_dev, self.draft_step_dev]
                                    for r in range(1, bs + 1)]
         self._tok_dst = [None] + ([list(self.tokens[:, :r * w].unbind(0)) for r in range(1, bs + 1)] if tokens else [])
@@ -206,15 +206,11 @@ class LayoutPlan:
             spec = self.captured(key).spec
             draft_step = spec.draft_step if spec is not None else 0
         c = self._consts
-        dst = list(self._load_dst[raw_bs])
-        src = [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs), c[raw_bs:raw_bs + 1],
-               c[draft_step:draft_step + 1]]
+        torch._foreach_copy_(self._load_dst[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs),
+                                                      c[raw_bs], c[draft_step]])
         if tokens is not None:
-            for d, t in zip(self._tok_dst[raw_bs], tokens):
-                if t is not None:
-                    dst.append(d)
-                    src.append(_rows(t, n))
-        _copy_rows(dst, src)
+            pairs = [(d, _rows(t, n)) for d, t in zip(self._tok_dst[raw_bs], tokens) if t is not None]
+            torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
         self._seq_np[:raw_bs] = seq_lens_cpu.numpy()[:raw_bs]
         if accept_lens is not None:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
@@ -337,15 +333,6 @@ class LayoutPlan:
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[0] == n else t[:n]
-
-
-def _copy_rows(dst: list, src: list) -> None:
-    """``dst[i].copy_(src[i])`` for all i in one launch: int32 and int64 rows are copied as bytes
-    when their dtypes already match (one multi-tensor copy needs one dtype); else typed copies."""
-    if all(d.dtype == s.dtype and s.is_contiguous() and s.device == d.device for d, s in zip(dst, src)):
-        torch._foreach_copy_([d.view(torch.uint8) for d in dst], [s.view(torch.uint8) for s in src])
-    else:
-        torch._foreach_copy_(dst, src)
 
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
