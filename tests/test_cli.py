@@ -97,7 +97,7 @@ def test_check_defaults_and_exit_0(fake_suite, capsys):
     assert cli.main(["check"]) == 0
     assert fake_suite.calls == [dict(backend="torch_native", device="cpu", cases=200, seed=0, progress=None)]
     out = capsys.readouterr().out
-    assert "torch_native  decode" in out and "2/2" in out and "FAIL" not in out
+    assert "torch_native, layout suite:" in out and "ok 2" in out and "FAIL" not in out
 
 
 def test_check_exit_1_prints_each_failure_with_its_seed(fake_suite, capsys):
@@ -105,7 +105,7 @@ def test_check_exit_1_prints_each_failure_with_its_seed(fake_suite, capsys):
     assert cli.main(["check", "--backend", "torch_native", "--cases", "5", "--seed", "3"]) == 1
     assert fake_suite.calls[0]["cases"] == 5 and fake_suite.calls[0]["seed"] == 3
     out = capsys.readouterr().out
-    assert "FAIL 1/1" in out                                   # the table marks the failed invariant
+    assert "FAIL 1 of 1" in out                                # the table marks the failed invariant
     assert "pad row 3 holds 7, expected 0" in out
     assert "case: decode bs=4 raw_bs=3 prefixes=[1, 2, 3]" in out
     assert "--seed 20 --cases 1" in out
@@ -148,7 +148,7 @@ def test_check_all_runs_every_available_backend(fake_suite, capsys):
 def test_check_runs_the_entry_point_suites_on_the_same_report(fake_suite, capsys):
     assert cli.main(["check", "--cases", "1", "--suite-cases", "7", "--seed", "3"]) == 0
     assert fake_suite.extra_calls == [dict(backend="torch_native", cases=7, seed=3)]
-    assert "runner:decode" in capsys.readouterr().out
+    assert "torch_native, runner suite:" in capsys.readouterr().out
     fake_suite.extra_calls.clear()
     assert cli.main(["check", "--cases", "1", "--suite-cases", "0"]) == 0
     assert fake_suite.extra_calls == []
@@ -196,7 +196,7 @@ def test_check_torch_native_for_real(capsys):
     assert cli.main(["check", "--backend", "torch_native", "--cases", "2", "--suite-cases", "6"]) == 0
     out = capsys.readouterr().out
     assert "torch_native: ok" in out and "FAIL" not in out
-    assert "runner:" in out   # the runner invariants ran too
+    assert "torch_native, runner suite:" in out   # the runner invariants ran too
 
 
 def test_module_entry_point_runs_in_a_subprocess():

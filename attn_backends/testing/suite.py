@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..registry import get_backend_class, unavailable_reason
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
-from .report import Failure, SuiteReport
+from .report import SuiteReport
 from .scenarios import (
     PAGE_ORDERS,
     Scenario,
@@ -167,11 +167,7 @@ def run_case(cls, c: CaseSpec, report: SuiteReport, device="cpu", name: Optional
     case = c.describe()
 
     def judge(inv: str, msgs: list) -> bool:
-        for m in msgs:
-            report.fail(Failure(name, c.mode, inv, m, case, c.seed))
-        if not msgs:
-            report.record(name, c.mode, inv, True)
-        return not msgs
+        return report.check(name, c.mode, inv, msgs, case=case, seed=c.seed, device=str(device))
 
     if c.mode == "extend":
         layouts = []
@@ -255,7 +251,8 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
               modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
               report: Optional[SuiteReport] = None) -> SuiteReport:
     """Run ``cases`` random cases per declared mode of ``backend`` (a name, ``module:Class``,
-    or a class). The failures carry the seed that replays each case alone."""
+    ``file.py:Class``, or a class). The failures carry the seed that replays each case alone:
+    with ``cases=1`` the one case of each mode has the seed ``seed`` itself."""
     cls = backend if isinstance(backend, type) else get_backend_class(backend)
     name = backend if isinstance(backend, str) else getattr(cls, "name", cls.__name__)
     reason = unavailable_reason(cls, device)
