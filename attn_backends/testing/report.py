@@ -128,7 +128,8 @@ class SuiteReport:
         lines = ["cells: checks of an invariant in a mode; ok N = all N passed, FAIL F of N = F of them failed"]
         for inv in ids:
             lines += textwrap.wrap(INVARIANTS.get(inv, "(not described in attn_backends.testing.report)"),
-                                   width, initial_indent=inv.ljust(pad), subsequent_indent=" " * pad)
+                                   width, initial_indent=inv.ljust(pad), subsequent_indent=" " * pad,
+                                   break_on_hyphens=False)
         return "\n".join(lines)
 
 
