@@ -6,6 +6,7 @@ filling a log with carriage returns.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional, TextIO
 
@@ -22,6 +23,16 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def _columns(stream: TextIO, most: int = 100) -> int:
+    """The terminal's width, at most ``most``; ``most`` where the terminal reports none (a
+    pseudo-terminal without a size reports 0 columns, and tqdm would draw nothing)."""
+    try:
+        cols = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        cols = 0
+    return min(cols, most) if cols > 0 else most
+
+
 class TerminalBar:
     """A ``progress(done, total)`` callback drawing a tqdm bar on ``stream``."""
 
@@ -32,7 +43,7 @@ class TerminalBar:
         if self.bar is None:
             from tqdm import tqdm  # here: `list` and `--help` need no tqdm
             self.bar = tqdm(total=total, desc=self.label, unit="case", file=self.stream,
-                            bar_format=BAR_FORMAT, dynamic_ncols=True)
+                            bar_format=BAR_FORMAT, ncols=_columns(self.stream))
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()

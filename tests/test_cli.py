@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from attn_backends import cli, cli_report, registry
-from attn_backends.cli_progress import PeriodicLines, duration
+from attn_backends.cli_progress import PeriodicLines, duration, progress_for
 from attn_backends.testing import suite as real_suite
 from attn_backends.testing.report import Failure, SuiteReport
 
@@ -284,6 +284,20 @@ def test_progress_on_a_terminal_is_a_bar_with_cases_and_time_left(fake_suite, mo
     assert cli.main(["check", "--cases", "2", "--suite", "layout"]) == 0
     drawn = tty.getvalue()
     assert "torch_native layout:" in drawn and "2/2 cases" in drawn and " left]" in drawn, drawn
+
+
+def test_the_bar_draws_on_a_terminal_that_reports_no_size():
+    pty = pytest.importorskip("pty")
+    import os
+    master, slave = pty.openpty()          # a pseudo-terminal without a size: 0 columns
+    with os.fdopen(slave, "w") as tty:
+        bar = progress_for("tn layout", tty, every=30)
+        for done in range(1, 11):
+            bar(done, 10)
+    drawn = os.read(master, 1 << 16).decode()
+    os.close(master)
+    last = [s for s in drawn.replace("\r", "\n").splitlines() if s.strip()][-1]
+    assert last.startswith("tn layout: 100%|") and "10/10 cases" in last and len(last) <= 100, drawn
 
 
 def test_progress_elsewhere_is_plain_lines(fake_suite, monkeypatch):

@@ -31,8 +31,8 @@ INVARIANTS = {
 }
 LAYOUT_SUITE = "layout"
 # Column order of the table; modes not listed here follow in alphabetical order.
-MODE_ORDER = ("decode", "extend", "verify_chain", "verify_tree", "draft_extend", "draft_decode",
-              "verify", "piecewise", "breakable")
+MODE_ORDER = ("decode", "extend", "verify", "verify_chain", "verify_tree", "draft_extend", "draft_decode",
+              "piecewise", "breakable")
 WIDTH = 100
 
 
