@@ -36,6 +36,7 @@ class Capabilities:
     min_sm: int = 0                   # e.g. 90 for Hopper-only kernels
     head_dims: Optional[tuple] = None # None: any
     requires: tuple = ()              # importable modules it needs
+    preference: int = 0               # select(): higher ranks first among backends that serve
 
     def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
                 sm: int = 0) -> Optional[str]:

@@ -1,116 +1,74 @@
-"""``attn-backends``: list the registered backends, run the layout-equivalence suite.
+"""``attn-backends``: list the registered backends, run the suites on them.
 
 ``attn-backends list [--device cpu|cuda]``
     every registered backend, available here or not (and why), with its capabilities.
-``attn-backends check [--backend NAME|all|module:Class] [--device cpu|cuda] [--cases N] [--seed S]
-[--suite-cases M]``
+``attn-backends check [--backend NAME|all|module:Class|path.py:Class] [--device cpu|cuda]
+[--cases N] [--seed S] [--suite-cases M] [--suite NAME] [--mode MODE] [--verbose] [--json FILE]
+[--progress-every SECONDS]``
     runs the layout suite (backend x mode x invariant), then every suite registered in the
     entry-point group ``attn_backends.suites`` (this distribution registers the runner suite of
-    ``runtime``: I7, I8, I10-I12, I14), prints the matrix and each failure with the seed that
-    replays it; exit 1 on any failure, 2 for a backend that cannot run here.
+    ``runtime``: I7-I12, I14), prints a table per suite with a legend, the first failures per
+    invariant, each with the one command that replays its case alone; exit 1 on any failure.
+
+Every misuse (an unknown or unloadable backend, a bad count, a backend that cannot run here)
+is one line ``attn-backends: error: ...`` on stderr and exit status 2, before anything runs.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shlex
 import sys
 import time
-from typing import Callable, Optional, TextIO
+import traceback
+from typing import Optional, TextIO
 
 from . import registry
+from .cli_list import cmd_list
+from .cli_progress import progress_for
+from .cli_report import BackendResult, as_json, print_result, write_json
+from .testing.report import LAYOUT_SUITE, SuiteReport
 
 DEVICES = ("cpu", "cuda")
 SUITE_MODULE = "attn_backends.testing.suite"
 SUITES_GROUP = "attn_backends.suites"   # more suites, e.g. runtime's runner-level invariants
-MODE_ABBREV = {"EXTEND": "extend", "DECODE": "decode", "TARGET_VERIFY": "verify",
-               "DRAFT_EXTEND": "draft_extend", "IDLE": "idle"}
+EXIT_SIGPIPE = 128 + 13   # what a shell reports for a program that SIGPIPE ended (`| head`)
 
 
 class UsageError(Exception):
     """A request the CLI refuses before running anything (exit status 2)."""
 
 
-# --------------------------------------------------------------------------- list
-
-def _table(head: list, rows: list) -> str:
-    """Left-aligned columns; the last column is not padded (it holds free text)."""
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head) - 1)]
-    fmt = lambda r: "  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip()  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * max(len(h), 1) for h in head[:-1]] + ["-" * len(head[-1])])]
-                     + [fmt(r) for r in rows])
-
-
-def _caps_cells(caps) -> list:
-    if caps is None:
-        return ["-"] * 6
-    modes = sorted(caps.modes, key=int)
-    kinds = "+".join(k for k, on in (("MHA", caps.mha), ("MLA", caps.mla)) if on) or "-"
-    return [",".join(MODE_ABBREV.get(m.name, m.name.lower()) for m in modes), kinds,
-            ",".join(map(str, caps.page_sizes)), "yes" if caps.topk_gt1 else "no",
-            caps.graph.name.lower(),
-            ",".join(caps.devices) + (f" (sm_{caps.min_sm}+)" if caps.min_sm else "")]
-
-
-def cmd_list(args, out: TextIO) -> int:
-    device = args.device or ("cuda" if _cuda_available() else "cpu")
-    infos = registry.list_backends(device)
-    head = ["backend", "available", "modes", "kind", "page sizes", "topk>1", "graphs", "devices",
-            "reason"]
-    rows = [[i.name, "yes" if i.available else "no", *_caps_cells(i.capabilities),
-             "" if i.available else (i.reason or "?")] for i in infos]
-    print(f"backends on {device} ({sum(i.available for i in infos)} of {len(infos)} available):", file=out)
-    print(_table(head, rows), file=out)
-    return 0
-
-
-# --------------------------------------------------------------------------- check
-
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
+# --------------------------------------------------------------------------- check: what to run
 
 def _resolve(backend: str, device: str) -> list:
-    """The backend names ``check`` runs; UsageError if one cannot run on ``device``."""
+    """``[(name, class)]`` that ``check`` runs; UsageError if one cannot run on ``device``."""
     if backend == "all":
         infos = registry.list_backends(device)
         names = [i.name for i in infos if i.available]
         if not names:
             why = "; ".join(f"{i.name}: {i.reason}" for i in infos)
             raise UsageError(f"no backend is available on {device} ({why})")
-        return names
+        return [(n, registry.get_backend_class(n)) for n in names]
     try:
         cls = registry.get_backend_class(backend)
     except ValueError as e:
+        if ":" in backend:      # a target that does not load: the cause is the message
+            raise UsageError(str(e)) from None
         known = ", ".join(i.name for i in registry.list_backends(device))
-        raise UsageError(f"{e}; registered backends: {known}") from None
+        raise UsageError(f"{e} (registered backends: {known})") from None
     reason = registry.unavailable_reason(cls, device)
     if reason:
         raise UsageError(f"backend {backend!r} is not available on {device}: {reason} "
                          "(see `attn-backends list`)")
-    return [backend]
+    return [(backend, cls)]
 
 
-def progress_bar(label: str, stream: TextIO, width: int = 30) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback drawing a one-line ``\\r`` bar on ``stream``."""
-    start = time.monotonic()
-
-    def update(done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        fill = int(width * frac)
-        bar = "#" * fill + "." * (width - fill)
-        stream.write(f"\r{label} [{bar}] {done}/{total} {time.monotonic() - start:5.1f}s")
-        if done >= total:
-            stream.write("\n")
-        stream.flush()
-
-    return update
-
-
-def _load_run_suite():
+def _load_suite_module():
     # Imported here, not at module level: `list` and `--help` need no suite (nor its imports).
     try:
-        return importlib.import_module(SUITE_MODULE).run_suite
+        return importlib.import_module(SUITE_MODULE)
     except ModuleNotFoundError as e:
         if e.name != SUITE_MODULE:
             raise
@@ -118,77 +76,214 @@ def _load_run_suite():
 
 
 def _extra_suites() -> list:
-    """``(name, run)`` for each suite in the entry-point group: same signature as run_suite.
-    Found through the installed metadata, so attn_backends never imports runtime itself."""
+    """``(name, load)`` for each suite of the entry-point group; ``load()`` returns its run
+    function, which takes run_suite's arguments. Found through the installed metadata, so
+    attn_backends never imports runtime itself, and a suite is imported only when it runs."""
     from importlib.metadata import entry_points
-    return [(ep.name, ep.load()) for ep in sorted(entry_points(group=SUITES_GROUP), key=lambda e: e.name)]
+    return [(ep.name, ep.load) for ep in sorted(entry_points(group=SUITES_GROUP), key=lambda e: e.name)]
+
+
+def _plan_suites(args) -> list:
+    """``[(suite name, run, cases)]`` in running order, from --suite, --mode and the counts."""
+    extra = _extra_suites()
+    known = [LAYOUT_SUITE] + [n for n, _ in extra]
+    if args.suite not in (None, "all") and args.suite not in known:
+        raise UsageError(f"unknown suite {args.suite!r} (suites: {', '.join(known)}, all)")
+    if args.mode is not None and args.suite not in (None, LAYOUT_SUITE):
+        raise UsageError(f"--mode selects a mode of the {LAYOUT_SUITE} suite; suite {args.suite!r} takes no mode")
+    wanted = args.suite or (LAYOUT_SUITE if args.mode else "all")
+    if wanted not in ("all", LAYOUT_SUITE) and not args.suite_cases:
+        raise UsageError(f"--suite {wanted} with --suite-cases 0 runs nothing")
+    plan = []
+    if wanted in ("all", LAYOUT_SUITE):
+        plan.append((LAYOUT_SUITE, _load_suite_module().run_suite, args.cases))
+    for name, load in extra:
+        if wanted in ("all", name) and args.suite_cases:
+            try:
+                plan.append((name, load(), args.suite_cases))
+            except Exception as e:  # noqa: BLE001 - an installed suite that cannot import
+                raise UsageError(f"cannot load the suite {name!r} of the entry-point group {SUITES_GROUP}: "
+                                 f"{type(e).__name__}: {e}") from None
+    return plan
+
+
+def _check_mode(args, backends: list) -> list:
+    """The backends that declare ``--mode`` (all of them without --mode); UsageError if none does."""
+    if args.mode is None:
+        return backends
+    suite = _load_suite_module()
+    if args.mode not in suite.MODES:
+        raise UsageError(f"--mode {args.mode!r} is not a mode of the {LAYOUT_SUITE} suite "
+                         f"(modes: {', '.join(suite.MODES)})")
+    keep = [(n, c) for n, c in backends if args.mode in suite.declared_modes(c.capabilities)]
+    if not keep:
+        n, c = backends[0]
+        declared = ", ".join(suite.declared_modes(c.capabilities))
+        raise UsageError(f"backend {n!r} does not declare mode {args.mode} (it declares {declared})"
+                         if len(backends) == 1 else f"no backend available on {args.device} declares mode {args.mode}")
+    return keep
+
+
+def _check_json_path(path: Optional[str]) -> None:
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--json {path}: cannot write a file there ({parent} must be a writable folder)")
+
+
+# --------------------------------------------------------------------------- check: running
+
+def _run_backend(name: str, plan: list, args, out: TextIO, err: TextIO) -> BackendResult:
+    modes = [args.mode] if args.mode else None
+    report, t0, crashed = SuiteReport(), time.monotonic(), ""
+    for suite, run, cases in plan:
+        progress = progress_for(f"{name} {suite}", err, args.progress_every)
+        n0 = len(report.failures)
+        try:
+            if suite == LAYOUT_SUITE:
+                run(name, device=args.device, cases=cases, seed=args.seed, modes=modes, progress=progress,
+                    report=report)
+            else:
+                run(name, device=args.device, cases=cases, seed=args.seed, progress=progress, report=report)
+        except Exception as e:  # noqa: BLE001 - a backend that crashes a suite is a finding; go on
+            crashed = f"{suite} suite: {type(e).__name__}: {e}"
+            print(f"FAIL {name}: the {crashed}", file=out)
+            if args.verbose:
+                traceback.print_exc(file=out)
+            else:
+                print("  (--verbose prints the traceback)", file=out)
+        finally:
+            if progress is not None:
+                progress.close()
+        for f in report.failures[n0:]:
+            f.suite, f.device = suite, args.device
+    return BackendResult(name, report, time.monotonic() - t0, crashed)
 
 
 def cmd_check(args, out: TextIO, err: TextIO) -> int:
-    names = _resolve(args.backend, args.device)
-    run_suite = _load_run_suite()
-    extra = _extra_suites() if args.suite_cases else []
-    failures = 0
-    for name in names:
-        print(f"== {name} on {args.device}: {args.cases} cases per mode, seed {args.seed}", file=out)
-        out.flush()  # the header before the bar, which goes to the other stream
-        progress = progress_bar(name, err) if err.isatty() else None
-        t0 = time.monotonic()
-        report = run_suite(name, device=args.device, cases=args.cases, seed=args.seed, progress=progress)
-        for suite_name, run in extra:
-            bar = progress_bar(f"{name} ({suite_name})", err) if err.isatty() else None
-            run(name, device=args.device, cases=args.suite_cases, seed=args.seed, progress=bar, report=report)
-        print(report.table(), file=out)
-        for f in report.failures:
-            print(f"\nFAIL {f}", file=out)
-        failures += len(report.failures)
-        print(f"{name}: {'ok' if not report.failures else f'{len(report.failures)} failure(s)'} "
-              f"in {time.monotonic() - t0:.1f}s\n", file=out)
-    if failures:
-        print(f"{failures} failure(s)", file=out)
-        return 1
-    return 0
+    _check_json_path(args.json)
+    backends = _check_mode(args, _resolve(args.backend, args.device))
+    plan = _plan_suites(args)
+    results, status = [], None
+    try:
+        for name, _ in backends:
+            runs = ", ".join(f"{suite} {cases} {'cases per mode' if suite == LAYOUT_SUITE else 'cases'}"
+                             for suite, _, cases in plan)
+            print(f"== {name} on {args.device}, seed {args.seed}: {runs}"
+                  + (f", mode {args.mode}" if args.mode else ""), file=out, flush=True)
+            results.append(_run_backend(name, plan, args, out, err))
+            print_result(results[-1], out, args.verbose)
+            print(file=out, flush=True)
+        failed = [r.name for r in results if not r.ok]
+        status = 1 if failed else 0
+        if len(results) > 1:
+            print(f"{len(failed)} of {len(results)} backends failed: {', '.join(failed)}" if failed
+                  else f"all {len(results)} backends ok", file=out)
+    finally:   # also after a closed pipe or ^C: the results so far, status null
+        if args.json:
+            write_json(args.json, as_json(results, command=shlex.join(["attn-backends"] + args.argv),
+                                          device=args.device, seed=args.seed, cases=args.cases,
+                                          suite_cases=args.suite_cases, status=status))
+    if args.json:
+        print(f"results written to {args.json}", file=out)
+    return status
 
 
 # --------------------------------------------------------------------------- main
 
-def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as one line (UsageError, exit status 2), not usage text plus an error."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _count(least: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{v} is below the least value {least}")
+        return v
+    parse.__name__ = f"count >= {least}"
+    return parse
+
+
+def _seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{s} is below 0 seconds")
     return v
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attn-backends", description="Pluggable attention backends: "
-                                "list them, check them against the layout contract.")
+    p = _Parser(prog="attn-backends", description="Pluggable attention backends: list them, check them "
+                "against the layout contract.")
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="every registered backend, available or not, and its capabilities")
     ls.add_argument("--device", choices=DEVICES, default=None,
                     help="device to check availability on (default: cuda if present, else cpu)")
-    ck = sub.add_parser("check", help="run the layout-equivalence suite on a backend")
+    ck = sub.add_parser("check", help="run the layout-equivalence suite (and the entry-point suites) on a backend")
     ck.add_argument("--backend", default="torch_native",
-                    help="a registered name, 'all' (every backend available on --device) or "
-                         "'package.module:Class' (default: torch_native)")
+                    help="a registered name, 'all' (every backend available on --device), 'package.module:Class' "
+                         "(importable, the current folder included) or 'path/to/file.py:Class' (default: torch_native)")
     ck.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
-    ck.add_argument("--cases", type=_positive, default=200, help="random cases per mode (default: 200)")
+    ck.add_argument("--cases", type=_count(1), default=200,
+                    help="random cases per mode of the layout suite (default: 200); with 1, the case's seed is --seed")
     ck.add_argument("--seed", type=int, default=0,
-                    help="random seed; a failure prints the seed that replays it (default: 0)")
-    ck.add_argument("--suite-cases", type=int, default=60,
+                    help="random seed; each failure prints the command that replays its case alone (default: 0)")
+    ck.add_argument("--suite-cases", type=_count(0), default=60,
                     help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
-                         "e.g. the runner invariants spread over the runner kinds (default: 60; 0 skips them)")
+                         "e.g. the runner invariants over the runner kinds (default: 60; 0 skips them)")
+    ck.add_argument("--suite", default=None,
+                    help=f"run only this suite: '{LAYOUT_SUITE}', the name of an entry-point suite such as "
+                         "'runner', or 'all' (default: all; --mode alone implies layout)")
+    ck.add_argument("--mode", default=None,
+                    help="run the layout suite in this mode only (decode, extend, verify_chain, verify_tree, "
+                         "draft_extend, draft_decode)")
+    ck.add_argument("--verbose", action="store_true",
+                    help="print every failure in full, and the traceback of a suite that crashed")
+    ck.add_argument("--json", metavar="FILE", default=None,
+                    help="write every result (counts, every failure with its replay command) to FILE")
+    ck.add_argument("--progress-every", metavar="SECONDS", type=_seconds, default=30.0,
+                    help="when stderr is not a terminal, a progress line this often (default: 30; 0: none); "
+                         "on a terminal a bar shows cases done and time left")
     return p
 
 
-def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+def _quiet_stdout() -> None:
+    """After a closed pipe: send what is left to /dev/null so that exit does not raise again."""
     try:
-        if args.command == "list":
-            return cmd_list(args, sys.stdout)
-        return cmd_check(args, sys.stdout, sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.getcwd() not in sys.path:   # `module:Class` finds modules of the current folder, as `python -m` does
+        sys.path.append(os.getcwd())
+    try:
+        args = build_parser().parse_args(argv)
+        args.argv = argv
+        status = cmd_list(args, sys.stdout) if args.command == "list" else cmd_check(args, sys.stdout, sys.stderr)
+        sys.stdout.flush()            # a closed pipe shows here, inside the try, not at exit
+        return status
     except UsageError as e:
         print(f"attn-backends: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:           # `attn-backends list | head -1`: the reader has gone
+        _quiet_stdout()
+        return EXIT_SIGPIPE
+    except KeyboardInterrupt:
+        print("attn-backends: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

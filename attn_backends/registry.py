@@ -1,25 +1,31 @@
 """A registry of lazy backend factories.
 
-Entries are ``"module:Class"`` strings: importing :mod:`attn_backends` imports no backend
-module, no optional dependency, and allocates nothing on a GPU. Third-party backends join
-through the ``attn_backends.backends`` entry-point group and are checked by the same suite.
+Entries are ``"module:Class"`` strings (or ``"path/to/file.py:Class"``): importing
+:mod:`attn_backends` imports no backend module, no optional dependency, and allocates
+nothing on a GPU. Third-party backends join through the ``attn_backends.backends``
+entry-point group and are checked by the same suite.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .base import AttentionBackend, Capabilities
 from .batch import ForwardMode
 from .config import ModelConfig
 
 ENTRY_POINT_GROUP = "attn_backends.backends"
+REFERENCE = "torch_native"   # select() takes it only when no other backend serves
 
-# Preference order for select(): fastest first, the reference last.
+# Built-in order, the tie-break of select() after the declared preference: fastest first.
 _BUILTIN: dict[str, str] = {
     "triton_mla": "attn_backends.backends.triton_mla:TritonMLABackend",
     "triton": "attn_backends.backends.triton_backend:TritonBackend",
@@ -35,23 +41,65 @@ def register(name: str, target: str) -> None:
     _extra[name] = target
 
 
+def builtin_names() -> list[str]:
+    """The backends this distribution ships, in built-in order (installed plugins excluded)."""
+    return list(_BUILTIN)
+
+
+def _installed() -> dict[str, str]:
+    """Plugins of installed distributions (the entry-point group), sorted by name."""
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    return {ep.name: ep.value for ep in sorted(eps, key=lambda e: e.name)}
+
+
 def _entries() -> dict[str, str]:
+    """Built-ins, then installed plugins, then run-time registrations (which may override)."""
     out = dict(_BUILTIN)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        out.setdefault(ep.name, ep.value)
+    for name, target in _installed().items():
+        out.setdefault(name, target)
     out.update(_extra)
     return out
 
 
 def load_class(target: str):
-    """Import ``"module:Class"`` and return the class (ValueError with the cause otherwise)."""
-    mod, _, cls = target.partition(":")
-    if not cls:
-        raise ValueError(f"backend {target!r} is neither a registered name nor 'module:Class'")
+    """The backend class named by ``"package.module:Class"`` or ``"path/to/file.py:Class"``.
+
+    ValueError with the cause when the module or file cannot be imported, the name is missing,
+    or the object is not an :class:`AttentionBackend` subclass with ``capabilities``.
+    """
+    mod, _, name = target.rpartition(":")
+    if not mod or not name:
+        raise ValueError(f"backend {target!r} is neither a registered name nor 'module:Class' / 'file.py:Class'")
     try:
-        return getattr(importlib.import_module(mod), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load backend class {target!r}: {e}") from e
+        module = _load_file(mod) if mod.endswith(".py") or "/" in mod or os.sep in mod else importlib.import_module(mod)
+        obj = getattr(module, name)
+    except Exception as e:  # noqa: BLE001 - importing user code can raise anything; name the cause
+        raise ValueError(f"cannot load backend class {target!r}: {type(e).__name__}: {e}") from e
+    if not (isinstance(obj, type) and issubclass(obj, AttentionBackend)):
+        what = type(obj).__name__ if not isinstance(obj, type) else f"class {obj.__qualname__}"
+        raise ValueError(f"{target!r} is a {what}, not a subclass of attn_backends.AttentionBackend")
+    if not isinstance(getattr(obj, "capabilities", None), Capabilities):
+        raise ValueError(f"{target!r} declares no `capabilities = Capabilities(...)`")
+    return obj
+
+
+def _load_file(path: str):
+    """Import a source file once per absolute path, under a module name derived from it."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"no file {path!r} (from {os.getcwd()})")
+    key = "attn_backends_file_" + re.sub(r"\W", "_", full)
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module          # before exec: dataclasses and pickling look the module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
 
 
 def device_sm() -> int:
@@ -124,17 +172,33 @@ class Selection:
 
 def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
            device: Optional[str] = None) -> Selection:
-    """The first backend (in preference order) that can serve ``model_config`` in ``mode``."""
+    """The best backend for ``model_config`` in ``mode`` on ``device``, and why not each other one.
+
+    Ranking: a backend that serves (available here, and its capabilities accept the model,
+    mode, page size, device and architecture) beats one that does not. Among those that
+    serve: the higher ``Capabilities.preference`` first (built-ins declare 0, a plugin may
+    declare more to be chosen first, or less), then registry order (built-ins fastest first,
+    then installed plugins by name, then run-time registrations); the reference
+    (``torch_native``) comes last whatever it declares.
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    chosen, refused = None, {}
-    for info in list_backends(device):
-        reason = info.reason
-        if reason is None:
-            reason = info.capabilities.refusal(model_config, mode, device, device_sm())
-        if reason is None and chosen is None:
-            chosen = info.name
+    serving, refused = [], {}
+    for order, info in enumerate(list_backends(device)):
+        reason = info.reason or info.capabilities.refusal(model_config, mode, device, device_sm())
+        if reason:
+            refused[info.name] = reason
         else:
-            refused[info.name] = reason or f"lower preference than {chosen}"
-    if chosen is None:
+            serving.append((info.name == REFERENCE, -info.capabilities.preference, order, info.name))
+    if not serving:
         raise ValueError(f"no backend can serve this model in {mode.name} on {device}: {refused}")
-    return Selection(chosen, refused)
+    serving.sort()
+    best = serving[0]
+    for ref, neg_pref, _, name in serving[1:]:
+        if ref:
+            why = "the reference, chosen only when no other backend serves"
+        elif neg_pref != best[1]:
+            why = f"preference {-neg_pref} < {-best[1]}"
+        else:
+            why = f"same preference {-neg_pref}, later in registry order"
+        refused[name] = f"serves this too; ranked below {best[3]} ({why})"
+    return Selection(best[3], refused)

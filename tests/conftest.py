@@ -5,6 +5,10 @@ Without CUDA, Triton kernels run in the interpreter: ``@triton.jit`` reads
 top of the root conftest, before any test module (or ``kernels.*``) imports triton.
 GPU tests carry ``@pytest.mark.cuda`` (the marker is declared in pyproject.toml) and are
 skipped, with the reason, on a machine without CUDA.
+
+Plugins that the machine has installed (the ``attn_backends.backends`` entry-point group) must
+not change what our tests see: tests run the suites on :func:`registry.builtin_names`, and a
+test that needs the registry to hold only our built-ins takes the ``builtin_registry`` fixture.
 """
 import os
 
@@ -40,3 +44,11 @@ def no_kernel(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("an attention kernel ran on a bad batch")
     monkeypatch.setattr(TorchNativeBackend, "_run", boom)
+
+
+@pytest.fixture
+def builtin_registry(monkeypatch):
+    """The registry with our built-ins only: no installed plugin, no run-time registration."""
+    from attn_backends import registry
+    monkeypatch.setattr(registry, "_installed", lambda: {})
+    monkeypatch.setattr(registry, "_extra", {})

@@ -105,3 +105,14 @@ PLANTED = {
     ReallocOnReplay: (["decode", "verify_tree"], {"I2"}),
     HostItemInReplay: (["decode"], {"I15"}),
 }
+
+
+class NoisyForward(TorchNativeBackend):
+    """Runner-level (I9, I14): a forward whose output differs from run to run; the layouts are
+    correct, so only the runner suite sees it."""
+
+    name = "bug_noisy_forward"
+
+    def _run(self, q, layer, meta):
+        out = super()._run(q, layer, meta)
+        return out + 1e-2 * torch.randn_like(out)

@@ -88,7 +88,7 @@ def test_topk_and_draft_decode_not_supported_by_the_backend():
         be.init_forward_metadata(batch)
 
 
-def test_select_refuses_a_mode_with_the_reason():
+def test_select_refuses_a_mode_with_the_reason(builtin_registry):
     from attn_backends.registry import select
     with pytest.raises(ValueError, match=r"no backend can serve this model in IDLE on cpu"):
         select(MHA, mode=ForwardMode.IDLE, device="cpu")

@@ -17,6 +17,17 @@ BACKEND_SOURCE = textwrap.dedent("""
     class ThirdPartyBackend(TorchNativeBackend):
         name = "{name}"
 """)
+# A plugin that declares a preference (and, with mla=False, serves MHA/GQA models only).
+RANKED_SOURCE = textwrap.dedent("""
+    from dataclasses import replace
+    from attn_backends.backends.torch_native import TorchNativeBackend
+
+    def ranked(pref, mla=True):
+        caps = replace(TorchNativeBackend.capabilities, preference=pref, mla=mla)
+        return type(f"Pref{pref}", (TorchNativeBackend,), {"capabilities": caps, "name": f"pref{pref}"})
+
+    Pref5, Pref0, PrefMinus1, MhaOnly9 = ranked(5), ranked(0), ranked(-1), ranked(9, mla=False)
+""")
 
 
 def mha_config(page_size=1):
@@ -92,7 +103,7 @@ def test_select_returns_a_choice_and_a_reason_for_every_other_backend(cfg, mode)
         assert expected in sel.refused["triton"]
 
 
-def test_select_explains_when_nothing_fits():
+def test_select_explains_when_nothing_fits(builtin_registry):
     with pytest.raises(ValueError, match=r"no backend can serve this model in IDLE on cpu"):
         select(mha_config(), mode=ForwardMode.IDLE, device="cpu")
 
@@ -130,6 +141,7 @@ def test_third_party_backend_through_the_entry_point_group(third_party_dist):
     mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=16, fill=False)
     assert type(get_backend(third_party_dist, cfg, mem)).__name__ == "ThirdPartyBackend"
     sel = select(cfg, mode=ForwardMode.DECODE, device="cpu")
+    assert sel.name != "torch_native", sel          # the reference never wins over a plugin that serves
     assert sel.name == third_party_dist or third_party_dist in sel.refused
 
 
@@ -151,3 +163,101 @@ def test_importing_the_package_imports_no_backend_and_no_optional_dependency():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "", f"importing attn_backends imported {out}"
+
+
+# --------------------------------------------------------------------------- select's ranking
+
+@pytest.fixture
+def ranked_plugins(builtin_registry, tmp_path, monkeypatch):
+    """Run-time registrations of torch_native copies that declare preferences 5, 0, -1 and 9 (MHA only)."""
+    (tmp_path / "ranked_mod.py").write_text(RANKED_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield lambda name, cls: register(name, f"ranked_mod:{cls}")
+    monkeypatch.delitem(sys.modules, "ranked_mod", raising=False)
+
+
+def _serving(cfg, mode=ForwardMode.DECODE):
+    return [i.name for i in list_backends("cpu") if i.available and i.capabilities.refusal(cfg, mode, "cpu") is None]
+
+
+def test_select_takes_the_reference_last_and_fastest_builtin_first(builtin_registry):
+    for cfg, fast in ((mha_config(), "triton"), (mla_config(), "triton_mla")):
+        sel = select(cfg, mode=ForwardMode.DECODE, device="cpu")
+        if fast in _serving(cfg):   # Triton serves on the CPU under TRITON_INTERPRET=1
+            assert sel.name == fast
+            assert "the reference" in sel.refused["torch_native"], sel.refused
+        else:
+            assert sel.name == "torch_native"
+
+
+def test_select_prefers_any_plugin_that_serves_over_the_reference(ranked_plugins, monkeypatch):
+    monkeypatch.setattr(registry, "_BUILTIN", {"torch_native": registry._BUILTIN["torch_native"]})
+    ranked_plugins("minus1", "PrefMinus1")        # registered after torch_native, lowest preference
+    sel = select(mla_config(), mode=ForwardMode.DECODE, device="cpu")
+    assert sel.name == "minus1", sel
+    assert sel.refused["torch_native"] == ("serves this too; ranked below minus1 "
+                                           "(the reference, chosen only when no other backend serves)")
+
+
+def test_select_ranks_by_declared_preference_then_registry_order(ranked_plugins):
+    ranked_plugins("zero", "Pref0")
+    ranked_plugins("five", "Pref5")
+    ranked_plugins("mha9", "MhaOnly9")
+    mha = select(mha_config(), mode=ForwardMode.DECODE, device="cpu")
+    assert mha.name == "mha9"                                       # the highest preference that serves
+    assert mha.refused["five"] == "serves this too; ranked below mha9 (preference 5 < 9)"
+    mla = select(mla_config(), mode=ForwardMode.DECODE, device="cpu")
+    assert mla.name == "five"                                       # mha9 does not serve MLA
+    assert mla.refused["mha9"] == "MHA/GQA only, model is MLA"
+    assert mla.refused["zero"] == "serves this too; ranked below five (preference 0 < 5)"
+
+
+def test_select_breaks_a_preference_tie_by_registry_order(ranked_plugins):
+    ranked_plugins("zero_a", "Pref0")
+    ranked_plugins("zero_b", "Pref0")
+    sel = select(mla_config(), mode=ForwardMode.DECODE, device="cpu")
+    first = "triton_mla" if "triton_mla" in _serving(mla_config()) else "zero_a"   # built-ins come first
+    assert sel.name == first
+    assert sel.refused["zero_b"] == (f"serves this too; ranked below {first} "
+                                     "(same preference 0, later in registry order)")
+
+
+def test_a_plugin_does_not_win_a_mode_it_does_not_declare(ranked_plugins):
+    ranked_plugins("five", "Pref5")
+    assert select(mha_config(), mode=ForwardMode.DRAFT_EXTEND, device="cpu").name == "five"
+    with pytest.raises(ValueError, match="no backend can serve this model in IDLE"):
+        select(mha_config(), mode=ForwardMode.IDLE, device="cpu")
+
+
+# --------------------------------------------------------------------------- loading a class
+
+@pytest.mark.parametrize("target, message", [
+    ("os:path", r"'os:path' is a module, not a subclass of attn_backends.AttentionBackend"),
+    ("attn_backends.base:Capabilities", r"is a class Capabilities, not a subclass of attn_backends.AttentionBackend"),
+    ("attn_backends.base:AttentionBackend", r"declares no `capabilities = Capabilities\(...\)`"),
+    ("attn_backends.base:NoSuchName", r"cannot load backend class .*AttributeError: .*NoSuchName"),
+    ("./no_such_file_xyz.py:Backend", r"cannot load .*FileNotFoundError: no file './no_such_file_xyz.py'"),
+    ("nothing_like_a_target", r"neither a registered name nor 'module:Class'"),
+])
+def test_load_class_names_what_is_wrong(target, message):
+    with pytest.raises(ValueError, match=message):
+        registry.get_backend_class(target)
+
+
+def test_load_class_from_a_file_path(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "my_attn.py").write_text(BACKEND_SOURCE.format(name="from_file"))
+    monkeypatch.chdir(tmp_path)
+    cls = registry.get_backend_class("sub/my_attn.py:ThirdPartyBackend")
+    assert cls.name == "from_file" and issubclass(cls, TorchNativeBackend)
+    assert registry.get_backend_class(f"{tmp_path}/sub/my_attn.py:ThirdPartyBackend") is cls   # loaded once
+    for key in [k for k in sys.modules if k.startswith("attn_backends_file_") and "my_attn" in k]:
+        monkeypatch.delitem(sys.modules, key)
+
+
+def test_load_class_names_the_error_inside_a_file(tmp_path):
+    bad = tmp_path / "broken_attn.py"
+    bad.write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(ValueError, match=r"ModuleNotFoundError: No module named 'no_such_dependency_xyz'"):
+        registry.get_backend_class(f"{bad}:Backend")
+    assert not [k for k in sys.modules if "broken_attn" in k]      # a failed load leaves no module behind

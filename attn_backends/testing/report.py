@@ -1,6 +1,14 @@
-"""Results of the layout-equivalence suite: counts per (backend, mode, invariant) and failures."""
+"""Results of the suites: checks per (backend, mode, invariant), the failures, and the table.
+
+A *check* is one judgement of one invariant (I1 is checked on each of a case's three
+replays, I15 on its capture and three replays): it passes, or it fails with its messages as
+one :class:`Failure`, which carries what replays exactly its case.
+"""
 from __future__ import annotations
 
+import re
+import shlex
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -21,25 +29,54 @@ INVARIANTS = {
     "I14": "history independence: A, B, A gives A twice",
     "I15": "no host sync in capture/replay preparation",
 }
+LAYOUT_SUITE = "layout"
+# Column order of the table; modes not listed here follow in alphabetical order.
+MODE_ORDER = ("decode", "extend", "verify", "verify_chain", "verify_tree", "draft_extend", "draft_decode",
+              "piecewise", "breakable")
+WIDTH = 100
+
+
+def invariant_key(inv: str) -> tuple:
+    """Sort key: I2 before I10, I9 before I9n; ids of another shape last."""
+    m = re.fullmatch(r"I(\d+)(.*)", inv)
+    return (int(m[1]), m[2]) if m else (1 << 30, inv)
 
 
 @dataclass
 class Failure:
+    """One failed check. ``seed`` is the case seed: with ``--cases 1`` (layout) or
+    ``--suite-cases 1`` (another suite) the suite runs exactly this case, so :meth:`replay`
+    is the command that re-runs it alone."""
+
     backend: str
     mode: str
     invariant: str
     message: str
     case: str
     seed: int
+    suite: str = LAYOUT_SUITE
+    device: str = "cpu"
+
+    def replay(self) -> str:
+        """The ``attn-backends check`` command line that runs this failure's case, and only it."""
+        head = f"attn-backends check --backend {shlex.quote(self.backend)} --device {self.device}"
+        if self.suite == LAYOUT_SUITE:
+            return f"{head} --suite {LAYOUT_SUITE} --mode {self.mode} --seed {self.seed} --cases 1"
+        return f"{head} --suite {shlex.quote(self.suite)} --seed {self.seed} --suite-cases 1"
+
+    def as_dict(self) -> dict:
+        return {"suite": self.suite, "backend": self.backend, "device": self.device, "mode": self.mode,
+                "invariant": self.invariant, "message": self.message, "case": self.case,
+                "seed": self.seed, "replay": self.replay()}
 
     def __str__(self) -> str:
         return (f"[{self.backend} {self.mode} {self.invariant}] {self.message}\n"
-                f"    case: {self.case}\n    replay with: --seed {self.seed} --cases 1")
+                f"    case: {self.case}\n    replay: {self.replay()}")
 
 
 @dataclass
 class SuiteReport:
-    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # key -> [passed, failed]
+    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # key -> [passed, failed] checks
     failures: list = field(default_factory=list)
     cases: dict = field(default_factory=lambda: defaultdict(int))               # (backend, mode) -> cases
 
@@ -47,8 +84,19 @@ class SuiteReport:
         self.counts[(backend, mode, invariant)][0 if ok else 1] += 1
 
     def fail(self, f: Failure) -> None:
+        """Record one failed check."""
         self.failures.append(f)
         self.record(f.backend, f.mode, f.invariant, False)
+
+    def check(self, backend: str, mode: str, invariant: str, messages: list, *, case: str, seed: int,
+              suite: str = LAYOUT_SUITE, device: str = "cpu") -> bool:
+        """Record one check of ``invariant``: it holds when ``messages`` is empty; otherwise one
+        failure carrying them all. Returns whether it held."""
+        if messages:
+            self.fail(Failure(backend, mode, invariant, "; ".join(messages), case, seed, suite, device))
+        else:
+            self.record(backend, mode, invariant, True)
+        return not messages
 
     @property
     def ok(self) -> bool:
@@ -57,18 +105,76 @@ class SuiteReport:
     def failed_invariants(self) -> set:
         return {f.invariant for f in self.failures}
 
-    def table(self) -> str:
-        """backend x mode rows, one column per invariant: passed/total (or FAIL n/total)."""
-        invs = sorted({k[2] for k in self.counts}, key=lambda s: int(s[1:]))
-        rows = sorted({(k[0], k[1]) for k in self.counts})
-        head = ["backend", "mode", "cases"] + invs
-        lines = []
-        for b, m in rows:
-            cells = [b, m, str(self.cases[(b, m)])]
-            for inv in invs:
-                p, f = self.counts.get((b, m, inv), (0, 0))
-                cells.append("-" if p + f == 0 else (f"{p}/{p + f}" if f == 0 else f"FAIL {f}/{p + f}"))
-            lines.append(cells)
-        widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
-        fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
-        return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+    def checks(self) -> int:
+        return sum(p + f for p, f in self.counts.values())
+
+    def table(self, width: int = WIDTH) -> str:
+        """One block per (backend, suite): a row per invariant, a column per mode, cells
+        ``ok N`` (all N checks passed) or ``FAIL F of N``; wrapped to ``width`` columns."""
+        blocks = []
+        for (backend, suite), modes in _sections(self.counts):
+            invs = sorted({k[2] for k in self.counts if (k[0], k[1]) in {(backend, m) for m in modes}},
+                          key=invariant_key)
+            head = ["invariant"] + [_column(m) for m in modes]
+            rows = [["cases"] + [str(self.cases.get((backend, m), 0)) for m in modes]]
+            rows += [[inv] + [_cell(*self.counts.get((backend, m, inv), (0, 0))) for m in modes] for inv in invs]
+            blocks.append(f"{backend}, {suite} suite:\n" + grid(head, rows, width))
+        return "\n\n".join(blocks)
+
+    def legend(self, width: int = WIDTH) -> str:
+        """What each invariant of the table means, and how to read a cell."""
+        ids = sorted({k[2] for k in self.counts}, key=invariant_key)
+        pad = max([len(i) for i in ids] + [3]) + 2
+        lines = ["cells: checks of an invariant in a mode; ok N = all N passed, FAIL F of N = F of them failed"]
+        for inv in ids:
+            lines += textwrap.wrap(INVARIANTS.get(inv, "(not described in attn_backends.testing.report)"),
+                                   width, initial_indent=inv.ljust(pad), subsequent_indent=" " * pad,
+                                   break_on_hyphens=False)
+        return "\n".join(lines)
+
+
+def suite_of(mode: str) -> str:
+    """``runner:decode`` belongs to the runner suite; a mode without a prefix to the layout suite."""
+    return mode.split(":", 1)[0] if ":" in mode else LAYOUT_SUITE
+
+
+def _column(mode: str) -> str:
+    return mode.split(":", 1)[1] if ":" in mode else mode
+
+
+def _mode_key(mode: str) -> tuple:
+    col = _column(mode)
+    return (MODE_ORDER.index(col), "") if col in MODE_ORDER else (len(MODE_ORDER), col)
+
+
+def _sections(counts: dict) -> list:
+    """[((backend, suite), [modes in column order])], layout first, then other suites by name."""
+    groups = defaultdict(set)
+    for backend, mode, _ in counts:
+        groups[(backend, suite_of(mode))].add(mode)
+    order = lambda k: (k[0], k[1] != LAYOUT_SUITE, k[1])  # noqa: E731
+    return [(k, sorted(groups[k], key=_mode_key)) for k in sorted(groups, key=order)]
+
+
+def _cell(passed: int, failed: int) -> str:
+    total = passed + failed
+    return "-" if total == 0 else f"ok {total}" if failed == 0 else f"FAIL {failed} of {total}"
+
+
+def grid(head: list, rows: list, width: int = WIDTH) -> str:
+    """Left-aligned columns two spaces apart; the first column is repeated on each band when the
+    others do not fit ``width`` at once."""
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    bands, cur = [], []
+    for i in range(1, len(head)):
+        if cur and widths[0] + sum(widths[j] + 2 for j in cur + [i]) > width:
+            bands.append(cur)
+            cur = []
+        cur.append(i)
+    bands.append(cur)
+    out = []
+    for band in bands:
+        cols = [0] + band
+        fmt = lambda r: "  ".join(r[j].ljust(widths[j]) for j in cols).rstrip()  # noqa: E731
+        out += ([""] if out else []) + [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    return "\n".join(out)

@@ -22,7 +22,7 @@ from ..kinds import BATCH_KINDS, kinds_served
 from ..registry import get_backend_class, unavailable_reason
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
-from .report import Failure, SuiteReport
+from .report import SuiteReport
 from .scenarios import (
     PAGE_ORDERS,
     Scenario,
@@ -163,11 +163,8 @@ class _CaseRun:
         report.cases[(name, c.mode)] += 1
 
     def judge(self, inv: str, msgs: list) -> bool:
-        for m in msgs:
-            self.report.fail(Failure(self.name, self.c.mode, inv, m, self.c.describe(), self.c.seed))
-        if not msgs:
-            self.report.record(self.name, self.c.mode, inv, True)
-        return not msgs
+        return self.report.check(self.name, self.c.mode, inv, msgs, case=self.c.describe(), seed=self.c.seed,
+                                 device=str(self.device))
 
     def _plans(self) -> list:
         return getattr(self.graph_be, "graph_plans", [])
@@ -259,7 +256,8 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
               modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
               report: Optional[SuiteReport] = None) -> SuiteReport:
     """Run ``cases`` random cases per declared mode of ``backend`` (a name, ``module:Class``,
-    or a class). The failures carry the seed that replays each case alone."""
+    ``file.py:Class``, or a class). The failures carry the seed that replays each case alone:
+    with ``cases=1`` the one case of each mode has the seed ``seed`` itself."""
     cls = backend if isinstance(backend, type) else get_backend_class(backend)
     name = backend if isinstance(backend, str) else getattr(cls, "name", cls.__name__)
     reason = unavailable_reason(cls, device)

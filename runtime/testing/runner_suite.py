@@ -28,13 +28,14 @@ import torch
 from attn_backends import CaptureHiddenMode, ForwardMode, SpecInfo
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.registry import get_backend_class, unavailable_reason
-from attn_backends.testing.report import Failure, SuiteReport
+from attn_backends.testing.report import SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
 
 from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
 
 H = CaptureHiddenMode
+SUITE = "runner"     # its name in the attn_backends.suites entry-point group (pyproject.toml)
 
 
 # --------------------------------------------------------------------------- probes
@@ -313,10 +314,11 @@ def random_spec(rng: random.Random, backend: str, caps, mla: bool, device: str, 
 def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed: int = 0,
                      progress: Optional[Callable[[int, int], None]] = None,
                      report: Optional[SuiteReport] = None) -> SuiteReport:
-    """Run ``cases`` random runner cases on ``backend`` (a registered name) and record I7-I12
-    and I14 per (backend, "runner:<kind>"). Failures carry the seed that replays the case
-    (``cases=1, seed=...``). On the GPU: bf16 and bitwise equality with the eager forward of the
-    same padded batch (torch_native: float32 within 1e-4)."""
+    """Run ``cases`` random runner cases on ``backend`` (a registered name, ``module:Class`` or
+    ``file.py:Class``) and record I7-I12 and I14 per (backend, "runner:<kind>"). Failures carry
+    the seed that replays the case alone (``cases=1, seed=...``: the first case's seed is
+    ``seed``). On the GPU: bf16 and bitwise equality with the eager forward of the same padded
+    batch (torch_native: float32 within 1e-4)."""
     cls = get_backend_class(backend)
     reason = unavailable_reason(cls, device)
     if reason:
@@ -335,10 +337,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         report.cases[(backend, mode)] += 1
 
         def judge(inv: str, msgs: list, _mode=mode, _spec=spec, _seed=case_seed) -> None:
-            for m in msgs:
-                report.fail(Failure(backend, _mode, inv, m, _spec.describe(), _seed))
-            if not msgs:
-                report.record(backend, _mode, inv, True)
+            report.check(backend, _mode, inv, msgs, case=_spec.describe(), seed=_seed, suite=SUITE, device=device)
 
         try:
             rig = Rig(spec)
