@@ -7,6 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 
 def _series(grouped: dict, workload: str, bs: int, copy_gbs) -> dict:
@@ -28,6 +29,7 @@ def _series(grouped: dict, workload: str, bs: int, copy_gbs) -> dict:
 def plot(header: dict, grouped: dict, path) -> None:
     workloads = list(dict.fromkeys(wl for wl, _, _ in grouped))
     batches = sorted({bs for _, bs, _ in grouped})
+    kvs = sorted({kv for _, _, kv in grouped})
     cols = 5
     rows = -(-len(workloads) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False)
@@ -40,13 +42,18 @@ def plot(header: dict, grouped: dict, path) -> None:
             ax.plot(s["kv"], s["ours"], "o-", color=color, label=f"bs {bs}")
             ax.plot(s["kv"], s["fi"], "x--", color=color)
             ax.plot(s["kv"], s["limit"], ":", color=color)
-        ax.set(title=wl, xscale="log", yscale="log", xlabel="kv tokens", ylabel="us")
+        ax.set(title=wl, yscale="log", xlabel="kv tokens", ylabel="us")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(kvs, [f"{k // 1024}k" if k >= 1024 else str(k) for k in kvs])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(workloads):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7, title="o- ours  x-- FI best  : copy limit", title_fontsize=7)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=8, ncol=len(batches),
+               title="o- ours   x-- FlashInfer best   : bytes / copy bandwidth", title_fontsize=8)
     fig.suptitle(f"{header.get('device')}: ours vs FlashInfer {header.get('flashinfer') or '-'} "
                  f"(graph replay; dotted = bytes / {header.get('copy_gbs') or '-'} GB/s copy)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -33,28 +33,39 @@ def jobs(groups, with_fi: bool, sm: int) -> list:
     return out
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def launch(job_names, out_dir: Path, batches, timeout_s: float) -> dict:
-    """Run the jobs in parallel; kill (by process group) those still running at the deadline."""
+    """Run the jobs in parallel; kill (by process group) those still running at the deadline
+    or when the sweep itself is stopped (SIGTERM, Ctrl-C)."""
     log_dir = out_dir / "prewarm"
     log_dir.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).with_name("sweep.py"))
-    procs, t0 = {}, time.time()
-    for job in job_names:
-        log = open(log_dir / f"{job.replace(':', '_')}.log", "w")
-        cmd = [sys.executable, script, "--prewarm", job, "--bs", ",".join(map(str, batches))]
-        procs[job] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
-    result = {}
-    for job, (p, log) in procs.items():
-        try:
-            rc = p.wait(timeout=max(1.0, t0 + timeout_s - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            rc = p.wait()
-        log.close()
-        result[job] = {"rc": rc, "s": round(time.time() - t0, 1)}
-        if rc != 0:
-            lines = (log_dir / f"{job.replace(':', '_')}.log").read_text(errors="replace").splitlines()
-            result[job]["tail"] = " | ".join(lines[-6:])[-600:]
+    logs = {job: log_dir / f"{job.replace(':', '_')}.log" for job in job_names}
+    procs, result, t0 = {}, {}, time.time()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for job in job_names:
+            cmd = [sys.executable, script, "--prewarm", job, "--bs", ",".join(map(str, batches))]
+            with open(logs[job], "w") as log:
+                procs[job] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for job, p in procs.items():
+            try:
+                rc = p.wait(timeout=max(1.0, t0 + timeout_s - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rc = p.wait()
+            result[job] = {"rc": rc, "s": round(time.time() - t0, 1)}
+            if rc != 0:
+                lines = logs[job].read_text(errors="replace").splitlines()
+                result[job]["tail"] = " | ".join(lines[-6:])[-600:]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
     return result
 
 
@@ -74,7 +85,10 @@ def run_job(job: str, batches, device: str) -> None:
             del row, ours
             torch.cuda.empty_cache()
         return
-    import flashinfer
+    from sweep import import_flashinfer
+    flashinfer, error = import_flashinfer()
+    if flashinfer is None:
+        raise RuntimeError(f"flashinfer: {error}")
     wl = BY_NAME[PREWARM[job]]
     row = build_row(build_group(wl, 2, PREWARM_KV, device), wl)
     inp = fi_inputs(row, Ours(row).layout())
