@@ -55,7 +55,7 @@ if [[ $stages == *" sweep "* ]]; then
   echo "== sweep: ours vs FlashInfer's configurations (bench/sweep.py ${SWEEP_ARGS:-})"
   timeout "${SWEEP_TIMEOUT:-580}" python bench/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
       | tee "$out/sweep.log" | grep -vE "^(gqa|mla)" | tail -25 || status=1
-  tail -n 60 "$out/SWEEP.md" 2>/dev/null | head -40
+  sed -n '/^## Targets/,/^## Mismatches/p' "$out/SWEEP.md" 2>/dev/null | head -60
 fi
 if [[ $stages == *" bench "* ]]; then
   echo "== benchmarks"

@@ -23,8 +23,9 @@ flushed before each call); `eager` = one eager call from an idle GPU, host launc
 (perf_counter, no synchronize inside). Medians of 8-40 calls. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
-graph time. Bound: compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy
-GB/s), memory otherwise. check: our output against the fastest FlashInfer configuration's
+graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
+compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory
+otherwise. check: our output against the fastest FlashInfer configuration's
 (max abs diff / max abs < 2e-2; `!` marks a mismatch of any configuration)."""
 
 
@@ -89,13 +90,16 @@ def main_table(grouped: dict) -> list:
             continue
         bg, be = best(recs, "graph_us"), best(recs, "eager_us")
         frac = f"{ours['frac_copy']:.0%}" if ours.get("frac_copy") else "-"
+        tflops = f"{ours.get('tflops', 0):.1f}"
+        if ours.get("bound") == "compute" and ours.get("frac_matmul"):
+            tflops += f" ({ours['frac_matmul']:.0%} mm)"
         lines.append(
             f"| {wl} | {bs} | {kv} | {ours.get('bound') or '-'} ({ours['intensity']:.0f}) "
             f"| {_us(ours.get('graph_us'))} | {_us(ours.get('eager_us'))} | {_us(ours.get('host_us'))} "
             f"| {_us(bg and bg['graph_us'])} {'(' + _short(bg['impl']) + ')' if bg else ''} "
             f"| {_us(be and be['eager_us'])} {'(' + _short(be['impl']) + ')' if be else ''} "
             f"| {_us(be and be.get('host_us'))} | {_ratio(bg, ours, 'graph_us')} | {_ratio(be, ours, 'eager_us')} "
-            f"| {ours.get('gbs', 0):.0f} | {frac} | {ours.get('tflops', 0):.1f} | {_check(recs, bg)} |")
+            f"| {ours.get('gbs', 0):.0f} | {frac} | {tflops} | {_check(recs, bg)} |")
     return lines
 
 
@@ -207,6 +211,8 @@ def write_all(path, out_dir) -> None:
         print(f"plot -> {out_dir / 'sweep.png'}")
     except ImportError as e:
         print(f"no plot ({e}); pip install -e '.[bench]' and rerun bench/sweep_report.py")
+    except Exception as e:  # the table is written; a plot failure must not fail the sweep
+        print(f"no plot: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
