@@ -2,10 +2,14 @@
 
 Usage (repository root)::
 
-    python bench/sweep.py --out DIR [--quick] [--only gqa|mla] [--budget-s S]
+    python bench/sweep.py [--out DIR] [--quick] [--only gqa|mla] [--budget-s S]
     STAGES="sweep" bash bench/run_gpu.sh DIR            # the same, from the GPU script
-    BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep.py --smoke [--out DIR]
+    BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep.py --smoke --out DIR
     python bench/sweep_report.py DIR/sweep.jsonl        # bench/SWEEP.md + bench/sweep.png
+
+``--out`` defaults to bench/ (``--smoke``: /tmp/attn-sweep-smoke). On a GPU machine without
+matplotlib (the lent ones) run with ``--out $OUT`` and redraw the table and the plot here
+with ``sweep_report.py``.
 
 Matrix (``sweep_rows``): GQA 32/8 and 64/8 heads (d 128, page 16) decode, verify N=4
 (chain) and N=8 tree (topk 4); MLA 16 and 128 heads (512 + 64, page 64) decode and verify
@@ -89,7 +93,8 @@ class Ctx:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="/tmp/attn-sweep", help="folder for sweep.jsonl and SWEEP.md")
+    p.add_argument("--out", help="folder for sweep.jsonl, SWEEP.md, sweep.png and prewarm/ logs "
+                                 "(default: bench/; --smoke: /tmp/attn-sweep-smoke)")
     p.add_argument("--quick", action="store_true", help="bs 1, 16, 128 x kv 8192 only")
     p.add_argument("--only", choices=("gqa", "mla"), help="one family only")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny shapes, ours only)")
@@ -308,7 +313,7 @@ def main(argv=None) -> int:
         sweep_prewarm.run_job(args.prewarm, [int(b) for b in args.bs.split(",")], device)
         return 0
     t0 = time.time()
-    out_dir = Path(args.out)
+    out_dir = Path(args.out or ("/tmp/attn-sweep-smoke" if args.smoke else Path(__file__).parent))
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = matrix(quick=args.quick, only=args.only, smoke=args.smoke)
     fi, fi_error = (None, "not used (--smoke / --no-flashinfer)")
