@@ -190,6 +190,8 @@ def time_ours(ctx: Ctx, row) -> tuple:
 
 
 def _drain() -> None:
+    if not torch.cuda.is_available():
+        return
     try:
         torch.cuda.synchronize()
     except Exception as e:  # a sticky CUDA error: every later launch fails too, say so
@@ -272,25 +274,35 @@ def summary(recs: list) -> str:
             f"| check {checks or '-'}")
 
 
+def skip_rows(ctx: Ctx, wls, bs: int, kv: int, reason: str, status: str = "skipped") -> None:
+    for wl in wls:
+        write(ctx, dict(type="result", **wl.describe(), bs=bs, kv=kv, impl="row", status=status, reason=reason))
+    print(f"{','.join(w.name for w in wls)} bs={bs} kv={kv}: {status} ({reason})", flush=True)
+    if status == "error":
+        ctx.errors.append(f"{wls[0].family} bs={bs} kv={kv}: {reason[:160]}")
+
+
 def measure_group(ctx: Ctx, key) -> None:
     family, bs, kv, wls = key
-    reason = None
     if time.time() > ctx.deadline:
-        reason = "time budget (--budget-s) spent"
-    elif ctx.device == "cuda":
+        return skip_rows(ctx, wls, bs, kv, "time budget (--budget-s) spent")
+    if ctx.device == "cuda":
         need, free = estimate_bytes(family, bs, kv), torch.cuda.mem_get_info()[0]
         if need > 0.9 * free:
-            reason = f"needs ~{need / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB free"
-    if reason:
-        for wl in wls:
-            write(ctx, dict(type="result", **wl.describe(), bs=bs, kv=kv, impl="row", status="skipped", reason=reason))
-        print(f"{family} bs={bs} kv={kv}: skipped ({reason})", flush=True)
-        return
-    group = build_group(wls[0], bs, kv, ctx.device)
+            return skip_rows(ctx, wls, bs, kv, f"needs ~{need / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB free")
+    try:
+        group = build_group(wls[0], bs, kv, ctx.device)
+    except Exception as e:  # e.g. out of memory: the group is skipped, the sweep goes on
+        _drain()
+        return skip_rows(ctx, wls, bs, kv, f"build: {type(e).__name__}: {e}"[:400], status="error")
     for wl in wls:
-        row = build_row(group, wl)
-        print(summary(measure_row(ctx, row)), flush=True)
-        del row
+        try:
+            row = build_row(group, wl)
+            print(summary(measure_row(ctx, row)), flush=True)
+        except Exception as e:  # a failure outside the timed calls: recorded, never hidden
+            _drain()
+            skip_rows(ctx, [wl], bs, kv, f"{type(e).__name__}: {e}"[:400], status="error")
+        row = None
     del group
     gc.collect()
     if ctx.device == "cuda":
