@@ -53,7 +53,7 @@ if [[ $stages == *" tune "* ]]; then
 fi
 if [[ $stages == *" sweep "* ]]; then
   echo "== sweep: ours vs FlashInfer's configurations (bench/sweep.py ${SWEEP_ARGS:-})"
-  timeout "${SWEEP_TIMEOUT:-580}" python bench/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
+  timeout "${SWEEP_TIMEOUT:-560}" python bench/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
       | tee "$out/sweep.log" | grep -vE "^(gqa|mla)" | tail -25 || status=1
   sed -n '/^## Targets/,/^## Mismatches/p' "$out/SWEEP.md" 2>/dev/null | head -60
 fi

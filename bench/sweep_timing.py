@@ -19,9 +19,9 @@ import time
 
 import torch
 
-TARGET_US = 30_000        # per timing: about this much device time, within the bounds below
-MIN_ITERS, MAX_ITERS = 8, 40
-HOST_ITERS = 30
+TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
+MIN_ITERS, MAX_ITERS = 8, 30
+HOST_ITERS = 25
 
 
 class Clock:
