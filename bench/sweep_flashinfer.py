@@ -22,8 +22,9 @@ of flashinfer_python-0.7.2.post1):
   ``[pages, page_size, 576]``; FA2/FA3 split them into strided views, and
   ``csrc/batch_mla_run.cu`` / ``batch_mla_sm90_run.cu`` read those strides: no copy).
 
-Not swept: ``cudnn``, ``trtllm-gen``, ``cute-dsl``, ``xqa`` and ``cutlass`` (SM100+ kernels
-or extra packages); ``auto`` (it resolves to one of the configurations swept here).
+Not swept (``NOT_SWEPT``, also in the JSON header): ``trtllm-gen``, ``cute-dsl``, MLA
+``cutlass`` / ``xqa`` / ``cutile`` (kernels for other architectures than SM90), ``cudnn`` (an
+extra package) and ``auto`` (it resolves to a configuration swept here).
 """
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ WRAPPERS = {"decode": "BatchDecodeWithPagedKVCacheWrapper",
             "prefill": "BatchPrefillWithPagedKVCacheWrapper",
             "mla": "BatchMLAPagedAttentionWrapper"}
 NOT_SWEPT = {
-    "cudnn / trtllm-gen / cute-dsl / xqa / cutlass": "SM100+ kernels or packages not on an SM90 box",
-    "auto": "resolves to one of the swept configurations (decode: fa2; prefill: fa2 or fa3)",
+    "trtllm-gen": "SM100/103/107 kernels (mla/_batch_mla/_backends/trtllm_gen_backend.py:175)",
+    "cute-dsl": "Blackwell (SM100+) kernels (decode.py BatchDecodeWithPagedKVCacheWrapper docs)",
+    "mla cutlass / xqa / cutile": "SM10x-11x / SM12x / SM100+ and SM12x (their _backends/*.py checks)",
+    "cudnn": "needs the cuDNN frontend package, not among the wheels carried; auto takes it on SM100 only",
+    "auto": "resolves to a swept configuration (decode: fa2; prefill: fa2 or fa3; MLA on SM90: fa3/fa2)",
 }
 # One small call per JIT module, built in parallel before the sweep (sweep.py --prewarm):
 # the tensor-core decode shares the prefill modules; the tree row also builds packbits.
