@@ -177,16 +177,23 @@ def header_lines(h: dict, footer: dict) -> list:
     if h.get("smoke"):
         lines += ["**SMOKE DATA** (CPU, Triton interpreter, tiny shapes): times are meaningless; "
                   "FlashInfer's arguments were checked by emulation, not run.", ""]
-    lines.append(f"Card: **{h.get('device')}** (sm_{h.get('sm')}, {h.get('num_sms', '-')} SMs, "
+    lines.append(f"- Card: **{h.get('device')}** (sm_{h.get('sm')}, {h.get('num_sms', '-')} SMs, "
                  f"{h.get('memory_gb', '-')} GiB); torch {h.get('torch')}, triton {h.get('triton')}, "
                  f"flashinfer {h.get('flashinfer') or '-'} (FLASHINFER_CUDA_ARCH_LIST "
                  f"{h.get('flashinfer_cuda_arch_list') or '-'}), CUDA {h.get('cuda')}; commit {h.get('git')}; "
                  f"{h.get('date')}; sweep {footer.get('elapsed_s', '-')} s.")
     if h.get("flashinfer_error"):
-        lines.append(f"FlashInfer: {h['flashinfer_error']}")
+        lines.append(f"- FlashInfer: {h['flashinfer_error']}")
     if h.get("copy_gbs"):
-        lines.append(f"Device copy {h['copy_gbs']:.0f} GB/s (1 GiB, read + write); bf16 matmul "
+        lines.append(f"- Device copy {h['copy_gbs']:.0f} GB/s (1 GiB, read + write); bf16 matmul "
                      f"{h['matmul_tflops']:.0f} TFLOPs (8192^3); ridge {h['ridge_flop_per_byte']:.0f} flop/byte.")
+    if h.get("prewarm"):
+        slow = max(h["prewarm"].values(), key=lambda r: r["s"])["s"]
+        failed = [f"{job} (rc {r['rc']}: {r.get('tail', '')[-200:]})" for job, r in h["prewarm"].items() if r["rc"]]
+        lines.append(f"- Prewarm (JIT modules and Triton kernels, in parallel): {slow:.0f} s"
+                     + (f"; failed: {'; '.join(failed)}" if failed else "."))
+    if h.get("not_swept"):
+        lines.append("- Not swept: " + "; ".join(f"{k}: {v}" for k, v in h["not_swept"].items()) + ".")
     return lines + ["", METHOD, "", TARGETS, ""]
 
 
