@@ -81,8 +81,8 @@ def refusal(config: str, wl, sm: int) -> Optional[str]:
         return ("q_len_per_req > 1 runs on the fa2 tensor-core backend only "
                 "(decode.py _plan_impl raises NotImplementedError for fa3)")
     if kind == "prefill" and wl.mode == "tree" and opts["backend"] == "fa3":
-        return ("fa3 (SM90) batch prefill kernels do not run MaskMode.CUSTOM (prefill.py "
-                "__init__, variant_owns_mask; the fa3 paged_run takes no custom mask)")
+        return ("fa3 (SM90) batch prefill kernels do not run MaskMode.CUSTOM (prefill.py __init__ on "
+                "variant_owns_mask: cudaErrorNotSupported; flashinfer-ai/flashinfer#1981)")
     return None
 
 
