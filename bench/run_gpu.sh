@@ -2,7 +2,9 @@
 # GPU tests, the layout suite on CUDA and the benchmarks in one call; prints a table last.
 # Usage (repository root): bash bench/run_gpu.sh [OUT_DIR]
 #   STAGES   which stages to run (default "tests check bench"); also "sanitize" (compute-sanitizer
-#            memcheck over the GPU kernel tests) and "tune" (the launch-config sweep, ~200 s)
+#            memcheck over the GPU kernel tests), "tune" (the launch-config sweep, ~200 s) and
+#            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
+#            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick")
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -50,6 +52,12 @@ if [[ $stages == *" tune "* ]]; then
   echo "== launch-config sweep"
   timeout "${TUNE_TIMEOUT:-200}" python bench/tune.py "$BENCH_TUNED" 2>&1 | tee "$out/tune.log" \
       | grep -E "BEST|device|failed|took|Error"
+fi
+if [[ $stages == *" sweep "* ]]; then
+  echo "== sweep: ours vs FlashInfer's configurations (bench/sweep.py ${SWEEP_ARGS:-})"
+  timeout "${SWEEP_TIMEOUT:-560}" python bench/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
+      | tee "$out/sweep.log" | grep -vE "^(gqa|mla)" | tail -25 || status=1
+  sed -n '/^## Targets/,/^## Mismatches/p' "$out/SWEEP.md" 2>/dev/null | head -60
 fi
 if [[ $stages == *" bench "* ]]; then
   echo "== benchmarks"

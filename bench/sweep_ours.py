@@ -1,0 +1,42 @@
+"""Our backend on one sweep row, through the backend contract only.
+
+Eager: ``init_forward_metadata(batch)`` once, then ``forward(q, None, None, layer, batch,
+save_kv_cache=False)`` per call: the work FlashInfer's ``run()`` does after one ``plan()``.
+Graph: ``init_cuda_graph_state(bs, bs*W)``, ``init_forward_metadata_capture_cuda_graph``,
+``forward`` captured in a CUDA graph, ``init_forward_metadata_replay_cuda_graph`` (once: the
+metadata of all layers of a step, FlashInfer's ``plan()`` counterpart), then ``replay()``
+per call (as tests/test_cuda_graphs.py does).
+"""
+from __future__ import annotations
+
+from sweep_timing import capture
+
+from attn_backends import get_backend
+
+
+class Ours:
+    def __init__(self, row) -> None:
+        self.row = row
+        self.backend = get_backend(row.wl.backend, row.cfg, row.mem)
+        self.backend.init_forward_metadata(row.batch)
+
+    def layout(self) -> dict:
+        """The eager layout (``forward_metadata.as_layout()``): FlashInfer's metadata is
+        derived from the same page tables."""
+        return self.backend.forward_metadata.as_layout()
+
+    def eager(self):
+        r, be = self.row, self.backend
+        return lambda: be.forward(r.q, None, None, r.layer, r.batch, save_kv_cache=False)
+
+    def graph(self) -> tuple:
+        """``(graph, static output)``: captured, then prepared for replay on the same batch."""
+        r = self.row
+        be = get_backend(r.wl.backend, r.cfg, r.mem)
+        be.init_cuda_graph_state(r.bs, r.bs * r.wl.width)
+        inputs = r.batch.graph_inputs()
+        be.init_forward_metadata_capture_cuda_graph(inputs)
+        g, out = capture(lambda: be.forward(r.q, None, None, r.layer, r.batch, save_kv_cache=False))
+        be.init_forward_metadata_replay_cuda_graph(inputs)
+        self._graph_backend = be                 # keeps the static buffers the graph reads alive
+        return g, out

@@ -1,0 +1,230 @@
+"""The sweep's table (SWEEP.md) and plot (sweep.png) from its JSON lines.
+
+Usage: ``python bench/sweep_report.py DIR/sweep.jsonl [--out-dir bench]`` (the table needs
+nothing but the standard library; the plot needs matplotlib, ``pip install -e '.[bench]'``,
+and is skipped, with a note, without it).
+
+Ratios are FlashInfer's best time over ours (above 1: ours is faster); "FI best" is the
+fastest FlashInfer configuration of the row, chosen separately for graph and eager times.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+TARGETS = """Targets (issue #10): in graphs every GQA and MLA-16 row >= 1.0x FlashInfer's best,
+MLA-128 >= 0.8x fa3, verify N=4 <= 1.15x our decode at the same batch and kv; eagerly every
+row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
+METHOD = """Method: `graph` = replay of the call captured in a CUDA graph (GPU time, events, L2
+flushed before each call); `eager` = one eager call from an idle GPU, host launch included
+(L2 flushed, device drained, events around the call); `host` = host time of one eager call
+(perf_counter, no synchronize inside). Medians of 8-30 calls (25 for host). Ours eager: `forward()` after
+one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
+once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
+graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
+compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory
+otherwise. check: our output against the fastest FlashInfer configuration's
+(max abs diff / max abs < 2e-2; `!` marks a mismatch of any configuration)."""
+
+
+def load(path) -> tuple:
+    header, results, footer = {}, [], {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "header":
+            header = rec
+        elif rec["type"] == "footer":
+            footer = rec
+        else:
+            results.append(rec)
+    return header, results, footer
+
+
+def group(results) -> dict:
+    """``{(workload, bs, kv): {impl: record}}`` in sweep order."""
+    out = collections.OrderedDict()
+    for r in results:
+        out.setdefault((r["workload"], r["bs"], r["kv"]), {})[r["impl"]] = r
+    return out
+
+
+def best(recs: dict, key: str):
+    peers = [r for impl, r in recs.items() if impl.startswith("fi_") and r.get(key)]
+    return min(peers, key=lambda r: r[key], default=None)
+
+
+def _us(x) -> str:
+    return "-" if x is None else (f"{x:.1f}" if x < 1000 else f"{x:.0f}")
+
+
+def _ratio(peer, ours, key) -> str:
+    if not peer or not ours.get(key) or not peer.get(key):
+        return "-"
+    return f"{peer[key] / ours[key]:.2f}x"
+
+
+def _short(impl: str) -> str:
+    return impl[3:] if impl.startswith("fi_") else impl
+
+
+def _check(recs: dict, fastest) -> str:
+    fail = any(r.get("check") == "FAIL" for r in recs.values())
+    if fastest is None:
+        checked = [r for r in recs.values() if r.get("check") and r["impl"] != "ours"]
+        mark = ("FAIL" if fail else "pass") + (" (emulated)" if any(r["status"] == "emulated" for r in checked) else "")
+        return mark if checked else "-"
+    return (fastest.get("check") or "-") + (" !" if fail and fastest.get("check") != "FAIL" else "")
+
+
+def main_table(grouped: dict) -> list:
+    lines = ["| workload | bs | kv | bound (flop/B) | ours graph | ours eager | ours host | FI best graph "
+             "| FI best eager | FI host | x graph | x eager | GB/s | % copy | TFLOPs | check |",
+             "|---|---:|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for (wl, bs, kv), recs in grouped.items():
+        ours = recs.get("ours")
+        if ours is None or ours["status"] != "ok":
+            why = (ours or recs.get("row") or {}).get("reason", "")
+            lines.append(f"| {wl} | {bs} | {kv} | {why} |" + " |" * 12)
+            continue
+        bg, be = best(recs, "graph_us"), best(recs, "eager_us")
+        frac = f"{ours['frac_copy']:.0%}" if ours.get("frac_copy") else "-"
+        tflops = f"{ours.get('tflops', 0):.1f}"
+        if ours.get("bound") == "compute" and ours.get("frac_matmul"):
+            tflops += f" ({ours['frac_matmul']:.0%} mm)"
+        lines.append(
+            f"| {wl} | {bs} | {kv} | {ours.get('bound') or '-'} ({ours['intensity']:.0f}) "
+            f"| {_us(ours.get('graph_us'))} | {_us(ours.get('eager_us'))} | {_us(ours.get('host_us'))} "
+            f"| {_us(bg and bg['graph_us'])} {'(' + _short(bg['impl']) + ')' if bg else ''} "
+            f"| {_us(be and be['eager_us'])} {'(' + _short(be['impl']) + ')' if be else ''} "
+            f"| {_us(be and be.get('host_us'))} | {_ratio(bg, ours, 'graph_us')} | {_ratio(be, ours, 'eager_us')} "
+            f"| {ours.get('gbs', 0):.0f} | {frac} | {tflops} | {_check(recs, bg)} |")
+    return lines
+
+
+def config_table(grouped: dict) -> list:
+    lines = ["| workload | bs | kv | config | graph | eager | eager (GPU) | host | err vs ours | status |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for (wl, bs, kv), recs in grouped.items():
+        for impl, r in recs.items():
+            if impl in ("ours", "row"):
+                continue
+            err = max((e for e in (r.get("err"), r.get("err_graph")) if e is not None), default=None)
+            status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
+            lines.append(f"| {wl} | {bs} | {kv} | {_short(impl)} | {_us(r.get('graph_us'))} | {_us(r.get('eager_us'))} "
+                         f"| {_us(r.get('eager_gpu_us'))} | {_us(r.get('host_us'))} "
+                         f"| {'-' if err is None else f'{err:.1e}'} | {status[:140]} |")
+    return lines
+
+
+def _target(name: str, items: list) -> list:
+    """``items``: (label, value, ok); one line with the count, then the misses."""
+    if not items:
+        return [f"- {name}: no data"]
+    miss = [(label, v) for label, v, ok in items if not ok]
+    out = [f"- {name}: {len(items) - len(miss)}/{len(items)} met"]
+    out += [f"  - miss: {label} ({v})" for label, v in miss[:30]]
+    if len(miss) > 30:
+        out.append(f"  - ... {len(miss) - 30} more")
+    return out
+
+
+def targets(grouped: dict) -> list:
+    graph, mla128, verify, eager, host = [], [], [], [], []
+    for (wl, bs, kv), recs in grouped.items():
+        ours, label = recs.get("ours"), f"{wl} bs {bs} kv {kv}"
+        if not ours or ours["status"] != "ok":
+            continue
+        bg, be, fa3 = best(recs, "graph_us"), best(recs, "eager_us"), recs.get("fi_mla_fa3")
+        if bg and ours.get("graph_us") and not wl.startswith("mla128"):
+            r = bg["graph_us"] / ours["graph_us"]
+            graph.append((label, f"{r:.2f}x {_short(bg['impl'])}", r >= 1.0))
+        if wl.startswith("mla128") and fa3 and fa3.get("graph_us") and ours.get("graph_us"):
+            r = fa3["graph_us"] / ours["graph_us"]
+            mla128.append((label, f"{r:.2f}x, ours {ours.get('tflops', 0):.0f} TFLOPs", r >= 0.8))
+        dec = grouped.get((wl.split("_")[0] + "_decode", bs, kv), {}).get("ours")
+        if "_verify4" in wl and dec and dec.get("graph_us") and ours.get("graph_us"):
+            r = ours["graph_us"] / dec["graph_us"]
+            verify.append((label, f"{r:.2f}x our decode", r <= 1.15))
+        if be and ours.get("eager_us"):
+            r = be["eager_us"] / ours["eager_us"]
+            eager.append((label, f"{r:.2f}x {_short(be['impl'])}", r >= 0.95))
+        if be and be.get("host_us") and ours.get("host_us"):
+            host.append((label, f"ours {ours['host_us']:.1f} vs {be['host_us']:.1f} us",
+                          ours["host_us"] <= be["host_us"]))
+    return (_target("graph: GQA and MLA-16 >= 1.0x FlashInfer's best", graph)
+            + _target("graph: MLA-128 >= 0.8x fa3", mla128)
+            + _target("graph: verify N=4 <= 1.15x our decode", verify)
+            + _target("eager: >= 0.95x FlashInfer's best", eager)
+            + _target("eager: our host time <= FlashInfer's (its eager-best config)", host))
+
+
+def problems(results: list, footer: dict) -> list:
+    out = [f"- mismatch: {m}" for m in footer.get("mismatches", [])]
+    out += [f"- error: {r['workload']} bs {r['bs']} kv {r['kv']} {r['impl']}: {r.get('reason', '')[:200]}"
+            for r in results if r["status"] == "error"]
+    out += [f"- skipped row: {r['workload']} bs {r['bs']} kv {r['kv']}: {r.get('reason')}"
+            for r in results if r["impl"] == "row"]
+    reasons = collections.Counter((r["impl"], r.get("reason")) for r in results
+                                  if r["status"] == "skipped" and r["impl"] != "row")
+    out += [f"- {_short(impl)} not run on {n} rows: {why}" for (impl, why), n in reasons.items()]
+    return out or ["- none"]
+
+
+def header_lines(h: dict, footer: dict) -> list:
+    lines = ["# Sweep: ours against FlashInfer's configurations (issue #10)", ""]
+    if h.get("smoke"):
+        lines += ["**SMOKE DATA** (CPU, Triton interpreter, tiny shapes): times are meaningless; "
+                  "FlashInfer's arguments were checked by emulation, not run.", ""]
+    lines.append(f"- Card: **{h.get('device')}** (sm_{h.get('sm')}, {h.get('num_sms', '-')} SMs, "
+                 f"{h.get('memory_gb', '-')} GiB); torch {h.get('torch')}, triton {h.get('triton')}, "
+                 f"flashinfer {h.get('flashinfer') or '-'} (FLASHINFER_CUDA_ARCH_LIST "
+                 f"{h.get('flashinfer_cuda_arch_list') or '-'}), CUDA {h.get('cuda')}; commit {h.get('git')}; "
+                 f"{h.get('date')}; sweep {footer.get('elapsed_s', '-')} s.")
+    if h.get("flashinfer_error"):
+        lines.append(f"- FlashInfer: {h['flashinfer_error']}")
+    if h.get("copy_gbs"):
+        lines.append(f"- Device copy {h['copy_gbs']:.0f} GB/s (1 GiB, read + write); bf16 matmul "
+                     f"{h['matmul_tflops']:.0f} TFLOPs (8192^3); ridge {h['ridge_flop_per_byte']:.0f} flop/byte.")
+    if h.get("prewarm"):
+        slow = max(h["prewarm"].values(), key=lambda r: r["s"])["s"]
+        failed = [f"{job} (rc {r['rc']}: {r.get('tail', '')[-200:]})" for job, r in h["prewarm"].items() if r["rc"]]
+        lines.append(f"- Prewarm (JIT modules and Triton kernels, in parallel): {slow:.0f} s"
+                     + (f"; failed: {'; '.join(failed)}" if failed else "."))
+    if h.get("not_swept"):
+        lines.append("- Not swept: " + "; ".join(f"{k}: {v}" for k, v in h["not_swept"].items()) + ".")
+    return lines + ["", METHOD, "", TARGETS, ""]
+
+
+def markdown(header: dict, results: list, footer: dict) -> str:
+    grouped = group(results)
+    parts = header_lines(header, footer)
+    parts += ["## Rows (times in us)", ""] + main_table(grouped)
+    parts += ["", "## Targets", ""] + targets(grouped)
+    parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)
+    parts += ["", "## Every FlashInfer configuration (times in us)", ""] + config_table(grouped)
+    return "\n".join(parts) + "\n"
+
+
+def write_all(path, out_dir) -> None:
+    header, results, footer = load(path)
+    out_dir = Path(out_dir)
+    (out_dir / "SWEEP.md").write_text(markdown(header, results, footer))
+    print(f"table -> {out_dir / 'SWEEP.md'}")
+    try:
+        import sweep_plot
+        sweep_plot.plot(header, group(results), out_dir / "sweep.png")
+        print(f"plot -> {out_dir / 'sweep.png'}")
+    except ImportError as e:
+        print(f"no plot ({e}); pip install -e '.[bench]' and rerun bench/sweep_report.py")
+    except Exception as e:  # the table is written; a plot failure must not fail the sweep
+        print(f"no plot: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="SWEEP.md and sweep.png from sweep.jsonl")
+    p.add_argument("path")
+    p.add_argument("--out-dir", default=str(Path(__file__).parent))
+    a = p.parse_args()
+    write_all(a.path, a.out_dir)

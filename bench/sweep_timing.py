@@ -1,0 +1,118 @@
+"""How the sweep times one call (medians over a few dozen calls, L2 flushed before each).
+
+* ``gpu_us(fn)``: CUDA events around each call, a 256 MiB memset (the L2 flush) queued
+  before it, calls back to back: GPU time only, the host launch hides behind the flush
+  (``triton.testing.do_bench``'s method). Used for graph replay (``graph.replay``) and,
+  as ``eager_gpu_us``, for the eager call.
+* ``eager_us(fn)``: the L2 flushed and the device drained (synchronize) before each call,
+  then events around it: the latency of one eager call from an idle GPU, host launch
+  included (what a runner that launches attention outside its graphs waits for).
+* ``host_us(fn)``: ``perf_counter`` around the call, no synchronize inside the timed span
+  (the device is drained before each call so the launch queue never fills).
+
+On the CPU (``--smoke``) every time is one ``perf_counter`` span.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
+MIN_ITERS, MAX_ITERS = 8, 30
+HOST_ITERS = 25
+
+
+class Clock:
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
+
+    def _iters(self, fn) -> int:
+        """Two warm-up calls; the second, synchronized, sizes the number of timed calls."""
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        est = (time.perf_counter() - t0) * 1e6
+        return int(min(MAX_ITERS, max(MIN_ITERS, TARGET_US // max(est, 1.0))))
+
+    def _cpu_us(self, fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    def gpu_us(self, fn) -> float:
+        if not self.cuda:
+            return self._cpu_us(fn)
+        n = self._iters(fn)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]
+        for start, end in ev:
+            self._flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+    def eager_us(self, fn) -> float:
+        if not self.cuda:
+            return self._cpu_us(fn)
+        n = self._iters(fn)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]
+        for start, end in ev:
+            self._flush.zero_()
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+    def host_us(self, fn) -> float:
+        if not self.cuda:
+            return self._cpu_us(fn)
+        fn()
+        spans = []
+        for _ in range(HOST_ITERS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            spans.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(spans)
+
+    def copy_gbs(self, nbytes: int = 1 << 30) -> float:
+        """Device-to-device copy of 1 GiB, read + write bytes per second (GB/s)."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).random_(0, 255)
+        dst = torch.empty_like(src)
+        us = self.gpu_us(lambda: dst.copy_(src))
+        return 2 * nbytes / us / 1e3
+
+    def matmul_tflops(self, n: int = 8192) -> float:
+        """bf16 ``[n, n] @ [n, n]``: the dense tensor-core rate this card reaches."""
+        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        us = self.gpu_us(lambda: torch.mm(a, b, out=c))
+        return 2 * n ** 3 / us / 1e6
+
+
+def capture(fn, warmup: bool = True) -> tuple:
+    """``fn`` captured in a CUDA graph (after one warm-up call on a side stream, so that
+    lazy initialisation happens outside the capture): ``(graph, output of the capture)``."""
+    if warmup:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out

@@ -1,0 +1,110 @@
+"""The issue #10 sweep (bench/sweep.py) on the CPU: its smoke path end to end (our kernels in
+the interpreter, every FlashInfer configuration's arguments checked by emulation, the
+report built from the JSON), and, where ``import flashinfer`` works (it imports without a
+GPU), every FlashInfer call the sweep makes bound to the installed wheel's signatures."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def test_smoke_sweep_and_report(tmp_path):
+    env = dict(os.environ, BENCH_DEVICE="cpu", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(BENCH / "sweep.py"), "--smoke", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    header, footer, results = lines[0], lines[-1], lines[1:-1]
+    assert header["type"] == "header" and header["smoke"] and footer["type"] == "footer"
+    assert footer["mismatches"] == [] and footer["errors"] == []
+    ours = [r for r in results if r["impl"] == "ours"]
+    assert len(ours) == 10 and all(r["status"] == "ok" and r["eager_us"] > 0 for r in ours)
+    peers = [r for r in results if r["impl"].startswith("fi_")]
+    emulated = [r for r in peers if r["status"] == "emulated"]
+    # every workload has at least one FlashInfer configuration, each agreeing with ours
+    assert {r["workload"] for r in emulated} == {r["workload"] for r in ours}
+    assert all(r["check"] == "pass" for r in emulated)
+    assert all(r["reason"] for r in peers if r["status"] == "skipped")
+    report = subprocess.run([sys.executable, str(BENCH / "sweep_report.py"), str(tmp_path / "sweep.jsonl"),
+                             "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr[-2000:]
+    table = (tmp_path / "SWEEP.md").read_text()
+    assert "| workload | bs | kv |" in table and "SMOKE DATA" in table
+    assert all(f"| {r['workload']} | 2 |" in table for r in ours)
+
+
+def _calls():
+    """Every (config, workload) call of the sweep at the smoke shape, eager and graph form."""
+    sys.path.insert(0, str(BENCH))
+    import sweep_flashinfer as F
+    from sweep_ours import Ours
+    from sweep_rows import build_group, build_row, matrix
+    for _, bs, kv, wls in matrix(smoke=True):
+        group = build_group(wls[0], bs, kv, "cpu")
+        for wl in wls:
+            row = build_row(group, wl)
+            inp = F.fi_inputs(row, Ours(row).layout())
+            for config in F.candidates(wl):
+                if F.refusal(config, wl, 90) is None:
+                    call = F.call_spec(config, inp)
+                    yield config, wl, call, F.graph_call(call, inp)
+
+
+def _host_checks(call, graph: bool) -> None:
+    """FlashInfer's own host-side validation of the values (pure PyTorch, runs on the CPU)."""
+    import torch
+    if call.kind == "mla":
+        from flashinfer.mla._batch_mla._backends._fa_common import _BatchMLAGeneratedFaMechanics
+        from flashinfer.mla._batch_mla._contracts import _resolve_structural_mla_input
+        from flashinfer.mla._batch_mla._planning import _validate_csr_metadata
+        kw, cpu = call.plan_kwargs, torch.device("cpu")
+        csr = _validate_csr_metadata(**dict(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
+                                                kw["metadata"])), page_size=kw["page_size"], device=cpu)
+        widths = (kw["head_dim_ckv"], kw["head_dim_kpe"])
+        q_nope, _ = _resolve_structural_mla_input(call.run_kwargs["query"], desired="split", widths=widths,
+                                                  name="query", accepted="packed")
+        _resolve_structural_mla_input(call.run_kwargs["kv_cache"], desired="split", widths=widths,
+                                      name="KV cache", accepted="packed")
+        assert call.run_kwargs["out"].shape == q_nope.shape
+        if graph:
+            c = call.ctor
+            named = tuple((name, c[name], getattr(csr, name), name == "kv_indices")
+                          for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"))
+            _BatchMLAGeneratedFaMechanics._validate_graph_metadata_buffers(cpu, named)
+        return
+    from flashinfer.prefill import _compute_page_mask_indptr
+    q, (k, v) = call.run_args
+    assert call.run_kwargs["out"].shape == q.shape[:-1] + (v.shape[-1],)
+    assert k.shape[1] == call.plan_args[-1] and k.stride() == v.stride()    # NHD pages, one stride
+    if call.kind == "prefill" and "custom_mask" in call.plan_kwargs:
+        qo, indptr, _, last = call.plan_args[:4]
+        bits = _compute_page_mask_indptr(qo, indptr, last, call.plan_args[-1])
+        assert int(bits[-1]) == call.plan_kwargs["custom_mask"].numel()
+
+
+def test_flashinfer_calls_bind_to_the_wheel():
+    fi = pytest.importorskip("flashinfer")
+    import torch
+    ws = torch.zeros(16, dtype=torch.uint8)
+    n = 0
+    for config, wl, *calls in _calls():
+        for call in calls:
+            cls = getattr(fi.mla if call.kind == "mla" else fi, call.wrapper)
+            inspect.signature(cls.__init__).bind(None, ws, **call.ctor)
+            plan_kw = dict(call.plan_kwargs)
+            if "metadata" in plan_kw:
+                plan_kw["metadata"] = fi.mla.MLAPlanMetadata.csr(*plan_kw["metadata"])
+            # the decode wrapper's plan() takes **kwargs and hands them to _plan_impl
+            plan = cls._plan_impl if call.kind == "decode" else cls.plan
+            inspect.signature(plan).bind(None, *call.plan_args, **plan_kw)
+            inspect.signature(cls.run).bind(None, *call.run_args, **call.run_kwargs)
+            _host_checks(call, graph=call is calls[1])
+            n += 1
+    assert n > 0
