@@ -8,6 +8,10 @@
     entry-point group ``attn_backends.suites`` (this distribution registers the runner suite of
     ``runtime``: I7, I8, I10-I12, I14), prints the matrix and each failure with the seed that
     replays it; exit 1 on any failure, 2 for a backend that cannot run here.
+
+More subcommands come from the entry-point group ``attn_backends.commands``: each entry point is
+a callable taking the argparse subparsers object; it adds its subparser and sets ``handler``
+(``handler(args) -> exit status``). This distribution registers ``generate`` from ``runtime``.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from . import registry
 DEVICES = ("cpu", "cuda")
 SUITE_MODULE = "attn_backends.testing.suite"
 SUITES_GROUP = "attn_backends.suites"   # more suites, e.g. runtime's runner-level invariants
+COMMANDS_GROUP = "attn_backends.commands"  # more subcommands, e.g. runtime's `generate`
 MODE_ABBREV = {"EXTEND": "extend", "DECODE": "decode", "TARGET_VERIFY": "verify",
                "DRAFT_EXTEND": "draft_extend", "IDLE": "idle"}
 
@@ -152,6 +157,25 @@ def cmd_check(args, out: TextIO, err: TextIO) -> int:
 
 # --------------------------------------------------------------------------- main
 
+def _extra_commands() -> list:
+    """The entry points of ``attn_backends.commands``, by name (found through the installed
+    metadata: attn_backends never imports runtime itself)."""
+    from importlib.metadata import entry_points
+    return sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name)
+
+
+def _register_commands(sub) -> None:
+    for ep in _extra_commands():
+        if ep.name in sub.choices:
+            raise UsageError(f"entry point {ep.value!r} of {COMMANDS_GROUP} redefines the command {ep.name!r}")
+        try:
+            register = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not take `list` and `check` down
+            print(f"attn-backends: warning: command {ep.name!r} ({ep.value}) failed to load: {e}", file=sys.stderr)
+            continue
+        register(sub)
+
+
 def _positive(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -177,15 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--suite-cases", type=int, default=60,
                     help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
                          "e.g. the runner invariants spread over the runner kinds (default: 60; 0 skips them)")
+    _register_commands(sub)
     return p
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "list":
             return cmd_list(args, sys.stdout)
-        return cmd_check(args, sys.stdout, sys.stderr)
+        if args.command == "check":
+            return cmd_check(args, sys.stdout, sys.stderr)
+        return args.handler(args)
     except UsageError as e:
         print(f"attn-backends: error: {e}", file=sys.stderr)
         return 2
