@@ -28,22 +28,22 @@ def extend_batch(memory: KVMemory, rows: list, starts: list, tokens: list,
                         loc, pos, ext.to(dev), ext, capture_hidden_mode=hidden, input_ids=ids)
 
 
-def uniform_batch(mode: ForwardMode, memory: KVMemory, rows: torch.Tensor, starts: list, input_ids: torch.Tensor,
-                  offsets: Optional[torch.Tensor] = None, spec: Optional[SpecInfo] = None,
-                  hidden: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ForwardBatch:
+def uniform_batch(mode: ForwardMode, memory: KVMemory, rows: torch.Tensor, starts: torch.Tensor,
+                  starts_cpu: torch.Tensor, input_ids: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                  spec: Optional[SpecInfo] = None, hidden: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ForwardBatch:
     """DECODE, TARGET_VERIFY or DRAFT_EXTEND: request ``i`` writes ``W`` rows at positions
     ``starts[i] .. starts[i] + W - 1``; ``offsets [bs, W]`` (tree verify: each node's level) sets
     the positions the model sees, ``starts[i] + offsets`` (default: ``0..W-1``).
 
-    rows ``[bs]`` int32 and input_ids ``[bs * W]`` int64 on the device; starts on the host.
+    rows ``[bs]`` int32, starts ``[bs]`` int64 and input_ids ``[bs * W]`` int64 on the device,
+    starts_cpu ``[bs]`` int32 on the host: nothing here copies from the host, so building the
+    batch never waits for the forwards already queued.
     """
     w = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
-    bs, dev = len(starts), memory.device
-    seq = torch.tensor([s + w for s in starts], dtype=I32)
-    start = torch.tensor(starts, dtype=I64, device=dev)
-    loc = slots_window(memory, rows, start, w)                                       # [bs, W]
+    bs = int(starts_cpu.shape[0])
+    loc = slots_window(memory, rows, starts, w)                                      # [bs, W]
     if offsets is None:
-        offsets = torch.arange(w, device=dev).expand(bs, w)
-    pos = start[:, None] + offsets
-    return ForwardBatch(mode, bs, rows, seq.to(dev), seq, loc.reshape(-1), pos.reshape(-1), spec_info=spec,
-                        capture_hidden_mode=hidden, input_ids=input_ids)
+        offsets = torch.arange(w, device=starts.device).expand(bs, w)
+    pos = starts[:, None] + offsets
+    return ForwardBatch(mode, bs, rows, (starts + w).to(I32), starts_cpu + w, loc.reshape(-1), pos.reshape(-1),
+                        spec_info=spec, capture_hidden_mode=hidden, input_ids=input_ids)

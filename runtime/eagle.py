@@ -115,46 +115,60 @@ class EagleWorker:
             if mem.seq_len(r.row) != t + 1:
                 raise RuntimeError(f"request {r.rid}: KV holds {mem.seq_len(r.row)} tokens, expected {t + 1}")
             mem.extend(r.row, sp.headroom)
+        # every host-to-device copy of the step happens here, before the first launch
         rows = torch.tensor([r.row for r in reqs], dtype=I32, device=dev)
-        t_dev = torch.tensor(starts, dtype=I64, device=dev)
-        window = slots_window(mem, rows, t_dev, sp.headroom + 1)                  # [bs, 1 + headroom]: T..
-        tree = self._draft_tree(reqs, rows, starts, window)
-        acc = self._verify(rows, starts, tree)
+        at = Positions(torch.tensor(starts, dtype=I64, device=dev), torch.tensor(starts, dtype=I32))
+        roots = torch.tensor([r.output[-1] for r in reqs], dtype=I64, device=dev)
+        window = slots_window(mem, rows, at.dev, sp.headroom + 1)                 # [bs, 1 + headroom]: T..
+        tree = self._draft_tree(reqs, rows, at, roots, window)
+        acc = self._verify(rows, at, tree)
         if sp.topk > 1:                                                          # a chain is in place already
             move_slots(self.moved, *accepted_moves(window[:, :sp.num_draft_tokens], acc.path, acc.accept_lens))
-        self._draft_extend(reqs, rows, starts, acc)
-        lens, emitted = acc.accept_lens.tolist(), acc.emitted.tolist()
+        self._draft_extend(reqs, rows, at.shifted(1), acc)
+        host = torch.cat([acc.accept_lens[:, None], acc.emitted], 1).tolist()     # the step's one sync
+        lens, emitted = [h[0] for h in host], [h[1:] for h in host]
         for r, t, a in zip(reqs, starts, lens):
             mem.truncate(r.row, t + a + 1)                                        # draft one ahead of T + a
         return [e[:a] for e, a in zip(emitted, lens)], lens
 
-    def _draft_tree(self, reqs: list, rows: torch.Tensor, starts: list, window: torch.Tensor) -> DraftTree:
-        sp, dev = self.spec, self.memory.device
+    def _draft_tree(self, reqs: list, rows: torch.Tensor, at: "Positions", roots: torch.Tensor,
+                    window: torch.Tensor) -> DraftTree:
+        sp = self.spec
         tokens = torch.stack([self.candidates[r.rid][0] for r in reqs])           # [bs, topk]
         logp = torch.stack([self.candidates[r.rid][1] for r in reqs])
-        roots = torch.tensor([r.output[-1] for r in reqs], dtype=I64, device=dev)
         branch_tokens = branch_logp = None
         if sp.num_steps > 1:
-            prefix = torch.tensor(starts, dtype=I32) + 1                          # the draft's KV length
+            prefix = at.shifted(1)                                                # the draft's KV length
             n = (sp.num_steps - 1) * sp.topk
-            out = self.draft.draft(DraftInput(rows, prefix.to(dev), prefix, tokens.reshape(-1),
+            out = self.draft.draft(DraftInput(rows, prefix.dev.to(I32), prefix.cpu, tokens.reshape(-1),
                                               window[:, 1:1 + n].contiguous()))
             branch_tokens, branch_logp = out.rows, out.scores                     # [bs, steps-1, topk]
         return build_tree(roots, tokens, logp, branch_tokens, branch_logp, sp.num_draft_tokens)
 
-    def _verify(self, rows: torch.Tensor, starts: list, tree: DraftTree) -> Acceptance:
+    def _verify(self, rows: torch.Tensor, at: "Positions", tree: DraftTree) -> Acceptance:
         sp = self.spec
         spec = sp.verify_spec(tree.mask if sp.topk > 1 else None)
-        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.memory, rows, starts, tree.tokens.reshape(-1),
+        batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.memory, rows, at.dev, at.cpu, tree.tokens.reshape(-1),
                               offsets=tree.levels, spec=spec, hidden=CaptureHiddenMode.FULL)
         out = self.target.forward(batch)
         self.draft_model.features[batch.out_cache_loc] = out.hidden.to(self.draft_model.features.dtype)
-        return greedy_accept(tree, out.logits.argmax(-1).view(len(starts), sp.num_draft_tokens))
+        return greedy_accept(tree, out.logits.argmax(-1).view(rows.shape[0], sp.num_draft_tokens))
 
-    def _draft_extend(self, reqs: list, rows: torch.Tensor, starts: list, acc: Acceptance) -> None:
+    def _draft_extend(self, reqs: list, rows: torch.Tensor, at: "Positions", acc: Acceptance) -> None:
         n = self.spec.num_draft_tokens
         valid = torch.arange(n, device=acc.emitted.device)[None, :] < acc.accept_lens[:, None]
         ids = torch.where(valid, acc.emitted, 0).reshape(-1)                     # rows past accept_len: token 0
         spec = SpecInfo(n, 1, n - 1, accept_lens=acc.accept_lens.to(I32))
-        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.memory, rows, [t + 1 for t in starts], ids, spec=spec)
+        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.memory, rows, at.dev, at.cpu, ids, spec=spec)
         self._keep_candidates(reqs, self.draft.forward(batch).logits)
+
+
+@dataclass
+class Positions:
+    """A position per request, on the device (int64) and the host (int32)."""
+
+    dev: torch.Tensor
+    cpu: torch.Tensor
+
+    def shifted(self, k: int) -> "Positions":
+        return Positions(self.dev + k, self.cpu + k)

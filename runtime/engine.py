@@ -196,7 +196,9 @@ class Engine:
             self.memory.extend(r.row, 1)
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev)
         ids = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64, device=dev)
-        out = self.target.forward(uniform_batch(ForwardMode.DECODE, self.memory, rows, starts, ids))
+        start, start_cpu = torch.tensor(starts, device=dev), torch.tensor(starts, dtype=torch.int32)
+        batch = uniform_batch(ForwardMode.DECODE, self.memory, rows, start, start_cpu, ids)
+        out = self.target.forward(batch)
         return [[t] for t in out.logits.argmax(-1).tolist()]
 
     def _release(self, r: Request) -> None:
