@@ -134,8 +134,8 @@ class DraftModel(nn.Module):
         req = batch.req_pool_indices.long()
         if batch.forward_mode == ForwardMode.EXTEND:
             req = req.repeat_interleave(batch.extend_seq_lens.long(), output_size=batch.num_tokens)
-        else:
-            req = req.repeat_interleave(batch.width)
+        else:                                          # uniform: W rows per request (no host sync under capture)
+            req = req[:, None].expand(-1, batch.width).reshape(-1)
         prev = batch.positions - 1
         slot = self.req_to_token[req, prev.clamp(min=0)].long()
         f = torch.where((prev >= 0)[:, None], self.features[slot], 0)                   # [T, F]

@@ -278,12 +278,13 @@ def test_cuda_bf16_high_acceptance_replays(backend, mla):
     request finishes, nothing leaks, the acceptance stays high."""
     tc = replace(TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa(), num_layers=2)
     spec = SpecConfig("eagle", 1, 4, 5, draft_layers=1)
-    engine = engine_for(tc, spec, backend, device="cuda", max_batch=8, buckets=(1, 2, 4, 8), max_context_len=512)
+    engine = engine_for(tc, spec, backend, device="cuda", max_batch=4, buckets=(1, 2, 4), max_context_len=512,
+                        token_buckets=(32, 128, 256), max_prefill_tokens=256)
     rng = random.Random(0)
     reqs = engine.generate([[rng.randrange(tc.vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(16)],
                            SamplingParams(max_tokens=96))
     assert all(r.finish_reason == "length" and len(r.output) == 96 for r in reqs)
     assert engine.stats.mean_accept > 3.5, engine.stats.accept_hist    # bf16 near ties flip a few drafts
     assert_all_graphs(engine, ALL_MODES)
-    assert engine.target.counts["verify"]["graph"] > 100
+    assert engine.target.counts["verify"]["graph"] > 60          # 16 x 96 tokens, <= 5 per round, 4 at a time
     assert_no_leaks(engine)
