@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,12 +52,15 @@ def test_spec_tokens_equal_plain_tokens(capsys, plain_small, spec, topk, steps, 
 
 
 def test_console_script_eagle_equals_none(capsys):
-    """The acceptance command, through the installed console script (the entry points)."""
+    """The acceptance command in a fresh process: the installed console script where it sits beside
+    this interpreter, else the same ``main`` (either way the command comes from the entry points)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = Path(sys.executable).parent / "attn-backends"
+    cmd = [str(script)] if script.exists() else \
+        [sys.executable, "-c", "from attn_backends.cli import main; raise SystemExit(main())"]
     runs = {}
     for spec in ("none", "eagle"):
-        args = [sys.executable, "-c", "from attn_backends.cli import main; raise SystemExit(main())"] + BASE + \
-            ["--spec", spec]
+        args = cmd + BASE + ["--spec", spec]
         p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0, p.stderr
         runs[spec] = tokens_of(p.stdout)
