@@ -12,6 +12,10 @@
 
 Every misuse (an unknown or unloadable backend, a bad count, a backend that cannot run here)
 is one line ``attn-backends: error: ...`` on stderr and exit status 2, before anything runs.
+
+More subcommands come from the entry-point group ``attn_backends.commands``: each entry point is
+a callable taking the argparse subparsers object; it adds its subparser and sets ``handler``
+(``handler(args) -> exit status``). This distribution registers ``generate`` from the runtime.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from .testing.report import LAYOUT_SUITE, SuiteReport
 DEVICES = ("cpu", "cuda")
 SUITE_MODULE = "attn_backends.testing.suite"
 SUITES_GROUP = "attn_backends.suites"   # more suites, e.g. runtime's runner-level invariants
+COMMANDS_GROUP = "attn_backends.commands"  # more subcommands, e.g. the runtime's `generate`
 EXIT_SIGPIPE = 128 + 13   # what a shell reports for a program that SIGPIPE ended (`| head`)
 
 
@@ -222,6 +227,25 @@ def _seconds(s: str) -> float:
     return v
 
 
+def _extra_commands() -> list:
+    """The entry points of ``attn_backends.commands``, by name (found through the installed
+    metadata: attn_backends never imports the runtime itself)."""
+    from importlib.metadata import entry_points
+    return sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name)
+
+
+def _register_commands(sub) -> None:
+    for ep in _extra_commands():
+        if ep.name in sub.choices:
+            raise UsageError(f"entry point {ep.value!r} of {COMMANDS_GROUP} redefines the command {ep.name!r}")
+        try:
+            register = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not take `list` and `check` down
+            print(f"attn-backends: warning: command {ep.name!r} ({ep.value}) failed to load: {e}", file=sys.stderr)
+            continue
+        register(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="attn-backends", description="Pluggable attention backends: list them, check them "
                 "against the layout contract.")
@@ -254,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--progress-every", metavar="SECONDS", type=_seconds, default=30.0,
                     help="when stderr is not a terminal, a progress line this often (default: 30; 0: none); "
                          "on a terminal a bar shows cases done and time left")
+    _register_commands(sub)
     return p
 
 
@@ -272,7 +297,12 @@ def main(argv: Optional[list] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
-        status = cmd_list(args, sys.stdout) if args.command == "list" else cmd_check(args, sys.stdout, sys.stderr)
+        if args.command == "list":
+            status = cmd_list(args, sys.stdout)
+        elif args.command == "check":
+            status = cmd_check(args, sys.stdout, sys.stderr)
+        else:
+            status = args.handler(args)
         sys.stdout.flush()            # a closed pipe shows here, inside the try, not at exit
         return status
     except UsageError as e:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU tests, the layout suite on CUDA and the benchmarks in one call; prints a table last.
 # Usage (repository root): bash bench/run_gpu.sh [OUT_DIR]
-#   STAGES   which stages to run (default "tests check bench"); also "sanitize" (compute-sanitizer
+#   STAGES   which stages to run (default "tests check bench eagle"); also "sanitize" (compute-sanitizer
 #            memcheck over the GPU kernel tests), "tune" (the launch-config sweep, ~200 s) and
 #            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
-#            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick")
+#            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick");
+#            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -21,18 +22,18 @@ if ! (cd /tmp && python -c "import attn_backends_kernels, attn_backends_runtime"
   ln -s "$PWD/runtime" "$links/attn_backends_runtime"
 fi
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export BENCH_TUNED="$out/tuned.json" BENCH_RESULTS="$out/results.jsonl"
+export BENCH_TUNED="$out/tuned.json" BENCH_RESULTS="$out/results.jsonl" BENCH_EAGLE_RESULTS="$out/eagle.jsonl"
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
-stages=" ${STAGES:-tests check bench} "
+stages=" ${STAGES:-tests check bench eagle} "
 status=0
-rm -f "$BENCH_RESULTS"
+rm -f "$BENCH_RESULTS" "$BENCH_EAGLE_RESULTS"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not importable"
 
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
-  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest tests -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then
@@ -65,5 +66,11 @@ if [[ $stages == *" bench "* ]]; then
       -p no:cacheprovider --benchmark-columns=median,rounds 2>&1 | tee "$out/bench.log" | tail -8 || status=1
   python bench/report.py "$BENCH_RESULTS" | tee "$out/table.txt"
   python bench/bench_runtime.py "$BENCH_RESULTS" | tee "$out/runtime_table.txt"
+fi
+if [[ $stages == *" eagle "* ]]; then
+  echo "== EAGLE vs plain decode, tokens/s (bench/bench_eagle.py)"
+  timeout "${EAGLE_TIMEOUT:-540}" python -m pytest bench/bench_eagle.py -q -p no:cacheprovider \
+      --benchmark-columns=median,rounds ${EAGLE_ARGS:-} 2>&1 | tee "$out/eagle.log" | tail -4 || status=1
+  python bench/bench_eagle.py "$BENCH_EAGLE_RESULTS" | tee "$out/eagle_table.txt"
 fi
 exit $status

@@ -41,6 +41,12 @@ class DraftInput:
         return int(self.req_pool_indices.shape[0])
 
 
+def greedy_logprob(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` float32: log-probability of the greedy token ``ids`` under ``logits [rows, vocab]``
+    (an EAGLE-2 tree ranks its nodes by the sum of these along a branch)."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])[:, 0]
+
+
 class DraftExtendRunner(UniformGraphRunner):
     """DRAFT_EXTEND at uniform width N; after the forward, row ``i*N + accept_len - 1`` of each
     request is kept (logits and hidden), so acceptance never changes the attention layout."""
@@ -134,13 +140,14 @@ class MultiStepDraftRunner(GraphRunnerBase):
 
     def _forward(self, static_batches):
         ids = self.input_ids[:static_batches[0].batch_size * self.topk]
-        tokens, logits, hidden = [], None, None
+        tokens, scores, logits, hidden = [], [], None, None
         for s, sb in enumerate(static_batches):
             sb.input_ids = ids
             logits, hidden = self.model.forward(sb, self.step_backends[s])
             ids = logits.argmax(-1)                                     # greedy within each branch
             tokens.append(ids)
-        return torch.stack(tokens), logits, hidden                      # [steps, bs*topk], ...
+            scores.append(greedy_logprob(logits, ids))
+        return torch.stack(tokens), torch.stack(scores), logits, hidden  # [steps, bs*topk] x2, ...
 
     def _load(self, inp: DraftInput):
         raw, k = inp.raw_bs, self.topk
@@ -157,16 +164,17 @@ class MultiStepDraftRunner(GraphRunnerBase):
         return key, sbs
 
     def _slice(self, out, inp: DraftInput, static_batches) -> RunnerOutput:
-        tokens, logits, hidden = out
+        tokens, scores, logits, hidden = out
         n, k = inp.raw_bs * self.topk, self.topk
         toks = tokens[:, :n].reshape(self.num_steps, inp.raw_bs, k).permute(1, 0, 2).clone()  # [bs, steps, topk]
+        sc = scores[:, :n].reshape(self.num_steps, inp.raw_bs, k).permute(1, 0, 2).clone()   # [bs, steps, topk]
         h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[:n].clone()
-        return RunnerOutput(logits[:n].clone(), h, rows=toks)
+        return RunnerOutput(logits[:n].clone(), h, rows=toks, scores=sc)
 
     def run_eager(self, inp: DraftInput) -> RunnerOutput:
         """The same steps with eager metadata on the unpadded batch (the reference path)."""
         raw, k = inp.raw_bs, self.topk
-        ids, tokens = inp.input_ids, []
+        ids, tokens, scores = inp.input_ids, [], []
         loc = inp.out_cache_loc.view(raw, self.num_steps, k)
         for s in range(self.num_steps):
             seq_cpu = inp.prefix_lens_cpu + (s + 1) * k
@@ -180,6 +188,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
             logits, hidden = self.model.forward(b, self.step_backends[s])
             ids = logits.argmax(-1)
             tokens.append(ids)
+            scores.append(greedy_logprob(logits, ids))
         toks = torch.stack(tokens).reshape(self.num_steps, raw, k).permute(1, 0, 2)
+        sc = torch.stack(scores).reshape(self.num_steps, raw, k).permute(1, 0, 2)
         h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden
-        return RunnerOutput(logits, h, rows=toks)
+        return RunnerOutput(logits, h, rows=toks, scores=sc)

@@ -157,11 +157,20 @@ Backends = Union[AttentionBackend, Sequence[AttentionBackend]]
 
 
 class TinyModel(nn.Module):
-    """``forward(batch, backends)`` -> ``(logits [T, vocab], hidden [T, hidden])`` over all rows."""
+    """``forward(batch, backends)`` -> ``(logits [T, vocab], hidden [T, hidden_dim])`` over all rows.
 
-    def __init__(self, c: TinyConfig, device="cpu") -> None:
+    ``aux_hidden_layers`` (EAGLE-3): the returned hidden states are the residual stream after
+    each listed number of layers, concatenated (``0`` is the embeddings, ``num_layers`` the last
+    layer's output before the final norm), instead of the final normed state.
+    """
+
+    def __init__(self, c: TinyConfig, device="cpu", aux_hidden_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = c
+        bad = [i for i in aux_hidden_layers if not 0 <= i <= c.num_layers]
+        if bad:
+            raise ValueError(f"aux_hidden_layers {bad} outside 0..num_layers={c.num_layers}")
+        self.aux_hidden_layers = tuple(aux_hidden_layers)
         torch.manual_seed(c.seed)
         block = MLABlock if c.is_mla else GQABlock
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -176,6 +185,18 @@ class TinyModel(nn.Module):
         self.requires_grad_(False)   # inference only: graph pieces run outside no_grad too
         self.eval()
 
+    @property
+    def hidden_dim(self) -> int:
+        """Width of the hidden states a forward returns."""
+        return self.config.hidden_size * max(1, len(self.aux_hidden_layers))
+
+    def output_hidden(self, final: torch.Tensor, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What a forward returns as hidden states: ``final`` ([T, hidden], after the norm), or the
+        concatenation of ``states[i]`` (the stream after ``i`` layers) for the aux layers."""
+        if not self.aux_hidden_layers:
+            return final
+        return torch.cat([states[i] for i in self.aux_hidden_layers], -1)    # [T, hidden * n_aux]
+
     def backends_per_layer(self, backends: Backends) -> list:
         if isinstance(backends, AttentionBackend):
             return [backends] * self.config.num_layers
@@ -187,9 +208,11 @@ class TinyModel(nn.Module):
     def forward(self, batch: ForwardBatch, backends: Backends, input_embeds: Optional[torch.Tensor] = None):
         per_layer = self.backends_per_layer(backends)
         h = self.embed(batch.input_ids) if input_embeds is None else input_embeds.to(self.config.dtype)
+        states = [h]
         for block, be in zip(self.layers, per_layer):
             q, k, v = block.pre_attn(h, batch.positions)
             o = attention_call(be, q, k, v, block.layer, batch)
             h = block.post_attn(h, o)
-        h = self.norm(h)
-        return self.lm_head(h).float(), h
+            states.append(h)
+        final = self.norm(h)
+        return self.lm_head(final).float(), self.output_hidden(final, states)

@@ -45,14 +45,14 @@ class PiecewiseRunner(GraphRunnerBase):
         for t in reversed(self.buckets):
             pieces = []
             for i in range(len(m.layers) + 1):
-                fn = self._piece(i, t, pieces[-1][1][0] if pieces else None)  # the previous piece's static h
+                fn = self._piece(i, t, [out[0] for _, out in pieces])  # the static residual states so far
                 g = make_graph(self.device, self.pool)
                 pieces.append((g, g.capture(fn)))
             self.graphs[t] = pieces
 
-    def _piece(self, i: int, t: int, prev_h):
+    def _piece(self, i: int, t: int, states: list):
         m, pos = self.model, self.positions[:t]
-        layers = m.layers
+        layers, prev_h = m.layers, states[-1] if states else None
 
         def first():
             h = self.embeds[:t]
@@ -62,9 +62,10 @@ class PiecewiseRunner(GraphRunnerBase):
             h = layers[i - 1].post_attn(prev_h, self.attn_out[i - 1][:t])
             return (h, *layers[i].pre_attn(h, pos))
 
-        def last():
-            h = m.norm(layers[i - 1].post_attn(prev_h, self.attn_out[i - 1][:t]))
-            return (h, m.lm_head(h).float())
+        def last():   # the hidden states the model defines (EAGLE-3: aux layers' streams)
+            top = layers[i - 1].post_attn(prev_h, self.attn_out[i - 1][:t])
+            h = m.norm(top)
+            return (m.output_hidden(h, states + [top]), m.lm_head(h).float())
 
         return first if i == 0 else last if i == len(layers) else middle
 

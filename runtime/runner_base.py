@@ -27,6 +27,7 @@ class RunnerOutput:
     hidden: Optional[torch.Tensor] = None       # per CaptureHiddenMode, raw rows only
     input_embeds: Optional[torch.Tensor] = None # piecewise: the embeddings it was given
     rows: Optional[torch.Tensor] = None         # rows kept (draft extend: selected by accept length)
+    scores: Optional[torch.Tensor] = None       # draft decode: [raw_bs, steps, topk] log-prob of each greedy token
 
 
 def slice_hidden(hidden: torch.Tensor, mode: CaptureHiddenMode, n_rows: int, width: int):

@@ -1,0 +1,98 @@
+"""One model's forwards, each through a runner: the captured graph where the runner's
+``can_run`` holds, the eager path otherwise, both counted per mode so that a silent fallback
+(DESIGN.md E1/E2) shows in the summary. Outputs always come from the path that ran; nothing
+reads a runner's buffers.
+
+Every runner owns its backend instance(s) (a runner's ``init_cuda_graph_state`` re-binds its
+backends' static buffers); the eager path has its own.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, KVMemory, SpecInfo, get_backend, select_rows
+
+from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
+from .full_graph import UniformGraphRunner
+from .piecewise import PiecewiseRunner
+from .runner_base import RunnerOutput, run_eager
+
+H = CaptureHiddenMode
+MODE_KEYS = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.TARGET_VERIFY: "verify",
+             ForwardMode.DRAFT_EXTEND: "draft_extend"}
+
+
+class ModelExecutor:
+    def __init__(self, name: str, model, eager_backends, runners: dict,
+                 multi_step: Optional[MultiStepDraftRunner] = None) -> None:
+        self.name, self.model, self.eager_backends = name, model, eager_backends
+        self.runners = {k: r for k, r in runners.items() if r is not None}
+        self.multi_step = multi_step
+        self.counts: dict = defaultdict(lambda: {"graph": 0, "eager": 0})
+
+    def capture(self) -> None:
+        for r in self.runners.values():
+            r.capture()
+
+    def _count(self, key: str, graph: bool) -> None:
+        self.counts[key]["graph" if graph else "eager"] += 1
+
+    def forward(self, batch: ForwardBatch) -> RunnerOutput:
+        """Logits (and hidden states per the batch's mode) of the raw rows; DRAFT_EXTEND keeps
+        one row per request (``accept_len - 1``) on either path."""
+        key = MODE_KEYS[batch.forward_mode]
+        runner = self.runners.get(key)
+        if runner is not None and runner.can_run(batch):
+            self._count(key, True)
+            return runner.run(batch)
+        self._count(key, False)
+        width = 0 if batch.forward_mode == ForwardMode.EXTEND else batch.width
+        out = run_eager(self.model, self.eager_backends, batch, width)
+        if batch.forward_mode != ForwardMode.DRAFT_EXTEND:
+            return out
+        rows = select_rows(batch.raw_bs, width, batch.spec_info.accept_lens[:batch.raw_bs])
+        return RunnerOutput(out.logits[rows], None if out.hidden is None else out.hidden[rows], rows=rows)
+
+    def draft(self, inp: DraftInput) -> RunnerOutput:
+        """Multi-step draft decode: ``rows`` [bs, steps, topk] tokens, ``scores`` their log-probs."""
+        r = self.multi_step
+        graph = r.can_run(inp)                 # false until captured (graphs off: never)
+        self._count("draft_decode", graph)
+        return r.run(inp) if graph else r.run_eager(inp)
+
+
+def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
+                    spec: Optional[SpecInfo] = None) -> ModelExecutor:
+    """EXTEND on the piecewise runner; DECODE (no spec) or TARGET_VERIFY (spec, chain or tree) on
+    full graphs. With spec the target returns every row's hidden states (the draft's features)."""
+    mk = lambda: get_backend(backend, cfg, memory)  # noqa: E731
+    hidden = H.FULL if spec is not None else H.NULL
+    runners = {}
+    if graphs:
+        runners["extend"] = PiecewiseRunner(model, mk(), memory, token_buckets, hidden)
+        if spec is None:
+            runners["decode"] = UniformGraphRunner(model, mk(), memory, ForwardMode.DECODE, buckets)
+        else:
+            runners["verify"] = UniformGraphRunner(model, mk(), memory, ForwardMode.TARGET_VERIFY, buckets,
+                                                   spec=spec, capture_hidden_mode=H.FULL)
+    return ModelExecutor("target", model, mk(), runners)
+
+
+def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
+                   topk: int, num_steps: int, num_draft_tokens: int) -> ModelExecutor:
+    """EXTEND (the prompt, embeddings fused with the target's features) on the piecewise runner,
+    DRAFT_EXTEND at width N, and ``num_steps - 1`` draft-decode forwards in one graph."""
+    mk = lambda: get_backend(backend, cfg, memory)  # noqa: E731
+    n = num_draft_tokens
+    runners, multi = {}, None
+    if graphs:
+        runners["extend"] = PiecewiseRunner(model, mk(), memory, token_buckets)
+        runners["draft_extend"] = DraftExtendRunner(model, mk(), memory, ForwardMode.DRAFT_EXTEND, buckets,
+                                                    spec=SpecInfo(n, 1, n - 1))
+    if num_steps > 1:   # built without graphs too: its run_eager is the eager path of draft decode
+        multi = MultiStepDraftRunner(model, [mk() for _ in range(num_steps - 1)], memory, topk, num_steps - 1,
+                                     buckets)
+        if graphs:
+            runners["draft_decode"] = multi
+    return ModelExecutor("draft", model, mk(), runners, multi)
