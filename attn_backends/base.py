@@ -1,4 +1,9 @@
-"""The backend contract (DESIGN.md) and the layout-driven base most backends share."""
+"""The backend contract and the layout-driven base most backends share.
+
+A backend is a class with a ``name``, declared ``capabilities`` and the seven methods of
+:class:`AttentionBackend`. ``docs/plugin-guide.md`` walks through writing one;
+``examples/sdpa_backend`` is a complete, installable one.
+"""
 from __future__ import annotations
 
 import enum
@@ -25,18 +30,49 @@ class GraphSupport(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Capabilities:
-    modes: frozenset                  # ForwardModes the backend runs
-    mha: bool = True                  # runs MHA/GQA models
-    mla: bool = False                 # runs (absorbed) MLA models
+    """What a backend declares it can do; ``select``, ``list`` and the suite decide from it alone.
+
+    Attributes
+    ----------
+    modes : frozenset of ForwardMode
+        The forward modes it runs (EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND).
+    mha, mla : bool
+        Whether it runs MHA/GQA models, and (absorbed) MLA models.
+    page_sizes : tuple of int
+        KV page sizes it supports (the memory's ``page_size``).
+    topk_gt1 : bool
+        Tree verify (TARGET_VERIFY with ``topk > 1``, a ``custom_mask``) and draft decode with
+        several branches per request (the draft-branch mask).
+    draft_decode : bool
+        Multi-step draft decode (DECODE with ``spec_info.draft_step > 0``).
+    graph : GraphSupport
+        How much of a forward a CUDA graph may hold with it (UNIFORM_BATCH: captured per
+        GraphKey; NEVER: eager only).
+    devices : tuple of str
+        "cpu" and/or "cuda".
+    min_sm : int
+        Least CUDA compute capability (90 for Hopper-only kernels; 0: any).
+    head_dims : tuple of int or None
+        Supported ``qk_dim`` (head dim, or latent + rope for MLA); None: any.
+    requires : tuple of str
+        Importable modules it needs; a missing one makes it unavailable with an install hint.
+    preference : int
+        ``select()`` ranks backends that serve a request by this first (higher first; the
+        built-ins declare 0), then registry order; the reference ``torch_native`` comes last.
+    """
+
+    modes: frozenset
+    mha: bool = True
+    mla: bool = False
     page_sizes: tuple = (1, 16, 64)
-    topk_gt1: bool = False            # tree verify and multi-branch draft decode
+    topk_gt1: bool = False
     draft_decode: bool = True
     graph: GraphSupport = GraphSupport.UNIFORM_BATCH
     devices: tuple = ("cpu", "cuda")
-    min_sm: int = 0                   # e.g. 90 for Hopper-only kernels
-    head_dims: Optional[tuple] = None # None: any
-    requires: tuple = ()              # importable modules it needs
-    preference: int = 0               # select(): higher ranks first among backends that serve
+    min_sm: int = 0
+    head_dims: Optional[tuple] = None
+    requires: tuple = ()
+    preference: int = 0
 
     def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
                 sm: int = 0) -> Optional[str]:
@@ -65,12 +101,32 @@ class ForwardMetadata:
         self.layout = layout
         self.plan = plan              # graph mode: the plan whose static views ``layout`` is
         self.extra = extra
+        self.batch = None             # eager: the batch it was prepared for
 
     def as_layout(self) -> dict:
         return self.layout.as_dict()
 
 
 class AttentionBackend(ABC):
+    """The contract every backend implements (subclass :class:`LayoutBackend` to get all but
+    ``_run`` from the canonical layout).
+
+    A backend instance serves one model configuration over one KV memory; the runtime may make
+    one instance per layer, and several runners may share one. ``name`` is the registry name;
+    ``capabilities`` what it declares. ``forward_metadata`` is what the next ``forward`` reads:
+    its ``as_layout()`` returns the canonical layout fields (``attn_backends.layout``) that the
+    layout-equivalence suite compares, whatever the backend keeps privately.
+
+    Parameters
+    ----------
+    config : ModelConfig
+        The attention shape (heads, head dims, MLA ranks, page size, dtype).
+    memory : KVMemory
+        The request-to-token table (``memory.req_to_token``, row 0 reserved) and the KV pool
+        (``memory.pool``: ``k[layer]``/``v[layer]`` ``[num_slots, Hkv, D]`` for MHA,
+        ``kv[layer]`` ``[num_slots, 1, latent + rope]`` for MLA; slot 0 and page 0 reserved).
+    """
+
     capabilities: ClassVar[Capabilities]
     name: ClassVar[str] = "?"
 
@@ -80,25 +136,50 @@ class AttentionBackend(ABC):
         self.forward_metadata: Optional[ForwardMetadata] = None
 
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Eager path: prepare the metadata of ``batch`` for the ``forward`` calls of this step
+        (every layer). May allocate and read host values (``seq_lens_cpu``); with
+        ``batch.plan`` set, the step's layout is already built there."""
 
     @abstractmethod
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None: ...
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Before any capture: the largest bucket and token count a captured graph will have.
+        Allocate what must outlive the captures (static buffers, workspaces) here."""
 
     @abstractmethod
-    def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None: ...
+    def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
+        """Before capturing the graph of ``inputs.key``: bind the static buffers the graph will
+        read and prepare them for the capture batch (which must pass the same validation as
+        any replay batch, I13). May sync and allocate; ``inputs.plan`` is the runner's step
+        plan (already captured for the key) or None."""
 
     @abstractmethod
-    def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None: ...
+    def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
+        """Before each replay of ``inputs.key``: rewrite, in place, everything the captured graph
+        reads for this batch (rows ``raw_bs..bs-1`` are padding). No host sync, no allocation
+        of graph-read tensors (I2, I15): host values come from ``inputs.seq_lens_cpu`` and the key."""
 
     @abstractmethod
-    def get_cuda_graph_seq_len_fill_value(self) -> int: ...
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The seq_len the runner gives padding rows before raising it to the query width W."""
 
     @abstractmethod
-    def graph_buffers(self) -> dict[str, torch.Tensor]: ...
+    def graph_buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured graph of this backend reads, by name: the suite poisons them
+        before replays and checks that their address, shape and dtype never change (I2, I3)."""
 
     @abstractmethod
-    def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True): ...
+    def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
+        """One layer's attention of the prepared batch.
+
+        Parameters
+        ----------
+        q : Tensor ``[T, H, qk_dim]``; T = bs * W in the uniform modes, the batch's tokens in EXTEND.
+        k, v : Tensor ``[T, Hkv, D]`` / ``[T, Hkv, Dv]`` (MLA: ``k [T, 1, latent + rope]``, ``v`` None),
+            stored at ``batch.out_cache_loc`` first when ``save_kv_cache``.
+        layer : AttentionLayer (layer id, heads, dims, softmax scale).
+        Returns ``[T, H, v_dim]`` (MLA: the latent output ``[T, H, kv_lora_rank]``) in q's dtype.
+        """
 
 
 class LayoutBackend(AttentionBackend):
@@ -116,6 +197,7 @@ class LayoutBackend(AttentionBackend):
         super().__init__(config, memory)
         if config.page_size != memory.page_size:
             raise ValueError(f"config page_size={config.page_size} != memory page_size={memory.page_size}")
+        memory.check_fits(config)
         self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
         self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, runner plan or None) -> metadata
@@ -130,6 +212,7 @@ class LayoutBackend(AttentionBackend):
         else:
             layout = build_layout(inputs_from_batch(batch, self.memory, self.get_cuda_graph_seq_len_fill_value()))
         self.forward_metadata = ForwardMetadata(layout, None, **self._extras(layout, None))
+        self.forward_metadata.batch = batch
 
     # -- graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -228,9 +311,16 @@ class LayoutBackend(AttentionBackend):
 
     # -- forward
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
-        if self.forward_metadata is None:
+        meta = self.forward_metadata
+        if meta is None:
             raise LayoutError("forward() before init_forward_metadata()")
-        lay = self.forward_metadata.layout
+        lay = meta.layout
+        if meta.batch is not None and meta.batch is not batch:
+            raise LayoutError("forward() got another batch than the one init_forward_metadata() prepared: "
+                              "prepare each new batch first (its metadata would be the previous step's)")
+        if meta.plan is not None and (batch.forward_mode != lay.mode or batch.batch_size != lay.bs):
+            raise LayoutError(f"forward() got a {batch.forward_mode.name} batch of bs={batch.batch_size}, the "
+                              f"graph metadata was prepared for {lay.mode.name} bs={lay.bs}")
         n = int(q.shape[0])
         if q.dim() != 3 or q.shape[1] != layer.num_q_heads or q.shape[2] != layer.qk_dim:
             raise ValueError(f"q has shape {tuple(q.shape)}, expected [T, {layer.num_q_heads}, {layer.qk_dim}]")
@@ -242,6 +332,8 @@ class LayoutBackend(AttentionBackend):
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "
                                  f"{None if k is None else tuple(k.shape)} and {tuple(batch.out_cache_loc.shape)}")
+            real = batch.raw_bs * lay.width if lay.width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
+            self.memory.check_slots(batch.out_cache_loc, real)
             self._store_kv(layer, batch.out_cache_loc, k, v)
         return self._run(q, layer, self.forward_metadata)
 

@@ -180,6 +180,42 @@ class KVMemory:
         self.req_to_token[row, new_len:self._lens[row]] = 0
         self._lens[row] = new_len
 
+    def check_fits(self, config) -> None:
+        """Raise ValueError unless the pool holds what ``config`` (a ModelConfig) reads and writes."""
+        pool, c = self.pool, config
+        if c.is_mla != self.is_mla:
+            raise ValueError(f"the model is {'MLA' if c.is_mla else 'MHA/GQA'} but the KV memory holds an "
+                             f"{'MLA' if self.is_mla else 'MHA'} pool")
+        bufs = pool.kv if self.is_mla else pool.k
+        if c.num_layers > len(bufs):
+            raise ValueError(f"num_layers={c.num_layers} exceeds the KV memory's {len(bufs)} layers")
+        want = ((1, c.kv_lora_rank + c.qk_rope_head_dim),) if self.is_mla else \
+            ((c.num_kv_heads, c.head_dim), (c.num_kv_heads, c.v_head_dim))
+        have = tuple(tuple(b[0].shape[1:]) for b in ((pool.kv,) if self.is_mla else (pool.k, pool.v)))
+        if have != want:
+            raise ValueError(f"the model's KV rows {want} (heads, dim) differ from the KV memory's {have}")
+        if bufs[0].dtype != c.dtype:
+            raise ValueError(f"the model's dtype {c.dtype} differs from the KV memory's {bufs[0].dtype}")
+
+    def check_slots(self, loc: torch.Tensor, n_real: int) -> None:
+        """Before any write: the first ``n_real`` entries of ``out_cache_loc`` are real tokens'
+        slots (outside the reserved page 0), the rest padding (the reserved slot 0). Checked
+        where the values are on the host; device values are not read (it would sync)."""
+        if loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_cache_loc dtype {loc.dtype} is not int32/int64")
+        if loc.device.type != "cpu":
+            return
+        real, pad = loc[:n_real], loc[n_real:]
+        bad = (real < self.page_size) | (real >= self.num_slots)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"out_cache_loc[{i}]={int(real[i])}: a real token's slot must lie in "
+                             f"{self.page_size}..{self.num_slots - 1} (page 0 is reserved for padding)")
+        if bool(pad.ne(0).any()):
+            i = int(pad.ne(0).nonzero()[0])
+            raise ValueError(f"out_cache_loc[{n_real + i}]={int(pad[i])}: a padding token must write the "
+                             "reserved slot 0")
+
     def free_request(self, row: int) -> None:
         self.pages.free(self._pages.pop(row))
         del self._lens[row]

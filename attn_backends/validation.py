@@ -41,8 +41,10 @@ def _check_shapes(inp: LayoutInputs) -> None:
             raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected ({bs},) like req_pool_indices")
     if inp.seq_lens_cpu.device.type != "cpu":
         raise LayoutError(f"seq_lens_cpu must be a host tensor, got device {inp.seq_lens_cpu.device}")
-    if inp.req_pool_indices.dtype not in (torch.int32, torch.int64):
-        raise LayoutError(f"req_pool_indices dtype {inp.req_pool_indices.dtype} is not int32/int64")
+    for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu"):
+        dtype = getattr(inp, name).dtype
+        if dtype not in (torch.int32, torch.int64):
+            raise LayoutError(f"{name} dtype {dtype} is not int32/int64")
     if not 1 <= inp.raw_bs <= bs:
         raise LayoutError(f"raw_bs={inp.raw_bs} outside 1..bs={bs}")
     if inp.mode == ForwardMode.IDLE:
