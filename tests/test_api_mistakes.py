@@ -41,7 +41,8 @@ def test_out_cache_loc_outside_the_pool_or_in_the_reserved_page(bad, where):
     be.init_forward_metadata(batch)
     q, k, v = qkv(MHA, 3)
     before = _pool_copy(mem)
-    want = r"a real token's slot must lie in 1\.\.63" if where == "real" else "a padding token must write the reserved slot 0"
+    want = (r"a real token's slot must lie in 1\.\.63" if where == "real"
+            else "a padding token must write the reserved slot 0")
     with pytest.raises(ValueError, match=rf"out_cache_loc\[{i}\]={bad}: {want}"):
         be.forward(q, k, v, MHA.layer(0), batch)
     assert _unchanged(mem, before), "the pool was written before the error"
