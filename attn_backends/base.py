@@ -332,8 +332,9 @@ class LayoutBackend(AttentionBackend):
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "
                                  f"{None if k is None else tuple(k.shape)} and {tuple(batch.out_cache_loc.shape)}")
-            real = batch.raw_bs * lay.width if lay.width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
-            self.memory.check_slots(batch.out_cache_loc, real)
+            if meta.plan is None:           # eager (graph batches are the runner's, padded by its plan)
+                real = batch.raw_bs * lay.width if lay.width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
+                self.memory.check_slots(batch.out_cache_loc, real)
             self._store_kv(layer, batch.out_cache_loc, k, v)
         return self._run(q, layer, self.forward_metadata)
 
