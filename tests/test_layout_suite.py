@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attn_backends import ForwardMode, ModelConfig, get_backend, list_backends, select_rows
+from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.registry import builtin_names, get_backend_class
 from attn_backends.testing.report import SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, Scenario, draft_extend_spec, make_memory, materialize
@@ -128,3 +129,20 @@ def test_hypothesis_layout_contract(backend, data):
     rep = SuiteReport()
     run_case(cls, c, rep)
     _assert_ok(rep)
+
+
+class DoubledOutput(TorchNativeBackend):
+    """A backend whose layouts are right and whose numbers are not (issue #12): twice the answer."""
+
+    name = "bug_doubled_output"
+
+    def _run(self, q, layer, meta):
+        return 2 * super()._run(q, layer, meta)
+
+
+def test_numbers_invariant_catches_a_doubled_output():
+    report = run_suite(DoubledOutput, cases=3, seed=1, modes=["decode", "extend", "verify_tree"])
+    assert report.failed_invariants() == {"I9n"}, report.failed_invariants()
+    assert "relative error 1 > 0.0001" in str(report.failures[0])
+    ok = run_suite(TorchNativeBackend, cases=3, seed=1, modes=["decode", "extend", "verify_tree"])
+    assert ok.ok and any(k[2] == "I9n" for k in ok.counts)

@@ -22,6 +22,8 @@ INVARIANTS = {
     "I7": "slicing: outputs cut to raw rows; pad rows never reach real rows",
     "I8": "no aliasing: returned tensors survive the next replay",
     "I9": "replay == eager (bitwise on the GPU for the same padded batch)",
+    "I9n": "numbers: eager and replayed outputs within tolerance of torch_native on the same batch "
+           "(float32 1e-4, float16 2e-3, bfloat16 2e-2 of the largest reference value)",
     "I10": "batch invariance: bucket, slot, others' accept lengths",
     "I11": "dispatch: can_run == replay happened; refusals; captured hidden mode",
     "I12": "fan-out: every backend instance refreshed per replay",

@@ -156,8 +156,9 @@ class _CaseRun:
         cfg = _config(c)
         per_req = -(-MAX_CTX // c.page_size)
         self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
-                               page_order=c.page_order, seed=c.seed, device=device, fill=False)
+                               page_order=c.page_order, seed=c.seed, device=device)   # random KV: I9n
         self.graph_be, self.eager_be = cls(cfg, self.mem), cls(cfg, self.mem)
+        self.numbers = _Numbers(cfg, self.mem, c.seed)
         self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
         self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
         report.cases[(name, c.mode)] += 1
@@ -175,6 +176,7 @@ class _CaseRun:
             self.eager_be.init_forward_metadata(m.batch)
             lay = _plain(self.eager_be.forward_metadata.as_layout())
             _judge_layout(self.judge, lay, None, m, self.mem, self.fill)
+            self.judge("I9n", self.numbers.check(self.eager_be, m.batch, "eager"))
             layouts.append(lay)
         self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
 
@@ -223,12 +225,50 @@ class _CaseRun:
                      if isinstance(v, torch.Tensor) and ptrs.get(k) != v.data_ptr()]
             self.judge("I2", moved + [f"graph buffer {k}: {a} at capture, {b} now" for k, a, b in
                                       _snapshot_diff(bufs0, snapshot(be.graph_buffers()))])
+            self.judge("I9n", self.numbers.check(be, m.batch, "replayed"))
             self.eager_be.init_forward_metadata(m.batch)
             eager = _plain(self.eager_be.forward_metadata.as_layout())
             _judge_layout(self.judge, rep, eager, m, self.mem, self.fill)
+            self.judge("I9n", self.numbers.check(self.eager_be, m.batch, "eager"))
             layouts.append(rep)
         self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
         del spacer  # held through the replays: a re-allocating replay would not get the captured address
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+class _Numbers:
+    """I9n: a backend's output on its current metadata against the reference backend's on the
+    same batch, over the real rows (KV read from the pool only: nothing is stored)."""
+
+    def __init__(self, cfg: ModelConfig, mem, seed: int) -> None:
+        self.cfg, self.mem = cfg, mem
+        self.ref = get_backend_class("torch_native")(cfg, mem)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def check(self, backend, batch, what: str) -> list:
+        n = batch.num_tokens
+        q = torch.randn(n, self.cfg.num_q_heads, self.cfg.qk_dim, generator=self.gen)
+        q = q.to(self.mem.device, self.cfg.dtype)
+        layer = self.cfg.layer(0)
+        try:
+            got = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
+        except Exception as e:  # noqa: BLE001 - a crash on a valid batch is the finding
+            return [f"{what} forward failed: {type(e).__name__}: {e}"]
+        self.ref.init_forward_metadata(batch)
+        want = self.ref.forward(q, None, None, layer, batch, save_kv_cache=False)
+        w = batch.width if batch.forward_mode.is_uniform() else 0
+        real = batch.raw_bs * w if w else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
+        if tuple(got.shape) != tuple(want.shape):
+            return [f"{what} output shape {tuple(got.shape)} != the reference's {tuple(want.shape)}"]
+        a, b = got[:real].double(), want[:real].double()
+        err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
+        tol = TOLERANCE.get(self.cfg.dtype, 2e-2)
+        if not err <= tol:                      # NaN fails too
+            return [f"{what} output vs torch_native on the same batch: relative error {err:.3g} > {tol:g} "
+                    f"({str(self.cfg.dtype)[6:]}, {real} real rows)"]
+        return []
 
 
 def _is_sync_error(e: Exception) -> bool:
