@@ -6,6 +6,7 @@
 #            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
 #            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick");
 #            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min)
+#   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -33,7 +34,7 @@ python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/de
 
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
-  timeout "${TEST_TIMEOUT:-480}" python -m pytest tests -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then
