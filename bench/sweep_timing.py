@@ -46,20 +46,14 @@ class Clock:
         return (time.perf_counter() - t0) * 1e6
 
     def gpu_us(self, fn) -> float:
-        if not self.cuda:
-            return self._cpu_us(fn)
-        n = self._iters(fn)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(n)]
-        for start, end in ev:
-            self._flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+        """Median GPU time of back-to-back calls (L2 flushed before each)."""
+        return self._events_us(fn, drain=False)
 
     def eager_us(self, fn) -> float:
+        """Median time of one call from an idle GPU (host launch included)."""
+        return self._events_us(fn, drain=True)
+
+    def _events_us(self, fn, drain: bool) -> float:
         if not self.cuda:
             return self._cpu_us(fn)
         n = self._iters(fn)
@@ -67,7 +61,8 @@ class Clock:
               for _ in range(n)]
         for start, end in ev:
             self._flush.zero_()
-            torch.cuda.synchronize()
+            if drain:
+                torch.cuda.synchronize()
             start.record()
             fn()
             end.record()
