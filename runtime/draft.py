@@ -107,6 +107,10 @@ class MultiStepDraftRunner(GraphRunnerBase):
         if tuple(inp.out_cache_loc.shape) != (inp.raw_bs, self.num_steps * self.topk):
             return (f"out_cache_loc {tuple(inp.out_cache_loc.shape)} != (bs, num_steps*topk) = "
                     f"({inp.raw_bs}, {self.num_steps * self.topk})")
+        top = int(inp.prefix_lens_cpu.max()) + self.num_steps * self.topk    # the last step's seq_len
+        if top > self.memory.max_context_len:   # refused before any step's plan is written
+            return (f"prefix {top - self.num_steps * self.topk} + num_steps*topk={self.num_steps * self.topk} "
+                    f"exceeds max_context_len={self.memory.max_context_len}")
         return None
 
     def _static_batch(self, bucket: int):
