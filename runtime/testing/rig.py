@@ -21,7 +21,7 @@ from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from ..full_graph import UniformGraphRunner
 from ..models import TinyConfig, TinyModel
 from ..piecewise import PiecewiseRunner
-from ..runner_base import RunnerOutput, run_eager
+from ..runner_base import RunnerOutput, run_eager, slice_hidden
 
 I32, I64 = torch.int32, torch.int64
 
@@ -231,7 +231,8 @@ class Rig:
         if self.kind == "draft_decode":
             out = self.ref_draft.run_eager(self.batch(reqs, bucket, hidden))
             n = raw * self.spec.topk
-            return RunnerOutput(out.logits[:n], None if out.hidden is None else out.hidden[:n], rows=out.rows[:raw])
+            h = None if out.hidden is None else out.hidden[:raw if hidden == H.LAST else n]   # padded: raw rows
+            return RunnerOutput(out.logits[:n], h, rows=out.rows[:raw])
         if self.kind == "piecewise":
             b = self.batch(reqs, hidden=hidden)
             out = piecewise_eager(m, self.ref_backends, b, bucket) if padded else run_eager(m, self.ref_backends, b, 0)
@@ -240,9 +241,26 @@ class Rig:
         if self.kind == "draft_extend":
             b = self.batch(reqs, bucket, H.FULL)
             out = run_eager(m, self.ref_backends, b, self.width)
-            rows = select_rows(raw, self.width, b.spec_info.accept_lens[:raw])
-            return RunnerOutput(out.logits[rows], None if hidden == H.NULL else out.hidden[rows], rows=rows)
+            acc = b.spec_info.accept_lens[:raw]
+            rows = select_rows(raw, self.width, acc)
+            return RunnerOutput(out.logits[rows], slice_hidden(out.hidden, hidden, raw * self.width, self.width, acc),
+                                rows=rows)
         return run_eager(m, self.ref_backends, self.batch(reqs, bucket, hidden), self.width)
+
+    def row_spans(self, reqs: list) -> list:
+        """``(first row, valid rows)`` of each request in a forward's rows, from first principles:
+        what the one hidden rule (LAST: the last valid row, FULL: every valid row) selects from."""
+        if self.kind == "piecewise":
+            ends = torch.tensor([len(r.ids) for r in reqs]).cumsum(0).tolist()
+            return [(e - len(r.ids), len(r.ids)) for r, e in zip(reqs, ends)]
+        w = self.spec.topk if self.kind == "draft_decode" else self.width
+        return [(i * w, r.accept if self.kind == "draft_extend" else w) for i, r in enumerate(reqs)]
+
+    def eager_rows(self, reqs: list) -> torch.Tensor:
+        """The eager hidden states of every row of the raw requests (draft decode: its last step)."""
+        if self.kind == "draft_extend":
+            return run_eager(self.model, self.ref_backends, self.batch(reqs, hidden=H.FULL), self.width).hidden
+        return self.expected(reqs, H.FULL).hidden
 
     def per_request(self, out: RunnerOutput, reqs: list) -> list:
         """Each request's slice of ``out.logits`` (draft decode: with its tokens)."""
@@ -276,6 +294,5 @@ def piecewise_eager(model, backends, batch: ForwardBatch, t: int) -> RunnerOutpu
             h = block.post_attn(h, o)
         h = model.norm(h)
         logits = model.lm_head(h).float()
-    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(I64)
-    hidden = {H.NULL: None, H.LAST: h[(lens.cumsum(0) - 1).to(dev)], H.FULL: h[:raw]}[batch.capture_hidden_mode]
-    return RunnerOutput(logits[:raw].clone(), None if hidden is None else hidden.clone())
+    hidden = slice_hidden(h, batch.capture_hidden_mode, raw, 0, batch.extend_seq_lens_cpu[:batch.raw_bs])
+    return RunnerOutput(logits[:raw].clone(), hidden)
