@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+from attn_backends.layout import mask_kind
 from attn_backends.plan import LayoutPlan
 
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
@@ -51,7 +52,8 @@ class UniformGraphRunner(GraphRunnerBase):
             return f"bs={batch.raw_bs} outside 1..{self.max_bs}, the largest captured bucket"
         if self.spec is not None and batch.spec_info is not None:
             s = batch.spec_info
-            if s.num_draft_tokens != self.spec.num_draft_tokens or (s.topk > 1) != self.tree:
+            if s.num_draft_tokens != self.spec.num_draft_tokens or \
+                    mask_kind(self.mode, s) != mask_kind(self.mode, self.spec):   # chain vs tree verify
                 return (f"spec N={s.num_draft_tokens}, topk={s.topk} differs from the captured "
                         f"N={self.spec.num_draft_tokens}, topk={self.spec.topk}")
         if self.mode == ForwardMode.DECODE and batch.spec_info is not None and batch.spec_info.is_draft_decode:

@@ -28,6 +28,7 @@ INVARIANTS = {
     "I13": "valid capture: the capture batch passes the validator",
     "I14": "history independence: A, B, A gives A twice",
     "I15": "no host sync in capture/replay preparation",
+    "I16": "KV slots: a step writes only its raw rows' new slots and the reserved slot 0",
 }
 LAYOUT_SUITE = "layout"
 # Column order of the table; modes not listed here follow in alphabetical order.

@@ -22,6 +22,7 @@ from ..full_graph import UniformGraphRunner
 from ..models import TinyConfig, TinyModel
 from ..piecewise import PiecewiseRunner
 from ..runner_base import RunnerOutput, run_eager, slice_hidden
+from .reference import Float64Reference
 
 I32, I64 = torch.int32, torch.int64
 
@@ -128,6 +129,8 @@ class Rig:
 
     def spec_template(self) -> Optional[SpecInfo]:
         s = self.spec
+        if self.kind == "draft_extend" and s.topk > 1 and s.steps + 1 <= s.n <= s.steps * s.topk + 1:
+            return SpecInfo(s.n, s.topk, s.steps)        # a tree's draft extend: N is not num_steps + 1
         if self.kind in ("verify", "breakable_verify", "draft_extend"):
             return SpecInfo(s.n, 1, s.n - 1)
         if self.kind == "verify_tree":
@@ -222,30 +225,38 @@ class Rig:
         return self.runner.bucket_for(n)
 
     # -- the reference
-    def expected(self, reqs: list, hidden=H.NULL, padded: bool = False) -> RunnerOutput:
+    def expected(self, reqs: list, hidden=H.NULL, padded: bool = False, float64: bool = False) -> RunnerOutput:
         """Eager model output of ``reqs`` on the reference backends: on the unpadded batch, or
         (``padded``) on the batch padded to the runner's bucket, which launches the same
-        kernels as the replay (bitwise equal on the GPU)."""
+        kernels as the replay (bitwise equal on the GPU). ``float64``: attention by the
+        independent float64 reference (:mod:`.reference`) instead of the backend under test."""
         raw, m = len(reqs), self.model
         bucket = self.bucket(reqs) if padded else None
+        backends = self._float64() if float64 else self.ref_backends
         if self.kind == "draft_decode":
-            out = self.ref_draft.run_eager(self.batch(reqs, bucket, hidden))
+            draft = MultiStepDraftRunner(m, backends, self.mem, self.spec.topk, self.spec.steps, [1]) if float64 \
+                else self.ref_draft
+            out = draft.run_eager(self.batch(reqs, bucket, hidden))
             n = raw * self.spec.topk
             h = None if out.hidden is None else out.hidden[:raw if hidden == H.LAST else n]   # padded: raw rows
             return RunnerOutput(out.logits[:n], h, rows=out.rows[:raw])
         if self.kind == "piecewise":
             b = self.batch(reqs, hidden=hidden)
-            out = piecewise_eager(m, self.ref_backends, b, bucket) if padded else run_eager(m, self.ref_backends, b, 0)
+            out = piecewise_eager(m, backends, b, bucket) if padded else run_eager(m, backends, b, 0)
             out.input_embeds = b.input_embeds     # passed through, cut to the raw tokens
             return out
         if self.kind == "draft_extend":
             b = self.batch(reqs, bucket, H.FULL)
-            out = run_eager(m, self.ref_backends, b, self.width)
+            out = run_eager(m, backends, b, self.width)
             acc = b.spec_info.accept_lens[:raw]
             rows = select_rows(raw, self.width, acc)
             return RunnerOutput(out.logits[rows], slice_hidden(out.hidden, hidden, raw * self.width, self.width, acc),
                                 rows=rows)
-        return run_eager(m, self.ref_backends, self.batch(reqs, bucket, hidden), self.width)
+        return run_eager(m, backends, self.batch(reqs, bucket, hidden), self.width)
+
+    def _float64(self):
+        mk = lambda: Float64Reference(self.tc.attention(), self.mem)  # noqa: E731
+        return [mk() for _ in range(self.spec.steps)] if self.kind == "draft_decode" else mk()
 
     def row_spans(self, reqs: list) -> list:
         """``(first row, valid rows)`` of each request in a forward's rows, from first principles:
@@ -256,11 +267,12 @@ class Rig:
         w = self.spec.topk if self.kind == "draft_decode" else self.width
         return [(i * w, r.accept if self.kind == "draft_extend" else w) for i, r in enumerate(reqs)]
 
-    def eager_rows(self, reqs: list) -> torch.Tensor:
+    def eager_rows(self, reqs: list, padded: bool = False) -> torch.Tensor:
         """The eager hidden states of every row of the raw requests (draft decode: its last step)."""
         if self.kind == "draft_extend":
-            return run_eager(self.model, self.ref_backends, self.batch(reqs, hidden=H.FULL), self.width).hidden
-        return self.expected(reqs, H.FULL).hidden
+            b = self.batch(reqs, self.bucket(reqs) if padded else None, H.FULL)
+            return run_eager(self.model, self.ref_backends, b, self.width).hidden
+        return self.expected(reqs, H.FULL, padded).hidden
 
     def per_request(self, out: RunnerOutput, reqs: list) -> list:
         """Each request's slice of ``out.logits`` (draft decode: with its tokens)."""
