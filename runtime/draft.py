@@ -20,7 +20,7 @@ from attn_backends.layout import pad_seq_len
 from attn_backends.plan import LayoutPlan, step_plan
 
 from .full_graph import UniformGraphRunner
-from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
+from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
 
@@ -108,6 +108,13 @@ class MultiStepDraftRunner(GraphRunnerBase):
         if tuple(inp.out_cache_loc.shape) != (inp.raw_bs, self.num_steps * self.topk):
             return (f"out_cache_loc {tuple(inp.out_cache_loc.shape)} != (bs, num_steps*topk) = "
                     f"({inp.raw_bs}, {self.num_steps * self.topk})")
+        dev, raw = self.device.type, inp.raw_bs
+        for name, rows, where in (("req_pool_indices", raw, dev), ("prefix_lens", raw, dev),
+                                  ("prefix_lens_cpu", raw, "cpu"), ("input_ids", raw * self.topk, dev),
+                                  ("out_cache_loc", raw, dev)):
+            reason = tensor_refusal(name, getattr(inp, name), rows, where)
+            if reason:
+                return reason
         top = int(inp.prefix_lens_cpu.max()) + self.num_steps * self.topk    # the last step's seq_len
         if top > self.memory.max_context_len:   # refused before any step's plan is written
             return (f"prefix {top - self.num_steps * self.topk} + num_steps*topk={self.num_steps * self.topk} "

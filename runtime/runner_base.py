@@ -58,6 +58,23 @@ def slice_hidden(hidden: torch.Tensor, mode: CaptureHiddenMode, n_rows: int, wid
     return hidden[:n_rows].reshape(raw, width, -1)[keep]
 
 
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor_refusal(name: str, t, rows: int, device_type: str, dtypes=INT_DTYPES) -> Optional[str]:
+    """Why a batch input cannot be copied into a runner's static rows (host checks only: no
+    sync); None when it can. ``rows``: the least leading size it must have."""
+    if t is None:
+        return f"{name} is None"
+    if t.dtype not in dtypes:
+        return f"{name} has dtype {t.dtype}, expected {' or '.join(str(d)[6:] for d in dtypes)}"
+    if t.device.type != device_type:
+        return f"{name} is on {t.device}, expected {device_type}"
+    if t.dim() == 0 or t.shape[0] < rows:
+        return f"{name} has shape {tuple(t.shape)}, expected at least {rows} rows"
+    return None
+
+
 class GraphRunnerBase:
     """Subclasses define the static batch, the captured function and the output slicing."""
 

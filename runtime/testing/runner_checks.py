@@ -6,15 +6,20 @@
 - I7 the one hidden rule, against rows derived from first principles (LAST: the last valid row
   of each raw request, FULL: every valid row, in order), not against the runner's own slicing;
 - I9 against the independent float64 reference (:mod:`.reference`), which catches what replay ==
-  eager on the same backend cannot: a wrong causal or tree mask in a kernel.
+  eager on the same backend cannot: a wrong causal or tree mask in a kernel;
+- I9 of the executor's eager fallback: its outputs come from the eager forward, never from a
+  graph's static buffers (sgl #22832).
 """
 from __future__ import annotations
+
+import random
 
 import torch
 
 from attn_backends import CaptureHiddenMode as H
 
-from ..runner_base import RunnerOutput
+from ..executor import ModelExecutor
+from ..runner_base import RunnerOutput, run_eager
 
 
 def kv_pools(mem) -> list:
@@ -76,3 +81,25 @@ def against_float64(case, out: RunnerOutput, hidden, compare) -> None:
     tol = 8e-2 if rig.tc.dtype == torch.bfloat16 else 2e-3
     want = rig.expected(case.reqs_a, hidden, float64=True)
     case.judge("I9", compare(out, want, tol, "A replay vs the float64 reference"))
+
+
+def fallback_messages() -> list:
+    """A decode executor: a replay, then batches it must run eagerly (over the largest bucket, a
+    hidden mode above the captured one); each output against an independent eager forward."""
+    from .rig import Rig, RigSpec
+    from .runner_suite import compare
+    rig = Rig(RigSpec("decode", buckets=(2, 4), hidden=H.NULL))
+    ex = ModelExecutor("target", rig.model, rig._backends(), {"decode": rig.runner})
+    rng = random.Random(0)
+    msgs = []
+    ex.forward(rig.batch(rig.new_requests(3, rng)))
+    for what, reqs, hidden in (("bs=5 over the largest bucket", rig.new_requests(5, rng), H.NULL),
+                               ("hidden LAST above the captured NULL", rig.new_requests(2, rng), H.LAST)):
+        batch = rig.batch(reqs, hidden=hidden)
+        counts = dict(ex.counts["decode"])
+        out = ex.forward(batch)
+        if ex.counts["decode"]["eager"] != counts.get("eager", 0) + 1:
+            msgs.append(f"{what}: not counted as an eager fallback")
+        want = run_eager(rig.model, rig.ref_backends, batch, 1)
+        msgs += compare(out, want, 1e-5, f"{what}: executor output vs the eager forward")
+    return msgs

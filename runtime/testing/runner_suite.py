@@ -196,7 +196,8 @@ class _Case:
             self.reqs_a = rig.new_requests(rng.randint(1, 3), rng, tokens=budget - 1)   # raw tokens < bucket
             self.reqs_b = rig.new_requests(rng.randint(1, 3), rng, tokens=max(1, budget // 2))
         else:
-            ra = rng.randint(1, maxb - 1) if maxb > 1 else 1
+            padded = [n for n in range(1, maxb) if n not in r.buckets]   # raw_bs < its bucket where possible
+            ra = rng.choice(padded) if padded else rng.randint(1, maxb - 1) if maxb > 1 else 1
             rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
             self.reqs_a, self.reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
         self.ha, self.hb = (H(rng.randint(0, int(r.capture_hidden_mode))) for _ in range(2))
