@@ -69,8 +69,11 @@ def assert_same(got, want, tol, what):
 @pytest.mark.parametrize("kind", KINDS)
 def test_runner_invariants(kind, backend, mla, device):
     """Replay == eager (raw_bs < bucket, ragged, shuffled), A/B/A, no aliasing, poisoned pad
-    rows, batch invariance, can_run == replay (counted) with every refusal, per-layer fan-out."""
-    rig = make_rig(kind, backend, mla, device, page_order="shuffled")
+    rows, batch invariance, can_run == replay (counted) with every refusal, per-layer fan-out, KV
+    slots (I16), the hidden rule and the float64 reference. The captured hidden mode varies with
+    the kind, so that refusing a higher one is exercised too."""
+    captured = (H.NULL, H.LAST, H.FULL)[KINDS.index(kind) % 3]
+    rig = make_rig(kind, backend, mla, device, page_order="shuffled", hidden=captured)
     tol, exact = tolerance(backend, device)
     failures = []
     check_case(rig, random.Random(7), lambda inv, msgs: failures.extend(f"{inv}: {m}" for m in msgs),
