@@ -290,19 +290,10 @@ def graph_replayed_for_other_mode(mp):
     mp.setattr(full_graph.UniformGraphRunner, "refusal", GraphRunnerBase.refusal)
 
 
-def _no_hidden_guard(self, batch):
-    saved, batch.capture_hidden_mode = batch.capture_hidden_mode, H.NULL
-    try:
-        return _base_refusal(self, batch)
-    finally:
-        batch.capture_hidden_mode = saved
-
-
-_base_refusal = GraphRunnerBase.refusal
-
-
 def hidden_mode_not_guarded(mp):
-    mp.setattr(GraphRunnerBase, "refusal", _no_hidden_guard)
+    base = GraphRunnerBase.refusal
+    mp.setattr(GraphRunnerBase, "refusal",
+               lambda self, b: base(self, dataclasses.replace(b, capture_hidden_mode=H.NULL)))
 
 
 def embeds_into_graph(mp):
