@@ -139,7 +139,7 @@ def test_hidden_modes_sliced_to_raw_rows(kind, mla, backend, device):
             "piecewise": sum(len(q.ids) for q in reqs)}.get(kind, len(reqs) * max(rig.width, 1))
     # one rule for every runner: LAST the last valid row of each request, FULL every valid row
     spans = rig.row_spans(reqs)
-    every = rig.eager_rows(reqs)
+    every = rig.eager_rows(reqs, padded=exact)
     want = {H.LAST: every[[s + c - 1 for s, c in spans]],
             H.FULL: every[[s + j for s, c in spans for j in range(c)]]}
     for mode, n in ((H.NULL, None), (H.LAST, len(reqs)), (H.FULL, sum(c for _, c in spans))):
