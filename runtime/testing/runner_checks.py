@@ -30,8 +30,12 @@ def kv_pools(mem) -> list:
     return [(f"{n}[{i}]", t) for n in ("k", "v") for i, t in enumerate(getattr(pool, n))]
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    """``[slots, ...]`` integers with the bits of ``t`` (NaN compares equal to itself)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()]).reshape(t.shape[0], -1)
 
 
 def kv_snapshot(mem) -> list:
