@@ -185,14 +185,14 @@ class LayoutPlan:
         """Copy a caller's real rows into the plan's inputs (what a runner does itself), after
         validating them (device values too at capture, outside a stream capture: they sync);
         nothing is written if they are refused."""
-        key = inputs.key
+        key, spec = inputs.key, inputs.spec_info
         self._check_capacity(key)
+        self._check_key(key, spec, capture)
         validate(self._inputs_of(inputs, check_device=capture and not _layout.stream_capturing()))
-        spec = inputs.spec_info
         accept = spec.accept_lens if spec is not None and key.forward_mode == ForwardMode.DRAFT_EXTEND else None
         tree = spec.tree_mask if spec is not None and mask_kind(key.forward_mode, spec) == MaskKind.TREE else None
-        self.load_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu,
-                       accept_lens=accept, tree_mask=tree, draft_step=spec.draft_step if spec is not None else 0)
+        self._write_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu,
+                         None, accept, tree, spec.draft_step if spec is not None else 0)
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
@@ -200,11 +200,23 @@ class LayoutPlan:
         ``raw_bs`` and the draft step (into their device scalars; default: the captured step)
         in one launch, the ``tokens`` (``[input_ids, positions, out_cache_loc]``, ``raw_bs * W``
         rows each; None entries are left alone) in another, and the host ``seq_lens_cpu``.
-        Sources longer than the real rows are cut."""
-        n = raw_bs * key.width
+        Sources longer than the real rows are cut. The host lengths are checked first: a refused
+        batch writes nothing."""
+        entry = self._captured.get(key) or self.captured(key)
+        if not 1 <= raw_bs <= key.bs:
+            raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
+        spec = entry.spec
         if draft_step is None:
-            spec = self.captured(key).spec
             draft_step = spec.draft_step if spec is not None else 0
+        elif spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
+            spec = dataclasses.replace(spec, draft_step=draft_step)
+        _check_seqs(entry, spec, seq_lens_cpu.numpy()[:raw_bs].tolist(), self.memory.max_context_len)
+        self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_lens_cpu, tokens, accept_lens, tree_mask,
+                         draft_step)
+
+    def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_lens_cpu, tokens, accept_lens, tree_mask,
+                    draft_step: int) -> None:
+        n = raw_bs * key.width
         c = self._consts
         torch._foreach_copy_(self._load_dst[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs),
                                                       c[raw_bs], c[draft_step]])
@@ -223,9 +235,7 @@ class LayoutPlan:
         capture batch, validated like any replay batch: I13) and, on CUDA, capture the prep
         graph. A refused batch changes nothing."""
         self._check_capacity(key)
-        if query_width(key.forward_mode, spec) != key.width:
-            raise LayoutError(f"GraphKey width W={key.width} but the spec gives "
-                              f"W={query_width(key.forward_mode, spec)}")
+        self._check_key(key, spec, capture=True)
         step = spec.draft_step if spec is not None and spec.is_draft_decode else 1
         entry = _Captured(key, spec, None, need=key.width * step, pad=pad_seq_len(self.fill, key.width))
         validate(self._inputs(entry, raw_bs, check_device=not _layout.stream_capturing()))
@@ -254,10 +264,7 @@ class LayoutPlan:
             raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
         if draft_step is not None and spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        seqs = self._seq_np[:raw_bs].tolist()
-        need = entry.need if spec is entry.spec else None
-        if need is None or min(seqs) < need or max(seqs) > self.memory.max_context_len:
-            check_lengths(key.forward_mode, spec, seqs, self.memory.max_context_len)   # raises with the reason
+        _check_seqs(entry, spec, self._seq_np[:raw_bs].tolist(), self.memory.max_context_len)
         step = spec.draft_step if spec is not None else 0
         if self._loaded != (raw_bs, step):                # inputs written by hand, not by load_rows
             self.raw_bs_dev.fill_(raw_bs)
@@ -290,6 +297,17 @@ class LayoutPlan:
         if not self.max_bs:
             raise LayoutError("this step plan is eager-only (max_bs=0): no graph buffers")
         self.buffers.check_capacity(key.bs, key.width)
+
+    def _check_key(self, key: GraphKey, spec: Optional[SpecInfo], capture: bool) -> None:
+        """Host checks of a key against its spec (and, for a capture, against the key's earlier
+        capture, whose static views it reuses), before anything is written."""
+        w = query_width(key.forward_mode, spec)
+        if w != key.width:
+            raise LayoutError(f"GraphKey width W={key.width} but the spec gives W={w}")
+        old = self._captured.get(key)
+        if capture and old is not None and old.layout.mask != mask_kind(key.forward_mode, spec):
+            raise LayoutError(f"{key} was captured with a {old.layout.mask.value} mask; a "
+                              f"{mask_kind(key.forward_mode, spec).value} capture needs a key of its own")
 
     def _inputs_of(self, inputs: GraphInputs, check_device: bool) -> LayoutInputs:
         """Builder inputs over a caller's tensors (validation before :meth:`load`)."""
@@ -329,6 +347,13 @@ class LayoutPlan:
             tok.mul_(real.repeat_interleave(key.width, output_size=tok.shape[1]))
         build_layout(inp, out=entry.layout)
         self.builds += 1
+
+
+def _check_seqs(entry: _Captured, spec: Optional[SpecInfo], seqs: list, max_context_len: int) -> None:
+    """Host check of the real rows' seq_lens: fast when they are in range, else the reason."""
+    need = entry.need if spec is entry.spec else None
+    if need is None or min(seqs) < need or max(seqs) > max_context_len:
+        check_lengths(entry.key.forward_mode, spec, seqs, max_context_len)   # raises with the reason
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:

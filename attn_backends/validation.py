@@ -41,6 +41,10 @@ def _check_shapes(inp: LayoutInputs) -> None:
             raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected ({bs},) like req_pool_indices")
     if inp.seq_lens_cpu.device.type != "cpu":
         raise LayoutError(f"seq_lens_cpu must be a host tensor, got device {inp.seq_lens_cpu.device}")
+    mem = inp.req_to_token.device
+    for name in ("req_pool_indices", "seq_lens"):
+        if getattr(inp, name).device.type != mem.type:
+            raise LayoutError(f"{name} is on {getattr(inp, name).device}, the KV memory on {mem}")
     for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu"):
         dtype = getattr(inp, name).dtype
         if dtype not in (torch.int32, torch.int64):

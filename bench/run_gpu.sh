@@ -2,7 +2,8 @@
 # GPU tests, the layout suite on CUDA and the benchmarks in one call; prints a table last.
 # Usage (repository root): bash bench/run_gpu.sh [OUT_DIR]
 #   STAGES   which stages to run (default "tests check bench eagle"); also "sanitize" (compute-sanitizer
-#            memcheck over the GPU kernel tests), "tune" (the launch-config sweep, ~200 s) and
+#            memcheck and initcheck over the GPU tests of the kernels and the backends' graph path:
+#            SANITIZE_TESTS, SANITIZE_K), "soak" (10,000 runner replays vs eager, SOAK_REPLAYS), "tune" (the launch-config sweep, ~200 s) and
 #            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
 #            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick");
 #            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min)
@@ -45,10 +46,22 @@ if [[ $stages == *" check "* ]]; then
   done
 fi
 if [[ $stages == *" sanitize "* ]]; then
-  echo "== compute-sanitizer memcheck (GPU kernel tests)"
-  timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 7 \
-      python -m pytest tests/kernels -q -m cuda -x -p no:cacheprovider -k "${SANITIZE_K:-not 32768}" 2>&1 \
-      | tee "$out/sanitize.log" | tail -6 || status=1
+  # the GPU tests of the kernels and of the backends' graph path, a fast subset (SANITIZE_K)
+  sanitize_tests=${SANITIZE_TESTS:-tests/kernels tests/test_cuda_graphs.py}
+  for tool in memcheck initcheck; do
+    echo "== compute-sanitizer $tool ($sanitize_tests)"
+    extra=$([[ $tool == memcheck ]] && echo "--leak-check no")
+    timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool $extra --error-exitcode 7 \
+        python -m pytest $sanitize_tests -q -m cuda -x -p no:cacheprovider \
+        -k "${SANITIZE_K:-not 32768 and not real_sizes}" 2>&1 \
+        | tee "$out/sanitize_$tool.log" | tail -6 || status=1
+    grep -E "ERROR SUMMARY" "$out/sanitize_$tool.log" | tail -1
+  done
+fi
+if [[ $stages == *" soak "* ]]; then
+  echo "== soak: 10,000 replays over every bucket and mode of the runners, bitwise vs eager"
+  timeout "${SOAK_TIMEOUT:-300}" python -m attn_backends_runtime.testing.soak --replays "${SOAK_REPLAYS:-10000}" \
+      --device cuda 2>&1 | tee "$out/soak.log" | tail -12 || status=1
 fi
 if [[ $stages == *" tune "* ]]; then
   echo "== launch-config sweep"

@@ -20,7 +20,7 @@ from attn_backends.layout import pad_seq_len
 from attn_backends.plan import LayoutPlan, step_plan
 
 from .full_graph import UniformGraphRunner
-from .runner_base import GraphRunnerBase, RunnerOutput
+from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
 
@@ -61,8 +61,9 @@ class DraftExtendRunner(UniformGraphRunner):
 
     def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
         logits, hidden = out
-        rows = select_rows(batch.raw_bs, self.width, self.accept_lens[:batch.raw_bs])
-        h = None if batch.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[rows].clone()
+        acc = self.accept_lens[:batch.raw_bs]
+        rows = select_rows(batch.raw_bs, self.width, acc)
+        h = slice_hidden(hidden, batch.capture_hidden_mode, batch.raw_bs * self.width, self.width, acc)
         return RunnerOutput(logits[rows].clone(), h, rows=rows)
 
 
@@ -107,6 +108,17 @@ class MultiStepDraftRunner(GraphRunnerBase):
         if tuple(inp.out_cache_loc.shape) != (inp.raw_bs, self.num_steps * self.topk):
             return (f"out_cache_loc {tuple(inp.out_cache_loc.shape)} != (bs, num_steps*topk) = "
                     f"({inp.raw_bs}, {self.num_steps * self.topk})")
+        dev, raw = self.device.type, inp.raw_bs
+        for name, rows, where in (("req_pool_indices", raw, dev), ("prefix_lens", raw, dev),
+                                  ("prefix_lens_cpu", raw, "cpu"), ("input_ids", raw * self.topk, dev),
+                                  ("out_cache_loc", raw, dev)):
+            reason = tensor_refusal(name, getattr(inp, name), rows, where)
+            if reason:
+                return reason
+        top = int(inp.prefix_lens_cpu.max()) + self.num_steps * self.topk    # the last step's seq_len
+        if top > self.memory.max_context_len:   # refused before any step's plan is written
+            return (f"prefix {top - self.num_steps * self.topk} + num_steps*topk={self.num_steps * self.topk} "
+                    f"exceeds max_context_len={self.memory.max_context_len}")
         return None
 
     def _static_batch(self, bucket: int):
@@ -168,7 +180,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
         n, k = inp.raw_bs * self.topk, self.topk
         toks = tokens[:, :n].reshape(self.num_steps, inp.raw_bs, k).permute(1, 0, 2).clone()  # [bs, steps, topk]
         sc = scores[:, :n].reshape(self.num_steps, inp.raw_bs, k).permute(1, 0, 2).clone()   # [bs, steps, topk]
-        h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden[:n].clone()
+        h = slice_hidden(hidden, inp.capture_hidden_mode, n, k)             # the last step's branch rows
         return RunnerOutput(logits[:n].clone(), h, rows=toks, scores=sc)
 
     def run_eager(self, inp: DraftInput) -> RunnerOutput:
@@ -191,5 +203,4 @@ class MultiStepDraftRunner(GraphRunnerBase):
             scores.append(greedy_logprob(logits, ids))
         toks = torch.stack(tokens).reshape(self.num_steps, raw, k).permute(1, 0, 2)
         sc = torch.stack(scores).reshape(self.num_steps, raw, k).permute(1, 0, 2)
-        h = None if inp.capture_hidden_mode == CaptureHiddenMode.NULL else hidden
-        return RunnerOutput(logits, h, rows=toks, scores=sc)
+        return RunnerOutput(logits, slice_hidden(hidden, inp.capture_hidden_mode, raw * k, k), rows=toks, scores=sc)

@@ -8,6 +8,7 @@ backends' static buffers); the eager path has its own.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Optional
 
@@ -16,7 +17,7 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, KVMemory
 from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from .full_graph import UniformGraphRunner
 from .piecewise import PiecewiseRunner
-from .runner_base import RunnerOutput, run_eager
+from .runner_base import RunnerOutput, run_eager, slice_hidden
 
 H = CaptureHiddenMode
 MODE_KEYS = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.TARGET_VERIFY: "verify",
@@ -48,11 +49,13 @@ class ModelExecutor:
             return runner.run(batch)
         self._count(key, False)
         width = 0 if batch.forward_mode == ForwardMode.EXTEND else batch.width
-        out = run_eager(self.model, self.eager_backends, batch, width)
         if batch.forward_mode != ForwardMode.DRAFT_EXTEND:
-            return out
-        rows = select_rows(batch.raw_bs, width, batch.spec_info.accept_lens[:batch.raw_bs])
-        return RunnerOutput(out.logits[rows], None if out.hidden is None else out.hidden[rows], rows=rows)
+            return run_eager(self.model, self.eager_backends, batch, width)
+        out = run_eager(self.model, self.eager_backends, dataclasses.replace(batch, capture_hidden_mode=H.FULL), width)
+        acc = batch.spec_info.accept_lens[:batch.raw_bs]
+        rows = select_rows(batch.raw_bs, width, acc)
+        hidden = slice_hidden(out.hidden, batch.capture_hidden_mode, batch.raw_bs * width, width, acc)
+        return RunnerOutput(out.logits[rows], hidden, rows=rows)
 
     def draft(self, inp: DraftInput) -> RunnerOutput:
         """Multi-step draft decode: ``rows`` [bs, steps, topk] tokens, ``scores`` their log-probs."""

@@ -7,9 +7,10 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+from attn_backends.layout import mask_kind
 from attn_backends.plan import LayoutPlan
 
-from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
+from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
 
@@ -51,11 +52,30 @@ class UniformGraphRunner(GraphRunnerBase):
             return f"bs={batch.raw_bs} outside 1..{self.max_bs}, the largest captured bucket"
         if self.spec is not None and batch.spec_info is not None:
             s = batch.spec_info
-            if s.num_draft_tokens != self.spec.num_draft_tokens or (s.topk > 1) != self.tree:
+            if s.num_draft_tokens != self.spec.num_draft_tokens or \
+                    mask_kind(self.mode, s) != mask_kind(self.mode, self.spec):   # chain vs tree verify
                 return (f"spec N={s.num_draft_tokens}, topk={s.topk} differs from the captured "
                         f"N={self.spec.num_draft_tokens}, topk={self.spec.topk}")
         if self.mode == ForwardMode.DECODE and batch.spec_info is not None and batch.spec_info.is_draft_decode:
             return "draft decode runs on the multi-step draft runner"
+        return self._input_refusal(batch)
+
+    def _input_refusal(self, batch: ForwardBatch) -> Optional[str]:
+        """Shapes, dtypes and devices of what ``_load`` copies: a bad tensor is refused before any
+        static row is written (a float row index would be copied, converted, without a word)."""
+        raw, n, dev = batch.raw_bs, batch.raw_bs * self.width, self.device.type
+        for name, rows, where in (("req_pool_indices", raw, dev), ("seq_lens", raw, dev), ("seq_lens_cpu", raw, "cpu"),
+                                  ("input_ids", n, dev), ("positions", n, dev), ("out_cache_loc", n, dev)):
+            reason = tensor_refusal(name, getattr(batch, name), rows, where)
+            if reason:
+                return reason
+        spec, w = batch.spec_info, self.width
+        if self.tree:
+            tm = None if spec is None else spec.tree_mask
+            if tm is None or tm.dim() != 3 or tuple(tm.shape[1:]) != (w, w) or tm.shape[0] < raw:
+                return f"tree_mask has shape {None if tm is None else tuple(tm.shape)}, expected [{raw}, {w}, {w}]"
+        if self.mode == ForwardMode.DRAFT_EXTEND and spec is not None and spec.accept_lens is not None:
+            return tensor_refusal("accept_lens", spec.accept_lens, raw, dev)
         return None
 
     def _static_batch(self, bucket: int):

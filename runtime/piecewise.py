@@ -14,7 +14,7 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode
 from attn_backends.plan import LayoutPlan
 
 from .graphs import make_graph
-from .runner_base import GraphRunnerBase, RunnerOutput, RunnerRefusal
+from .runner_base import GraphRunnerBase, RunnerOutput, RunnerRefusal, slice_hidden
 
 
 class PiecewiseRunner(GraphRunnerBase):
@@ -94,8 +94,6 @@ class PiecewiseRunner(GraphRunnerBase):
                 self.attn_out[i][raw:t].zero_()
         self.replay_count += 1
         h, logits = pieces[-1][1]
-        ends = torch.cumsum(batch.extend_seq_lens_cpu[:batch.raw_bs].to(torch.int64), 0) - 1
-        hidden = {CaptureHiddenMode.NULL: None, CaptureHiddenMode.LAST: h[ends.to(h.device)],
-                  CaptureHiddenMode.FULL: h[:raw]}[batch.capture_hidden_mode]
+        hidden = slice_hidden(h, batch.capture_hidden_mode, raw, 0, batch.extend_seq_lens_cpu[:batch.raw_bs])
         embeds = None if batch.input_embeds is None else self.embeds[:raw].clone()
-        return RunnerOutput(logits[:raw].clone(), None if hidden is None else hidden.clone(), embeds)
+        return RunnerOutput(logits[:raw].clone(), hidden, embeds)

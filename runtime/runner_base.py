@@ -30,13 +30,49 @@ class RunnerOutput:
     scores: Optional[torch.Tensor] = None       # draft decode: [raw_bs, steps, topk] log-prob of each greedy token
 
 
-def slice_hidden(hidden: torch.Tensor, mode: CaptureHiddenMode, n_rows: int, width: int):
-    """Hidden states of the raw rows: None, the last row of each request, or every row."""
+def slice_hidden(hidden: torch.Tensor, mode: CaptureHiddenMode, n_rows: int, width: int,
+                 valid: Optional[torch.Tensor] = None):
+    """The hidden states a forward returns, by one rule for every runner and the eager path:
+    NULL none, LAST the last valid row of each raw request, FULL every valid row of each raw
+    request, in order (a clone: never a view of a graph output).
+
+    ``hidden`` holds the rows of the raw requests first (``n_rows`` of them). Uniform modes:
+    request ``i`` owns rows ``i*width ..`` and all ``width`` are valid unless ``valid`` ([raw]
+    int, device) says how many are (DRAFT_EXTEND: the accept lengths; FULL then syncs once, its
+    row count being data-dependent). ``width`` 0: ragged packed rows (EXTEND), ``valid`` ([raw]
+    int, host) the length of each request.
+    """
     if mode == CaptureHiddenMode.NULL:
         return None
+    if width == 0:
+        if mode == CaptureHiddenMode.LAST:
+            return hidden[(valid.to(torch.int64).cumsum(0) - 1).to(hidden.device)]
+        return hidden[:n_rows].clone()
+    if valid is None:
+        return (hidden[width - 1:n_rows:width] if mode == CaptureHiddenMode.LAST else hidden[:n_rows]).clone()
+    raw = n_rows // width
+    valid = valid[:raw].to(device=hidden.device, dtype=torch.int64)
     if mode == CaptureHiddenMode.LAST:
-        return hidden[width - 1:n_rows:width].clone()
-    return hidden[:n_rows].clone()
+        return hidden[torch.arange(raw, device=hidden.device) * width + valid - 1]
+    keep = torch.arange(width, device=hidden.device)[None, :] < valid[:, None]          # [raw, W]
+    return hidden[:n_rows].reshape(raw, width, -1)[keep]
+
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor_refusal(name: str, t, rows: int, device_type: str, dtypes=INT_DTYPES) -> Optional[str]:
+    """Why a batch input cannot be copied into a runner's static rows (host checks only: no
+    sync); None when it can. ``rows``: the least leading size it must have."""
+    if t is None:
+        return f"{name} is None"
+    if t.dtype not in dtypes:
+        return f"{name} has dtype {t.dtype}, expected {' or '.join(str(d)[6:] for d in dtypes)}"
+    if t.device.type != device_type:
+        return f"{name} is on {t.device}, expected {device_type}"
+    if t.dim() == 0 or t.shape[0] < rows:
+        return f"{name} has shape {tuple(t.shape)}, expected at least {rows} rows"
+    return None
 
 
 class GraphRunnerBase:
@@ -141,8 +177,6 @@ def run_eager(model, backends, batch: ForwardBatch, width: int) -> RunnerOutput:
     if width:
         n = batch.raw_bs * width
         return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, width))
-    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(torch.int64)    # EXTEND: ragged, LAST = each request's end
+    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(torch.int64)    # EXTEND: ragged rows
     n = int(lens.sum())
-    h = hidden[(lens.cumsum(0) - 1).to(hidden.device)] if batch.capture_hidden_mode == CaptureHiddenMode.LAST \
-        else slice_hidden(hidden, batch.capture_hidden_mode, n, 1)
-    return RunnerOutput(logits[:n].clone(), h)
+    return RunnerOutput(logits[:n].clone(), slice_hidden(hidden, batch.capture_hidden_mode, n, 0, lens))

@@ -93,9 +93,12 @@ def case_specs(draw, modes):
     ps = draw(st.sampled_from([1, 16, 64]))
     c = CaseSpec(mode, ps, draw(st.sampled_from(PAGE_ORDERS)), draw(st.booleans()),
                  bs=draw(st.integers(2, 8)), seed=draw(st.integers(0, 2 ** 20)))
-    if mode in ("verify_chain", "draft_extend"):
+    if mode == "verify_chain":
         c.steps = draw(st.integers(1, 5))
         c.n = c.steps + 1
+    elif mode == "draft_extend":          # topk > 1 too: the stride is N, never num_steps + 1
+        c.steps, c.topk = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 4]))
+        c.n = c.steps + 1 if c.topk == 1 else draw(st.integers(c.steps + 1, min(c.steps * c.topk + 1, 16)))
     elif mode in ("verify_tree", "draft_decode"):
         c.steps = draw(st.integers(1, 5))
         c.topk = draw(st.sampled_from([2, 4, 8]))

@@ -56,7 +56,10 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float) -> torch.T
     k_pos = torch.arange(nk, device=dev)
     slot = lay.page_table.long()[:, k_pos // ps] * ps + k_pos % ps
     kk = k_cache[slot].float()                                           # [bs, nk, Hkv, D]
-    vv = v_cache[slot].float()                                           # [bs, nk, Hkv, Dv]
+    # Positions past a request's length read through the reserved page, where padding rows store
+    # their K/V (garbage, NaN): their probability is 0, but 0 * NaN = NaN, so zero them first.
+    in_kv = k_pos[None, :] < lay.seq_lens_k.long()[:, None]              # [bs, nk]
+    vv = torch.where(in_kv[:, :, None, None], v_cache[slot].float(), 0.0)  # [bs, nk, Hkv, Dv]
     if h != hkv:
         kk = kk.repeat_interleave(h // hkv, dim=2)
         vv = vv.repeat_interleave(h // hkv, dim=2)

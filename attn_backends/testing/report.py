@@ -19,9 +19,9 @@ INVARIANTS = {
     "I4": "derived consistency: sums, indptrs, maxima recomputed",
     "I5": "KV extent: seq_lens_k == prefix + W, pages == cdiv",
     "I6": "capacity: indices in range, buffers large enough",
-    "I7": "slicing: outputs cut to raw rows; pad rows never reach real rows",
+    "I7": "slicing: outputs cut to raw rows, hidden states by the one LAST/FULL rule; pad rows never reach real rows",
     "I8": "no aliasing: returned tensors survive the next replay",
-    "I9": "replay == eager (bitwise on the GPU for the same padded batch)",
+    "I9": "replay == eager (bitwise on the GPU for the same padded batch); runner suite: == a float64 reference",
     "I9n": "numbers: eager and replayed outputs within tolerance of torch_native on the same batch "
            "(float32 1e-4, float16 2e-3, bfloat16 2e-2 of the largest reference value)",
     "I10": "batch invariance: bucket, slot, others' accept lengths",
@@ -30,6 +30,7 @@ INVARIANTS = {
     "I13": "valid capture: the capture batch passes the validator",
     "I14": "history independence: A, B, A gives A twice",
     "I15": "no host sync in capture/replay preparation",
+    "I16": "KV slots: a step writes only its raw rows' new slots and the reserved slot 0",
 }
 LAYOUT_SUITE = "layout"
 # Column order of the table; modes not listed here follow in alphabetical order.

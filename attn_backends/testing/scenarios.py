@@ -159,9 +159,11 @@ def verify_spec(n: int, bs: int, rng: random.Random, topk: int = 1, steps: Optio
                     tree_mask=torch.stack(masks).to(device))
 
 
-def draft_extend_spec(n: int, bs: int, raw_bs: int, accept: list, device="cpu") -> SpecInfo:
+def draft_extend_spec(n: int, bs: int, raw_bs: int, accept: list, device="cpu", topk: int = 1,
+                      steps: Optional[int] = None) -> SpecInfo:
+    """DRAFT_EXTEND at width N; with ``topk > 1`` N is the tree size, not ``steps + 1``."""
     acc = torch.tensor(list(accept) + [1] * (bs - raw_bs), dtype=torch.int32, device=device)
-    return SpecInfo(num_draft_tokens=n, topk=1, num_steps=n - 1, accept_lens=acc)
+    return SpecInfo(num_draft_tokens=n, topk=topk, num_steps=steps or n - 1, accept_lens=acc)
 
 
 def draft_decode_spec(topk: int, steps: int, step: int) -> SpecInfo:

@@ -78,9 +78,12 @@ def _prefix(rng: random.Random, ps: int, lo: int, hi: int) -> int:
 def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> CaseSpec:
     ps = caps.page_sizes[rng.randrange(len(caps.page_sizes))]
     c = CaseSpec(mode, ps, rng.choice(PAGE_ORDERS), mla, bs=rng.randint(2, MAX_BS), seed=seed)
-    if mode in ("verify_chain", "draft_extend"):
+    if mode == "verify_chain" or (mode == "draft_extend" and rng.random() < 0.5):
         c.n = rng.randint(2, 8)
         c.steps = c.n - 1
+    elif mode == "draft_extend":   # topk > 1: N is the tree size, never num_steps + 1 (sgl #19807)
+        c.topk, c.steps = rng.choice([2, 4]), rng.randint(1, 3)
+        c.n = rng.randint(c.steps + 2, min(c.steps * c.topk + 1, 8))
     elif mode == "verify_tree":
         c.topk = rng.choice([2, 4, 8])
         c.steps = rng.randint(1, 5)
@@ -93,8 +96,12 @@ def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> Ca
     lo = w * (c.draft_step - 1) if mode == "draft_decode" else 0
     raw_a = rng.randint(1, c.bs)
     raws = [rng.randint(1, c.bs), raw_a, rng.randint(1, raw_a)]   # history biased to shrink
-    for raw in raws:
-        prefixes = [_prefix(rng, ps, lo, MAX_CTX - max(w, 8)) for _ in range(raw)]
+    top = MAX_CTX - max(w, 8)
+    for b, raw in enumerate(raws):
+        # capture short, replay long: a host bound (max_seq_len_k) kept from the capture shows
+        prefixes = [_prefix(rng, ps, lo, lo + ps + 1 if b == 0 else top) for _ in range(raw)]
+        if b == 1:
+            prefixes[rng.randrange(raw)] = top - rng.randint(0, ps)
         if mode == "extend":
             extra = [rng.randint(1, min(8, MAX_CTX - p)) for p in prefixes]
         elif mode == "draft_extend":
@@ -115,7 +122,7 @@ def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scena
     if c.mode in ("verify_chain", "verify_tree"):
         spec = verify_spec(c.n, bs, rng, topk=c.topk, steps=c.steps, device=device)
     elif c.mode == "draft_extend":
-        spec = draft_extend_spec(c.n, bs, raw, extra, device=device)
+        spec = draft_extend_spec(c.n, bs, raw, extra, device=device, topk=c.topk, steps=c.steps)
     elif c.mode == "draft_decode":
         spec = draft_decode_spec(c.topk, c.steps, c.draft_step)
     return Scenario(mode, bs, list(prefixes), spec, extra if c.mode == "extend" else None, name=c.mode)

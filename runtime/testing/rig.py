@@ -21,7 +21,8 @@ from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from ..full_graph import UniformGraphRunner
 from ..models import TinyConfig, TinyModel
 from ..piecewise import PiecewiseRunner
-from ..runner_base import RunnerOutput, run_eager
+from ..runner_base import RunnerOutput, run_eager, slice_hidden
+from .reference import Float64Reference
 
 I32, I64 = torch.int32, torch.int64
 
@@ -128,6 +129,8 @@ class Rig:
 
     def spec_template(self) -> Optional[SpecInfo]:
         s = self.spec
+        if self.kind == "draft_extend" and s.topk > 1 and s.steps + 1 <= s.n <= s.steps * s.topk + 1:
+            return SpecInfo(s.n, s.topk, s.steps)        # a tree's draft extend: N is not num_steps + 1
         if self.kind in ("verify", "breakable_verify", "draft_extend"):
             return SpecInfo(s.n, 1, s.n - 1)
         if self.kind == "verify_tree":
@@ -222,27 +225,54 @@ class Rig:
         return self.runner.bucket_for(n)
 
     # -- the reference
-    def expected(self, reqs: list, hidden=H.NULL, padded: bool = False) -> RunnerOutput:
+    def expected(self, reqs: list, hidden=H.NULL, padded: bool = False, float64: bool = False) -> RunnerOutput:
         """Eager model output of ``reqs`` on the reference backends: on the unpadded batch, or
         (``padded``) on the batch padded to the runner's bucket, which launches the same
-        kernels as the replay (bitwise equal on the GPU)."""
+        kernels as the replay (bitwise equal on the GPU). ``float64``: attention by the
+        independent float64 reference (:mod:`.reference`) instead of the backend under test."""
         raw, m = len(reqs), self.model
         bucket = self.bucket(reqs) if padded else None
+        backends = self._float64() if float64 else self.ref_backends
         if self.kind == "draft_decode":
-            out = self.ref_draft.run_eager(self.batch(reqs, bucket, hidden))
+            draft = MultiStepDraftRunner(m, backends, self.mem, self.spec.topk, self.spec.steps, [1]) if float64 \
+                else self.ref_draft
+            out = draft.run_eager(self.batch(reqs, bucket, hidden))
             n = raw * self.spec.topk
-            return RunnerOutput(out.logits[:n], None if out.hidden is None else out.hidden[:n], rows=out.rows[:raw])
+            h = None if out.hidden is None else out.hidden[:raw if hidden == H.LAST else n]   # padded: raw rows
+            return RunnerOutput(out.logits[:n], h, rows=out.rows[:raw])
         if self.kind == "piecewise":
             b = self.batch(reqs, hidden=hidden)
-            out = piecewise_eager(m, self.ref_backends, b, bucket) if padded else run_eager(m, self.ref_backends, b, 0)
+            out = piecewise_eager(m, backends, b, bucket) if padded else run_eager(m, backends, b, 0)
             out.input_embeds = b.input_embeds     # passed through, cut to the raw tokens
             return out
         if self.kind == "draft_extend":
             b = self.batch(reqs, bucket, H.FULL)
-            out = run_eager(m, self.ref_backends, b, self.width)
-            rows = select_rows(raw, self.width, b.spec_info.accept_lens[:raw])
-            return RunnerOutput(out.logits[rows], None if hidden == H.NULL else out.hidden[rows], rows=rows)
-        return run_eager(m, self.ref_backends, self.batch(reqs, bucket, hidden), self.width)
+            out = run_eager(m, backends, b, self.width)
+            acc = b.spec_info.accept_lens[:raw]
+            rows = select_rows(raw, self.width, acc)
+            return RunnerOutput(out.logits[rows], slice_hidden(out.hidden, hidden, raw * self.width, self.width, acc),
+                                rows=rows)
+        return run_eager(m, backends, self.batch(reqs, bucket, hidden), self.width)
+
+    def _float64(self):
+        mk = lambda: Float64Reference(self.tc.attention(), self.mem)  # noqa: E731
+        return [mk() for _ in range(self.spec.steps)] if self.kind == "draft_decode" else mk()
+
+    def row_spans(self, reqs: list) -> list:
+        """``(first row, valid rows)`` of each request in a forward's rows, from first principles:
+        what the one hidden rule (LAST: the last valid row, FULL: every valid row) selects from."""
+        if self.kind == "piecewise":
+            ends = torch.tensor([len(r.ids) for r in reqs]).cumsum(0).tolist()
+            return [(e - len(r.ids), len(r.ids)) for r, e in zip(reqs, ends)]
+        w = self.spec.topk if self.kind == "draft_decode" else self.width
+        return [(i * w, r.accept if self.kind == "draft_extend" else w) for i, r in enumerate(reqs)]
+
+    def eager_rows(self, reqs: list, padded: bool = False) -> torch.Tensor:
+        """The eager hidden states of every row of the raw requests (draft decode: its last step)."""
+        if self.kind == "draft_extend":
+            b = self.batch(reqs, self.bucket(reqs) if padded else None, H.FULL)
+            return run_eager(self.model, self.ref_backends, b, self.width).hidden
+        return self.expected(reqs, H.FULL, padded).hidden
 
     def per_request(self, out: RunnerOutput, reqs: list) -> list:
         """Each request's slice of ``out.logits`` (draft decode: with its tokens)."""
@@ -276,6 +306,5 @@ def piecewise_eager(model, backends, batch: ForwardBatch, t: int) -> RunnerOutpu
             h = block.post_attn(h, o)
         h = model.norm(h)
         logits = model.lm_head(h).float()
-    lens = batch.extend_seq_lens_cpu[:batch.raw_bs].to(I64)
-    hidden = {H.NULL: None, H.LAST: h[(lens.cumsum(0) - 1).to(dev)], H.FULL: h[:raw]}[batch.capture_hidden_mode]
-    return RunnerOutput(logits[:raw].clone(), None if hidden is None else hidden.clone())
+    hidden = slice_hidden(h, batch.capture_hidden_mode, raw, 0, batch.extend_seq_lens_cpu[:batch.raw_bs])
+    return RunnerOutput(logits[:raw].clone(), hidden)

@@ -14,7 +14,10 @@ passes and failures in a :class:`SuiteReport`, as ``attn_backends.testing.suite`
 - I11 ``can_run`` is true exactly when a replay happens (counted); refusals raise
       :class:`RunnerRefusal`; every graph carries the captured hidden mode;
 - I12 every per-layer (and per-step) backend instance is refreshed once per replay;
-- I14 replaying A, B, A gives A's output twice.
+- I14 replaying A, B, A gives A's output twice;
+- I16 KV slots other than the raw rows' new slots and the reserved slot 0 unchanged by a step
+      (replay and eager), and the checks of :mod:`.runner_checks` (the one hidden rule, I7; the
+      float64 reference, I9).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
 
 from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
+from .runner_checks import against_float64, hidden_rule, kv_snapshot, kv_writes_outside, new_slots
 
 H = CaptureHiddenMode
 SUITE = "runner"     # its name in the attn_backends.suites entry-point group (pyproject.toml)
@@ -177,6 +181,7 @@ def check_case(rig: Rig, rng: random.Random, judge: Callable[[str, list], None],
     keep_a = c.history()
     c.poisoned_pads(keep_a)
     c.batch_invariance(keep_a)
+    hidden_rule(c, compare)
     c.refusals()
 
 
@@ -191,7 +196,8 @@ class _Case:
             self.reqs_a = rig.new_requests(rng.randint(1, 3), rng, tokens=budget - 1)   # raw tokens < bucket
             self.reqs_b = rig.new_requests(rng.randint(1, 3), rng, tokens=max(1, budget // 2))
         else:
-            ra = rng.randint(1, maxb - 1) if maxb > 1 else 1
+            padded = [n for n in range(1, maxb) if n not in r.buckets]   # raw_bs < its bucket where possible
+            ra = rng.choice(padded) if padded else rng.randint(1, maxb - 1) if maxb > 1 else 1
             rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
             self.reqs_a, self.reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
         self.ha, self.hb = (H(rng.randint(0, int(r.capture_hidden_mode))) for _ in range(2))
@@ -207,8 +213,10 @@ class _Case:
         uniform = rig.kind not in ("draft_decode", "piecewise")
         b = rig.batch(reqs, rig.bucket(reqs) if padded_input and uniform else None, hidden)
         before, can = r.replay_count, r.can_run(b)
+        kv = kv_snapshot(rig.mem)
         with refresh_counts(self.backends) as counts:
             out = r.run(b)
+        self.judge("I16", kv_writes_outside(rig.mem, kv, new_slots(rig, reqs)))
         msgs = [] if can else ["can_run was False for a batch the runner ran"]
         if r.replay_count != before + 1:
             msgs.append(f"replay_count went {before} -> {r.replay_count} for one run")
@@ -217,14 +225,22 @@ class _Case:
                            "expected 1" for i, be in enumerate(self.backends) if counts[id(be)] != 1])
         return out
 
+    def eager(self, reqs, hidden) -> RunnerOutput:
+        """The eager reference forward, judged for I16 like a replay."""
+        kv = kv_snapshot(self.rig.mem)
+        out = self.rig.expected(reqs, hidden, self.exact)
+        self.judge("I16", kv_writes_outside(self.rig.mem, kv, new_slots(self.rig, reqs)))
+        return out
+
     def history(self) -> RunnerOutput:
         """I9 (replay == eager), I8 (no aliasing), I14 (A, B, A); returns A's outputs."""
-        rig, tol = self.rig, 0 if self.exact else self.tol
+        tol = 0 if self.exact else self.tol
         out_a = self.run(self.reqs_a, self.ha)
         keep_a = clone(out_a)
-        self.judge("I9", compare(out_a, rig.expected(self.reqs_a, self.ha, self.exact), tol, "A replay vs eager"))
+        self.judge("I9", compare(out_a, self.eager(self.reqs_a, self.ha), tol, "A replay vs eager"))
+        against_float64(self, out_a, self.ha, compare)
         out_b = self.run(self.reqs_b, self.hb, padded_input=False)
-        self.judge("I9", compare(out_b, rig.expected(self.reqs_b, self.hb, self.exact), tol, "B replay vs eager"))
+        self.judge("I9", compare(out_b, self.eager(self.reqs_b, self.hb), tol, "B replay vs eager"))
         self.judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay"))
         self.judge("I14", compare(self.run(self.reqs_a, self.ha), keep_a, 0, "A replayed after B"))
         return keep_a
@@ -303,6 +319,9 @@ def random_spec(rng: random.Random, backend: str, caps, mla: bool, device: str, 
                 per_layer=rng.random() < 0.8, device=device, seed=seed)
     if kind in ("verify", "breakable_verify", "draft_extend"):
         s.n = rng.randint(2, 5)
+        if kind == "draft_extend":    # topk > 1 half the time: N above num_steps + 1
+            s.topk, s.steps = rng.choice([(1, s.n - 1), (2, 1), (2, 2)])
+            s.n = s.steps + 2 if s.topk > 1 else s.n
     elif kind == "verify_tree":
         s.topk, s.steps = rng.choice([2, 4]), rng.randint(1, 3)
         s.n = rng.randint(s.steps + 1, min(s.steps * s.topk + 1, 6))

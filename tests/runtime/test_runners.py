@@ -14,7 +14,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import ForwardMode, SpecInfo
-from attn_backends_runtime.runner_base import RunnerRefusal
+from attn_backends_runtime.runner_base import RunnerOutput, RunnerRefusal
 from attn_backends_runtime.testing.runner_suite import (
     KINDS,
     Rig,
@@ -69,8 +69,11 @@ def assert_same(got, want, tol, what):
 @pytest.mark.parametrize("kind", KINDS)
 def test_runner_invariants(kind, backend, mla, device):
     """Replay == eager (raw_bs < bucket, ragged, shuffled), A/B/A, no aliasing, poisoned pad
-    rows, batch invariance, can_run == replay (counted) with every refusal, per-layer fan-out."""
-    rig = make_rig(kind, backend, mla, device, page_order="shuffled")
+    rows, batch invariance, can_run == replay (counted) with every refusal, per-layer fan-out, KV
+    slots (I16), the hidden rule and the float64 reference. The captured hidden mode varies with
+    the kind, so that refusing a higher one is exercised too."""
+    captured = (H.NULL, H.LAST, H.FULL)[KINDS.index(kind) % 3]
+    rig = make_rig(kind, backend, mla, device, page_order="shuffled", hidden=captured)
     tol, exact = tolerance(backend, device)
     failures = []
     check_case(rig, random.Random(7), lambda inv, msgs: failures.extend(f"{inv}: {m}" for m in msgs),
@@ -129,14 +132,23 @@ def test_hidden_modes_sliced_to_raw_rows(kind, mla, backend, device):
     tol, exact = tolerance(backend, device)
     rng = random.Random(2)
     reqs = requests(rig, rng, 3)
+    if kind == "draft_extend":
+        for q, a in zip(reqs, (1, rig.spec.n, 2)):          # ragged valid rows, both extremes
+            q.accept = a
     rows = {"draft_extend": len(reqs), "draft_decode": len(reqs) * rig.spec.topk,
             "piecewise": sum(len(q.ids) for q in reqs)}.get(kind, len(reqs) * max(rig.width, 1))
-    last = {"draft_extend": len(reqs), "draft_decode": len(reqs) * rig.spec.topk}.get(kind, len(reqs))
-    for mode, n in ((H.NULL, None), (H.LAST, last), (H.FULL, rows)):
+    # one rule for every runner: LAST the last valid row of each request, FULL every valid row
+    spans = rig.row_spans(reqs)
+    every = rig.eager_rows(reqs, padded=exact)
+    want = {H.LAST: every[[s + c - 1 for s, c in spans]],
+            H.FULL: every[[s + j for s, c in spans for j in range(c)]]}
+    for mode, n in ((H.NULL, None), (H.LAST, len(reqs)), (H.FULL, sum(c for _, c in spans))):
         out = rig.runner.run(rig.batch(reqs, hidden=mode))
         assert out.logits.shape[0] == rows
         assert (out.hidden is None) if n is None else out.hidden.shape == (n, rig.tc.hidden_size), mode
         assert_same(out, rig.expected(reqs, mode, exact), tol, mode.name)
+        if n is not None:
+            assert_same(RunnerOutput(out.hidden), RunnerOutput(want[mode]), tol, f"{mode.name} by the one rule")
 
 
 @pytest.mark.parametrize("mla", MODELS)

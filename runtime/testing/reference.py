@@ -1,0 +1,86 @@
+"""An independent float64 attention backend for the runner checks (I9 against a reference).
+
+It shares nothing with the backends under test: no layout, no page table, no step plan. Each
+request's K/V is gathered through ``req_to_token`` and its mask is derived from the batch's
+definition (DESIGN.md: ``seq_lens`` includes this forward's tokens; causal, tree and draft-branch
+rules), so a wrong causal or tree mask in a kernel, or a mask offset taken from another request,
+shows as a difference even where replay and eager agree. Eager only; the output has q's dtype.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from attn_backends import ForwardMode, LayoutError
+from attn_backends.base import AttentionBackend, Capabilities, GraphSupport
+
+F64 = torch.float64
+
+
+def visible(batch, i: int, prefix: int, n_new: int, seq_len: int) -> torch.Tensor:
+    """``[n_new, seq_len]`` bool: may new token ``j`` of request ``i`` see position ``p``."""
+    spec, mode = batch.spec_info, batch.forward_mode
+    j = torch.arange(n_new)[:, None]
+    p = torch.arange(seq_len)[None, :]
+    if spec is not None and mode == ForwardMode.DECODE and spec.is_draft_decode:
+        base = seq_len - spec.topk * spec.draft_step              # the prompt prefix before the branches
+        return (p < base) | ((p >= base) & ((p - base) % spec.topk == j))
+    if spec is not None and mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
+        vis = (p < prefix).expand(n_new, seq_len).clone()
+        vis[:, prefix:] = spec.tree_mask[i].cpu()
+        return vis
+    return p <= prefix + j
+
+
+class Float64Reference(AttentionBackend):
+    """Dense float64 attention per request, from first principles (eager only)."""
+
+    name: ClassVar[str] = "float64_reference"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                         ForwardMode.DRAFT_EXTEND}), mha=True, mla=True, topk_gt1=True, graph=GraphSupport.NEVER)
+
+    def init_forward_metadata(self, batch) -> None:
+        self.forward_metadata = batch
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        pass                    # runners built for their eager path call it; nothing to allocate
+
+    def init_forward_metadata_capture_cuda_graph(self, inputs) -> None:
+        raise LayoutError(f"{self.name} runs eagerly only")
+
+    init_forward_metadata_replay_cuda_graph = init_forward_metadata_capture_cuda_graph
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def graph_buffers(self) -> dict:
+        return {}
+
+    def forward(self, q, k, v, layer, batch, save_kv_cache: bool = True):
+        if save_kv_cache:
+            self.memory.pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+        pool, mem = self.memory.pool, self.memory
+        if mem.is_mla:
+            kc = pool.kv[layer.layer_id]
+            vc = kc[..., :self.config.kv_lora_rank]
+        else:
+            kc, vc = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        seq = batch.seq_lens_cpu.tolist()
+        new = batch.extend_seq_lens_cpu.tolist() if batch.forward_mode == ForwardMode.EXTEND \
+            else [batch.width] * batch.batch_size
+        out = torch.zeros(q.shape[0], q.shape[1], vc.shape[-1], dtype=q.dtype, device=q.device)
+        row = 0
+        for i in range(batch.raw_bs):
+            n = new[i]
+            slots = mem.req_to_token[int(batch.req_pool_indices[i]), :seq[i]].long()
+            kk, vv = kc[slots].to(F64), vc[slots].to(F64)                      # [S, Hkv, D]
+            rep = q.shape[1] // kk.shape[1]
+            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+            s = torch.einsum("qhd,khd->hqk", q[row:row + n].to(F64), kk) * layer.scaling
+            vis = visible(batch, i, seq[i] - n, n, seq[i]).to(q.device)
+            s = s.masked_fill(~vis[None], float("-inf"))
+            out[row:row + n] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(q.dtype)
+            row += n
+        return out

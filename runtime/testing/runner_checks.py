@@ -1,0 +1,109 @@
+"""Runner checks added by issue #11, beside those of :mod:`.runner_suite`:
+
+- I16 KV slots: after a step, every KV slot other than the raw rows' new slots and the reserved
+  slot 0 is bitwise unchanged (a padding row pointed at a real slot corrupts another request's
+  cache silently);
+- I7 the one hidden rule, against rows derived from first principles (LAST: the last valid row
+  of each raw request, FULL: every valid row, in order), not against the runner's own slicing;
+- I9 against the independent float64 reference (:mod:`.reference`), which catches what replay ==
+  eager on the same backend cannot: a wrong causal or tree mask in a kernel;
+- I9 of the executor's eager fallback: its outputs come from the eager forward, never from a
+  graph's static buffers (sgl #22832).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from attn_backends import CaptureHiddenMode as H
+
+from ..executor import ModelExecutor
+from ..runner_base import RunnerOutput, run_eager
+
+
+def kv_pools(mem) -> list:
+    """``[(name, tensor [slots, ...])]``: every KV pool tensor of ``mem``."""
+    pool = mem.pool
+    if mem.is_mla:
+        return [(f"kv[{i}]", t) for i, t in enumerate(pool.kv)]
+    return [(f"{n}[{i}]", t) for n in ("k", "v") for i, t in enumerate(getattr(pool, n))]
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``[slots, ...]`` integers with the bits of ``t`` (NaN compares equal to itself)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()]).reshape(t.shape[0], -1)
+
+
+def kv_snapshot(mem) -> list:
+    return [_bits(t).clone() for _, t in kv_pools(mem)]
+
+
+def new_slots(rig, reqs: list) -> torch.Tensor:
+    """The KV slots a step of ``reqs`` may write: its raw rows' new slots and the reserved slot 0."""
+    return torch.cat([r.loc.reshape(-1).cpu() for r in reqs] + [torch.zeros(1, dtype=torch.int64)])
+
+
+def kv_writes_outside(mem, before: list, allowed: torch.Tensor) -> list:
+    """I16 messages: slots written since ``before`` (a :func:`kv_snapshot`) other than ``allowed``."""
+    msgs = []
+    for (name, t), old in zip(kv_pools(mem), before):
+        changed = (_bits(t) != old).any(-1).cpu()
+        changed[allowed] = False
+        if bool(changed.any()):
+            bad = changed.nonzero()[:, 0]
+            msgs.append(f"KV pool {name}: {bad.numel()} slot(s) {bad[:6].tolist()} written, none of them a raw "
+                        "row's new slot or the reserved slot 0")
+    return msgs
+
+
+def hidden_rule(case, compare) -> None:
+    """I7: LAST and FULL of the runner against the rows the one rule selects from the eager
+    forward's every row (spans from :meth:`Rig.row_spans`), for each mode the runner captured."""
+    rig = case.rig
+    reqs = case.reqs_a
+    spans = rig.row_spans(reqs)
+    every = rig.eager_rows(reqs, padded=case.exact)
+    want = {H.LAST: every[[s + c - 1 for s, c in spans]], H.FULL: every[[s + j for s, c in spans for j in range(c)]]}
+    for mode in (H.LAST, H.FULL):
+        if mode > rig.runner.capture_hidden_mode:
+            continue
+        out = case.run(reqs, mode)
+        got = RunnerOutput(out.hidden) if out.hidden is not None else RunnerOutput(torch.empty(0))
+        case.judge("I7", compare(got, RunnerOutput(want[mode]), 0 if case.exact else case.tol,
+                                 f"hidden {mode.name} by the one rule ({len(spans)} requests)"))
+
+
+def against_float64(case, out: RunnerOutput, hidden, compare) -> None:
+    """I9: the replay's outputs against the float64 reference on the unpadded batch."""
+    rig = case.rig
+    if case.exact and rig.kind == "draft_decode":
+        return          # bf16 greedy branches may pick other tokens than float64 ones: no common ground
+    tol = 8e-2 if rig.tc.dtype == torch.bfloat16 else 2e-3
+    want = rig.expected(case.reqs_a, hidden, float64=True)
+    case.judge("I9", compare(out, want, tol, "A replay vs the float64 reference"))
+
+
+def fallback_messages() -> list:
+    """A decode executor: a replay, then batches it must run eagerly (over the largest bucket, a
+    hidden mode above the captured one); each output against an independent eager forward."""
+    from .rig import Rig, RigSpec
+    from .runner_suite import compare
+    rig = Rig(RigSpec("decode", buckets=(2, 4), hidden=H.NULL))
+    ex = ModelExecutor("target", rig.model, rig._backends(), {"decode": rig.runner})
+    rng = random.Random(0)
+    msgs = []
+    ex.forward(rig.batch(rig.new_requests(3, rng)))
+    for what, reqs, hidden in (("bs=5 over the largest bucket", rig.new_requests(5, rng), H.NULL),
+                               ("hidden LAST above the captured NULL", rig.new_requests(2, rng), H.LAST)):
+        batch = rig.batch(reqs, hidden=hidden)
+        counts = dict(ex.counts["decode"])
+        out = ex.forward(batch)
+        if ex.counts["decode"]["eager"] != counts.get("eager", 0) + 1:
+            msgs.append(f"{what}: not counted as an eager fallback")
+        want = run_eager(rig.model, rig.ref_backends, batch, 1)
+        msgs += compare(out, want, 1e-5, f"{what}: executor output vs the eager forward")
+    return msgs
