@@ -193,6 +193,10 @@ class LayoutBackend(AttentionBackend):
     ``GraphInputs``; capture binds the plan's static views for the key, replay refreshes them.
     """
 
+    #: With a runner's step plan, replay preparation reads nothing the plan computes on the
+    #: device: the runner may record the plan's prep inside its step's graph (one launch).
+    reads_step_plan: ClassVar[bool] = True
+
     def __init__(self, config: ModelConfig, memory: KVMemory) -> None:
         super().__init__(config, memory)
         if config.page_size != memory.page_size:

@@ -88,7 +88,7 @@ class LayoutPlan:
         self.memory, self.fill = memory, fill
         self.max_bs, self.max_width = max_bs, max_width
         self.current: Optional[GraphKey] = None   # the key of the last update (or capture)
-        self.builds = 0                           # layouts built (eager) or prep runs (graph)
+        self.builds = 0                           # layouts built (eager), captures and updates (graph)
         self._captured: dict[GraphKey, _Captured] = {}
         self._eager: Optional[tuple] = None       # (batch, layout) of the last eager build
         self._pool = None
@@ -230,10 +230,11 @@ class LayoutPlan:
             self.tree_mask(key.bs, key.width)[:raw_bs].copy_(tree_mask[:raw_bs])
         self._loaded = (raw_bs, draft_step)
 
-    def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int) -> Layout:
+    def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int, own_graph: bool = True) -> Layout:
         """Bind the static views of ``key``, build the layout of the inputs the plan holds (the
         capture batch, validated like any replay batch: I13) and, on CUDA, capture the prep
-        graph. A refused batch changes nothing."""
+        graph (``own_graph``; a runner that records :meth:`prep` inside its step's graph needs
+        none). A refused batch changes nothing."""
         self._check_capacity(key)
         self._check_key(key, spec, capture=True)
         step = spec.draft_step if spec is not None and spec.is_draft_decode else 1
@@ -245,7 +246,8 @@ class LayoutPlan:
         self.raw_bs_dev.fill_(raw_bs)
         self.draft_step_dev.fill_(spec.draft_step if spec is not None else 0)
         self._prep(entry)
-        if self._pool is not None and not _layout.stream_capturing():
+        self.builds += 1
+        if own_graph and self._pool is not None and not _layout.stream_capturing():
             entry.graph = _capture(lambda: self._prep(entry), self._pool)
         elif old is not None:
             entry.graph = old.graph          # same views, same inputs: its prep graph still holds
@@ -253,11 +255,14 @@ class LayoutPlan:
         self.current = key
         return entry.layout
 
-    def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None) -> Layout:
+    def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None,
+               in_step_graph: bool = False) -> Layout:
         """Replay preparation of one step: pad rows ``raw_bs..bs-1`` of the inputs and build the
         layout of ``key`` into its views. Host checks on ``seq_lens_cpu`` only; no host sync.
         After :meth:`load_rows` of the same ``raw_bs`` this is one graph replay (the hot path of
-        every runner: kept to a few attribute reads besides the replay)."""
+        every runner: kept to a few attribute reads besides the replay). ``in_step_graph``: the
+        runner recorded :meth:`prep` at the start of the step's own graph, so the layout is
+        built when that graph replays (one launch per step); this only checks and marks."""
         entry = self._captured.get(key) or self.captured(key)
         spec = entry.spec
         if not 1 <= raw_bs <= key.bs:
@@ -271,13 +276,20 @@ class LayoutPlan:
             self.draft_step_dev.fill_(step)
         self._loaded = None
         self._seq_np[raw_bs:key.bs] = entry.pad
-        if entry.graph is not None:
+        self.builds += 1
+        if in_step_graph:
+            pass
+        elif entry.graph is not None:
             entry.graph.replay()
-            self.builds += 1
         else:
             self._prep(entry)
         self.current = key
         return entry.layout
+
+    def prep(self, key: GraphKey) -> None:
+        """The prep of ``key`` (pad rows, then the layout), for a runner to record at the start of
+        its step's graph; its :meth:`update` calls then pass ``in_step_graph=True``."""
+        self._prep(self.captured(key))
 
     def captured(self, key: GraphKey) -> _Captured:
         entry = self._captured.get(key)
@@ -346,7 +358,6 @@ class LayoutPlan:
             tok = self.tokens[:, :key.bs * key.width]
             tok.mul_(real.repeat_interleave(key.width, output_size=tok.shape[1]))
         build_layout(inp, out=entry.layout)
-        self.builds += 1
 
 
 def _check_seqs(entry: _Captured, spec: Optional[SpecInfo], seqs: list, max_context_len: int) -> None:

@@ -136,15 +136,18 @@ class MultiStepDraftRunner(GraphRunnerBase):
                                         capture_hidden_mode=self.capture_hidden_mode, raw_bs=bucket, plan=p))
         return key, batches
 
+    def _plans(self) -> list:
+        return self.plans
+
     def _capture_metadata(self, key, static_batches) -> None:
         for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
-            p.capture(key, sb.spec_info, key.bs)
+            p.capture(key, sb.spec_info, key.bs, own_graph=not self.prep_in_step_graph)
             for b in {id(b): b for b in self.step_backends[s]}.values():
                 b.init_forward_metadata_capture_cuda_graph(self._inputs[(key, s)])
 
     def _prepare_replay(self, key, static_batches) -> None:
         for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
-            p.update(key, sb.raw_bs)
+            p.update(key, sb.raw_bs, in_step_graph=self.prep_in_step_graph)
             gi = self._inputs[(key, s)]
             gi.raw_bs = sb.raw_bs
             for b in {id(b): b for b in self.step_backends[s]}.values():

@@ -90,7 +90,7 @@ class UniformGraphRunner(GraphRunnerBase):
         return key, sb
 
     def _capture_metadata(self, key, static_batch) -> None:
-        self.plan.capture(key, static_batch.spec_info, static_batch.raw_bs)
+        self.plan.capture(key, static_batch.spec_info, static_batch.raw_bs, own_graph=not self.prep_in_step_graph)
         for raw in range(1, key.bs + 1):
             if raw not in self._by_raw or self._by_raw[raw][0].bs > key.bs:
                 self._by_raw[raw] = (key, static_batch)
@@ -98,11 +98,14 @@ class UniformGraphRunner(GraphRunnerBase):
             b.init_forward_metadata_capture_cuda_graph(self._inputs[key])
 
     def _prepare_replay(self, key, static_batch) -> None:
-        self.plan.update(key, static_batch.raw_bs)
+        self.plan.update(key, static_batch.raw_bs, in_step_graph=self.prep_in_step_graph)
         gi = self._inputs[key]
         gi.raw_bs = static_batch.raw_bs
         for b in self.backends:                  # I12: every backend instance, once
             b.init_forward_metadata_replay_cuda_graph(gi)
+
+    def _plans(self) -> list:
+        return [self.plan]
 
     def _forward(self, static_batch):
         return self.model.forward(static_batch, self.layer_backends)

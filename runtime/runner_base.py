@@ -117,14 +117,31 @@ class GraphRunnerBase:
         return self.refusal(batch) is None
 
     def capture(self) -> None:
+        self.prep_in_step_graph = all(getattr(b, "reads_step_plan", False) for b in self.backends)
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
             key, static_batch = self._static_batch(bucket)
             self._capture_metadata(key, static_batch)
             graph = make_graph(self.device, self.pool, segmented=self.segmented)
-            out = graph.capture(lambda sb=static_batch: self._forward(sb))
+            out = graph.capture(lambda sb=static_batch, key=key: self._step(key, sb))
             self.graphs[key] = (graph, out, static_batch)
 
     segmented = False
+    # Whether the step plans' prep is recorded at the start of the step's own graph (one launch
+    # per step instead of two): set at capture, when every backend declares ``reads_step_plan``
+    # (it reads the layout from the plan and prepares nothing from the device inputs itself).
+    prep_in_step_graph = False
+
+    def _step(self, key, static_batch):
+        """What a captured graph holds: the step plans' prep (see ``prep_in_step_graph``), then
+        the forward."""
+        if self.prep_in_step_graph:
+            for plan in self._plans():
+                plan.prep(key)
+        return self._forward(static_batch)
+
+    def _plans(self) -> list:
+        """The step plans whose inputs the captured graphs read (one per forward of a step)."""
+        return []
 
     def run(self, batch) -> RunnerOutput:
         key, static_batch = self.prepare(batch)

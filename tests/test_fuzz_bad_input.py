@@ -165,10 +165,15 @@ def test_forward_refuses_bad_tensors(mode, name, d):
         bq, match = torch.randn(n, q.shape[1], q.shape[2] + d), r"q has shape .* expected \[T, 4, 16\]"
     elif name == "k rows":
         bk, match = k[:max(0, n - d)], r"save_kv_cache needs k and out_cache_loc with %d rows" % n
-    else:
-        bb = dataclasses.replace(b, out_cache_loc=b.out_cache_loc[:max(0, n - d)])
+    else:       # the prepared batch itself, its slot column cut (another batch object is refused first)
+        loc = b.out_cache_loc
+        b.out_cache_loc = loc[:max(0, n - d)]
         match = r"save_kv_cache needs k and out_cache_loc with %d rows" % n
-    _refused([be, mem], lambda: be.forward(bq, bk, bv, CFG.layer(0), bb), match)
+    try:
+        _refused([be, mem], lambda: be.forward(bq, bk, bv, CFG.layer(0), bb), match)
+    finally:
+        if name == "out_cache_loc rows":
+            b.out_cache_loc = loc
     assert torch.equal(_good(world), want)
 
 
