@@ -12,6 +12,7 @@ from .base import GraphSupport
 from .batch import ForwardMode
 from .testing.report import WIDTH, grid
 
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODE_ABBREV = {"EXTEND": "extend", "DECODE": "decode", "TARGET_VERIFY": "verify",
                "DRAFT_EXTEND": "draft_extend", "IDLE": "idle"}
 
@@ -47,12 +48,13 @@ def _notes(info, builtins: set) -> list:
         caps = info.capabilities
         notes.append("modes: " + ", ".join(f"{MODE_ABBREV.get(m.name, m.name.lower())} [{graph_label(caps, m)}]"
                                            for m in sorted(caps.modes, key=int)))
-        limits = [f"dtypes {', '.join(str(d)[6:] for d in caps.dtypes)}"]
+        limits = []
+        if set(caps.dtypes) != set(ALL_DTYPES):
+            limits.append(f"dtypes {', '.join(str(d)[6:] for d in caps.dtypes)}")
         if caps.head_dims is not None:
             limits.append(f"head dims {', '.join(map(str, caps.head_dims))}")
-        if caps.requires:
-            limits.append(f"needs {', '.join(caps.requires)}")
-        notes.append("; ".join(limits))
+        if limits:
+            notes.append("; ".join(limits))
         if caps.cannot:
             notes.append(f"cannot: {caps.cannot}")
         by_mode = getattr(_class_of(info), "by_mode", None)
