@@ -140,15 +140,11 @@ def _graph_case(cls, cfg, mem, scns):
 
 
 def _graph_scenarios(mla, rng):
+    """Capture batch C (full bucket), then A (raw 3) and B (raw 2): chain (MLA) or tree verify."""
     bs = 4
-    if mla:
-        return [Scenario(ForwardMode.TARGET_VERIFY, bs, [rng.randint(0, 90) for _ in range(bs)], spec=verify_spec(3, bs, rng)),
-                Scenario(ForwardMode.TARGET_VERIFY, bs, [70, 3, 41], spec=verify_spec(3, bs, rng)),
-                Scenario(ForwardMode.TARGET_VERIFY, bs, [12, 88], spec=verify_spec(3, bs, rng))]
-    tree = lambda: verify_spec(6, bs, rng, topk=4, steps=2)  # noqa: E731
-    return [Scenario(ForwardMode.TARGET_VERIFY, bs, [rng.randint(0, 90) for _ in range(bs)], spec=tree()),
-            Scenario(ForwardMode.TARGET_VERIFY, bs, [70, 3, 41], spec=tree()),
-            Scenario(ForwardMode.TARGET_VERIFY, bs, [12, 88], spec=tree())]
+    spec = (lambda: verify_spec(3, bs, rng)) if mla else (lambda: verify_spec(6, bs, rng, topk=4, steps=2))
+    return [Scenario(ForwardMode.TARGET_VERIFY, bs, p, spec=spec())
+            for p in ([rng.randint(0, 90) for _ in range(bs)], [70, 3, 41], [12, 88])]
 
 
 def _replay_mismatches(mla):
