@@ -27,7 +27,7 @@ import torch
 from attn_backends.backends.flashinfer_backend import FlashInferBackend
 from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
 
-PLANS: list = []          # (kind, batch size) of every emulated plan() call, in order
+PLANS: list = []          # (kind, batch size, graph form) of every emulated plan() call, in order
 
 
 def _kv_rows(cache, indptr, indices, last, ps, i):
@@ -57,7 +57,7 @@ def _visible(n, kv, mode, mask, moff):
 
 class _Prefill:
     def plan(self, *args):
-        PLANS.append(("prefill", args[7]))
+        PLANS.append(("prefill", args[7], args[11]))
         return [0]
 
     def paged_run(self, *a):
@@ -74,7 +74,7 @@ class _Prefill:
 
 class _Decode:
     def plan(self, *args):
-        PLANS.append(("decode", args[4]))
+        PLANS.append(("decode", args[4], args[8]))
         return [0]
 
     def run(self, *a):
@@ -87,7 +87,7 @@ class _Decode:
 
 class _MLA:
     def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal):
-        PLANS.append(("mla", len(kvl)))
+        PLANS.append(("mla", len(kvl), None))
         meta = torch.cat([torch.tensor([len(kvl)]), qo, kvp, kvl]).to(torch.int32)
         iws.view(torch.int32)[:meta.numel()] = meta      # what the kernel reads comes from the plan
         return [0], 0

@@ -37,7 +37,7 @@ TENSOR_CORE_MIN_GROUP = 4      # GQA group from which tensor-core decode is fast
 class _Call:
     """One FlashInfer wrapper and the buffers it reads (graph mode: ours, fixed)."""
 
-    def __init__(self, backend: "FlashInferBackend", layout: Layout, key: Optional[GraphKey]) -> None:
+    def __init__(self, backend: "FlashInferBackend", key: Optional[GraphKey], indices) -> None:
         self.cfg, self.memory = backend.config, backend.memory
         self.graph = key is not None
         self.buffers: dict = {}
@@ -65,8 +65,8 @@ class DecodeCall(_Call):
     """W = 1 rows: ``BatchDecodeWithPagedKVCacheWrapper`` (decode.py ``__init__``, ``plan`` ->
     ``_plan_impl``, ``run`` of flashinfer 0.7.2.post1)."""
 
-    def __init__(self, backend, layout, key) -> None:
-        super().__init__(backend, layout, key)
+    def __init__(self, backend, key, indices) -> None:
+        super().__init__(backend, key, indices)
         c = self.cfg
         self.tensor_cores = c.num_q_heads // c.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         kw = dict(use_tensor_cores=self.tensor_cores, backend="fa2")
@@ -74,7 +74,7 @@ class DecodeCall(_Call):
             b = self.buffers
             del b["qo_indptr"]          # the decode wrapper keeps its own arange(bs+1)
             kw.update(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"],
-                      paged_kv_indices_buffer=layout.kv_indices, paged_kv_last_page_len_buffer=b["kv_last_page_len"])
+                      paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=b["kv_last_page_len"])
         self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(float_workspace(self.memory.device), "NHD", **kw)
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
@@ -87,8 +87,8 @@ class PrefillCall(_Call):
     """Causal rows, or a packed custom mask: ``BatchPrefillWithPagedKVCacheWrapper``
     (prefill.py ``__init__``, ``plan``, ``run`` of flashinfer 0.7.2.post1), fa2."""
 
-    def __init__(self, backend, layout, key, masked: bool) -> None:
-        super().__init__(backend, layout, key)
+    def __init__(self, backend, key, indices, masked: bool) -> None:
+        super().__init__(backend, key, indices)
         self.masked = masked
         kw = dict(backend="fa2")
         if self.graph:
@@ -99,7 +99,7 @@ class PrefillCall(_Call):
                 b["mask_indptr"] = torch.zeros(key.bs + 1, dtype=I32, device=self.memory.device)
                 kw.update(custom_mask_buf=b["custom_mask"], mask_indptr_buf=b["mask_indptr"])
             kw.update(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"], paged_kv_indptr_buf=b["kv_indptr"],
-                      paged_kv_indices_buf=layout.kv_indices, paged_kv_last_page_len_buf=b["kv_last_page_len"])
+                      paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=b["kv_last_page_len"])
         self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(float_workspace(self.memory.device), "NHD",
                                                                       **kw)
 
@@ -144,8 +144,8 @@ class FlashInferBackend(FlashInferBase):
             return "masked"
         return "decode" if layout.mode == ForwardMode.DECODE and layout.width == 1 else "prefill"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey]):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices):
         kind = self._kind(layout)
         if kind == "decode":
-            return DecodeCall(self, layout, key)
-        return PrefillCall(self, layout, key, masked=kind == "masked")
+            return DecodeCall(self, key, indices)
+        return PrefillCall(self, key, indices, masked=kind == "masked")

@@ -16,8 +16,9 @@
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
@@ -29,7 +30,9 @@ from ..layout import Layout, host_seq_lens, pad_seq_len
 EXTRA = "pip install 'attn-backends[flashinfer]'"
 WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per device
 I32 = torch.int32
+EAGER_CALLS_KEPT = 16                # eager wrappers kept (one per kind and, uniform, per (bs, W))
 _workspaces: dict = {}
+_EAGER_CALLS: OrderedDict = OrderedDict()
 
 
 def import_flashinfer():
@@ -120,13 +123,16 @@ class FlashInferBase(LayoutBackend):
             raise ValueError(f"backend {self.name} runs dtypes {self.capabilities.dtypes}, model is {config.dtype}")
         self.fi = import_flashinfer()
         self._qo: dict = {}            # (bs, W) -> qo_indptr host copy (a function of the key alone)
-        self._calls: dict = {}         # eager calls of this instance when a batch has no step plan
 
     # -- hooks
+    eager_as_graph: ClassVar[bool] = True   # uniform eager batches plan like graphs (FlashInfer plans differ)
+
     def _kind(self, layout: Layout) -> str:
         raise NotImplementedError
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey]):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor]):
+        """The wrapper for ``layout``: graph form for ``key`` reading the fixed ``indices``
+        buffer, or (``key`` None) the eager form."""
         raise NotImplementedError
 
     # -- eager: the step plan's layout, then one FlashInfer plan per step
@@ -134,17 +140,30 @@ class FlashInferBase(LayoutBackend):
         super().init_forward_metadata(batch)
         meta = self.forward_metadata
         lay, plan = meta.layout, batch.plan
-        owner = (type(self), self.config, "eager", self._kind(lay))
-        if plan is not None:
-            call = plan.library_state(owner, lambda: self._new_call(lay, None))
-            fresh = plan.first_in_step(owner)
-        else:
-            call = self._calls.get(owner) or self._calls.setdefault(owner, self._new_call(lay, None))
-            fresh = True
+        call, owner = self._eager_call(lay)
+        fresh = plan.first_in_step(owner) if plan is not None else True
         if fresh:
             fill = plan.fill if plan is not None else self.get_cuda_graph_seq_len_fill_value()
             call.plan(lay, eager_host_plan(batch, lay, fill))
         meta.extra["fi"] = call
+
+    def _eager_call(self, lay: Layout):
+        """``(call, owner)`` for an eager layout. FlashInfer plans a graph-form wrapper unlike an
+        eager one (split-KV always on, other query tiles), so a uniform batch runs the graph form
+        at its (bs, W), on a kv_indices buffer of its own: eager and replay then launch the same
+        kernels on the same padded batch, bitwise equal. Ragged EXTEND, never captured, runs the
+        eager form. Kept process-wide (a step plan may live one step), the last few per kind."""
+        key = GraphKey(lay.mode, lay.bs, lay.width) if lay.width and self.eager_as_graph else None
+        owner = (type(self), self.config, self.memory, "eager", self._kind(lay), key)
+        call = _EAGER_CALLS.pop(owner, None)
+        if call is None:
+            pages = lay.bs * (self.memory.max_context_len // self.memory.page_size)
+            indices = None if key is None else torch.zeros(pages, dtype=I32, device=self.memory.device)
+            call = self._new_call(lay, key, indices)
+        _EAGER_CALLS[owner] = call
+        while len(_EAGER_CALLS) > EAGER_CALLS_KEPT:
+            _EAGER_CALLS.popitem(last=False)
+        return call, owner
 
     # -- graphs: capture plans exactly as replay does
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
@@ -156,7 +175,7 @@ class FlashInferBase(LayoutBackend):
         owner = (type(self), self.config, key)
         call = meta.extra.get("fi")
         if call is None:
-            call = meta.extra["fi"] = plan.library_state(owner, lambda: self._new_call(lay, key))
+            call = meta.extra["fi"] = plan.library_state(owner, lambda: self._new_call(lay, key, lay.kv_indices))
         if plan.first_in_step(owner):            # one plan per step, whichever layer comes first
             call.plan(lay, self.graph_host_plan(plan, key))
 

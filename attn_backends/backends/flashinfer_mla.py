@@ -33,7 +33,7 @@ def mla_backend_for(device: torch.device) -> str:
 
 
 class MLACall:
-    def __init__(self, backend: "FlashInferMLABackend", layout: Layout, key: Optional[GraphKey]) -> None:
+    def __init__(self, backend: "FlashInferMLABackend", key: Optional[GraphKey], indices) -> None:
         self.cfg, self.memory, self.fi = backend.config, backend.memory, backend.fi
         dev = self.memory.device
         self.buffers: dict = {}
@@ -42,7 +42,7 @@ class MLACall:
             z = lambda n: torch.zeros(n, dtype=I32, device=dev)  # noqa: E731
             b = self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_len_arr": z(key.bs)}
             kw.update(use_cuda_graph=True, qo_indptr=b["qo_indptr"], kv_indptr=b["kv_indptr"],
-                      kv_indices=layout.kv_indices, kv_len_arr=b["kv_len_arr"])
+                      kv_indices=indices, kv_len_arr=b["kv_len_arr"])
         self.wrapper = self.fi.mla.BatchMLAPagedAttentionWrapper(float_workspace(dev), **kw)
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
@@ -79,8 +79,10 @@ class FlashInferMLABackend(FlashInferBase):
             raise ValueError(f"backend flashinfer_mla needs a power-of-two num_q_heads <= 128, got {h}")
         super().__init__(config, memory)
 
+    eager_as_graph: ClassVar[bool] = False    # the MLA planner does not look at the graph flag
+
     def _kind(self, layout: Layout) -> str:
         return "mla"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey]):
-        return MLACall(self, layout, key)
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices):
+        return MLACall(self, key, indices)
