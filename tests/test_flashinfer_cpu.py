@@ -30,6 +30,7 @@ from attn_backends.testing.scenarios import (
 from attn_backends_kernels.mask_pack import pack_uniform_mask
 
 HAS_FI = importlib.util.find_spec("flashinfer") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # the packing kernel: compiled, or the interpreter
 FAMILY = ("flashinfer", "flashinfer_mla", "trtllm_mla", "hybrid")
 MHA = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
 MLA = ModelConfig(num_layers=1, num_q_heads=16, is_mla=True, page_size=16, dtype=torch.bfloat16)
@@ -212,7 +213,7 @@ def test_packed_mask_is_what_flashinfer_reads(kind):
     (prefill._compute_page_mask_indptr: cumsum(q_len * kv_len), in bytes here)."""
     rng = random.Random(7)
     cfg = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
-    mem = make_memory(cfg, num_pages=300, max_reqs=20, max_context_len=256, fill=False)
+    mem = make_memory(cfg, num_pages=300, max_reqs=20, max_context_len=256, fill=False, device=DEVICE)
     bs = 5
     spec = verify_spec(6, bs, rng, topk=4, steps=2) if kind == "tree" else draft_decode_spec(4, 3, 2)
     scn = Scenario(ForwardMode.TARGET_VERIFY if kind == "tree" else ForwardMode.DECODE, bs,
@@ -224,9 +225,11 @@ def test_packed_mask_is_what_flashinfer_reads(kind):
     q_lens = (h.qo_indptr[1:] - h.qo_indptr[:-1]).long()
     kv_lens = (h.kv_indptr[1:] - h.kv_indptr[:-1] - 1).long() * lay.page_size + h.kv_last_page_len
     mask_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_lens * kv_lens, 0)])
-    out = torch.full((int(mask_indptr[-1]) + 8,), 0xA5, dtype=torch.uint8)
+    out = torch.full((int(mask_indptr[-1]) + 8,), 0xA5, dtype=torch.uint8, device=DEVICE)
     pack_uniform_mask(lay.seq_lens_k, lay.width, int(h.kv_lens.max()), out, tree_mask=lay.custom_mask,
                       draft_prefix_lens=lay.draft_prefix_lens)
+    out = out.cpu()
+    lay = type(lay)(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(lay).items()})
     for i in range(bs):
         kv = int(kv_lens[i])
         e = torch.arange(lay.width * kv)

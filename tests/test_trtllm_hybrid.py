@@ -68,7 +68,7 @@ def test_hybrid_delegates_by_mode_and_reports_the_active_metadata(cpu_hybrid):
     m = materialize(Scenario(ForwardMode.EXTEND, 2, [0, 9], extend_lens=[4, 2]), mem, 1)
     h.init_forward_metadata(m.batch)
     assert h.forward_metadata is h.delegates[ForwardMode.EXTEND].forward_metadata
-    with pytest.raises(ValueError, match="cannot serve this model on cpu: MLA only, model is MHA/GQA"):
+    with pytest.raises(ValueError, match="cannot serve this model on cpu: MLA only, model is MHA/GQA"):   # memory: cpu
         get_backend(compose({"extend": (None, "torch_native")}, name="mla_only_test").name,
                     ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16),
                     make_memory(ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16),
