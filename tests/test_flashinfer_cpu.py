@@ -242,3 +242,13 @@ def test_host_plan_is_numpy_only():
     h = host_plan(np.array([1, 16, 17, 33]), np.array([1, 1, 1, 1]), 16)
     assert h.kv_indptr.tolist() == [0, 1, 2, 4, 7] and h.kv_last_page_len.tolist() == [1, 16, 1, 1]
     assert h.qo_indptr.tolist() == [0, 1, 2, 3, 4] and h.max_kv == 33
+
+
+def test_poison_fills_the_uint8_mask_buffer_whatever_its_position():
+    """The packed mask buffer is uint8: poisoning it must not overflow (the suites poison every
+    graph buffer before each replay)."""
+    from attn_backends.testing.layout_checks import poison
+    bufs = {f"b{i}": torch.zeros(3, dtype=torch.uint8 if i in (1, 2) else torch.int32) for i in range(4)}
+    poison(bufs)
+    assert bufs["b1"].tolist() == bufs["b2"].tolist() == [255] * 3
+    assert bufs["b0"].tolist() == [-7] * 3 and bufs["b3"].tolist() == [2 ** 30] * 3
