@@ -89,6 +89,8 @@ class PrefillCall(_Call):
 
     def __init__(self, backend, key, indices, masked: bool) -> None:
         super().__init__(backend, key, indices)
+        if masked and not self.graph:
+            raise ValueError("a masked FlashInfer call needs the graph form (a uniform batch)")
         self.masked = masked
         kw = dict(backend="fa2")
         if self.graph:
@@ -104,15 +106,10 @@ class PrefillCall(_Call):
                                                                       **kw)
 
     def packed_mask(self, layout: Layout, host: HostPlan) -> torch.Tensor:
-        """The step's mask, packed on the device (graph: into the fixed buffer)."""
-        w = layout.width
-        if self.graph:
-            out = self.buffers["custom_mask"]
-        else:
-            out = torch.empty(packed_mask_bytes(w, int(host.kv_lens.sum())) + 8, dtype=torch.uint8,
-                              device=self.memory.device)
-        return pack_uniform_mask(layout.seq_lens_k, w, host.max_kv, out, tree_mask=layout.custom_mask,
-                                 draft_prefix_lens=layout.draft_prefix_lens)
+        """The step's mask, packed on the device into the fixed buffer (masks come with uniform
+        modes only, which run the graph form, eagerly too)."""
+        return pack_uniform_mask(layout.seq_lens_k, layout.width, host.max_kv, self.buffers["custom_mask"],
+                                 tree_mask=layout.custom_mask, draft_prefix_lens=layout.draft_prefix_lens)
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
         c = self.cfg
