@@ -31,6 +31,8 @@ from attn_backends.plan import LayoutPlan
 from attn_backends.testing.scenarios import Scenario, make_memory, materialize, verify_spec
 
 BATCH_SIZES = (1, 8, 64)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: a dry run of the set-up on emulated kernels
+NAMES: dict = {}                                          # backend name -> the one to build (dry run)
 KV = 4096
 MODES = {"decode": 1, "verify": 4}
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("flashinfer") is None,
@@ -57,23 +59,23 @@ class Case:
         self.cfg = cfg = _config(which)
         self.backend_name = "flashinfer_mla" if which == "mla" else "flashinfer"
         self.mem = make_memory(cfg, num_pages=bs * (KV + 128) // cfg.page_size + 8, max_reqs=bs + 1,
-                               max_context_len=KV + 64, seed=bs, device="cuda", fill=False)
+                               max_context_len=KV + 64, seed=bs, device=DEVICE, fill=False)
         rng = random.Random(bs)
         w = MODES[mode]
-        spec = None if w == 1 else verify_spec(w, bs, rng, device="cuda")
+        spec = None if w == 1 else verify_spec(w, bs, rng, device=DEVICE)
         fmode = ForwardMode.DECODE if w == 1 else ForwardMode.TARGET_VERIFY
         self.m = materialize(Scenario(fmode, bs, [KV - rng.randint(0, 64) for _ in range(bs)], spec=spec),
                              self.mem, 1)
         self.layer = cfg.layer(0)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        self.q = torch.randn(self.m.batch.num_tokens, cfg.num_q_heads, cfg.qk_dim, generator=g, device="cuda",
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        self.q = torch.randn(self.m.batch.num_tokens, cfg.num_q_heads, cfg.qk_dim, generator=g, device=DEVICE,
                              dtype=cfg.dtype)
         self.plan = LayoutPlan(self.mem, 1, max_bs=bs, max_width=w)
         self.key, self.gi = self.m.batch.graph_key(), self.m.batch.graph_inputs()
         self.plan.load(self.gi, capture=True)
         self.plan.capture(self.key, self.gi.spec_info, self.gi.raw_bs)
         self.gi.plan = self.plan
-        self.ours = get_backend(self.backend_name, cfg, self.mem)
+        self.ours = get_backend(NAMES.get(self.backend_name, self.backend_name), cfg, self.mem)
         self.ours.init_cuda_graph_state(bs, bs * w)
         self.ours.init_forward_metadata_capture_cuda_graph(self.gi)
 
@@ -87,8 +89,8 @@ class Case:
         lay = self.plan.captured(self.key).layout
         h = graph_host_plan(self.plan, self.key, self.mem.page_size, self.mem.max_context_len)
         ws, c, bs = float_workspace(self.mem.device), self.cfg, self.key.bs
-        out = torch.empty(self.q.shape[0], self.q.shape[1], c.out_dim, dtype=self.q.dtype, device="cuda")
-        z = lambda n: torch.zeros(n, dtype=torch.int32, device="cuda")  # noqa: E731
+        out = torch.empty(self.q.shape[0], self.q.shape[1], c.out_dim, dtype=self.q.dtype, device=DEVICE)
+        z = lambda n: torch.zeros(n, dtype=torch.int32, device=DEVICE)  # noqa: E731
         dt = dict(q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=c.sm_scale)
         import flashinfer as fi
         if self.backend_name == "flashinfer_mla":
@@ -196,15 +198,15 @@ def test_fi_runner_prep(benchmark, backend, bs):
     from attn_backends_runtime.full_graph import UniformGraphRunner
     from attn_backends_runtime.models import TinyConfig, TinyModel
     tc = TinyConfig.gpu_mla() if backend.endswith("mla") else TinyConfig.gpu_gqa()
-    model, cfg = TinyModel(tc, "cuda"), tc.attention()
+    model, cfg = TinyModel(tc, DEVICE), tc.attention()
     mem = make_memory(cfg, num_pages=(bs + 2) * 2048 // tc.page_size + 2, max_reqs=bs + 2, max_context_len=2048,
-                      seed=0, device="cuda", fill=False)
+                      seed=0, device=DEVICE, fill=False)
     runner = UniformGraphRunner(model, [get_backend(backend, cfg, mem) for _ in range(tc.num_layers)], mem,
                                 ForwardMode.DECODE, sorted({1, 8, bs}))
     runner.capture()
     rng = random.Random(bs)
     m = materialize(Scenario(ForwardMode.DECODE, bs, [1024 - rng.randint(0, 64) for _ in range(bs)]), mem, 1)
-    m.batch.input_ids = torch.randint(0, tc.vocab_size, (bs,), device="cuda")
+    m.batch.input_ids = torch.randint(0, tc.vocab_size, (bs,), device=DEVICE)
     host_us = _host_times(lambda: runner.prepare(m.batch))
     row = {"kernel": f"fi_runner_prep_bs{bs}", "backend": backend, "host_us": host_us, "layers": tc.num_layers}
     benchmark.extra_info.update(row)
