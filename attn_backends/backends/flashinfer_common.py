@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..base import ForwardMetadata, LayoutBackend
-from ..batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
+from ..batch import ForwardBatch, GraphInputs, GraphKey
 from ..layout import Layout, host_seq_lens, pad_seq_len
 
 EXTRA = "pip install 'attn-backends[flashinfer]'"
@@ -201,7 +201,3 @@ class FlashInferBase(LayoutBackend):
                              f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
         return meta.extra["fi"].run(q, layer)
 
-
-def is_uniform_causal(layout: Layout) -> bool:
-    """A uniform mode whose rows see their prefix and the rows before them."""
-    return layout.mode != ForwardMode.EXTEND and layout.custom_mask is None and layout.draft_prefix_lens is None
