@@ -73,10 +73,18 @@ class Capabilities:
     head_dims: Optional[tuple] = None
     requires: tuple = ()
     preference: int = 0
+    dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
+    mode_graph: tuple = ()
+    cannot: str = ""
+
+    def graph_for(self, mode: ForwardMode) -> GraphSupport:
+        """The graph support of ``mode`` (``graph`` unless ``mode_graph`` says otherwise)."""
+        return dict(self.mode_graph).get(mode, self.graph)
 
     def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
-                sm: int = 0) -> Optional[str]:
-        """Why this backend cannot serve ``cfg``/``mode`` on ``device``; None if it can."""
+                sm: int = 0, topk: int = 1) -> Optional[str]:
+        """Why this backend cannot serve ``cfg``/``mode`` (with ``topk`` branches) on ``device``;
+        None if it can."""
         if cfg.is_mla and not self.mla:
             return "MHA/GQA only, model is MLA"
         if not cfg.is_mla and not self.mha:
@@ -85,12 +93,16 @@ class Capabilities:
             return f"page_size={cfg.page_size} not in {self.page_sizes}"
         if mode is not None and mode not in self.modes:
             return f"mode {mode.name} not supported"
+        if topk > 1 and not self.topk_gt1:
+            return f"topk={topk} > 1 not supported" + (f": {self.cannot}" if self.cannot else "")
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm < self.min_sm:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
         if self.head_dims is not None and cfg.qk_dim not in self.head_dims:
             return f"head_dim={cfg.qk_dim} not in {self.head_dims}"
+        if cfg.dtype not in self.dtypes:
+            return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
         return None
 
 

@@ -8,8 +8,11 @@ from typing import TextIO
 import torch
 
 from . import registry
+from .base import GraphSupport
+from .batch import ForwardMode
 from .testing.report import WIDTH, grid
 
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODE_ABBREV = {"EXTEND": "extend", "DECODE": "decode", "TARGET_VERIFY": "verify",
                "DRAFT_EXTEND": "draft_extend", "IDLE": "idle"}
 
@@ -22,13 +25,42 @@ def _caps_cells(caps) -> list:
             caps.graph.name.lower(), ",".join(caps.devices) + (f" (sm_{caps.min_sm}+)" if caps.min_sm else "")]
 
 
+def _class_of(info):
+    try:
+        return registry.get_backend_class(info.target)
+    except ValueError:
+        return None
+
+
+def graph_label(caps, mode: ForwardMode) -> str:
+    """How a mode runs under graphs: "full" (captured in the runner's graph) or "piecewise" (the
+    rest of the model captured, attention eager between the pieces)."""
+    g = caps.graph_for(mode)
+    full = g == GraphSupport.ALWAYS or (g == GraphSupport.UNIFORM_BATCH and mode.is_uniform())
+    return "full" if full else "piecewise"
+
+
 def _notes(info, builtins: set) -> list:
-    """The indented lines under a backend's row: modes, preference, origin, why not here."""
+    """The indented lines under a backend's row: modes (with their graph support), limits,
+    preference, origin, why not here."""
     notes = []
     if info.capabilities is not None:
         caps = info.capabilities
-        notes.append("modes: " + ", ".join(MODE_ABBREV.get(m.name, m.name.lower())
+        notes.append("modes: " + ", ".join(f"{MODE_ABBREV.get(m.name, m.name.lower())} [{graph_label(caps, m)}]"
                                            for m in sorted(caps.modes, key=int)))
+        limits = []
+        if set(caps.dtypes) != set(ALL_DTYPES):
+            limits.append(f"dtypes {', '.join(str(d)[6:] for d in caps.dtypes)}")
+        if caps.head_dims is not None:
+            limits.append(f"head dims {', '.join(map(str, caps.head_dims))}")
+        if limits:
+            notes.append("; ".join(limits))
+        if caps.cannot:
+            notes.append(f"cannot: {caps.cannot}")
+        by_mode = getattr(_class_of(info), "by_mode", None)
+        if by_mode:
+            notes.append("runs: " + ", ".join(f"{MODE_ABBREV.get(m.name, m.name)} on {'|'.join(filter(None, p))}"
+                                              for m, p in sorted(by_mode.items())))
         if caps.preference:
             notes.append(f"preference: {caps.preference}")
     if info.name not in builtins:

@@ -34,6 +34,7 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .batch import ForwardBatch, ForwardMode, SpecInfo, query_width
@@ -154,6 +155,14 @@ def canonical_rows(inp: LayoutInputs):
     req = torch.where(real, inp.req_pool_indices.to(torch.int64), 0)
     seq = torch.where(real, inp.seq_lens.to(I32), inp.pad_seq_len)
     return req, seq
+
+
+def host_seq_lens(seq_lens_cpu: torch.Tensor, raw_bs: int, pad: int) -> np.ndarray:
+    """``[bs]`` int64 host copy of the canonical ``seq_lens`` (rows ``raw_bs..`` hold ``pad``):
+    what :func:`canonical_rows` writes on the device, derived without reading the device."""
+    seq = seq_lens_cpu.numpy().astype(np.int64)
+    seq[raw_bs:] = pad
+    return seq
 
 
 def real_rows(inp: LayoutInputs) -> torch.Tensor:

@@ -28,6 +28,14 @@ allocation, no host sync. Its backends' replay methods then read the layout from
 caller) keeps a private plan and does the runner's part itself: :meth:`load` copies the
 caller's real rows in, then :meth:`update`. On a machine without CUDA the prep "graph" is the
 same function run eagerly.
+
+A library's per-step state (FlashInfer's ``plan()``): every backend instance of a step that
+runs the same library kernels shares one plan of that library, made once per step from the
+canonical layout. :meth:`LayoutPlan.library_state` keeps the library's objects for this plan
+(made on first use, e.g. a wrapper bound to this plan's static buffers for one GraphKey);
+:meth:`LayoutPlan.first_in_step` is true for the first caller of a step under an owner key
+and false for the others until the next :meth:`build`, :meth:`capture` or :meth:`update`
+(each starts a new step), so the first layer plans and every later layer only runs.
 """
 from __future__ import annotations
 
@@ -92,6 +100,9 @@ class LayoutPlan:
         self._captured: dict[GraphKey, _Captured] = {}
         self._eager: Optional[tuple] = None       # (batch, layout) of the last eager build
         self._pool = None
+        self.step = 0                             # bumped by build, capture, update (library plans)
+        self._libs: dict = {}                     # owner -> a library's object for this plan
+        self._planned: dict = {}                  # owner -> the step it was last prepared in
         if max_bs:
             self._allocate(tokens)
 
@@ -103,6 +114,7 @@ class LayoutPlan:
         out = dataclasses.replace(batch, plan=self)
         self._eager = (out, layout)
         self.builds += 1
+        self.step += 1
         return out
 
     def layout_for(self, batch: ForwardBatch) -> Layout:
@@ -245,6 +257,8 @@ class LayoutPlan:
             key.forward_mode, key.bs, key.width, mask_kind(key.forward_mode, spec), self.memory.max_context_len)
         self.raw_bs_dev.fill_(raw_bs)
         self.draft_step_dev.fill_(spec.draft_step if spec is not None else 0)
+        self._seq_np[raw_bs:key.bs] = entry.pad           # host copy canonical too, as update() leaves it
+        self.step += 1
         self._prep(entry)
         self.builds += 1
         if own_graph and self._pool is not None and not _layout.stream_capturing():
@@ -277,6 +291,7 @@ class LayoutPlan:
         self._loaded = None
         self._seq_np[raw_bs:key.bs] = entry.pad
         self.builds += 1
+        self.step += 1
         if in_step_graph:
             pass
         elif entry.graph is not None:
@@ -303,6 +318,24 @@ class LayoutPlan:
         if self.current != key:
             raise LayoutError(f"the step plan was last prepared for {self.current}, not {key}: the runner "
                               "must call plan.update() for this key before the backends' replay")
+
+    # ------------------------------------------------------------------ library state per step
+    def library_state(self, owner, make):
+        """The object a library keeps for this plan under ``owner`` (hashable, e.g. ``(backend
+        class, model config, GraphKey)``), made by ``make()`` on first use and kept as long as
+        the plan: every backend instance of the plan gets the same one."""
+        obj = self._libs.get(owner)
+        if obj is None:
+            obj = self._libs[owner] = make()
+        return obj
+
+    def first_in_step(self, owner) -> bool:
+        """True for the first call under ``owner`` since the last build, capture or update (the
+        caller then prepares the library's plan of this step), False for the other layers."""
+        if self._planned.get(owner) == self.step:
+            return False
+        self._planned[owner] = self.step
+        return True
 
     # ------------------------------------------------------------------ internals
     def _check_capacity(self, key: GraphKey) -> None:

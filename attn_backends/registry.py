@@ -27,8 +27,12 @@ REFERENCE = "torch_native"   # select() takes it only when no other backend serv
 
 # Built-in order, the tie-break of select() after the declared preference: fastest first.
 _BUILTIN: dict[str, str] = {
+    "flashinfer_mla": "attn_backends.backends.flashinfer_mla:FlashInferMLABackend",
     "triton_mla": "attn_backends.backends.triton_mla:TritonMLABackend",
+    "trtllm_mla": "attn_backends.backends.trtllm_mla:TrtllmMLABackend",
     "triton": "attn_backends.backends.triton_backend:TritonBackend",
+    "flashinfer": "attn_backends.backends.flashinfer_backend:FlashInferBackend",
+    "hybrid": "attn_backends.backends.hybrid:HybridBackend",
     "torch_native": "attn_backends.backends.torch_native:TorchNativeBackend",
 }
 _extra: dict[str, str] = {}
@@ -171,8 +175,10 @@ class Selection:
 
 
 def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
-           device: Optional[str] = None) -> Selection:
+           device: Optional[str] = None, topk: int = 1, exclude=()) -> Selection:
     """The best backend for ``model_config`` in ``mode`` on ``device``, and why not each other one.
+    ``topk > 1``: tree verify (TARGET_VERIFY) or multi-branch draft decode (DECODE), which
+    need a backend with ``topk_gt1``. Backends named in ``exclude`` are not considered.
 
     Ranking: a backend that serves (available here, and its capabilities accept the model,
     mode, page size, device and architecture) beats one that does not. Among those that
@@ -183,14 +189,15 @@ def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     serving, refused = [], {}
-    for order, info in enumerate(list_backends(device)):
-        reason = info.reason or info.capabilities.refusal(model_config, mode, device, device_sm())
+    for order, info in enumerate(i for i in list_backends(device) if i.name not in exclude):
+        reason = info.reason or info.capabilities.refusal(model_config, mode, device, device_sm(), topk)
         if reason:
             refused[info.name] = reason
         else:
             serving.append((info.name == REFERENCE, -info.capabilities.preference, order, info.name))
     if not serving:
-        raise ValueError(f"no backend can serve this model in {mode.name} on {device}: {refused}")
+        what = f"{mode.name}" + (f" with topk={topk}" if topk > 1 else "")
+        raise ValueError(f"no backend can serve this model in {what} on {device}: {refused}")
     serving.sort()
     best = serving[0]
     for ref, neg_pref, _, name in serving[1:]:

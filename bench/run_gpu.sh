@@ -6,7 +6,11 @@
 #            SANITIZE_TESTS, SANITIZE_K), "soak" (10,000 runner replays vs eager, SOAK_REPLAYS), "tune" (the launch-config sweep, ~200 s) and
 #            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
 #            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick");
-#            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min)
+#            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min);
+#            "fi" is issue #8, in three parts that also run alone (each fits a 10-minute call):
+#            "fitests" the FlashInfer family's GPU tests, "ficheck" `check` on flashinfer, flashinfer_mla,
+#            trtllm_mla and hybrid (FI_CASES / FI_SUITE_CASES cases, FI_BACKENDS), "fibench"
+#            bench/bench_flashinfer_backends.py and its table
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
@@ -80,6 +84,27 @@ if [[ $stages == *" bench "* ]]; then
       -p no:cacheprovider --benchmark-columns=median,rounds 2>&1 | tee "$out/bench.log" | tail -8 || status=1
   python bench/report.py "$BENCH_RESULTS" | tee "$out/table.txt"
   python bench/bench_runtime.py "$BENCH_RESULTS" | tee "$out/runtime_table.txt"
+fi
+[[ $stages == *" fi "* ]] && stages="$stages fitests ficheck fibench "
+if [[ $stages == *" fitests "* ]]; then
+  echo "== FlashInfer family (issue #8): GPU tests"
+  timeout "${FI_TEST_TIMEOUT:-540}" python -m pytest tests/test_flashinfer_gpu.py tests/test_flashinfer_cpu.py \
+      tests/test_trtllm_hybrid.py -q -p no:cacheprovider ${FI_TEST_ARGS:-} 2>&1 | tee "$out/fi_tests.log" | tail -15 \
+      || status=1
+fi
+if [[ $stages == *" ficheck "* ]]; then
+  echo "== attn-backends check on cuda (FlashInfer family)"
+  for b in ${FI_BACKENDS:-flashinfer flashinfer_mla trtllm_mla hybrid}; do
+    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda \
+        --cases "${FI_CASES:-60}" --suite-cases "${FI_SUITE_CASES:-24}" 2>&1 | tee "$out/check_$b.log" | tail -12 \
+        || status=1
+  done
+fi
+if [[ $stages == *" fibench "* ]]; then
+  echo "== FlashInfer backends vs raw wrappers (bench/bench_flashinfer_backends.py)"
+  timeout "${FI_BENCH_TIMEOUT:-420}" python -m pytest bench/bench_flashinfer_backends.py -q -p no:cacheprovider \
+      --benchmark-columns=median,rounds 2>&1 | tee "$out/fi_bench.log" | tail -4 || status=1
+  python bench/bench_flashinfer_backends.py "$BENCH_RESULTS" | tee "$out/fi_table.txt"
 fi
 if [[ $stages == *" eagle "* ]]; then
   echo "== EAGLE vs plain decode, tokens/s (bench/bench_eagle.py)"

@@ -107,7 +107,7 @@ def test_list_fits_100_columns_with_modes_origin_and_reasons(capsys, plugin_file
     blocks = _list_blocks(out)
     row, notes = blocks["torch_native"]
     assert re.match(r"torch_native\s+yes\s+MHA\+MLA\s+1,16,64\s+yes\s+uniform_batch\s+cpu,cuda$", row), row
-    assert notes == ["modes: extend, decode, verify, draft_extend"]
+    assert notes == ["modes: extend [piecewise], decode [full], verify [full], draft_extend [full]"]
     assert {i.name for i in registry.list_backends("cpu")} == set(blocks)
     for info in registry.list_backends("cpu"):
         if not info.available:
@@ -115,7 +115,7 @@ def test_list_fits_100_columns_with_modes_origin_and_reasons(capsys, plugin_file
             assert f"not available: {info.reason}" in blocks[info.name][1]
     assert "plugin: no_such_module_xyz:Ghost" in blocks["ghost"][1]
     assert any("No module named 'no_such_module_xyz'" in n for n in blocks["ghost"][1])
-    assert blocks["decode_only"][1][0] == "modes: decode"
+    assert blocks["decode_only"][1][0] == "modes: decode [full]"
 
 
 def test_list_on_cuda_without_a_gpu_says_why(capsys):

@@ -1,5 +1,6 @@
-"""The ``triton`` and ``triton_mla`` backends against the float64 reference: eager and through
-the graph metadata path, every declared mode. On the CPU this runs the kernels under
+"""The ``triton``, ``triton_mla`` and ``trtllm_mla`` (its block table, the Triton kernel off SM100)
+backends against the float64 reference: eager and through the graph metadata path, every
+declared mode. On the CPU this runs the kernels under
 TRITON_INTERPRET=1 (small shapes, float32); on a GPU the same test runs for real."""
 import pytest
 import torch
@@ -15,7 +16,7 @@ AVAILABLE = {b.name for b in list_backends(DEVICE) if b.available}
 
 
 def _setup(backend, ps):
-    mla = backend == "triton_mla"
+    mla = backend in ("triton_mla", "trtllm_mla")
     cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=1 if mla else 2, head_dim=16, is_mla=mla,
                       kv_lora_rank=32, qk_rope_head_dim=16, page_size=ps)
     mem = make_memory(cfg, num_pages=1024 // ps + 4, max_reqs=12, max_context_len=128,
@@ -35,7 +36,7 @@ def _rel_err(out, ref):
     return float((out.cpu()[real].double() - ref[real]).norm() / ref[real].norm()), real
 
 
-CASES = [(b, ps, n) for b in ("triton", "triton_mla") for ps in (1, 16) for n in named_batches()]
+CASES = [(b, ps, n) for b in ("triton", "triton_mla", "trtllm_mla") for ps in (1, 16) for n in named_batches()]
 
 
 @pytest.mark.parametrize("backend,ps,name", CASES)

@@ -19,8 +19,9 @@ def poison(buffers: dict) -> None:
             t.fill_(True)
         elif t.dtype.is_floating_point:
             t.fill_(float("nan"))
-        else:
-            t.fill_(2 ** 30 if i % 2 else -7)
+        else:   # the largest value the dtype holds (uint8 masks: all bits set), or -7 where signed
+            info = torch.iinfo(t.dtype)
+            t.fill_(min(2 ** 30, info.max) if i % 2 else max(-7, info.min) or info.max)
 
 
 def snapshot(buffers: dict) -> dict:

@@ -128,10 +128,14 @@ def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scena
     return Scenario(mode, bs, list(prefixes), spec, extra if c.mode == "extend" else None, name=c.mode)
 
 
-def _config(c: CaseSpec) -> ModelConfig:
+def _config(c: CaseSpec, caps=None) -> ModelConfig:
+    """A small model the backend accepts (``caps``: its head dims and dtypes; float32 first)."""
+    dtype = torch.float32 if caps is None or torch.float32 in caps.dtypes else caps.dtypes[-1]
     if c.mla:
-        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size)
-    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=c.page_size)
+        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size, dtype=dtype)
+    dims = caps.head_dims if caps is not None and caps.head_dims else (16,)   # nearest 100: 128 where allowed
+    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=min(dims, key=lambda d: abs(d - 100)),
+                       page_size=c.page_size, dtype=dtype)
 
 
 def _guarded_inputs(gi: GraphInputs) -> GraphInputs:
@@ -160,7 +164,7 @@ class _CaseRun:
     def __init__(self, cls, c: CaseSpec, report: SuiteReport, device, name: str) -> None:
         self.c, self.report, self.name, self.device = c, report, name, device
         rng = random.Random(c.seed)
-        cfg = _config(c)
+        cfg = _config(c, cls.capabilities)
         per_req = -(-MAX_CTX // c.page_size)
         self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
                                page_order=c.page_order, seed=c.seed, device=device)   # random KV: I9n

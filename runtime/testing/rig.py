@@ -13,7 +13,7 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.plan import step_plan
-from attn_backends.registry import get_backend
+from attn_backends.registry import get_backend, get_backend_class
 from attn_backends.testing.scenarios import make_memory, random_tree_mask
 
 from ..breakable import BreakableGraphRunner
@@ -98,16 +98,27 @@ def backend_for(name: str, mla: bool) -> str:
     return "triton_mla" if mla and name == "triton" else name
 
 
+def dims_for(caps, mla: bool) -> dict:
+    """TinyConfig sizes a backend accepts: its head dims (MLA 512 + 64 where it needs 576;
+    GQA the allowed head dim nearest 100: 128 where allowed, the size of the GPU tests)."""
+    if caps.head_dims is None:
+        return {}
+    if mla:
+        return dict(kv_lora_rank=512, qk_rope_head_dim=64) if 576 in caps.head_dims else {}
+    return dict(head_dim=min(caps.head_dims, key=lambda d: abs(d - 100)))
+
+
 class Rig:
     def __init__(self, spec: RigSpec, capture: bool = True) -> None:
         s = self.spec = spec
         self.kind, self.mode, self.device = s.kind, RUNNER_KINDS[s.kind].mode, torch.device(s.device)
-        self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed)
+        self.backend_name = backend_for(s.backend, s.mla)
+        self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed,
+                             **dims_for(get_backend_class(self.backend_name).capabilities, s.mla))
         self.model = TinyModel(self.tc, s.device)
         cfg = self.tc.attention()
         self.mem = make_memory(cfg, num_pages=48 * (s.max_ctx // s.page_size) + 2, max_reqs=48,
                                max_context_len=s.max_ctx, page_order=s.page_order, seed=s.seed, device=s.device)
-        self.backend_name = backend_for(s.backend, s.mla)
         self.backends, self.ref_backends = self._backends(), self._backends()  # the reference never shares state
         self.width = {"decode": 1, "breakable_decode": 1, "draft_decode": s.topk, "piecewise": 0}.get(s.kind, s.n)
         self.runner = self._runner(self.backends)
@@ -123,8 +134,11 @@ class Rig:
         return [one() for _ in range(self.spec.steps)] if self.kind == "draft_decode" else one()
 
     def flat(self, backends) -> list:
+        """Every distinct backend instance, and the sub-backends that composites (``hybrid``)
+        run in this rig's mode (each is refreshed once per replay too: I12)."""
         bs = backends if isinstance(backends, list) else [backends]
         out = [b for x in bs for b in (x if isinstance(x, list) else [x])]
+        out += [d for b in out for d in (b.sub_backends(self.mode) if hasattr(b, "sub_backends") else [])]
         return list({id(b): b for b in out}.values())
 
     def spec_template(self) -> Optional[SpecInfo]:

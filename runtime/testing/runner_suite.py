@@ -350,7 +350,8 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         case_seed = seed + i
         rng = random.Random(case_seed)
         spec = random_spec(rng, backend, caps, kinds[case_seed % len(kinds)], device, case_seed)
-        exact = cuda and backend != "torch_native"   # torch_native's shapes follow host max lengths
+        # torch_native's shapes follow host max lengths; a backend without float32 runs bf16 everywhere
+        exact = (cuda and backend != "torch_native") or torch.float32 not in caps.dtypes
         spec.dtype = torch.bfloat16 if exact else torch.float32
         mode = RUNNER_KINDS[spec.kind].label
         report.cases[(backend, mode)] += 1

@@ -1,0 +1,207 @@
+"""What the FlashInfer backends (``flashinfer``, ``flashinfer_mla``) share.
+
+* The lazy import: the package imports without flashinfer; constructing a backend raises an
+  ImportError naming the extra (``pip install 'attn-backends[flashinfer]'``).
+* One zeroed float workspace per device, shared by every wrapper (their runs never overlap).
+* :class:`HostPlan`: the host copies a FlashInfer ``plan()`` reads (``qo_indptr``,
+  ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
+  and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
+  device. The device ``kv_indices`` is the step plan's layout buffer itself.
+* :class:`FlashInferBase`: one FlashInfer plan per step, one run per layer. The wrapper of a
+  (backend class, model config, GraphKey) lives in the step plan (``LayoutPlan.library_state``)
+  so every layer's instance runs the same wrapper; the first instance refreshed in a step plans
+  it (``LayoutPlan.first_in_step``), the others only run. Graph mode uses the wrappers'
+  ``use_cuda_graph=True`` form on fixed buffers the backend allocates (listed in
+  ``graph_buffers()``); capture plans exactly as replay does.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import numpy as np
+import torch
+
+from ..base import ForwardMetadata, LayoutBackend
+from ..batch import ForwardBatch, GraphInputs, GraphKey
+from ..layout import Layout, host_seq_lens, pad_seq_len
+
+EXTRA = "pip install 'attn-backends[flashinfer]'"
+WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per device
+I32 = torch.int32
+EAGER_CALLS_KEPT = 16                # eager wrappers kept (one per kind and, uniform, per (bs, W))
+_workspaces: dict = {}
+_EAGER_CALLS: OrderedDict = OrderedDict()
+
+
+def import_flashinfer():
+    """``flashinfer``, or an ImportError that names the extra to install."""
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise ImportError(f"the FlashInfer backends need the flashinfer package ({EXTRA}): {e}") from e
+    return flashinfer
+
+
+def float_workspace(device: torch.device, tag: str = "fa") -> torch.Tensor:
+    """A zeroed ``WORKSPACE_BYTES`` uint8 buffer per (device, tag), allocated on first use
+    (FlashInfer: "must be initialized to 0 for its first use")."""
+    key = (str(device), tag)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return ws
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host copies (CPU int32 tensors) of one step's plan inputs, for ``bs`` requests."""
+
+    qo_indptr: torch.Tensor          # [bs+1] query rows
+    kv_indptr: torch.Tensor          # [bs+1] pages: cumsum(ceil(kv_len / page_size))
+    kv_last_page_len: torch.Tensor   # [bs] tokens in each row's last page (1..page_size)
+    kv_lens: torch.Tensor            # [bs] KV tokens (this forward's included)
+    num_pages: int                   # kv_indptr[-1]
+    max_kv: int                      # host bound on kv_lens (graph mode: the static bound)
+
+    @property
+    def bs(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+
+def host_plan(seq: np.ndarray, q_lens: np.ndarray, page_size: int, max_kv: Optional[int] = None) -> HostPlan:
+    """The plan inputs of rows with KV lengths ``seq`` and query lengths ``q_lens`` (int64 numpy),
+    computed as the layout builder computes them on the device (``layout._write_kv``)."""
+    npages = (seq + page_size - 1) // page_size
+    kv_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum(npages, out=kv_indptr[1:])
+    qo_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=qo_indptr[1:])
+    last = (seq - (npages - 1) * page_size).astype(np.int32)
+    return HostPlan(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last),
+                    torch.from_numpy(seq.astype(np.int32)), int(kv_indptr[-1]),
+                    int(seq.max()) if max_kv is None else max_kv)
+
+
+def eager_host_plan(batch: ForwardBatch, layout: Layout, fill: int) -> HostPlan:
+    """Eager: from the batch's host copies, with the canonical pad rows (``layout.canonical_rows``:
+    ``seq_len = pad_seq_len(fill, W)``, EXTEND pad rows one query token)."""
+    w = layout.width or 1
+    seq = host_seq_lens(batch.seq_lens_cpu, batch.raw_bs, pad_seq_len(fill, w))
+    if layout.width:
+        q_lens = np.full(len(seq), layout.width, dtype=np.int64)
+    else:
+        q_lens = batch.extend_seq_lens_cpu.numpy().astype(np.int64)
+        q_lens[batch.raw_bs:] = 1
+    return host_plan(seq, q_lens, layout.page_size)
+
+
+def graph_host_plan(plan, key: GraphKey, page_size: int, max_context_len: int,
+                    qo_indptr: Optional[torch.Tensor] = None) -> HostPlan:
+    """Graph mode: from the step plan's host ``seq_lens_cpu`` (canonical after ``update()`` and
+    ``capture()``: pad rows hold the pad seq_len) and the key; the KV bound is the static
+    ``max_context_len``. ``qo_indptr``: the key's ``arange(0, bs*W + 1, W)`` if already made."""
+    seq = plan.seq_lens_cpu[:key.bs].numpy().astype(np.int64)
+    h = host_plan(seq, np.full(key.bs, key.width, dtype=np.int64), page_size, max_kv=max_context_len)
+    if qo_indptr is None:
+        return h
+    return HostPlan(qo_indptr, h.kv_indptr, h.kv_last_page_len, h.kv_lens, h.num_pages, h.max_kv)
+
+
+class FlashInferBase(LayoutBackend):
+    """Plans once per step, runs once per layer. Subclasses define :meth:`_new_call` (a wrapper
+    and its fixed buffers, for a GraphKey or eager) and :meth:`_kind` (which wrapper a layout
+    needs); the call object has ``plan(layout, host)``, ``run(q, layer)`` and ``buffers``."""
+
+    # FlashInfer's plan() reads the step plan's device layout at replay preparation (the packed
+    # mask, the indices it copies), so the plan's prep must run before it, not in the step's graph.
+    reads_step_plan: ClassVar[bool] = False
+
+    def __init__(self, config, memory) -> None:
+        super().__init__(config, memory)
+        if memory.device.type not in self.capabilities.devices:
+            raise ValueError(f"backend {self.name} runs on {', '.join(self.capabilities.devices)}; "
+                             f"the KV memory is on {memory.device}")
+        if config.dtype not in self.capabilities.dtypes:
+            raise ValueError(f"backend {self.name} runs dtypes {self.capabilities.dtypes}, model is {config.dtype}")
+        self.fi = import_flashinfer()
+        self._qo: dict = {}            # (bs, W) -> qo_indptr host copy (a function of the key alone)
+
+    # -- hooks
+    eager_as_graph: ClassVar[bool] = True   # uniform eager batches plan like graphs (FlashInfer plans differ)
+
+    def _kind(self, layout: Layout) -> str:
+        raise NotImplementedError
+
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor]):
+        """The wrapper for ``layout``: graph form for ``key`` reading the fixed ``indices``
+        buffer, or (``key`` None) the eager form."""
+        raise NotImplementedError
+
+    # -- eager: the step plan's layout, then one FlashInfer plan per step
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        super().init_forward_metadata(batch)
+        meta = self.forward_metadata
+        lay, plan = meta.layout, batch.plan
+        call, owner = self._eager_call(lay)
+        fresh = plan.first_in_step(owner) if plan is not None else True
+        if fresh:
+            fill = plan.fill if plan is not None else self.get_cuda_graph_seq_len_fill_value()
+            call.plan(lay, eager_host_plan(batch, lay, fill))
+        meta.extra["fi"] = call
+
+    def _eager_call(self, lay: Layout):
+        """``(call, owner)`` for an eager layout. FlashInfer plans a graph-form wrapper unlike an
+        eager one (split-KV always on, other query tiles), so a uniform batch runs the graph form
+        at its (bs, W), on a kv_indices buffer of its own: eager and replay then launch the same
+        kernels on the same padded batch, bitwise equal. Ragged EXTEND, never captured, runs the
+        eager form. Kept process-wide (a step plan may live one step), the last few per kind."""
+        key = GraphKey(lay.mode, lay.bs, lay.width) if lay.width and self.eager_as_graph else None
+        owner = (type(self), self.config, self.memory, "eager", self._kind(lay), key)
+        call = _EAGER_CALLS.pop(owner, None)
+        if call is None:
+            pages = lay.bs * (self.memory.max_context_len // self.memory.page_size)
+            indices = None if key is None else torch.zeros(pages, dtype=I32, device=self.memory.device)
+            call = self._new_call(lay, key, indices)
+        _EAGER_CALLS[owner] = call
+        while len(_EAGER_CALLS) > EAGER_CALLS_KEPT:
+            _EAGER_CALLS.popitem(last=False)
+        return call, owner
+
+    # -- graphs: capture plans exactly as replay does
+    def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
+        super().init_forward_metadata_capture_cuda_graph(inputs)
+        self._refresh_extras(self.forward_metadata, inputs)
+
+    def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
+        plan, key, lay = meta.plan, inputs.key, meta.layout
+        owner = (type(self), self.config, key)
+        call = meta.extra.get("fi")
+        if call is None:
+            call = meta.extra["fi"] = plan.library_state(owner, lambda: self._new_call(lay, key, lay.kv_indices))
+        if plan.first_in_step(owner):            # one plan per step, whichever layer comes first
+            call.plan(lay, self.graph_host_plan(plan, key))
+
+    def graph_host_plan(self, plan, key: GraphKey) -> HostPlan:
+        h = graph_host_plan(plan, key, self.memory.page_size, self.memory.max_context_len,
+                            self._qo.get((key.bs, key.width)))
+        self._qo.setdefault((key.bs, key.width), h.qo_indptr)
+        return h
+
+    def _extra_graph_buffers(self) -> dict:
+        out = {}
+        for (key, _), meta in self._graph_meta.items():
+            call = meta.extra.get("fi")
+            if call is None:
+                continue
+            tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
+            out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
+        return out
+
+    def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
+        if layer.scaling != self.config.sm_scale:
+            raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
+                             f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
+        return meta.extra["fi"].run(q, layer)
+

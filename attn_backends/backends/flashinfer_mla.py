@@ -1,0 +1,88 @@
+"""``flashinfer_mla``: absorbed MLA through FlashInfer's ``BatchMLAPagedAttentionWrapper``
+(``pip install 'attn-backends[flashinfer]'``), fa3 on SM90 and fa2 elsewhere.
+
+DECODE (and draft decode with topk = 1), TARGET_VERIFY chain, DRAFT_EXTEND and EXTEND, over the
+latent cache of ``triton_mla`` (``[slots, 1, 512 + 64]``, read as ``[pages, page_size, 576]``
+without a copy) and the step plan's ``kv_indices``; W > 1 rows are causal (bottom-right). The
+wrapper takes no custom mask: tree verify and multi-branch draft decode are refused
+(``Capabilities.cannot``). Calls follow flashinfer 0.7.2.post1 ``mla/_batch_mla/_wrapper.py``
+(``__init__`` graph buffers ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_len_arr``;
+``plan(metadata=MLAPlanMetadata.csr(...))`` with host CSR copies, packed query and cache;
+``run(query=, kv_cache=, out=)``): graph plans copy the host metadata into the fixed buffers
+(``_fa_common._stage_metadata``), the ``kv_indices`` source being the fixed buffer itself.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import torch
+
+from ..base import Capabilities, GraphSupport
+from ..batch import ForwardMode, GraphKey
+from ..layout import Layout
+from .flashinfer_common import I32, FlashInferBase, HostPlan, float_workspace
+
+MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
+
+
+def mla_backend_for(device: torch.device) -> str:
+    """fa3 on SM90 (Hopper), fa2 elsewhere."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "fa3"
+    return "fa2"
+
+
+class MLACall:
+    def __init__(self, backend: "FlashInferMLABackend", key: Optional[GraphKey], indices) -> None:
+        self.cfg, self.memory, self.fi = backend.config, backend.memory, backend.fi
+        dev = self.memory.device
+        self.buffers: dict = {}
+        kw = dict(backend=mla_backend_for(dev))
+        if key is not None:
+            z = lambda n: torch.zeros(n, dtype=I32, device=dev)  # noqa: E731
+            b = self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_len_arr": z(key.bs)}
+            kw.update(use_cuda_graph=True, qo_indptr=b["qo_indptr"], kv_indptr=b["kv_indptr"],
+                      kv_indices=indices, kv_len_arr=b["kv_len_arr"])
+        self.wrapper = self.fi.mla.BatchMLAPagedAttentionWrapper(float_workspace(dev), **kw)
+
+    def plan(self, layout: Layout, host: HostPlan) -> None:
+        c = self.cfg
+        meta = self.fi.mla.MLAPlanMetadata.csr(host.qo_indptr, host.kv_indptr, layout.kv_indices, host.kv_lens)
+        self.wrapper.plan(metadata=meta, num_heads=c.num_q_heads, head_dim_ckv=c.kv_lora_rank,
+                          head_dim_kpe=c.qk_rope_head_dim, page_size=layout.page_size,
+                          causal=layout.max_seq_len_q > 1, sm_scale=c.sm_scale, q_data_type=c.dtype,
+                          kv_data_type=c.dtype)
+
+    def run(self, q: torch.Tensor, layer) -> torch.Tensor:
+        kv, ps = self.memory.pool.kv[layer.layer_id], self.memory.page_size
+        pages = kv.view(kv.shape[0] // ps, ps, kv.shape[-1])                   # [pages, page_size, 576]
+        out = torch.empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank, dtype=q.dtype, device=q.device)
+        return self.wrapper.run(query=q, kv_cache=pages, out=out)
+
+
+class FlashInferMLABackend(FlashInferBase):
+    name: ClassVar[str] = "flashinfer_mla"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        modes=MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=False,
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cuda",), min_sm=80, head_dims=(576,),
+        requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16),
+        cannot="tree verify and multi-branch draft decode need a custom mask, which "
+               "BatchMLAPagedAttentionWrapper does not take")
+
+    def __init__(self, config, memory) -> None:
+        if config.kv_lora_rank != 512 or config.qk_rope_head_dim != 64:
+            raise ValueError(f"backend flashinfer_mla runs latent 512 + rope 64, got {config.kv_lora_rank} + "
+                             f"{config.qk_rope_head_dim}")
+        h = config.num_q_heads
+        if h & (h - 1) or h > 128:
+            # fa2/fa3 refuse causal tiles that split a head group (_fa_common._validate_fa_causal_tile_bound)
+            raise ValueError(f"backend flashinfer_mla needs a power-of-two num_q_heads <= 128, got {h}")
+        super().__init__(config, memory)
+
+    eager_as_graph: ClassVar[bool] = False    # the MLA planner does not look at the graph flag
+
+    def _kind(self, layout: Layout) -> str:
+        return "mla"
+
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices):
+        return MLACall(self, key, indices)

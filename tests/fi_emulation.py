@@ -1,0 +1,147 @@
+"""FlashInfer on the CPU, for tests where ``import flashinfer`` works (it imports without a GPU;
+Python 3.12 with the wheels of ``/work/main/.whl``): the real wrappers' Python code runs
+(constructors, ``plan()`` with its checks and buffer copies, ``run()``), and only the JIT kernel
+modules are replaced by PyTorch emulations that read exactly the arguments the CUDA kernels read
+in flashinfer 0.7.2.post1:
+
+* prefill ``paged_run`` (also tensor-core decode): ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+  ``kv_last_page_len`` buffers, the mask mode, and for ``MaskMode.CUSTOM`` the packed mask at
+  byte ``mask_indptr[i]``, bit ``qo * kv_len + kv`` little-endian (``include/flashinfer/
+  attention/variants.cuh``); causal rows aligned bottom-right;
+* CUDA-core decode ``run``: ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, one row each;
+* MLA ``run``: the plan's host CSR arrays, which the real plan copies into the int workspace
+  (``scheduler.cuh`` ``MLAPlan``): the emulated plan writes them there and the run reads them
+  back, so a missing re-plan shows; ``kv_indices`` from the wrapper's buffer.
+
+The ``*Emulated`` backend classes below are the real backends with CPU allowed in their
+capabilities, for the suites.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from attn_backends.backends.flashinfer_backend import FlashInferBackend
+from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
+
+PLANS: list = []          # (kind, batch size, graph form) of every emulated plan() call, in order
+
+
+def _kv_rows(cache, indptr, indices, last, ps, i):
+    pages = indices[int(indptr[i]):int(indptr[i + 1])].long()
+    kv = (len(pages) - 1) * ps + int(last[i])
+    return cache[pages].reshape(-1, *cache.shape[2:])[:kv].float(), kv
+
+
+def _attend(q, k, v, visible, scale):
+    """``q [n, H, D]`` against ``k [kv, Hk, D]``, ``v [kv, Hk, Dv]`` (GQA by head groups)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("nhd,khd->hnk", q.float(), k) * scale
+    s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hnk,khd->nhd", torch.softmax(s, -1), v)
+
+
+def _visible(n, kv, mode, mask, moff):
+    if mode == 2:                          # CUSTOM: packed bits from byte mask_indptr[i]
+        e = torch.arange(n * kv)
+        bits = (mask[moff + e // 8].long() >> (e % 8)) & 1
+        return bits.view(n, kv).bool()
+    if mode == 1:                          # CAUSAL, bottom-right
+        return torch.arange(kv)[None, :] <= kv - n + torch.arange(n)[:, None]
+    return torch.ones(n, kv, dtype=torch.bool)
+
+
+class _Prefill:
+    def plan(self, *args):
+        PLANS.append(("prefill", args[7], args[11]))
+        return [0]
+
+    def paged_run(self, *a):
+        q, k, v, qo, kvp, kvi, last, out = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]
+        mode, mask, moff_all, scale = a[12], a[16], a[17], a[23]
+        ps = k.shape[1]
+        for i in range(len(last)):
+            kk, kv = _kv_rows(k, kvp, kvi, last, ps, i)
+            vv, _ = _kv_rows(v, kvp, kvi, last, ps, i)
+            lo, hi = int(qo[i]), int(qo[i + 1])
+            vis = _visible(hi - lo, kv, mode, mask, int(moff_all[i]) if mode == 2 else 0)
+            out[lo:hi] = _attend(q[lo:hi], kk, vv, vis, scale).to(out.dtype)
+
+
+class _Decode:
+    def plan(self, *args):
+        PLANS.append(("decode", args[4], args[8]))
+        return [0]
+
+    def run(self, *a):
+        q, k, v, kvp, kvi, last, out, scale = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[16]
+        for i in range(len(last)):
+            kk, kv = _kv_rows(k, kvp, kvi, last, k.shape[1], i)
+            vv, _ = _kv_rows(v, kvp, kvi, last, k.shape[1], i)
+            out[i:i + 1] = _attend(q[i:i + 1], kk, vv, torch.ones(1, kv, dtype=torch.bool), scale).to(out.dtype)
+
+
+class _MLA:
+    def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal):
+        PLANS.append(("mla", len(kvl), None))
+        meta = torch.cat([torch.tensor([len(kvl)]), qo, kvp, kvl]).to(torch.int32)
+        iws.view(torch.int32)[:meta.numel()] = meta      # what the kernel reads comes from the plan
+        return [0], 0
+
+    def run(self, fws, iws, plan_info, q_nope, q_pe, ckv, kpe, kvi, out, lse, mode, heads, ps, scale, *rest):
+        w = iws.view(torch.int32)
+        bs = int(w[0])
+        qo, kvp, kvl = w[1:bs + 2], w[bs + 2:2 * bs + 3], w[2 * bs + 3:3 * bs + 3]
+        for i in range(bs):
+            pages = kvi[int(kvp[i]):int(kvp[i + 1])].long()
+            kv = int(kvl[i])
+            c = ckv[pages].reshape(-1, ckv.shape[-1])[:kv].float()[:, None]   # [kv, 1, 512]
+            r = kpe[pages].reshape(-1, kpe.shape[-1])[:kv].float()[:, None]
+            lo, hi = int(qo[i]), int(qo[i + 1])
+            vis = _visible(hi - lo, kv, mode, None, 0)
+            qq = torch.cat([q_nope[lo:hi], q_pe[lo:hi]], -1)
+            out[lo:hi] = _attend(qq, torch.cat([c, r], -1), c, vis, scale).to(out.dtype)
+
+
+def _no_pin(real):
+    def empty(*a, **k):
+        k.pop("pin_memory", None)
+        return real(*a, **k)
+    return empty
+
+
+def install(monkeypatch) -> None:
+    """Swap FlashInfer's kernel modules and device queries for the CPU emulations."""
+    pytest.importorskip("flashinfer", reason="flashinfer is not importable here (Python 3.12 wheels)")
+    PLANS.clear()
+    monkeypatch.setattr(torch, "empty", _no_pin(torch.empty))
+    dec, pre = importlib.import_module("flashinfer.decode"), importlib.import_module("flashinfer.prefill")
+    monkeypatch.setattr(dec, "get_batch_decode_module", lambda *a: _Decode())
+    monkeypatch.setattr(dec, "get_batch_prefill_module", lambda *a: _Prefill())
+    monkeypatch.setattr(pre, "get_batch_prefill_module", lambda *a: _Prefill())
+    common = importlib.import_module("flashinfer.mla._batch_mla._backends._fa_common")
+    props = type("Props", (), {"shared_memory_per_multiprocessor": 233472, "shared_memory_per_block_optin": 232448})
+    monkeypatch.setattr(common, "get_compute_capability", lambda d: (9, 0))
+    monkeypatch.setattr(common, "get_device_properties", lambda d: props())
+    monkeypatch.setattr(common, "get_device_sm_count", lambda d: 132)
+    for name in ("fa2_backend", "fa3_backend"):
+        mod = importlib.import_module(f"flashinfer.mla._batch_mla._backends.{name}")
+        monkeypatch.setattr(mod, "get_batch_mla_module", lambda *a: _MLA())
+
+
+def _on_cpu(cls):
+    return dataclasses.replace(cls.capabilities, devices=("cpu", "cuda"))
+
+
+class EmulatedFlashInfer(FlashInferBackend):
+    name = "fi_emulated"
+    capabilities = _on_cpu(FlashInferBackend)
+
+
+class EmulatedFlashInferMLA(FlashInferMLABackend):
+    name = "fi_mla_emulated"
+    capabilities = _on_cpu(FlashInferMLABackend)
