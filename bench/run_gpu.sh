@@ -46,7 +46,7 @@ if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in triton triton_mla torch_native; do
     timeout "${CHECK_TIMEOUT:-120}" python -m attn_backends.cli check --backend $b --device cuda \
-        --cases "${CHECK_CASES:-200}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
+        --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
 fi
 if [[ $stages == *" sanitize "* ]]; then
