@@ -10,7 +10,7 @@ from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.registry import builtin_names, get_backend_class
 from attn_backends.testing.report import SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, Scenario, draft_extend_spec, make_memory, materialize
-from attn_backends.testing.suite import CaseSpec, declared_modes, run_case, run_suite
+from attn_backends.testing.suite import CaseSpec, declared_modes, random_case, run_case, run_suite
 
 # Our built-ins only: a plugin installed on this machine is checked by `attn-backends check`, not here.
 AVAILABLE = [b.name for b in list_backends("cpu") if b.available and b.name in builtin_names()]
@@ -19,6 +19,21 @@ PAIRS = [(b, m) for b in AVAILABLE for m in declared_modes(get_backend_class(b).
 
 def _assert_ok(report: SuiteReport):
     assert report.ok, report.table() + "\n" + "\n".join(map(str, report.failures[:5]))
+
+
+@pytest.mark.parametrize("name", sorted(builtin_names()))
+def test_cases_stay_within_the_capabilities(name):
+    """The suite draws only cases a backend declares: a topk > 1 case for a backend without
+    topk_gt1 fails capture with a LayoutError that is the suite's fault, not the backend's
+    (flashinfer_mla's draft_extend did on its first GPU run)."""
+    import random
+    caps = get_backend_class(name).capabilities
+    rng = random.Random(5)
+    for mode in declared_modes(caps):
+        for seed in range(60):
+            c = random_case(rng, mode, caps, caps.mla and not caps.mha, seed)
+            assert c.page_size in caps.page_sizes
+            assert c.topk == 1 or caps.topk_gt1, (name, mode, c.topk)
 
 
 @pytest.mark.parametrize("backend,mode", PAIRS, ids=[f"{b}-{m}" for b, m in PAIRS])

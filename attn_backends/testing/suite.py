@@ -78,7 +78,7 @@ def _prefix(rng: random.Random, ps: int, lo: int, hi: int) -> int:
 def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> CaseSpec:
     ps = caps.page_sizes[rng.randrange(len(caps.page_sizes))]
     c = CaseSpec(mode, ps, rng.choice(PAGE_ORDERS), mla, bs=rng.randint(2, MAX_BS), seed=seed)
-    if mode == "verify_chain" or (mode == "draft_extend" and rng.random() < 0.5):
+    if mode == "verify_chain" or (mode == "draft_extend" and (rng.random() < 0.5 or not caps.topk_gt1)):
         c.n = rng.randint(2, 8)
         c.steps = c.n - 1
     elif mode == "draft_extend":   # topk > 1: N is the tree size, never num_steps + 1 (sgl #19807)
