@@ -176,8 +176,9 @@ def test_replay_preparation_breakdown(benchmark, which):
         "prepare": lambda: r.prepare(b),
         "refusal": lambda: r.refusal(b),
         "load_rows": lambda: r._load(b),
-        "plan_update": lambda: p.update(key, 8),
-        "prep_graph_replay": lambda: p.captured(key).graph.replay(),
+        # with the prep recorded in the step graph (every backend reads the plan) update only checks
+        "plan_update": lambda: p.update(key, 8, in_step_graph=r.prep_in_step_graph),
+        "step_graph_replay": lambda: r.graphs[key][0].replay(),
         "backends_refresh": lambda: [be.init_forward_metadata_replay_cuda_graph(gi) for be in r.backends],
         "one_copy": lambda: x32.copy_(y32),
         "one_fill": lambda: x32.fill_(3),

@@ -20,6 +20,9 @@ def main(path):
         if "error" in r:
             print(f"{r['kernel']:14s} {r['impl']:11s} error: {r['error']}")
             continue
+        if "host_us" in r and "device_us" not in r:      # a part of one replay preparation
+            print(f"{r['kernel']:14s} {r['impl']:11s} host {r['host_us']:.1f} us")
+            continue
         if "host_us" in r:
             print(f"{r['kernel']:14s} {r['impl']:11s} host {r['host_us']:.1f} us, device {r['device_us']:.1f} us "
                   "(one replay preparation, all metadata of one layer set)")
