@@ -1,6 +1,7 @@
 """Soak: many replays of random batches across every bucket and mode of the graph runners, each
 compared with the eager forward of the same padded batch (bitwise on the GPU with the triton
-backends in bf16), with allocated device memory tracked after warm-up (issue #11 deliverable 4).
+backends in bf16), with the allocated device memory of two runs of one probe batch compared,
+after warm-up and at the end (issue #11 deliverable 4).
 
 Runners: UniformGraphRunner (DECODE, TARGET_VERIFY chain and tree), DraftExtendRunner and
 MultiStepDraftRunner, on a GQA and an MLA tiny model each. Every replay draws raw_bs in 1..max
@@ -36,13 +37,18 @@ class RigResult:
     name: str
     replays: int = 0
     mismatches: list = field(default_factory=list)
-    alloc_base: int = 0        # bytes allocated after warm-up
-    alloc_max: int = 0         # the most seen after any later replay
+    alloc_base: int = 0        # bytes allocated after the probe batch, right after warm-up
+    alloc_end: int = 0         # the same, after the probe batch again at the end
+    alloc_max: int = 0         # the high-water mark of any replay after warm-up (for the log)
     seconds: float = 0.0
 
     @property
     def growth(self) -> int:
-        return self.alloc_max - self.alloc_base
+        """Live bytes gained between two runs of the same probe batch, warm-up and end. Eager
+        metadata and outputs of the last batch stay live until the next, so the high-water mark
+        rises whenever a larger batch comes by chance; the probe compares like with like, so
+        only what is kept (a leak) counts."""
+        return self.alloc_end - self.alloc_base
 
 
 def _allocated(device: str) -> int:
@@ -71,17 +77,19 @@ def soak_rig(kind: str, mla: bool, replays: int, device: str, seed: int) -> RigR
     pool = rig.new_requests(2 * max(BUCKETS), rng)
     tol, exact = (0.0, True) if cuda else (1e-5, False)
     start = time.perf_counter()
-    first = _one(rig, pool, random.Random(seed + 1), max(BUCKETS) - 1, tol, exact)   # the drift probe
-    for _ in range(WARMUP):          # every raw_bs, so every bucket: the baseline is the most seen here
+    probe = lambda: _one(rig, pool, random.Random(seed + 1), max(BUCKETS) - 1, tol, exact)   # the same batch
+    for _ in range(WARMUP):          # every raw_bs, so every bucket
         for raw in range(1, max(BUCKETS) + 1):
             res.mismatches += _one(rig, pool, rng, raw, tol, exact)
-            res.alloc_base = max(res.alloc_base, _allocated(device))
-    res.replays, res.alloc_max = 1 + WARMUP * max(BUCKETS), res.alloc_base
+    first = probe()                  # the drift probe, and the memory baseline
+    res.alloc_base = res.alloc_max = _allocated(device)
+    res.replays = 1 + WARMUP * max(BUCKETS)
     while res.replays < replays - 1:
         res.mismatches += _one(rig, pool, rng, rng.randint(1, max(BUCKETS)), tol, exact)
         res.alloc_max = max(res.alloc_max, _allocated(device))
         res.replays += 1
-    last = _one(rig, pool, random.Random(seed + 1), max(BUCKETS) - 1, tol, exact)    # the same batch again
+    last = probe()
+    res.alloc_end = _allocated(device)
     res.replays += 1
     res.mismatches += [f"drift probe, first: {m}" for m in first] + [f"drift probe, last: {m}" for m in last]
     res.seconds = time.perf_counter() - start
@@ -97,7 +105,8 @@ def soak(replays: int = 10_000, device: str = "cuda", seed: int = 0, kinds=KINDS
     for i, (kind, mla) in enumerate(rigs):
         res = soak_rig(kind, mla, per, device, seed + i)
         log(f"{res.name:20s} replays {res.replays:6d}  mismatches {len(res.mismatches):3d}  allocated after warm-up "
-            f"{res.alloc_base / 2**20:8.2f} MiB, growth {res.growth} B  {res.seconds:6.1f} s")
+            f"{res.alloc_base / 2**20:8.2f} MiB, growth {res.growth} B (high-water +{res.alloc_max - res.alloc_base} B) "
+            f"{res.seconds:6.1f} s")
         for m in res.mismatches[:3]:
             log(f"    {m}")
         out.append(res)
