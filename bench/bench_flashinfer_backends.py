@@ -19,12 +19,11 @@ kv ~4096, shuffled pages.
 import json
 import os
 import random
-import statistics
 import sys
-import time
 
 import pytest
 import torch
+from bench_runtime import host_times as _host_times
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
 from attn_backends.plan import LayoutPlan
@@ -135,23 +134,6 @@ def _graph_us(fn) -> float:
     with torch.cuda.graph(g):
         fn()
     return triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode="median") * 1e3
-
-
-def _host_times(fn, n=300) -> float:
-    """Median host microseconds of ``fn``, no host sync allowed; the GPU drained every 20 calls."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    host = []
-    for i in range(n):
-        if i % 20 == 0:
-            torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.set_sync_debug_mode("default")
-    return statistics.median(host)
 
 
 @pytest.mark.parametrize("bs", BATCH_SIZES)

@@ -121,7 +121,7 @@ def test_decode_step(benchmark, copy_gbs, which, bs, impl):
             "cfg": f"{which} {s.tc.num_layers} layers, ctx ~{CONTEXT}, page {s.tc.page_size}"})
 
 
-def _host_times(fn, n=500, prologue=None) -> float:
+def host_times(fn, n=500, prologue=None) -> float:
     """Median host microseconds of ``fn`` under CUDA's sync debug mode (a host sync raises). The
     GPU is drained every 20 calls, outside the timed span, so that a full launch queue never
     throttles the host (host time, not GPU time, is what this measures)."""
@@ -153,10 +153,10 @@ def test_replay_preparation_host_time(benchmark, which, bs, runner):
     s = setup(which)
     r = s.runners[runner]
     b = s.batch(bs)
-    host_us = _host_times(lambda: r.prepare(b))
+    host_us = host_times(lambda: r.prepare(b))
     dev_us = triton.testing.do_bench(lambda: r.prepare(b), warmup=10, rep=40, return_mode="median") * 1e3
     key, sb = r._load(b)
-    meta_us = _host_times(lambda: r._prepare_replay(key, sb))
+    meta_us = host_times(lambda: r._prepare_replay(key, sb))
     benchmark.extra_info.update(host_us=host_us, device_us=dev_us, metadata_host_us=meta_us)
     benchmark.pedantic(lambda: (r.prepare(b), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
     record({"kernel": f"runner_prep_{which}_bs{bs}", "impl": runner, "host_us": host_us, "device_us": dev_us,
@@ -187,7 +187,7 @@ def test_replay_preparation_breakdown(benchmark, which):
     out = {}
     for name, fn in parts.items():
         pro = (lambda: r._load(b)) if name == "plan_update" else None
-        out[name] = _host_times(fn, 300, prologue=pro)
+        out[name] = host_times(fn, 300, prologue=pro)
         record({"kernel": f"prep_part_{name}", "impl": f"{which}_bs8_per_layer", "host_us": out[name]})
     benchmark.extra_info.update(out)
     benchmark.pedantic(lambda: None, rounds=1)

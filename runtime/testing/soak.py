@@ -105,8 +105,8 @@ def soak(replays: int = 10_000, device: str = "cuda", seed: int = 0, kinds=KINDS
     for i, (kind, mla) in enumerate(rigs):
         res = soak_rig(kind, mla, per, device, seed + i)
         log(f"{res.name:20s} replays {res.replays:6d}  mismatches {len(res.mismatches):3d}  allocated after warm-up "
-            f"{res.alloc_base / 2**20:8.2f} MiB, growth {res.growth} B (high-water +{res.alloc_max - res.alloc_base} B) "
-            f"{res.seconds:6.1f} s")
+            f"{res.alloc_base / 2**20:8.2f} MiB, growth {res.growth} B "
+            f"(high-water +{res.alloc_max - res.alloc_base} B) {res.seconds:6.1f} s")
         for m in res.mismatches[:3]:
             log(f"    {m}")
         out.append(res)
