@@ -369,7 +369,7 @@ def test_readme_has_exactly_two_setup_commands():
         assert "\n" not in cmd, f"one command per block: {cmd!r}"
         assert cmd.startswith("python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && ")
     assert main_job.endswith("pip install -e . && attn-backends check")
-    assert tests.endswith("pip install -e '.[test]' && ruff check . && python -m pytest -q")
+    assert tests.endswith("pip install -e '.[test]' && ruff check . && python -m pytest -q -n auto")
     others = [body for lang, body in blocks if lang not in ("bash", "sh", "shell", "console")]
     assert not any("pip install" in body for body in others)
 

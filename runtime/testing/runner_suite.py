@@ -215,14 +215,16 @@ class _Case:
         before, can = r.replay_count, r.can_run(b)
         kv = kv_snapshot(rig.mem)
         with refresh_counts(self.backends) as counts:
-            out = r.run(b)
+            try:
+                out = r.run(b)
+            finally:   # judged when the run raises too (a stale delegate fails its forward's key check)
+                self.judge("I12", [f"backend {i} ({type(be).__name__}) refreshed {counts[id(be)]} times in one "
+                                   "replay, expected 1" for i, be in enumerate(self.backends) if counts[id(be)] != 1])
         self.judge("I16", kv_writes_outside(rig.mem, kv, new_slots(rig, reqs)))
         msgs = [] if can else ["can_run was False for a batch the runner ran"]
         if r.replay_count != before + 1:
             msgs.append(f"replay_count went {before} -> {r.replay_count} for one run")
         self.judge("I11", msgs)
-        self.judge("I12", [f"backend {i} ({type(be).__name__}) refreshed {counts[id(be)]} times in one replay, "
-                           "expected 1" for i, be in enumerate(self.backends) if counts[id(be)] != 1])
         return out
 
     def eager(self, reqs, hidden) -> RunnerOutput:
