@@ -157,6 +157,23 @@ def canonical_rows(inp: LayoutInputs):
     return req, seq
 
 
+def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor] = None) -> None:
+    """Write the pad rule into the pad rows of the inputs, in place (the step plan's prep): request
+    row 0 and ``pad_seq_len``, accept length 1, a causal ``w x w`` tree mask, and for ``tokens``
+    (``[3, bs*w]`` input ids, positions, out_cache_loc) id 0, position 0 and the reserved slot 0."""
+    real, spec = real_rows(inp), inp.spec_info
+    req, seq = canonical_rows(inp)
+    inp.req_pool_indices.copy_(req)
+    inp.seq_lens.copy_(seq)
+    if spec is not None and spec.accept_lens is not None:
+        spec.accept_lens.copy_(torch.where(real, spec.accept_lens, 1))
+    if spec is not None and spec.tree_mask is not None:
+        tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=real.device))
+        spec.tree_mask.copy_(torch.where(real[:, None, None], spec.tree_mask, tril))
+    if tokens is not None:
+        tokens.mul_(real.repeat_interleave(w, output_size=tokens.shape[1]))
+
+
 def host_seq_lens(seq_lens_cpu: torch.Tensor, raw_bs: int, pad: int) -> np.ndarray:
     """``[bs]`` int64 host copy of the canonical ``seq_lens`` (rows ``raw_bs..`` hold ``pad``):
     what :func:`canonical_rows` writes on the device, derived without reading the device."""

@@ -17,25 +17,20 @@ Graphs: the plan owns everything of the batch that a captured graph reads:
 - ``raw_bs`` and ``draft_step`` as device scalars;
 - the static buffers of the canonical layout (:class:`LayoutBuffers`), of which each GraphKey
   binds views;
-- one captured *prep graph* per GraphKey: it writes the canonical padding into the input rows
-  ``raw_bs..bs-1`` in place (the one pad rule, :func:`layout.canonical_rows`; pad tokens get
-  id 0, position 0 and the reserved slot 0) and builds the layout into the key's views.
+- one *prep* per GraphKey: the pad rule written into the input rows ``raw_bs..bs-1`` in place
+  (:func:`layout.write_canonical_pad`), then the layout built into the key's views. A runner
+  whose backends all read the plan records it at the start of its step's graph (one launch a
+  step); otherwise the plan captures it as a graph of its own.
 
 A runner writes only the real rows of the inputs and calls :meth:`update` once per replay: a
-host check of ``seq_lens_cpu``, one fill of the ``raw_bs`` scalar and one graph replay; no
-allocation, no host sync. Its backends' replay methods then read the layout from the plan
-(``GraphInputs.plan``). A backend used without a runner (the suite, a test, a third-party
-caller) keeps a private plan and does the runner's part itself: :meth:`load` copies the
-caller's real rows in, then :meth:`update`. On a machine without CUDA the prep "graph" is the
-same function run eagerly.
+host check of ``seq_lens_cpu`` and, unless the step's graph holds the prep, one prep-graph
+replay; no allocation, no host sync. Its backends' replay methods then read the layout from the
+plan (``GraphInputs.plan``). A backend used without a runner (the suite, a test, a third-party
+caller) keeps a private plan and does the runner's part itself (:meth:`load`, then
+:meth:`update`). Without CUDA the prep "graph" is the same function run eagerly.
 
-A library's per-step state (FlashInfer's ``plan()``): every backend instance of a step that
-runs the same library kernels shares one plan of that library, made once per step from the
-canonical layout. :meth:`LayoutPlan.library_state` keeps the library's objects for this plan
-(made on first use, e.g. a wrapper bound to this plan's static buffers for one GraphKey);
-:meth:`LayoutPlan.first_in_step` is true for the first caller of a step under an owner key
-and false for the others until the next :meth:`build`, :meth:`capture` or :meth:`update`
-(each starts a new step), so the first layer plans and every later layer only runs.
+A library's per-step state (FlashInfer's ``plan()``) is shared the same way: one per step,
+made by the first layer (:meth:`LayoutPlan.library_state`, :meth:`LayoutPlan.first_in_step`).
 """
 from __future__ import annotations
 
@@ -53,11 +48,10 @@ from .layout import (
     LayoutInputs,
     MaskKind,
     build_layout,
-    canonical_rows,
     inputs_from_batch,
     mask_kind,
     pad_seq_len,
-    real_rows,
+    write_canonical_pad,
 )
 from .layout_buffers import LayoutBuffers
 from .validation import LayoutError, check_lengths, validate
@@ -222,7 +216,8 @@ class LayoutPlan:
             draft_step = spec.draft_step if spec is not None else 0
         elif spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        _check_seqs(entry, spec, seq_lens_cpu.numpy()[:raw_bs].tolist(), self.memory.max_context_len)
+        check_lengths(key.forward_mode, spec, seq_lens_cpu.numpy()[:raw_bs].tolist(), self.memory.max_context_len,
+                      entry.need if spec is entry.spec else None)
         self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_lens_cpu, tokens, accept_lens, tree_mask,
                          draft_step)
 
@@ -283,7 +278,8 @@ class LayoutPlan:
             raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
         if draft_step is not None and spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        _check_seqs(entry, spec, self._seq_np[:raw_bs].tolist(), self.memory.max_context_len)
+        check_lengths(key.forward_mode, spec, self._seq_np[:raw_bs].tolist(), self.memory.max_context_len,
+                      entry.need if spec is entry.spec else None)
         step = spec.draft_step if spec is not None else 0
         if self._loaded != (raw_bs, step):                # inputs written by hand, not by load_rows
             self.raw_bs_dev.fill_(raw_bs)
@@ -376,29 +372,9 @@ class LayoutPlan:
     def _prep(self, entry: _Captured) -> None:
         """What the prep graph holds: canonical pad rows in the inputs, then the layout."""
         inp = self._inputs(entry)
-        key, spec = entry.key, inp.spec_info
-        real = real_rows(inp)
-        req, seq = canonical_rows(inp)
-        inp.req_pool_indices.copy_(req)
-        inp.seq_lens.copy_(seq)
-        if spec is not None and spec.accept_lens is not None:
-            spec.accept_lens.copy_(torch.where(real, spec.accept_lens, 1))
-        if spec is not None and spec.tree_mask is not None:
-            w = key.width
-            tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=real.device))
-            spec.tree_mask.copy_(torch.where(real[:, None, None], spec.tree_mask, tril))
-        if self.tokens is not None:
-            tok = self.tokens[:, :key.bs * key.width]
-            tok.mul_(real.repeat_interleave(key.width, output_size=tok.shape[1]))
+        tok = None if self.tokens is None else self.tokens[:, :entry.key.bs * entry.key.width]
+        write_canonical_pad(inp, entry.key.width, tok)
         build_layout(inp, out=entry.layout)
-
-
-def _check_seqs(entry: _Captured, spec: Optional[SpecInfo], seqs: list, max_context_len: int) -> None:
-    """Host check of the real rows' seq_lens: fast when they are in range, else the reason."""
-    need = entry.need if spec is entry.spec else None
-    if need is None or min(seqs) < need or max(seqs) > max_context_len:
-        check_lengths(entry.key.forward_mode, spec, seqs, max_context_len)   # raises with the reason
-
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[0] == n else t[:n]

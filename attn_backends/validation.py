@@ -55,8 +55,12 @@ def _check_shapes(inp: LayoutInputs) -> None:
         raise LayoutError("IDLE batches carry no tokens and get no attention metadata")
 
 
-def check_lengths(mode: ForwardMode, spec: Optional[SpecInfo], seqs: list, max_context_len: int) -> None:
-    """Host checks of the real rows' seq_lens in a uniform mode (also run on every replay)."""
+def check_lengths(mode: ForwardMode, spec: Optional[SpecInfo], seqs: list, max_context_len: int,
+                  need: Optional[int] = None) -> None:
+    """Host checks of the real rows' seq_lens in a uniform mode (also run on every replay);
+    ``need``: the least valid seq_len when the caller knows it (the replay's fast path)."""
+    if need is not None and min(seqs) >= need and max(seqs) <= max_context_len:
+        return
     if max(seqs) > max_context_len:
         raise LayoutError(f"seq_len={max(seqs)} exceeds max_context_len={max_context_len}")
     w = query_width(mode, spec)
