@@ -45,7 +45,7 @@ def test_cases_stay_within_the_capabilities(name):
 
 @pytest.mark.parametrize("backend,mode", PAIRS, ids=[f"{b}-{m}" for b, m in PAIRS])
 def test_suite_per_backend_and_mode(backend, mode):
-    _assert_ok(run_suite(backend, cases=8 if backend in INTERPRETED else 40, seed=11, modes=[mode]))
+    _assert_ok(run_suite(backend, cases=5 if backend in INTERPRETED else 40, seed=11, modes=[mode]))
 
 
 def test_worked_example():

@@ -91,7 +91,7 @@ def test_lossless_with_a_one_layer_draft_of_a_two_layer_target():
 @pytest.mark.parametrize("spec", [SpecConfig("eagle", 1, 3, 4), SpecConfig("eagle3", 2, 3, 4)], ids=["chain", "tree"])
 def test_accept_lengths_cover_1_to_n_and_are_counted(spec):
     tc = model_config(False, 16)
-    cases = make_cases(reference_model(tc), [24, 24, 24], seed=3)
+    cases = make_cases(reference_model(tc), [16, 16, 16], seed=3)
     hist = {}
     for level, noise in ACCEPTANCE_LEVELS.items():
         engine = engine_for(tc, replace(spec, noise=noise))

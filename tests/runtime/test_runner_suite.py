@@ -9,7 +9,7 @@ from attn_backends_runtime.testing.runner_suite import RUNNER_KINDS, run_runner_
 
 
 def test_suite_passes_on_torch_native():
-    rep = run_runner_suite("torch_native", cases=20, seed=0)
+    rep = run_runner_suite("torch_native", cases=8, seed=0)   # `attn-backends check` runs 60
     assert rep.ok, "\n".join(map(str, rep.failures))
     modes = {m for _, m in rep.cases}
     assert {"runner:decode", "runner:verify", "runner:breakable_decode"} <= modes
