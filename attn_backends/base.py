@@ -213,6 +213,12 @@ class LayoutBackend(AttentionBackend):
         super().__init__(config, memory)
         if config.page_size != memory.page_size:
             raise ValueError(f"config page_size={config.page_size} != memory page_size={memory.page_size}")
+        caps = self.capabilities
+        if memory.device.type not in caps.devices:
+            raise ValueError(f"backend {self.name} runs on {', '.join(caps.devices)}; "
+                             f"the KV memory is on {memory.device}")
+        if config.dtype not in caps.dtypes:
+            raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
         memory.check_fits(config)
         self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
         self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use

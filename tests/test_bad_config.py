@@ -147,3 +147,18 @@ def test_mla_model_on_an_mha_only_backend(monkeypatch):
     with pytest.raises(ValueError, match=r"backend 'torch_native' cannot serve this model on cpu: "
                                          r"MHA/GQA only, model is MLA"):
         get_backend("torch_native", MLA, mem)
+
+
+def test_any_layout_backend_refuses_a_device_or_dtype_outside_its_capabilities():
+    """Direct construction (as the suite and third parties do) checks what get_backend's
+    capability refusal checks: the KV memory's device and the model's dtype."""
+    import torch
+    cuda_only = type("CudaOnly", (TorchNativeBackend,), {"capabilities": replace(
+        TorchNativeBackend.capabilities, devices=("cuda",))})
+    half_only = type("HalfOnly", (TorchNativeBackend,), {"capabilities": replace(
+        TorchNativeBackend.capabilities, dtypes=(torch.float16, torch.bfloat16))})
+    mem = make_memory(MHA, num_pages=8, max_reqs=2, max_context_len=64, fill=False)
+    with pytest.raises(ValueError, match="runs on cuda; the KV memory is on cpu"):
+        cuda_only(MHA, mem)
+    with pytest.raises(ValueError, match="runs dtypes .*, model is torch.float32"):
+        half_only(replace(MHA, dtype=torch.float32), mem)

@@ -119,12 +119,7 @@ class FlashInferBase(LayoutBackend):
     reads_step_plan: ClassVar[bool] = False
 
     def __init__(self, config, memory) -> None:
-        super().__init__(config, memory)
-        if memory.device.type not in self.capabilities.devices:
-            raise ValueError(f"backend {self.name} runs on {', '.join(self.capabilities.devices)}; "
-                             f"the KV memory is on {memory.device}")
-        if config.dtype not in self.capabilities.dtypes:
-            raise ValueError(f"backend {self.name} runs dtypes {self.capabilities.dtypes}, model is {config.dtype}")
+        super().__init__(config, memory)     # checks the device and dtype against the capabilities
         self.fi = import_flashinfer()
         self._qo: dict = {}            # (bs, W) -> qo_indptr host copy (a function of the key alone)
 
