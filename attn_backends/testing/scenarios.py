@@ -64,6 +64,17 @@ class Materialized:
     extras: dict = field(default_factory=dict)
 
 
+def dims_for(caps, mla: bool) -> dict:
+    """Model sizes a backend accepts (its ``head_dims``): MLA latent 512 + rope 64 where it needs
+    576; MHA/GQA the allowed head dim nearest 100 (128 where allowed, the GPU tests' size).
+    Empty when the backend takes any."""
+    if caps.head_dims is None:
+        return {}
+    if mla:
+        return dict(kv_lora_rank=512, qk_rope_head_dim=64) if 576 in caps.head_dims else {}
+    return dict(head_dim=min(caps.head_dims, key=lambda d: abs(d - 100)))
+
+
 def make_memory(cfg: ModelConfig, *, num_pages: int, max_reqs: int, max_context_len: int,
                 page_order: str = "shuffled", seed: int = 0, device="cpu", fill: bool = True) -> KVMemory:
     alloc_order = "shuffled" if page_order == "interleaved" else page_order

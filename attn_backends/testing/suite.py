@@ -26,6 +26,7 @@ from .report import SuiteReport
 from .scenarios import (
     PAGE_ORDERS,
     Scenario,
+    dims_for,
     draft_decode_spec,
     draft_extend_spec,
     make_memory,
@@ -131,11 +132,11 @@ def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scena
 def _config(c: CaseSpec, caps=None) -> ModelConfig:
     """A small model the backend accepts (``caps``: its head dims and dtypes; float32 first)."""
     dtype = torch.float32 if caps is None or torch.float32 in caps.dtypes else caps.dtypes[-1]
+    dims = dims_for(caps, c.mla) if caps is not None else {}
     if c.mla:
-        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size, dtype=dtype)
-    dims = caps.head_dims if caps is not None and caps.head_dims else (16,)   # nearest 100: 128 where allowed
-    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=min(dims, key=lambda d: abs(d - 100)),
-                       page_size=c.page_size, dtype=dtype)
+        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size, dtype=dtype, **dims)
+    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, page_size=c.page_size, dtype=dtype,
+                       **{"head_dim": 16, **dims})
 
 
 def _guarded_inputs(gi: GraphInputs) -> GraphInputs:

@@ -14,7 +14,7 @@ from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.plan import step_plan
 from attn_backends.registry import get_backend, get_backend_class
-from attn_backends.testing.scenarios import make_memory, random_tree_mask
+from attn_backends.testing.scenarios import dims_for, make_memory, random_tree_mask
 
 from ..breakable import BreakableGraphRunner
 from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
@@ -96,16 +96,6 @@ class RigSpec:
 
 def backend_for(name: str, mla: bool) -> str:
     return "triton_mla" if mla and name == "triton" else name
-
-
-def dims_for(caps, mla: bool) -> dict:
-    """TinyConfig sizes a backend accepts: its head dims (MLA 512 + 64 where it needs 576;
-    GQA the allowed head dim nearest 100: 128 where allowed, the size of the GPU tests)."""
-    if caps.head_dims is None:
-        return {}
-    if mla:
-        return dict(kv_lora_rank=512, qk_rope_head_dim=64) if 576 in caps.head_dims else {}
-    return dict(head_dim=min(caps.head_dims, key=lambda d: abs(d - 100)))
 
 
 class Rig:
