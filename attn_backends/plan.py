@@ -288,7 +288,7 @@ class LayoutPlan:
         self._seq_np[raw_bs:key.bs] = entry.pad
         self.builds += 1
         self.step += 1
-        if in_step_graph:
+        if in_step_graph:                                 # the step's own graph builds the layout
             pass
         elif entry.graph is not None:
             entry.graph.replay()
