@@ -140,7 +140,7 @@ class LayoutPlan:
         self._load_dst = [None] + [[self.req_pool_indices[:r], self.seq_lens[:r], self.raw_bs_dev, self.draft_step_dev]
                                    for r in range(1, bs + 1)]
         self._tok_dst = [None] + ([list(self.tokens[:, :r * w].unbind(0)) for r in range(1, bs + 1)] if tokens else [])
-        self._loaded = None                       # (raw_bs, draft_step) the last load_rows wrote
+        self._loaded = None                       # (key, raw_bs, draft_step) the last load_rows wrote
         if dev.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -197,8 +197,8 @@ class LayoutPlan:
         validate(self._inputs_of(inputs, check_device=capture and not _layout.stream_capturing()))
         accept = spec.accept_lens if spec is not None and key.forward_mode == ForwardMode.DRAFT_EXTEND else None
         tree = spec.tree_mask if spec is not None and mask_kind(key.forward_mode, spec) == MaskKind.TREE else None
-        self._write_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu,
-                         None, accept, tree, spec.draft_step if spec is not None else 0)
+        self._write_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu.numpy()
+                         [:inputs.raw_bs], None, accept, tree, spec.draft_step if spec is not None else 0)
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
@@ -216,12 +216,12 @@ class LayoutPlan:
             draft_step = spec.draft_step if spec is not None else 0
         elif spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        check_lengths(key.forward_mode, spec, seq_lens_cpu.numpy()[:raw_bs].tolist(), self.memory.max_context_len,
+        seq_np = seq_lens_cpu.numpy()[:raw_bs]
+        check_lengths(key.forward_mode, spec, seq_np.tolist(), self.memory.max_context_len,
                       entry.need if spec is entry.spec else None)
-        self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_lens_cpu, tokens, accept_lens, tree_mask,
-                         draft_step)
+        self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask, draft_step)
 
-    def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_lens_cpu, tokens, accept_lens, tree_mask,
+    def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask,
                     draft_step: int) -> None:
         n = raw_bs * key.width
         c = self._consts
@@ -230,12 +230,12 @@ class LayoutPlan:
         if tokens is not None:
             pairs = [(d, _rows(t, n)) for d, t in zip(self._tok_dst[raw_bs], tokens) if t is not None]
             torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
-        self._seq_np[:raw_bs] = seq_lens_cpu.numpy()[:raw_bs]
+        self._seq_np[:raw_bs] = seq_np
         if accept_lens is not None:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
         if tree_mask is not None:
             self.tree_mask(key.bs, key.width)[:raw_bs].copy_(tree_mask[:raw_bs])
-        self._loaded = (raw_bs, draft_step)
+        self._loaded = (key, raw_bs, draft_step)
 
     def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int, own_graph: bool = True) -> Layout:
         """Bind the static views of ``key``, build the layout of the inputs the plan holds (the
@@ -278,10 +278,11 @@ class LayoutPlan:
             raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
         if draft_step is not None and spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        check_lengths(key.forward_mode, spec, self._seq_np[:raw_bs].tolist(), self.memory.max_context_len,
-                      entry.need if spec is entry.spec else None)
         step = spec.draft_step if spec is not None else 0
-        if self._loaded != (raw_bs, step):                # inputs written by hand, not by load_rows
+        loaded = self._loaded                             # load_rows of the same rows checked and wrote them
+        if loaded is None or loaded[0] is not key or loaded[1:] != (raw_bs, step):
+            check_lengths(key.forward_mode, spec, self._seq_np[:raw_bs].tolist(), self.memory.max_context_len,
+                          entry.need if spec is entry.spec else None)
             self.raw_bs_dev.fill_(raw_bs)
             self.draft_step_dev.fill_(step)
         self._loaded = None

@@ -64,6 +64,9 @@ INT_DTYPES = (torch.int32, torch.int64)
 def tensor_refusal(name: str, t, rows: int, device_type: str, dtypes=INT_DTYPES) -> Optional[str]:
     """Why a batch input cannot be copied into a runner's static rows (host checks only: no
     sync); None when it can. ``rows``: the least leading size it must have."""
+    if t is not None and t.dtype in dtypes and t.is_cuda == (device_type == "cuda") and t.dim() \
+            and t.shape[0] >= rows and (t.is_cuda or t.is_cpu):     # the replay's fast path: ~0.6 us
+        return None
     if t is None:
         return f"{name} is None"
     if t.dtype not in dtypes:
