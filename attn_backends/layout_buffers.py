@@ -10,6 +10,8 @@ import torch
 from .batch import ForwardMode
 from .layout import I32, Layout, LayoutError, MaskKind
 
+I64 = torch.int64
+
 
 class LayoutBuffers:
     """Static buffers at the largest size; every captured graph reads views of them."""
@@ -50,3 +52,40 @@ class LayoutBuffers:
                       self.custom_mask[:bs * width * width] if tree else None,
                       self.mask_indptr[:bs + 1] if tree else None,
                       self.draft_prefix_lens[:bs] if draft else None)
+
+
+class RowCopies:
+    """The copies of a step plan's ``load_rows``: a batch's real rows (request rows, seq_lens and
+    the tokens) and the ``raw_bs`` and draft-step scalars (from device constants) into the plan's
+    inputs, in one ``_foreach_copy_`` launch. The destinations of every ``raw_bs`` are views made
+    once. The int64 token rows travel as pairs of int32 words (bitwise the same copy) so that one
+    launch takes them all; token sources that are not contiguous int64 take a second launch."""
+
+    def __init__(self, req_pool_indices, seq_lens, raw_bs_dev, draft_step_dev, tokens, width: int) -> None:
+        bs, dev = req_pool_indices.shape[0], req_pool_indices.device
+        self._consts = list(torch.arange(bs + 65, dtype=I32, device=dev).view(-1, 1).unbind(0))   # [1] views
+        self._req = [None] + [[req_pool_indices[:r], seq_lens[:r], raw_bs_dev, draft_step_dev]
+                              for r in range(1, bs + 1)]
+        self._tok = [None] + ([list(tokens[:, :r * width].unbind(0)) for r in range(1, bs + 1)] if tokens is not None
+                              else [])
+        self._all = [None] + [self._req[r] + [t.view(I32) for t in self._tok[r]] for r in range(1, len(self._tok))]
+
+    def write(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None) -> None:
+        """``tokens``: ``[input_ids, positions, out_cache_loc]`` (``n`` rows each; None entries are
+        left alone); sources longer than the real rows are cut."""
+        c = self._consts
+        dst, src = self._req[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs), c[raw_bs],
+                                        c[draft_step]]
+        if tokens is not None:
+            toks = [None if t is None else _rows(t, n) for t in tokens]
+            if src[0].dtype == src[1].dtype == I32 and all(t is not None and t.dtype == I64 and t.is_contiguous()
+                                                           for t in toks):
+                dst, src = self._all[raw_bs], src + [t.view(I32) for t in toks]
+            else:
+                pairs = [(d, t) for d, t in zip(self._tok[raw_bs], toks) if t is not None]
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+        torch._foreach_copy_(dst, src)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else t[:n]

@@ -53,7 +53,7 @@ from .layout import (
     pad_seq_len,
     write_canonical_pad,
 )
-from .layout_buffers import LayoutBuffers
+from .layout_buffers import LayoutBuffers, RowCopies
 from .validation import LayoutError, check_lengths, validate
 
 I64 = torch.int64
@@ -134,12 +134,8 @@ class LayoutPlan:
         self.draft_step_dev = torch.zeros(1, dtype=I32, device=dev)
         self.tokens = torch.zeros(3, bs * w, dtype=I64, device=dev) if tokens else None
         self._seq_np = self.seq_lens_cpu.numpy()                 # the host copy, written without dispatch
-        # raw_bs and draft_step reach the device in the same launch as the request rows: copies
-        # from device constants
-        self._consts = list(torch.arange(bs + 65, dtype=I32, device=dev).view(-1, 1).unbind(0))   # [1] views
-        self._load_dst = [None] + [[self.req_pool_indices[:r], self.seq_lens[:r], self.raw_bs_dev, self.draft_step_dev]
-                                   for r in range(1, bs + 1)]
-        self._tok_dst = [None] + ([list(self.tokens[:, :r * w].unbind(0)) for r in range(1, bs + 1)] if tokens else [])
+        self._copies = RowCopies(self.req_pool_indices, self.seq_lens, self.raw_bs_dev, self.draft_step_dev,
+                                 self.tokens, w)
         self._loaded = None                       # (key, raw_bs, draft_step) the last load_rows wrote
         if dev.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
@@ -223,13 +219,7 @@ class LayoutPlan:
 
     def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask,
                     draft_step: int) -> None:
-        n = raw_bs * key.width
-        c = self._consts
-        torch._foreach_copy_(self._load_dst[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs),
-                                                      c[raw_bs], c[draft_step]])
-        if tokens is not None:
-            pairs = [(d, _rows(t, n)) for d, t in zip(self._tok_dst[raw_bs], tokens) if t is not None]
-            torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+        self._copies.write(raw_bs, raw_bs * key.width, req_pool_indices, seq_lens, draft_step, tokens)
         self._seq_np[:raw_bs] = seq_np
         if accept_lens is not None:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
@@ -376,10 +366,6 @@ class LayoutPlan:
         tok = None if self.tokens is None else self.tokens[:, :entry.key.bs * entry.key.width]
         write_canonical_pad(inp, entry.key.width, tok)
         build_layout(inp, out=entry.layout)
-
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t if t.shape[0] == n else t[:n]
-
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""

@@ -104,6 +104,14 @@ def profile(which: str, method: str, bs: int, cpu: bool = False) -> None:
     print(f"profiled generation of 24 tokens ({bs} requests): {len(kernels)} GPU activities, summed GPU time "
           f"{sum(k.device_time for k in kernels) / 1e3:.2f} ms, host syncs {syncs}, cudaMemcpy calls {memcpy}")
     print(ev.table(sort_by="device_time_total", row_limit=12, max_name_column_width=50))
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    generate_once(e, bs, 64, 24, seed=3)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -144,3 +144,36 @@ def test_capture_and_replay_must_agree_on_the_plan():
     plan.current = other
     with pytest.raises(LayoutError, match="last prepared for"):
         be.init_forward_metadata_replay_cuda_graph(gi)
+
+
+@pytest.mark.parametrize("tokens", ["int64", "int32", "strided", "partial"])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_load_rows_writes_exactly_the_real_rows(tokens, device):
+    """``load_rows`` copies request rows, seq_lens, raw_bs, the draft step and the three token
+    rows: in one launch for int32 rows and contiguous int64 tokens (the tokens as int32 word
+    pairs), and through the fallback for int32, strided or missing token sources; values near
+    2**32 and negative ones catch a word-pair copy that drops or swaps a half."""
+    tc = TinyConfig(page_size=16)
+    mem = make_memory(tc.attention(), num_pages=64, max_reqs=8, max_context_len=128, seed=2, device=device)
+    plan, key, rng = _verify_plan(mem)
+    n, raw = key.width, 3
+    plan.tokens.fill_(-7)
+    before = plan.tokens.clone()
+    req = torch.tensor([5, 2, 7, 1], dtype=torch.int32, device=device)          # one row more than raw_bs
+    seq = torch.tensor([40, 9, 33, 12], dtype=torch.int32, device=device)
+    big = torch.tensor([2 ** 32 + 3, -2, 2 ** 40 - 1, 7] * 3, dtype=torch.int64, device=device)
+    src = [big + i for i in range(3)]
+    if tokens == "int32":
+        src = [(t % 1000).to(torch.int32) for t in src]
+    elif tokens == "strided":
+        src = [torch.stack([t, t], 1)[:, 0] for t in src]                     # stride 2: no int32 view
+    elif tokens == "partial":
+        src[1] = None
+    plan.load_rows(key, raw, req, seq, seq.cpu(), tokens=src)
+    assert plan.req_pool_indices[:raw].tolist() == req[:raw].tolist()
+    assert plan.seq_lens[:raw].tolist() == seq[:raw].tolist() and plan.seq_lens_cpu[:raw].tolist() == [40, 9, 33]
+    assert plan.raw_bs_dev.item() == raw
+    for i, t in enumerate(src):
+        want = before[i, :raw * n] if t is None else t[:raw * n].to(torch.int64)
+        assert torch.equal(plan.tokens[i, :raw * n], want), f"token row {i} ({tokens})"
+        assert torch.equal(plan.tokens[i, raw * n:], before[i, raw * n:]), f"token row {i}: rows past raw_bs written"
