@@ -4,7 +4,7 @@ in debug mode, then prints each graph's memcpy nodes (from its DOT dump) beside 
 ranges of the tensors the case knows by name. Run under ``compute-sanitizer --tool initcheck``
 and match the addresses it reports.
 
-    compute-sanitizer --tool initcheck python bench/initcheck_probe.py [backend] [mode] [ps]
+    compute-sanitizer --tool initcheck python bench/initcheck_probe.py [backend:mode:ps ...]
 """
 import re
 import sys
@@ -18,16 +18,16 @@ _Base = torch.cuda.CUDAGraph
 
 
 class DebugGraph(_Base):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.enable_debug_mode()
-        GRAPHS.append(self)
+    def __new__(cls, keep_graph: bool = False):
+        g = super().__new__(cls, keep_graph=True)      # the graph is kept after instantiation for the dump
+        g.enable_debug_mode()
+        GRAPHS.append(g)
+        return g
 
 
 torch.cuda.CUDAGraph = DebugGraph
 import test_cuda_graphs as T  # noqa: E402
 
-backend, mode, ps = (sys.argv[1:] + ["triton", "decode", "1"][len(sys.argv) - 1:])[:3]
 names = {}
 orig = T.get_backend
 
@@ -38,18 +38,31 @@ def named_backend(*a, **k):
     return be
 
 
+def probe(backend: str, mode: str, ps: int) -> None:
+    print(f"=== CASE {backend} {mode} {ps}", flush=True)
+    GRAPHS.clear()
+    names.clear()
+    T.test_replay_equals_eager_and_reference(backend, mode, ps)
+    torch.cuda.synchronize()
+    for i, g in enumerate(GRAPHS):
+        path = tempfile.mktemp(suffix=".dot")
+        try:
+            g.debug_dump(path)
+            text = open(path).read()
+        except (OSError, RuntimeError) as e:
+            print(f"graph {i}: no dump ({e})")
+            continue
+        for node in re.findall(r'label="([^"]*MEMCPY[^"]*)"', text):
+            print(f"graph {i}: {node.replace(chr(92) + 'n', ' | ')[:400]}")
+    for name, be in names.items():
+        plan = getattr(be, "_own_plan", None)
+        tensors = {**be.graph_buffers(), **(plan.tensors() if plan is not None else {})}
+        for bname, t in tensors.items():
+            print(f"{name}.{bname}: {t.data_ptr():#x} .. {t.data_ptr() + t.numel() * t.element_size():#x}")
+    print(flush=True)
+
+
 T.get_backend = named_backend
-T.test_replay_equals_eager_and_reference(backend, mode, int(ps))
-print(f"{len(GRAPHS)} graphs captured")
-for i, g in enumerate(GRAPHS):
-    path = tempfile.mktemp(suffix=".dot")
-    g.debug_dump(path)
-    text = open(path).read()
-    for node in re.findall(r'label="([^"]*MEMCPY[^"]*)"', text):
-        print(f"graph {i}: {node.replace(chr(92) + 'n', ' | ')[:400]}")
-for name, be in names.items():
-    for bname, t in be.graph_buffers().items():
-        print(f"{name}.{bname}: {t.data_ptr():#x} .. {t.data_ptr() + t.numel() * t.element_size():#x}")
-    plan = getattr(be, "_own_plan", None)
-    for bname, t in (plan.tensors() if plan is not None else {}).items():
-        print(f"{name}.own_plan.{bname}: {t.data_ptr():#x} .. {t.data_ptr() + t.numel() * t.element_size():#x}")
+cases = [tuple(a.split(":")) for a in sys.argv[1:]] or [(b, m, str(p)) for b, m, p in T.CASES]
+for b, m, p in cases:
+    probe(b, m, int(p))
