@@ -165,11 +165,13 @@ def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor
     req, seq = canonical_rows(inp)
     inp.req_pool_indices.copy_(req)
     inp.seq_lens.copy_(seq)
+    # written in place (no temporary copied back: compute-sanitizer's initcheck flagged those
+    # copies inside the prep graph as reads of unwritten memory)
     if spec is not None and spec.accept_lens is not None:
-        spec.accept_lens.copy_(torch.where(real, spec.accept_lens, 1))
+        spec.accept_lens.masked_fill_(real.logical_not(), 1)
     if spec is not None and spec.tree_mask is not None:
         tril = torch.tril(torch.ones(w, w, dtype=torch.bool, device=real.device))
-        spec.tree_mask.copy_(torch.where(real[:, None, None], spec.tree_mask, tril))
+        torch.where(real[:, None, None], spec.tree_mask, tril, out=spec.tree_mask)
     if tokens is not None:
         tokens.mul_(real.repeat_interleave(w, output_size=tokens.shape[1]))
 
@@ -269,8 +271,8 @@ def build_target_verify(inp: LayoutInputs, out: Optional[Layout] = None) -> Layo
         tree = spec.tree_mask.to(device=dev, dtype=torch.bool)
         if tree.shape[0] < inp.bs:   # only the real rows are read; pad to bs rows
             tree = torch.cat([tree, tril.expand(inp.bs - tree.shape[0], w, w)])
-        m = torch.where(real_rows(inp)[:, None, None], tree[:inp.bs], tril)   # pad rows: causal
-        lay.custom_mask.copy_(m.reshape(-1))
+        torch.where(real_rows(inp)[:, None, None], tree[:inp.bs], tril,             # pad rows: causal
+                    out=lay.custom_mask.view(inp.bs, w, w))
         lay.mask_indptr.copy_(torch.arange(0, (inp.bs + 1) * w * w, w * w, dtype=I32, device=dev))
     return lay
 
