@@ -1,7 +1,7 @@
-"""One model's forwards, each through a runner: the captured graph where the runner's
-``can_run`` holds, the eager path otherwise, both counted per mode so that a silent fallback
-(DESIGN.md E1/E2) shows in the summary. Outputs always come from the path that ran; nothing
-reads a runner's buffers.
+"""One model's forwards, each through a runner: the captured graph where the runner can run
+the batch (``try_run``: the refusal checked once), the eager path otherwise, both counted per
+mode so that a silent fallback (DESIGN.md E1/E2) shows in the summary. Outputs always come from
+the path that ran; nothing reads a runner's buffers.
 
 Every runner owns its backend instance(s) (a runner's ``init_cuda_graph_state`` re-binds its
 backends' static buffers); the eager path has its own.
@@ -44,10 +44,10 @@ class ModelExecutor:
         one row per request (``accept_len - 1``) on either path."""
         key = MODE_KEYS[batch.forward_mode]
         runner = self.runners.get(key)
-        if runner is not None and runner.can_run(batch):
-            self._count(key, True)
-            return runner.run(batch)
-        self._count(key, False)
+        out = None if runner is None else runner.try_run(batch)
+        self._count(key, out is not None)
+        if out is not None:
+            return out
         width = 0 if batch.forward_mode == ForwardMode.EXTEND else batch.width
         if batch.forward_mode != ForwardMode.DRAFT_EXTEND:
             return run_eager(self.model, self.eager_backends, batch, width)
@@ -60,9 +60,9 @@ class ModelExecutor:
     def draft(self, inp: DraftInput) -> RunnerOutput:
         """Multi-step draft decode: ``rows`` [bs, steps, topk] tokens, ``scores`` their log-probs."""
         r = self.multi_step
-        graph = r.can_run(inp)                 # false until captured (graphs off: never)
-        self._count("draft_decode", graph)
-        return r.run(inp) if graph else r.run_eager(inp)
+        out = r.try_run(inp)                   # None until captured (graphs off: never)
+        self._count("draft_decode", out is not None)
+        return out if out is not None else r.run_eager(inp)
 
 
 def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,

@@ -14,7 +14,7 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode
 from attn_backends.plan import LayoutPlan
 
 from .graphs import make_graph
-from .runner_base import GraphRunnerBase, RunnerOutput, RunnerRefusal, slice_hidden
+from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
 
 
 class PiecewiseRunner(GraphRunnerBase):
@@ -69,10 +69,7 @@ class PiecewiseRunner(GraphRunnerBase):
 
         return first if i == 0 else last if i == len(layers) else middle
 
-    def run(self, batch: ForwardBatch) -> RunnerOutput:
-        reason = self.refusal(batch)
-        if reason:
-            raise RunnerRefusal(f"PiecewiseRunner cannot run this batch: {reason}")
+    def _run(self, batch: ForwardBatch) -> RunnerOutput:
         raw = batch.num_tokens
         t = self.bucket_for(raw)
         self.positions[:raw].copy_(batch.positions)

@@ -147,22 +147,39 @@ class GraphRunnerBase:
         return []
 
     def run(self, batch) -> RunnerOutput:
-        key, static_batch = self.prepare(batch)
-        graph, out, _ = self.graphs[key]
-        graph.replay()
-        self.replay_count += 1
-        return self._slice(out, batch, static_batch)
+        """Replay ``batch``; raises :class:`RunnerRefusal` for a batch it cannot run."""
+        self._refuse(batch)
+        return self._run(batch)
+
+    def try_run(self, batch) -> Optional[RunnerOutput]:
+        """``run(batch)`` where the runner can run it, else None: one refusal check per step
+        where ``can_run`` then ``run`` makes two."""
+        return None if self.refusal(batch) else self._run(batch)
 
     def prepare(self, batch):
         """Replay preparation of one step: the batch's real rows into the plan's inputs, one
         plan update (padding and the layout of every layer), every backend's extras. Returns
         ``(key, static batch)``; raises :class:`RunnerRefusal` for a batch it cannot run."""
+        self._refuse(batch)
+        return self._prepare(batch)
+
+    def _refuse(self, batch) -> None:
         reason = self.refusal(batch)
         if reason:
             raise RunnerRefusal(f"{type(self).__name__} cannot run this batch: {reason}")
+
+    def _prepare(self, batch):
         key, static_batch = self._load(batch)
         self._prepare_replay(key, static_batch)
         return key, static_batch
+
+    def _run(self, batch) -> RunnerOutput:
+        """The replay of a batch the runner can run (refusal already checked)."""
+        key, static_batch = self._prepare(batch)
+        graph, out, _ = self.graphs[key]
+        graph.replay()
+        self.replay_count += 1
+        return self._slice(out, batch, static_batch)
 
     # subclass hooks
     def _static_batch(self, bucket: int):
