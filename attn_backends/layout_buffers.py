@@ -59,7 +59,9 @@ class RowCopies:
     the tokens) and the ``raw_bs`` and draft-step scalars (from device constants) into the plan's
     inputs, in one ``_foreach_copy_`` launch. The destinations of every ``raw_bs`` are views made
     once. The int64 token rows travel as pairs of int32 words (bitwise the same copy) so that one
-    launch takes them all; token sources that are not contiguous int64 take a second launch."""
+    launch takes them all; token sources that are not contiguous int64 take a second launch.
+    :meth:`pairs` hands the copies out instead, so that the plans of a multi-step draft join one
+    launch (:func:`attn_backends.plan.load_rows_of_steps`)."""
 
     def __init__(self, req_pool_indices, seq_lens, raw_bs_dev, draft_step_dev, tokens, width: int) -> None:
         bs, dev = req_pool_indices.shape[0], req_pool_indices.device
@@ -68,23 +70,34 @@ class RowCopies:
                               for r in range(1, bs + 1)]
         self._tok = [None] + ([list(tokens[:, :r * width].unbind(0)) for r in range(1, bs + 1)] if tokens is not None
                               else [])
-        self._all = [None] + [self._req[r] + [t.view(I32) for t in self._tok[r]] for r in range(1, len(self._tok))]
+        self._words = [None] + [[t.view(I32) for t in self._tok[r]] for r in range(1, len(self._tok))]
+        self._all = [None] + [self._req[r] + self._words[r] for r in range(1, len(self._tok))]
 
     def write(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None) -> None:
         """``tokens``: ``[input_ids, positions, out_cache_loc]`` (``n`` rows each; None entries are
         left alone); sources longer than the real rows are cut."""
+        dst, src, rest = self.pairs(raw_bs, n, req_pool_indices, seq_lens, draft_step, tokens)
+        if rest:
+            torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
+        torch._foreach_copy_(dst, src)
+
+    def pairs(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None):
+        """The copies of :meth:`write` without launching them: ``(dst, src, rest)``, where ``dst``
+        / ``src`` can join one ``_foreach_copy_`` with other plans' and ``rest`` lists the
+        ``(dst, src)`` pairs of token sources that are not contiguous int64."""
         c = self._consts
         dst, src = self._req[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs), c[raw_bs],
                                         c[draft_step]]
-        if tokens is not None:
-            toks = [None if t is None else _rows(t, n) for t in tokens]
-            if src[0].dtype == src[1].dtype == I32 and all(t is not None and t.dtype == I64 and t.is_contiguous()
-                                                           for t in toks):
-                dst, src = self._all[raw_bs], src + [t.view(I32) for t in toks]
-            else:
-                pairs = [(d, t) for d, t in zip(self._tok[raw_bs], toks) if t is not None]
-                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
-        torch._foreach_copy_(dst, src)
+        if tokens is None:
+            return dst, src, []
+        toks = [None if t is None else _rows(t, n) for t in tokens]
+        if src[0].dtype == src[1].dtype == I32 and all(t is None or (t.dtype == I64 and t.is_contiguous())
+                                                       for t in toks):
+            if all(t is not None for t in toks):
+                return self._all[raw_bs], src + [t.view(I32) for t in toks], []
+            return (dst + [w for w, t in zip(self._words[raw_bs], toks) if t is not None],
+                    src + [t.view(I32) for t in toks if t is not None], [])
+        return dst, src, [(d, t) for d, t in zip(self._tok[raw_bs], toks) if t is not None]
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:

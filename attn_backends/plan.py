@@ -22,12 +22,13 @@ Graphs: the plan owns everything of the batch that a captured graph reads:
   whose backends all read the plan records it at the start of its step's graph (one launch a
   step); otherwise the plan captures it as a graph of its own.
 
-A runner writes only the real rows of the inputs and calls :meth:`update` once per replay: a
-host check of ``seq_lens_cpu`` and, unless the step's graph holds the prep, one prep-graph
-replay; no allocation, no host sync. Its backends' replay methods then read the layout from the
-plan (``GraphInputs.plan``). A backend used without a runner (the suite, a test, a third-party
-caller) keeps a private plan and does the runner's part itself (:meth:`load`, then
-:meth:`update`). Without CUDA the prep "graph" is the same function run eagerly.
+A runner writes only the real rows of the inputs (:meth:`load_rows`; a multi-step draft:
+:func:`load_rows_of_steps`) and calls :meth:`update` once per replay: a host check of
+``seq_lens_cpu`` and, unless the step's graph holds the prep, one prep-graph replay; no
+allocation, no host sync. Its backends' replay methods then read the layout from the plan
+(``GraphInputs.plan``). A backend used without a runner keeps a private plan and does the
+runner's part itself (:meth:`load`, then :meth:`update`). Without CUDA the prep "graph" is the
+same function run eagerly.
 
 A library's per-step state (FlashInfer's ``plan()``) is shared the same way: one per step,
 made by the first layer (:meth:`LayoutPlan.library_state`, :meth:`LayoutPlan.first_in_step`).
@@ -107,9 +108,8 @@ class LayoutPlan:
         which the step's backends and layers then receive."""
         layout = build_layout(inputs_from_batch(batch, self.memory, self.fill))
         out = dataclasses.replace(batch, plan=self)
-        # The batch holds the plan; a strong reference back would make a cycle, and every eager
-        # step's tensors would stay live until Python's cyclic gc happened to run (the soak saw
-        # device memory move by up to 13 MB between two runs of the same batch).
+        # weak: the batch holds the plan, and a cycle would keep each step's tensors live until
+        # Python's cyclic gc ran (the soak saw device memory move by up to 13 MB)
         self._eager = (weakref.ref(out), layout)
         self.builds += 1
         self.step += 1
@@ -137,24 +137,13 @@ class LayoutPlan:
         self.raw_bs_dev = torch.zeros(1, dtype=I32, device=dev)
         self.draft_step_dev = torch.zeros(1, dtype=I32, device=dev)
         self.tokens = torch.zeros(3, bs * w, dtype=I64, device=dev) if tokens else None
+        self.input_ids, self.positions, self.out_cache_loc = self.tokens.unbind(0) if tokens else (None,) * 3
         self._seq_np = self.seq_lens_cpu.numpy()                 # the host copy, written without dispatch
         self._copies = RowCopies(self.req_pool_indices, self.seq_lens, self.raw_bs_dev, self.draft_step_dev,
                                  self.tokens, w)
         self._loaded = None                       # (key, raw_bs, draft_step) the last load_rows wrote
         if dev.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.tokens[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.tokens[1]
-
-    @property
-    def out_cache_loc(self) -> torch.Tensor:
-        return self.tokens[2]
 
     def tree_mask(self, bs: int, width: int) -> torch.Tensor:
         """``[bs, W, W]`` bool view of the tree-mask input (contiguous per key)."""
@@ -202,12 +191,16 @@ class LayoutPlan:
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
-        """Copy the real rows of a batch into the plan's inputs: the request rows, seq_lens,
-        ``raw_bs`` and the draft step (into their device scalars; default: the captured step)
-        in one launch, the ``tokens`` (``[input_ids, positions, out_cache_loc]``, ``raw_bs * W``
-        rows each; None entries are left alone) in another, and the host ``seq_lens_cpu``.
-        Sources longer than the real rows are cut. The host lengths are checked first: a refused
-        batch writes nothing."""
+        """Copy the real rows of a batch into the plan's inputs (one launch: :class:`RowCopies`):
+        request rows, seq_lens, ``raw_bs``, the draft step (default: the captured one) and the
+        ``tokens`` (``[input_ids, positions, out_cache_loc]``, ``raw_bs * W`` rows each; None
+        entries are left alone); then the host ``seq_lens_cpu``. Sources longer than the real
+        rows are cut. The host lengths are checked first: a refused batch writes nothing."""
+        seq_np, draft_step = self._checked(key, raw_bs, seq_lens_cpu.numpy()[:raw_bs], draft_step)
+        self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask, draft_step)
+
+    def _checked(self, key: GraphKey, raw_bs: int, seq_np, draft_step: Optional[int] = None) -> tuple:
+        """The host checks of :meth:`load_rows`; returns ``(seq_np, draft_step)``."""
         entry = self._captured.get(key) or self.captured(key)
         if not 1 <= raw_bs <= key.bs:
             raise LayoutError(f"raw_bs={raw_bs} outside 1..bs={key.bs}")
@@ -216,10 +209,9 @@ class LayoutPlan:
             draft_step = spec.draft_step if spec is not None else 0
         elif spec is not None and spec.is_draft_decode and draft_step != spec.draft_step:
             spec = dataclasses.replace(spec, draft_step=draft_step)
-        seq_np = seq_lens_cpu.numpy()[:raw_bs]
         check_lengths(key.forward_mode, spec, seq_np.tolist(), self.memory.max_context_len,
                       entry.need if spec is entry.spec else None)
-        self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask, draft_step)
+        return seq_np, draft_step
 
     def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask,
                     draft_step: int) -> None:
@@ -379,6 +371,23 @@ def _capture(fn, pool) -> torch.cuda.CUDAGraph:
         fn()
     g.replay()                       # capture records, it does not run
     return g
+
+
+def load_rows_of_steps(plans: list, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_np, tokens) -> None:
+    """:meth:`LayoutPlan.load_rows` of every plan of a multi-step draft (``plans[s]`` gets row ``s``
+    of ``seq_lens`` / ``seq_np`` and ``tokens[s]``), in one ``_foreach_copy_`` launch where the
+    sources allow (contiguous rows): every plan is checked before anything is written."""
+    checked = [p._checked(key, raw_bs, seq_np[s]) for s, p in enumerate(plans)]
+    dst, src, rest = [], [], []
+    for p, (_, step), seq, tok in zip(plans, checked, seq_lens, tokens):
+        d, s_, r = p._copies.pairs(raw_bs, raw_bs * key.width, req_pool_indices, seq, step, tok)
+        dst, src, rest = dst + d, src + s_, rest + r
+    if rest:
+        torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
+    torch._foreach_copy_(dst, src)
+    for p, (seq, step) in zip(plans, checked):
+        p._seq_np[:raw_bs] = seq
+        p._loaded = (key, raw_bs, step)
 
 
 def step_plan(batch: ForwardBatch, backends) -> ForwardBatch:

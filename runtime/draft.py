@@ -17,7 +17,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
 from attn_backends.layout import pad_seq_len
-from attn_backends.plan import LayoutPlan, step_plan
+from attn_backends.plan import LayoutPlan, load_rows_of_steps, step_plan
 
 from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
@@ -89,6 +89,10 @@ class MultiStepDraftRunner(GraphRunnerBase):
         self.plans = [LayoutPlan(memory, self.fill, max_bs=self.max_bs, max_width=topk, tokens=True)
                       for _ in range(num_steps)]
         self.input_ids = self.plans[0].input_ids          # the first token of each branch
+        offsets = torch.arange(num_steps, device=memory.device)[:, None]
+        self._seq_offsets = ((offsets + 1) * topk).to(I32)          # step s: seq_lens = prefix + (s+1)*topk
+        self._pos_offsets = offsets                                 # step s: positions = prefix + s (int64)
+        self._seq_offsets_np = self._seq_offsets.cpu().numpy()
         self._inputs = {}
         for b in self.backends:
             b.init_cuda_graph_state(self.max_bs, self.max_bs * topk)
@@ -165,16 +169,21 @@ class MultiStepDraftRunner(GraphRunnerBase):
         return torch.stack(tokens), torch.stack(scores), logits, hidden  # [steps, bs*topk] x2, ...
 
     def _load(self, inp: DraftInput):
-        raw, k = inp.raw_bs, self.topk
+        """Every step's rows from the step-1 inputs in three launches (step ``s`` sees seq_lens
+        ``prefix + (s+1)*topk``, positions ``prefix + s`` and the slots of column ``s``), then one
+        copy launch into all the steps' plans."""
+        raw, k, steps = inp.raw_bs, self.topk, self.num_steps
         key = GraphKey(ForwardMode.DECODE, self.bucket_for(raw), k, self.capture_hidden_mode)
         sbs = self.graphs[key][2]
-        nr = raw * k
-        loc = inp.out_cache_loc.view(raw, self.num_steps, k)
-        for s, (p, sb) in enumerate(zip(self.plans, sbs)):
-            pos = (inp.prefix_lens.to(I64) + s).repeat_interleave(k, output_size=nr)
-            p.load_rows(key, raw, inp.req_pool_indices, inp.prefix_lens + (s + 1) * k,
-                        inp.prefix_lens_cpu + (s + 1) * k,
-                        tokens=[inp.input_ids if s == 0 else None, pos, loc[:, s].reshape(-1)])
+        seq = inp.prefix_lens[None, :] + self._seq_offsets                                    # [steps, raw] int32
+        pos = inp.prefix_lens[None, :] + self._pos_offsets                                    # [steps, raw] int64
+        if k > 1:
+            pos = pos.repeat_interleave(k, dim=1, output_size=raw * k)
+        loc = inp.out_cache_loc.view(raw, steps, k).transpose(0, 1).reshape(steps, raw * k)
+        seq_np = inp.prefix_lens_cpu.numpy()[None, :raw] + self._seq_offsets_np
+        load_rows_of_steps(self.plans, key, raw, inp.req_pool_indices, seq, seq_np,
+                           [[inp.input_ids if s == 0 else None, pos[s], loc[s]] for s in range(steps)])
+        for sb in sbs:
             sb.raw_bs = raw
         return key, sbs
 

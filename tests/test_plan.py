@@ -177,3 +177,37 @@ def test_load_rows_writes_exactly_the_real_rows(tokens, device):
         want = before[i, :raw * n] if t is None else t[:raw * n].to(torch.int64)
         assert torch.equal(plan.tokens[i, :raw * n], want), f"token row {i} ({tokens})"
         assert torch.equal(plan.tokens[i, raw * n:], before[i, raw * n:]), f"token row {i}: rows past raw_bs written"
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_load_rows_of_steps_equals_load_rows_per_plan(device):
+    """A multi-step draft loads every step's plan in one launch: the same bits as ``load_rows``
+    plan by plan on a twin rig (input ids go to step 1 only); a step whose lengths are refused
+    writes nothing in any plan."""
+    from attn_backends.testing.state import fingerprint, state_diff
+    from attn_backends_runtime.testing.rig import Rig, RigSpec
+
+    spec = RigSpec("draft_decode", topk=2, steps=3, buckets=(4,), device=device)
+    joint, single = Rig(spec).runner, Rig(spec).runner
+    key = next(iter(joint.graphs))
+    raw, k, steps = 3, joint.topk, joint.num_steps
+    req = torch.tensor([5, 2, 7, 1], dtype=torch.int32, device=device)
+    seq = torch.tensor([40, 9, 33], dtype=torch.int32, device=device)[None, :] + \
+        torch.tensor([[(s + 1) * k] for s in range(steps)], dtype=torch.int32, device=device)
+    ar = torch.arange(raw * k, device=device)
+    tok = [[ar + 2 ** 33 if s == 0 else None, ar * 3 - s, ar + 100 * s] for s in range(steps)]
+    before = [fingerprint(p) for p in joint.plans]
+    bad = seq.cpu().numpy().copy()
+    bad[2, 1] = 1                                                   # step 3 needs seq_len >= topk * 3
+    with pytest.raises(LayoutError, match="seq_len=1 < 6"):
+        plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, bad, tok)
+    assert [d for b, p in zip(before, joint.plans) for d in state_diff(b, fingerprint(p))] == []
+    plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, seq.cpu().numpy(), tok)
+    for s, p in enumerate(single.plans):
+        p.load_rows(key, raw, req, seq[s], seq[s].cpu(), tokens=tok[s])
+    for s, (a, b) in enumerate(zip(joint.plans, single.plans)):
+        assert a._loaded == b._loaded == (key, raw, s + 1)
+        ta, tb = a.tensors(), b.tensors()
+        assert all(torch.equal(ta[n], tb[n]) for n in ta), [n for n in ta if not torch.equal(ta[n], tb[n])]
+        assert torch.equal(a.seq_lens_cpu, b.seq_lens_cpu)
+        assert a.tokens[0, :raw * k].tolist() == (tok[0][0].tolist() if s == 0 else b.tokens[0, :raw * k].tolist())
