@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+import numpy as np
 import torch
 
 SUPPORTED_PAGE_SIZES = (1, 16, 64)
@@ -163,12 +164,12 @@ class KVMemory:
                 self._pages[row] += self.pages.alloc(need)
             except KVCacheFullError as e:
                 raise KVCacheFullError(f"request row {row}, extending {old} -> {new} tokens: {e}") from None
-        pos = torch.arange(old, new)
-        page_ids = torch.tensor(self._pages[row], dtype=torch.int64)
-        slots = page_ids[pos // ps] * ps + pos % ps
-        self.req_to_token[row, old:new] = slots.to(torch.int32).to(self.device)
+        pos = np.arange(old, new)
+        slots = torch.from_numpy(np.asarray(self._pages[row], dtype=np.int64)[pos // ps] * ps + pos % ps)
+        slots = slots.to(self.device)                    # one host-to-device copy
+        self.req_to_token[row, old:new] = slots
         self._lens[row] = new
-        return slots.to(self.device)
+        return slots
 
     def truncate(self, row: int, new_len: int) -> None:
         """Drop positions ``new_len..`` (rejected draft tokens); frees whole pages only."""

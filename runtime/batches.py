@@ -28,12 +28,23 @@ def extend_batch(memory: KVMemory, rows: list, starts: list, tokens: list,
                         loc, pos, ext.to(dev), ext, capture_hidden_mode=hidden, input_ids=ids)
 
 
+def device_rows(rows: list, device) -> torch.Tensor:
+    """``[len(rows), n]`` int64 on ``device`` from lists of ``n`` host ints, in one copy (from
+    pinned memory on CUDA, so it does not wait for the queued work; the caching host allocator
+    keeps the staging block until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(rows, dtype=I64)
+    return torch.tensor(rows, dtype=I64, pin_memory=True).to(device, non_blocking=True)
+
+
 def uniform_batch(mode: ForwardMode, memory: KVMemory, rows: torch.Tensor, starts: torch.Tensor,
                   starts_cpu: torch.Tensor, input_ids: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                  spec: Optional[SpecInfo] = None, hidden: CaptureHiddenMode = CaptureHiddenMode.NULL) -> ForwardBatch:
+                  spec: Optional[SpecInfo] = None, hidden: CaptureHiddenMode = CaptureHiddenMode.NULL,
+                  loc: Optional[torch.Tensor] = None) -> ForwardBatch:
     """DECODE, TARGET_VERIFY or DRAFT_EXTEND: request ``i`` writes ``W`` rows at positions
     ``starts[i] .. starts[i] + W - 1``; ``offsets [bs, W]`` (tree verify: each node's level) sets
-    the positions the model sees, ``starts[i] + offsets`` (default: ``0..W-1``).
+    the positions the model sees, ``starts[i] + offsets`` (default: ``0..W-1``); ``loc [bs, W]``
+    the slots of those positions when the caller has them (default: read from ``req_to_token``).
 
     rows ``[bs]`` int32, starts ``[bs]`` int64 and input_ids ``[bs * W]`` int64 on the device,
     starts_cpu ``[bs]`` int32 on the host: nothing here copies from the host, so building the
@@ -41,9 +52,11 @@ def uniform_batch(mode: ForwardMode, memory: KVMemory, rows: torch.Tensor, start
     """
     w = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
     bs = int(starts_cpu.shape[0])
-    loc = slots_window(memory, rows, starts, w)                                      # [bs, W]
+    if loc is None:
+        loc = slots_window(memory, rows, starts, w)                                  # [bs, W]
     if offsets is None:
-        offsets = torch.arange(w, device=starts.device).expand(bs, w)
+        offsets = torch.arange(w, device=starts.device)
     pos = starts[:, None] + offsets
-    return ForwardBatch(mode, bs, rows, (starts + w).to(I32), starts_cpu + w, loc.reshape(-1), pos.reshape(-1),
+    seq = torch.add(starts, w, out=torch.empty(bs, dtype=I32, device=starts.device))
+    return ForwardBatch(mode, bs, rows, seq, starts_cpu + w, loc.reshape(-1), pos.reshape(-1),
                         spec_info=spec, capture_hidden_mode=hidden, input_ids=input_ids)

@@ -29,7 +29,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, KVMemory, SpecInfo
 
-from .batches import extend_batch, uniform_batch
+from .batches import device_rows, extend_batch, uniform_batch
 from .draft import DraftInput
 from .draft_model import DraftModel, eagle3_layers
 from .executor import ModelExecutor
@@ -84,7 +84,8 @@ class EagleWorker:
         self.draft_model = draft_model
         # what moves with an accepted path: the target's K/V and the draft's features
         self.moved = layer_tensors(memory, range(target_layers)) + [draft_model.features]
-        self.candidates: dict = {}          # rid -> (level-1 tokens [topk], log-probs [topk])
+        # rid -> (level-1 tokens [bs, topk], log-probs [bs, topk], the request's row in them)
+        self.candidates: dict = {}
 
     def release(self, rid: int) -> None:
         self.candidates.pop(rid, None)
@@ -92,7 +93,16 @@ class EagleWorker:
     def _keep_candidates(self, reqs: list, logits: torch.Tensor) -> None:
         tokens, logp = first_level(logits, self.spec.topk)                        # [bs, topk] each
         for i, r in enumerate(reqs):
-            self.candidates[r.rid] = (tokens[i], logp[i])
+            self.candidates[r.rid] = (tokens, logp, i)
+
+    def _candidates(self, reqs: list) -> tuple:
+        """``(tokens, logp)`` ``[bs, topk]`` of ``reqs``: the last step's tensors as they are when
+        the batch is the same (no launch), else gathered."""
+        got = [self.candidates[r.rid] for r in reqs]
+        tokens, logp = got[0][0], got[0][1]
+        if tokens.shape[0] == len(reqs) and all(c[0] is tokens and c[2] == i for i, c in enumerate(got)):
+            return tokens, logp
+        return torch.stack([c[0][c[2]] for c in got]), torch.stack([c[1][c[2]] for c in got])
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, reqs: list, target_batch: ForwardBatch, target_out: RunnerOutput, first: list) -> None:
@@ -115,51 +125,53 @@ class EagleWorker:
             if mem.seq_len(r.row) != t + 1:
                 raise RuntimeError(f"request {r.rid}: KV holds {mem.seq_len(r.row)} tokens, expected {t + 1}")
             mem.extend(r.row, sp.headroom)
-        # every host-to-device copy of the step happens here, before the first launch
-        rows = torch.tensor([r.row for r in reqs], dtype=I32, device=dev)
-        at = Positions(torch.tensor(starts, dtype=I64, device=dev), torch.tensor(starts, dtype=I32))
-        roots = torch.tensor([r.output[-1] for r in reqs], dtype=I64, device=dev)
+        # the step's one host-to-device copy, before the first launch
+        host = device_rows([[r.row for r in reqs], starts, [r.output[-1] for r in reqs]], dev)
+        rows, roots = host[0].to(I32), host[2]
+        at = Positions(host[1], torch.tensor(starts, dtype=I32))
+        after = at.shifted(1)                                                    # the draft's KV length
         window = slots_window(mem, rows, at.dev, sp.headroom + 1)                 # [bs, 1 + headroom]: T..
-        tree = self._draft_tree(reqs, rows, at, roots, window)
-        acc = self._verify(rows, at, tree)
-        if sp.topk > 1:                                                          # a chain is in place already
+        tree = self._draft_tree(reqs, rows, after, roots, window)
+        acc = self._verify(rows, at, tree, window[:, :sp.num_draft_tokens])
+        if not tree.chain:                                                       # a chain is in place already
             move_slots(self.moved, *accepted_moves(window[:, :sp.num_draft_tokens], acc.path, acc.accept_lens))
-        self._draft_extend(reqs, rows, at.shifted(1), acc)
-        host = torch.cat([acc.accept_lens[:, None], acc.emitted], 1).tolist()     # the step's one sync
-        lens, emitted = [h[0] for h in host], [h[1:] for h in host]
+        self._draft_extend(reqs, rows, after, acc, window[:, 1:1 + sp.num_draft_tokens])
+        out = torch.cat([acc.accept_lens[:, None], acc.emitted], 1).tolist()      # the step's one sync
+        lens, emitted = [h[0] for h in out], [h[1:] for h in out]
         for r, t, a in zip(reqs, starts, lens):
             mem.truncate(r.row, t + a + 1)                                        # draft one ahead of T + a
         return [e[:a] for e, a in zip(emitted, lens)], lens
 
-    def _draft_tree(self, reqs: list, rows: torch.Tensor, at: "Positions", roots: torch.Tensor,
+    def _draft_tree(self, reqs: list, rows: torch.Tensor, prefix: "Positions", roots: torch.Tensor,
                     window: torch.Tensor) -> DraftTree:
         sp = self.spec
-        tokens = torch.stack([self.candidates[r.rid][0] for r in reqs])           # [bs, topk]
-        logp = torch.stack([self.candidates[r.rid][1] for r in reqs])
+        tokens, logp = self._candidates(reqs)                                     # [bs, topk]
         branch_tokens = branch_logp = None
         if sp.num_steps > 1:
-            prefix = at.shifted(1)                                                # the draft's KV length
             n = (sp.num_steps - 1) * sp.topk
             out = self.draft.draft(DraftInput(rows, prefix.dev.to(I32), prefix.cpu, tokens.reshape(-1),
                                               window[:, 1:1 + n].contiguous()))
             branch_tokens, branch_logp = out.rows, out.scores                     # [bs, steps-1, topk]
         return build_tree(roots, tokens, logp, branch_tokens, branch_logp, sp.num_draft_tokens)
 
-    def _verify(self, rows: torch.Tensor, at: "Positions", tree: DraftTree) -> Acceptance:
+    def _verify(self, rows: torch.Tensor, at: "Positions", tree: DraftTree, loc: torch.Tensor) -> Acceptance:
         sp = self.spec
-        spec = sp.verify_spec(tree.mask if sp.topk > 1 else None)
+        spec = sp.verify_spec(None if tree.chain else tree.mask)
         batch = uniform_batch(ForwardMode.TARGET_VERIFY, self.memory, rows, at.dev, at.cpu, tree.tokens.reshape(-1),
-                              offsets=tree.levels, spec=spec, hidden=CaptureHiddenMode.FULL)
+                              offsets=None if tree.chain else tree.levels, spec=spec, hidden=CaptureHiddenMode.FULL,
+                              loc=loc)
         out = self.target.forward(batch)
         self.draft_model.features[batch.out_cache_loc] = out.hidden.to(self.draft_model.features.dtype)
         return greedy_accept(tree, out.logits.argmax(-1).view(rows.shape[0], sp.num_draft_tokens))
 
-    def _draft_extend(self, reqs: list, rows: torch.Tensor, at: "Positions", acc: Acceptance) -> None:
+    def _draft_extend(self, reqs: list, rows: torch.Tensor, at: "Positions", acc: Acceptance,
+                      loc: torch.Tensor) -> None:
+        """The emitted tokens at width N; rows past ``accept_len`` carry the target's other argmaxes
+        (valid tokens, their rows and K/V are dropped: truncate frees their positions)."""
         n = self.spec.num_draft_tokens
-        valid = torch.arange(n, device=acc.emitted.device)[None, :] < acc.accept_lens[:, None]
-        ids = torch.where(valid, acc.emitted, 0).reshape(-1)                     # rows past accept_len: token 0
         spec = SpecInfo(n, 1, n - 1, accept_lens=acc.accept_lens.to(I32))
-        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.memory, rows, at.dev, at.cpu, ids, spec=spec)
+        batch = uniform_batch(ForwardMode.DRAFT_EXTEND, self.memory, rows, at.dev, at.cpu, acc.emitted.reshape(-1),
+                              spec=spec, loc=loc)
         self._keep_candidates(reqs, self.draft.forward(batch).logits)
 
 

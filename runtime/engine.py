@@ -18,7 +18,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, KVMemory
 
-from .batches import extend_batch, uniform_batch
+from .batches import device_rows, extend_batch, uniform_batch
 from .draft_model import DraftModel, make_top_layers_skippable
 from .eagle import EagleWorker, SpecConfig
 from .executor import draft_executor, target_executor
@@ -194,10 +194,9 @@ class Engine:
         starts = [r.num_tokens - 1 for r in reqs]                       # KV length; the last output is pending
         for r in reqs:
             self.memory.extend(r.row, 1)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int32, device=dev)
-        ids = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64, device=dev)
-        start, start_cpu = torch.tensor(starts, device=dev), torch.tensor(starts, dtype=torch.int32)
-        batch = uniform_batch(ForwardMode.DECODE, self.memory, rows, start, start_cpu, ids)
+        host = device_rows([[r.row for r in reqs], starts, [r.output[-1] for r in reqs]], dev)   # one copy
+        batch = uniform_batch(ForwardMode.DECODE, self.memory, host[0].to(torch.int32), host[1],
+                              torch.tensor(starts, dtype=torch.int32), host[2])
         out = self.target.forward(batch)
         return [[t] for t in out.logits.argmax(-1).tolist()]
 

@@ -28,21 +28,46 @@ import torch
 I64 = torch.int64
 
 
-@dataclass
 class DraftTree:
-    tokens: torch.Tensor   # [bs, N] int64: row 0 the root, then the chosen draft tokens
-    levels: torch.Tensor   # [bs, N] int64: 0 for the root, else 1..num_steps (position offset)
-    branch: torch.Tensor   # [bs, N] int64: the branch of each node, -1 for the root
-    mask: torch.Tensor     # [bs, N, N] bool: row j sees row k (its ancestors and itself)
+    """A request's draft tokens (``tokens [bs, N]`` int64: row 0 the root, then the chosen draft
+    tokens) and the tree over them: ``levels [bs, N]`` (0 for the root, else 1..num_steps: the
+    position offset), ``branch [bs, N]`` (each node's branch, -1 for the root) and ``mask [bs, N,
+    N]`` bool (row j sees row k: its ancestors and itself). A chain (topk 1) is built from the
+    tokens alone; its levels, branch and causal mask are made only when read."""
+
+    def __init__(self, tokens: torch.Tensor, levels: Optional[torch.Tensor] = None,
+                 branch: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
+        self.tokens, self._levels, self._branch, self._mask = tokens, levels, branch, mask
+        self.chain = mask is None
 
     @property
     def num_draft_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
+    @property
+    def levels(self) -> torch.Tensor:
+        if self._levels is None:
+            bs, n = self.tokens.shape
+            self._levels = torch.arange(n, device=self.tokens.device).expand(bs, n)
+        return self._levels
+
+    @property
+    def branch(self) -> torch.Tensor:
+        if self._branch is None:
+            self._branch = (self.levels > 0).to(I64) - 1
+        return self._branch
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            bs, n = self.tokens.shape
+            self._mask = torch.ones(n, n, dtype=torch.bool, device=self.tokens.device).tril().expand(bs, n, n)
+        return self._mask
+
 
 @dataclass
 class Acceptance:
-    accept_lens: torch.Tensor  # [bs] int64 in 1..N: accepted draft tokens + the bonus token
+    accept_lens: torch.Tensor  # [bs] in 1..N (int64; a chain's int32): accepted draft tokens + the bonus token
     path: torch.Tensor         # [bs, N] int64: verify rows of the accepted path (root first); valid to accept_len
     emitted: torch.Tensor      # [bs, N] int64: the new tokens (drafts, then the bonus); valid to accept_len
 
@@ -67,6 +92,14 @@ def build_tree(root: torch.Tensor, first_tokens: torch.Tensor, first_logp: torch
     ``rows`` and ``scores``).
     """
     bs, k = first_tokens.shape
+    if k == 1:
+        return _chain(root, first_tokens, branch_tokens, num_draft_tokens)
+    return _tree(root, first_tokens, first_logp, branch_tokens, branch_logp, num_draft_tokens)
+
+
+def _tree(root, first_tokens, first_logp, branch_tokens, branch_logp, num_draft_tokens: int) -> DraftTree:
+    """The general case: top-k expansion and rerank (also right for topk 1, in 19 launches)."""
+    bs, k = first_tokens.shape
     toks, lps = first_tokens[:, None], first_logp[:, None].float()
     if branch_tokens is not None:
         toks = torch.cat([toks, branch_tokens.to(I64)], 1)                 # [bs, S, topk]
@@ -88,10 +121,27 @@ def build_tree(root: torch.Tensor, first_tokens: torch.Tensor, first_logp: torch
     return DraftTree(tokens, levels, branch, mask)
 
 
+def _chain(root, first_tokens, branch_tokens, n: int) -> DraftTree:
+    """topk 1: the rerank keeps the first ``N - 1`` levels (a child never scores above its parent,
+    and ties keep the shallower node), so the tree is the chain itself, in one launch."""
+    steps = 1 + (0 if branch_tokens is None else branch_tokens.shape[1])
+    if not 2 <= n <= steps + 1:
+        raise ValueError(f"num_draft_tokens={n} outside 2..num_steps*topk+1={steps + 1}")
+    parts = [root.to(I64)[:, None], first_tokens.to(I64)]
+    if n > 2:
+        parts.append(branch_tokens[:, :n - 2, 0].to(I64))
+    return DraftTree(torch.cat(parts, 1))
+
+
 def greedy_accept(tree: DraftTree, target_ids: torch.Tensor) -> Acceptance:
     """The longest path from the root whose draft tokens match the target's argmax at their
-    parent, and the bonus token. ``target_ids [bs, N]``: the target's argmax at each verify row."""
+    parent, and the bonus token. ``target_ids [bs, N]``: the target's argmax at each verify row.
+    A chain's accept lengths are int32 (what ``SpecInfo.accept_lens`` takes)."""
     bs, n = tree.tokens.shape
+    if tree.chain:                      # row j's token is accepted iff every row before matched
+        match = tree.tokens[:, 1:] == target_ids[:, :-1]
+        accept_lens = match.cumprod(1).sum(1, dtype=torch.int32) + 1
+        return Acceptance(accept_lens, torch.arange(n, device=target_ids.device).expand(bs, n), target_ids)
     rows = torch.arange(n, device=tree.tokens.device)
     lv = tree.levels
     # parent of each row: its deepest strict ancestor (the root has none: it always matches)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attn_backends import SpecInfo
-from attn_backends_runtime.spec_tree import build_tree, first_level, greedy_accept
+from attn_backends_runtime.spec_tree import _tree, build_tree, first_level, greedy_accept
 
 I64 = torch.int64
 
@@ -107,3 +107,30 @@ def test_random_trees_match_the_host_walk(topk, steps):
             a = int(acc.accept_lens[b])
             assert 1 <= a <= n
             assert acc.path[b, :a].tolist() == path and acc.emitted[b, :a].tolist() == emitted
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 7])
+def test_the_chain_fast_path_equals_the_general_tree(steps):
+    """topk 1 builds the chain in one launch and accepts it in five; the general rerank and walk
+    must give the same tree, accept lengths, path and emitted tokens (long accepts included)."""
+    g = torch.Generator().manual_seed(steps)
+    for n in range(2, steps + 2):
+        bs, vocab = 5, 4
+        first, lp0 = torch.randint(0, vocab, (bs, 1), generator=g), -torch.rand(bs, 1, generator=g)
+        br = torch.randint(0, vocab, (bs, steps - 1, 1), generator=g) if steps > 1 else None
+        lpb = -torch.rand(bs, steps - 1, 1, generator=g) if steps > 1 else None
+        root = torch.randint(0, vocab, (bs,), generator=g)
+        fast, slow = build_tree(root, first, lp0, br, lpb, n), _tree(root, first, lp0, br, lpb, n)
+        assert fast.chain and not slow.chain
+        for name in ("tokens", "levels", "branch", "mask"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        for _ in range(20):
+            target = torch.randint(0, vocab, (bs, n), generator=g)
+            agree = torch.rand(bs, n - 1, generator=g) < 0.8              # mostly accepted: lengths up to N
+            target[:, :-1] = torch.where(agree, fast.tokens[:, 1:], target[:, :-1])
+            a, b = greedy_accept(fast, target), greedy_accept(slow, target)
+            assert a.accept_lens.dtype == torch.int32
+            assert a.accept_lens.tolist() == b.accept_lens.tolist()
+            for i, m in enumerate(a.accept_lens.tolist()):
+                assert a.path[i, :m].tolist() == b.path[i, :m].tolist()
+                assert a.emitted[i, :m].tolist() == b.emitted[i, :m].tolist()
