@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import random
 import sys
 import time
@@ -67,6 +68,11 @@ def _one(rig: Rig, pool: list, rng: random.Random, raw: int, tol: float, exact: 
 
 
 def soak_rig(kind: str, mla: bool, replays: int, device: str, seed: int) -> RigResult:
+    # The counter is the whole process's: collect what earlier rigs left in reference cycles
+    # first (the first GPU soak saw one rig drop by 13 MB when the cyclic gc freed an earlier
+    # rig's graphs mid-run). Nothing is collected between the two probe measurements, so cycles
+    # made by the replays themselves still show as growth.
+    gc.collect()
     cuda = device == "cuda"
     spec = RigSpec(kind, "triton" if cuda else "torch_native", mla, BUCKETS, device=device,
                    dtype=torch.bfloat16 if cuda else torch.float32, hidden=H.FULL, seed=seed,
