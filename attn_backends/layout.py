@@ -176,6 +176,32 @@ def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor
         tokens.mul_(real.repeat_interleave(w, output_size=tokens.shape[1]))
 
 
+def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], out: Layout,
+                fused: Optional[bool] = None) -> None:
+    """The step plan's prep of a captured key: :func:`write_canonical_pad`, then the layout into
+    ``out``. A uniform mode without a tree mask does both in one launch (``kernels/layout_prep.py``:
+    the same values; a graph replays it once per forward); ``fused`` None: on CUDA."""
+    spec = inp.spec_info
+    draft = out.draft_prefix_lens is not None
+    can = (out.mask != MaskKind.TREE and inp.raw_bs_dev is not None and (inp.draft_step_dev is not None or not draft)
+           and inp.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND))
+    if fused and not can:
+        raise LayoutError(f"no fused prep for {inp.mode.name} with a {out.mask.value} mask")
+    if not (can and (inp.seq_lens.is_cuda if fused is None else fused)):
+        write_canonical_pad(inp, width, tokens)
+        build_layout(inp, out=out)
+        return
+    if (out.bs, out.width) != (inp.bs, width):
+        raise LayoutError(f"buffers bound for (bs={out.bs}, W={out.width}) but the batch is (bs={inp.bs}, W={width})")
+    from attn_backends_kernels.layout_prep import uniform_prep
+    uniform_prep(inp.req_to_token, inp.page_size, width, inp.pad_seq_len, inp.req_pool_indices, inp.seq_lens,
+                 inp.raw_bs_dev, out.cu_seqlens_q, out.prefix_lens, out.seq_lens_k, out.kv_last_page_len,
+                 out.page_table, out.kv_indptr, out.kv_indices, tokens=tokens,
+                 accept_lens=spec.accept_lens if spec is not None else None,
+                 draft_prefix_lens=out.draft_prefix_lens, draft_step=inp.draft_step_dev if draft else None)
+    out.max_seq_len_q, out.max_seq_len_k = width, _host_max_k(inp)[0]
+
+
 def host_seq_lens(seq_lens_cpu: torch.Tensor, raw_bs: int, pad: int) -> np.ndarray:
     """``[bs]`` int64 host copy of the canonical ``seq_lens`` (rows ``raw_bs..`` hold ``pad``):
     what :func:`canonical_rows` writes on the device, derived without reading the device."""

@@ -18,9 +18,10 @@ Graphs: the plan owns everything of the batch that a captured graph reads:
 - the static buffers of the canonical layout (:class:`LayoutBuffers`), of which each GraphKey
   binds views;
 - one *prep* per GraphKey: the pad rule written into the input rows ``raw_bs..bs-1`` in place
-  (:func:`layout.write_canonical_pad`), then the layout built into the key's views. A runner
-  whose backends all read the plan records it at the start of its step's graph (one launch a
-  step); otherwise the plan captures it as a graph of its own.
+  (:func:`layout.write_canonical_pad`), then the layout built into the key's views
+  (:func:`layout.prep_layout`: one kernel on CUDA for the uniform modes without a tree mask).
+  A runner whose backends all read the plan records it at the start of its step's graph;
+  otherwise the plan captures it as a graph of its own.
 
 A runner writes only the real rows of the inputs (:meth:`load_rows`; a multi-step draft:
 :func:`load_rows_of_steps`) and calls :meth:`update` once per replay: a host check of
@@ -53,7 +54,7 @@ from .layout import (
     inputs_from_batch,
     mask_kind,
     pad_seq_len,
-    write_canonical_pad,
+    prep_layout,
 )
 from .layout_buffers import LayoutBuffers, RowCopies
 from .validation import LayoutError, check_lengths, validate
@@ -360,8 +361,7 @@ class LayoutPlan:
         """What the prep graph holds: canonical pad rows in the inputs, then the layout."""
         inp = self._inputs(entry)
         tok = None if self.tokens is None else self.tokens[:, :entry.key.bs * entry.key.width]
-        write_canonical_pad(inp, entry.key.width, tok)
-        build_layout(inp, out=entry.layout)
+        prep_layout(inp, entry.key.width, tok, entry.layout)
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""
