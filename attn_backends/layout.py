@@ -177,10 +177,11 @@ def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor
 
 
 def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], out: Layout,
-                fused: Optional[bool] = None) -> None:
+                fused: Optional[bool] = None, max_bs: int = 0, max_width: int = 0) -> None:
     """The step plan's prep of a captured key: :func:`write_canonical_pad`, then the layout into
     ``out``. A uniform mode without a tree mask does both in one launch (``kernels/layout_prep.py``:
-    the same values; a graph replays it once per forward); ``fused`` None: on CUDA."""
+    the same values; a graph replays it once per forward); ``fused`` None: on CUDA. ``max_bs`` /
+    ``max_width``: the plan's largest key, so that its keys share one compiled kernel."""
     spec = inp.spec_info
     draft = out.draft_prefix_lens is not None
     can = (out.mask != MaskKind.TREE and inp.raw_bs_dev is not None and (inp.draft_step_dev is not None or not draft)
@@ -198,7 +199,8 @@ def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], o
                  inp.raw_bs_dev, out.cu_seqlens_q, out.prefix_lens, out.seq_lens_k, out.kv_last_page_len,
                  out.page_table, out.kv_indptr, out.kv_indices, tokens=tokens,
                  accept_lens=spec.accept_lens if spec is not None else None,
-                 draft_prefix_lens=out.draft_prefix_lens, draft_step=inp.draft_step_dev if draft else None)
+                 draft_prefix_lens=out.draft_prefix_lens, draft_step=inp.draft_step_dev if draft else None,
+                 max_bs=max_bs, max_width=max_width)
     out.max_seq_len_q, out.max_seq_len_k = width, _host_max_k(inp)[0]
 
 

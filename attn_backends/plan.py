@@ -361,7 +361,7 @@ class LayoutPlan:
         """What the prep graph holds: canonical pad rows in the inputs, then the layout."""
         inp = self._inputs(entry)
         tok = None if self.tokens is None else self.tokens[:, :entry.key.bs * entry.key.width]
-        prep_layout(inp, entry.key.width, tok, entry.layout)
+        prep_layout(inp, entry.key.width, tok, entry.layout, max_bs=self.max_bs, max_width=self.max_width)
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""

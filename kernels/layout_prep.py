@@ -26,8 +26,8 @@ def _uniform_prep_kernel(
     req_to_token_ptr, stride_rt, max_context,
     cu_q_ptr, prefix_ptr, seq_k_ptr, last_ptr, draft_prefix_ptr,
     page_table_ptr, stride_pt, max_pages, kv_indptr_ptr, kv_indices_ptr, capacity,
-    bs, pad_seq,
-    W: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_BS: tl.constexpr, BLOCK_P: tl.constexpr,
+    bs, pad_seq, W, PAGE_SIZE,
+    BLOCK_BS: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     HAS_TOKENS: tl.constexpr, HAS_ACCEPT: tl.constexpr, HAS_DRAFT: tl.constexpr,
 ):
@@ -83,11 +83,13 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
                  cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor, seq_lens_k: torch.Tensor,
                  kv_last_page_len: torch.Tensor, page_table: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, tokens=None, accept_lens=None, draft_prefix_lens=None,
-                 draft_step=None) -> None:
+                 draft_step=None, max_bs: int = 0, max_width: int = 0) -> None:
     """One launch: pad rows of ``req_pool_indices`` / ``seq_lens`` [bs] int32 (and ``tokens``
     [3, >= bs*W] int64 rows of unit stride, ``accept_lens`` [bs] int32) written in place, then
     the layout buffers (int32; ``page_table`` [bs, max_pages] with unit column stride). ``raw_bs``
-    and ``draft_step`` are [1] int32 device scalars; ``draft_prefix_lens`` needs ``draft_step``."""
+    and ``draft_step`` are [1] int32 device scalars; ``draft_prefix_lens`` needs ``draft_step``.
+    ``max_bs`` / ``max_width``: the largest of the caller's keys (a step plan's), so that every key
+    shares one compiled kernel (W and the page size are runtime values)."""
     bs = req_pool_indices.shape[0]
     i32 = [req_pool_indices, seq_lens, raw_bs, cu_seqlens_q, prefix_lens, seq_lens_k, kv_last_page_len, page_table,
            kv_indptr, kv_indices, req_to_token] + [t for t in (accept_lens, draft_prefix_lens, draft_step)
@@ -109,9 +111,10 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
         cu_seqlens_q, prefix_lens, seq_lens_k, kv_last_page_len,
         draft_prefix_lens if draft_prefix_lens is not None else dummy,
         page_table, page_table.stride(0), page_table.shape[1], kv_indptr, kv_indices, capacity,
-        bs, pad_seq_len,
-        W=width, PAGE_SIZE=page_size, BLOCK_BS=triton.next_power_of_2(bs),
-        BLOCK_P=min(256, triton.next_power_of_2(page_table.shape[1])), BLOCK_W=triton.next_power_of_2(width),
+        bs, pad_seq_len, width, page_size,
+        BLOCK_BS=triton.next_power_of_2(max(bs, max_bs)),
+        BLOCK_P=min(256, triton.next_power_of_2(page_table.shape[1])),
+        BLOCK_W=triton.next_power_of_2(max(width, max_width)),
         BLOCK_TAIL=block_tail, HAS_TOKENS=tokens is not None, HAS_ACCEPT=accept_lens is not None,
         HAS_DRAFT=draft_prefix_lens is not None,
     )
