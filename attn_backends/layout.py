@@ -181,7 +181,7 @@ def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], o
     """The step plan's prep of a captured key: :func:`write_canonical_pad`, then the layout into
     ``out``. A uniform mode without a tree mask does both in one launch (``kernels/layout_prep.py``:
     the same values; a graph replays it once per forward); ``fused`` None: on CUDA. ``max_bs`` /
-    ``max_width``: the plan's largest key, so that its keys share one compiled kernel."""
+    ``max_width``: the plan's largest key, so that its keys share the kernel's block sizes."""
     spec = inp.spec_info
     draft = out.draft_prefix_lens is not None
     can = (out.mask != MaskKind.TREE and inp.raw_bs_dev is not None and (inp.draft_step_dev is not None or not draft)

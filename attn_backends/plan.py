@@ -15,8 +15,7 @@ Graphs: the plan owns everything of the batch that a captured graph reads:
   ``seq_lens_cpu``), ``tree_mask``, ``accept_lens`` and, for runners, ``tokens`` (input ids,
   positions, out_cache_loc);
 - ``raw_bs`` and ``draft_step`` as device scalars;
-- the static buffers of the canonical layout (:class:`LayoutBuffers`), of which each GraphKey
-  binds views;
+- the static buffers of the canonical layout (:class:`LayoutBuffers`), each GraphKey's views;
 - one *prep* per GraphKey: the pad rule written into the input rows ``raw_bs..bs-1`` in place
   (:func:`layout.write_canonical_pad`), then the layout built into the key's views
   (:func:`layout.prep_layout`: one kernel on CUDA for the uniform modes without a tree mask).
@@ -192,11 +191,12 @@ class LayoutPlan:
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
-        """Copy the real rows of a batch into the plan's inputs (one launch: :class:`RowCopies`):
-        request rows, seq_lens, ``raw_bs``, the draft step (default: the captured one) and the
-        ``tokens`` (``[input_ids, positions, out_cache_loc]``, ``raw_bs * W`` rows each; None
-        entries are left alone); then the host ``seq_lens_cpu``. Sources longer than the real
-        rows are cut. The host lengths are checked first: a refused batch writes nothing."""
+        """Copy the real rows of a batch into the plan's inputs: request rows, seq_lens, ``raw_bs``,
+        the draft step (default: the captured one) and the ``tokens`` (``[input_ids, positions,
+        out_cache_loc]``, ``raw_bs * W`` rows each; None entries are left alone) in one launch
+        (:class:`RowCopies`; token sources that are not contiguous int64 take a second, the accept
+        lengths and the tree mask one each), then the host ``seq_lens_cpu``. Sources longer than
+        the real rows are cut. The host lengths are checked first: a refused batch writes nothing."""
         seq_np, draft_step = self._checked(key, raw_bs, seq_lens_cpu.numpy()[:raw_bs], draft_step)
         self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask, draft_step)
 
@@ -377,7 +377,9 @@ def load_rows_of_steps(plans: list, key: GraphKey, raw_bs: int, req_pool_indices
     """:meth:`LayoutPlan.load_rows` of every plan of a multi-step draft (``plans[s]`` gets row ``s``
     of ``seq_lens`` / ``seq_np`` and ``tokens[s]``), in one ``_foreach_copy_`` launch where the
     sources allow (contiguous rows): every plan is checked before anything is written."""
-    checked = [p._checked(key, raw_bs, seq_np[s]) for s, p in enumerate(plans)]
+    if not len(plans) == len(seq_lens) == len(seq_np) == len(tokens):
+        raise LayoutError(f"{len(plans)} plans: seq_lens, host, token rows {len(seq_lens), len(seq_np), len(tokens)}")
+    checked = [p._checked(key, raw_bs, seq_np[s][:raw_bs]) for s, p in enumerate(plans)]
     dst, src, rest = [], [], []
     for p, (_, step), seq, tok in zip(plans, checked, seq_lens, tokens):
         d, s_, r = p._copies.pairs(raw_bs, raw_bs * key.width, req_pool_indices, seq, step, tok)

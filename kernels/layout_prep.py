@@ -88,8 +88,9 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
     [3, >= bs*W] int64 rows of unit stride, ``accept_lens`` [bs] int32) written in place, then
     the layout buffers (int32; ``page_table`` [bs, max_pages] with unit column stride). ``raw_bs``
     and ``draft_step`` are [1] int32 device scalars; ``draft_prefix_lens`` needs ``draft_step``.
-    ``max_bs`` / ``max_width``: the largest of the caller's keys (a step plan's), so that every key
-    shares one compiled kernel (W and the page size are runtime values)."""
+    ``max_bs`` / ``max_width``: the largest of the caller's keys (a step plan's), so that its keys
+    share the block sizes (W and the page size are runtime values; Triton still compiles apart
+    the integer arguments equal to 1 or divisible by 16)."""
     bs = req_pool_indices.shape[0]
     i32 = [req_pool_indices, seq_lens, raw_bs, cu_seqlens_q, prefix_lens, seq_lens_k, kv_last_page_len, page_table,
            kv_indptr, kv_indices, req_to_token] + [t for t in (accept_lens, draft_prefix_lens, draft_step)
@@ -100,6 +101,15 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
     if (draft_prefix_lens is None) != (draft_step is None) or bs < 1 or page_table.shape[0] < bs:
         raise ValueError(f"uniform_prep: bs={bs}, page_table {tuple(page_table.shape)}, draft buffers "
                          f"{draft_prefix_lens is not None}/{draft_step is not None}")
+    need = {"seq_lens": (seq_lens, bs), "cu_seqlens_q": (cu_seqlens_q, bs + 1), "kv_indptr": (kv_indptr, bs + 1),
+            "prefix_lens": (prefix_lens, bs), "seq_lens_k": (seq_lens_k, bs),
+            "kv_last_page_len": (kv_last_page_len, bs), "accept_lens": (accept_lens, bs),
+            "draft_prefix_lens": (draft_prefix_lens, bs)}
+    short = [f"{n} {t.numel()} < {k}" for n, (t, k) in need.items() if t is not None and t.numel() < k]
+    if tokens is not None and (tokens.shape[0] != 3 or tokens.shape[1] < bs * width):
+        short.append(f"tokens {tuple(tokens.shape)} < (3, {bs * width})")
+    if short:
+        raise ValueError(f"uniform_prep: buffers too small for bs={bs}, W={width}: {', '.join(short)}")
     capacity = kv_indices.numel()
     block_tail = 1024
     dummy = seq_lens

@@ -169,9 +169,9 @@ class MultiStepDraftRunner(GraphRunnerBase):
         return torch.stack(tokens), torch.stack(scores), logits, hidden  # [steps, bs*topk] x2, ...
 
     def _load(self, inp: DraftInput):
-        """Every step's rows from the step-1 inputs in three launches (step ``s`` sees seq_lens
-        ``prefix + (s+1)*topk``, positions ``prefix + s`` and the slots of column ``s``), then one
-        copy launch into all the steps' plans."""
+        """Every step's rows from the step-1 inputs in two to four launches (step ``s`` sees
+        seq_lens ``prefix + (s+1)*topk``, positions ``prefix + s`` and the slots of column ``s``),
+        then one copy launch into all the steps' plans."""
         raw, k, steps = inp.raw_bs, self.topk, self.num_steps
         key = GraphKey(ForwardMode.DECODE, self.bucket_for(raw), k, self.capture_hidden_mode)
         sbs = self.graphs[key][2]

@@ -125,7 +125,7 @@ class EagleWorker:
             if mem.seq_len(r.row) != t + 1:
                 raise RuntimeError(f"request {r.rid}: KV holds {mem.seq_len(r.row)} tokens, expected {t + 1}")
             mem.extend(r.row, sp.headroom)
-        # the step's one host-to-device copy, before the first launch
+        # one host-to-device copy of the step's inputs (and one per request in extend), before the first launch
         host = device_rows([[r.row for r in reqs], starts, [r.output[-1] for r in reqs]], dev)
         rows, roots = host[0].to(I32), host[2]
         at = Positions(host[1], torch.tensor(starts, dtype=I32))

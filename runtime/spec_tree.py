@@ -37,6 +37,9 @@ class DraftTree:
 
     def __init__(self, tokens: torch.Tensor, levels: Optional[torch.Tensor] = None,
                  branch: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
+        given = [t is not None for t in (levels, branch, mask)]
+        if any(given) and not all(given):
+            raise ValueError("a DraftTree takes levels, branch and mask together, or none of them (a chain)")
         self.tokens, self._levels, self._branch, self._mask = tokens, levels, branch, mask
         self.chain = mask is None
 

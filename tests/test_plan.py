@@ -31,6 +31,7 @@ def builds(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(plan_mod, "build_layout", counting(plan_mod.build_layout))
+    monkeypatch.setattr(plan_mod, "prep_layout", counting(plan_mod.prep_layout))        # the plan's prep
     monkeypatch.setattr(base_mod, "build_layout", counting(base_mod.build_layout))
     return calls
 
@@ -201,8 +202,11 @@ def test_load_rows_of_steps_equals_load_rows_per_plan(device):
     bad[2, 1] = 1                                                   # step 3 needs seq_len >= topk * 3
     with pytest.raises(LayoutError, match="seq_len=1 < 6"):
         plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, bad, tok)
+    with pytest.raises(LayoutError, match=r"3 plans: seq_lens, host, token rows \(3, 3, 2\)"):
+        plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, seq.cpu().numpy(), tok[:2])
     assert [d for b, p in zip(before, joint.plans) for d in state_diff(b, fingerprint(p))] == []
-    plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, seq.cpu().numpy(), tok)
+    wide = torch.cat([seq.cpu(), seq.cpu()[:, :1]], 1).numpy()      # host rows past raw_bs are cut
+    plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, wide, tok)
     for s, p in enumerate(single.plans):
         p.load_rows(key, raw, req, seq[s], seq[s].cpu(), tokens=tok[s])
     for s, (a, b) in enumerate(zip(joint.plans, single.plans)):

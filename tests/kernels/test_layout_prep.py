@@ -2,6 +2,7 @@
 (``write_canonical_pad`` then the uniform builder): every uniform mode, each bucket and raw_bs,
 pad rows full of garbage (real request rows, huge lengths, real slots, NaN-like token values),
 shuffled pages; every input and layout buffer must match bit for bit."""
+import os
 import random
 
 import pytest
@@ -14,6 +15,10 @@ from attn_backends.testing.scenarios import make_memory
 from attn_backends_runtime.models import TinyConfig
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")
+NO_INTERPRETER = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(NO_INTERPRETER, reason="the CPU variant needs TRITON_INTERPRET=1"),
+                   id="cpu")
+MAX_BS = 8
 N, TOPK, STEPS = 4, 2, 3
 
 
@@ -33,7 +38,7 @@ def _plans(kind, bs, page_size, device):
     out = []
     for _ in range(2):                     # the same memory seed: identical twins
         mem = make_memory(tc.attention(), num_pages=96, max_reqs=8, max_context_len=128, seed=4, device=device)
-        plan = LayoutPlan(mem, fill=1, max_bs=8, max_width=max(N, TOPK), tokens=True)
+        plan = LayoutPlan(mem, fill=1, max_bs=MAX_BS, max_width=max(N, TOPK), tokens=True)
         mode, w, spec = _spec(kind, bs, device)
         key = GraphKey(mode, bs, w, CaptureHiddenMode.NULL)
         if spec is not None and spec.is_draft_decode:
@@ -66,17 +71,18 @@ def _garbage(plan, key, raw, rng):
 def _prep(plan, key, fused):
     entry = plan.captured(key)
     inp = plan._inputs(entry)
-    prep_layout(inp, key.width, plan.tokens[:, :key.bs * key.width], entry.layout, fused=fused)
+    prep_layout(inp, key.width, plan.tokens[:, :key.bs * key.width], entry.layout, fused=fused,
+                max_bs=plan.max_bs, max_width=plan.max_width)          # the block sizes the plan uses
     return entry.layout
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kind", ["decode", "draft_decode", "verify", "draft_extend"])
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", [CPU, CUDA])
 def test_fused_prep_equals_the_torch_prep(kind, page_size, device):
-    for bs in (1, 4, 8):
+    for bs in (1, 3, 5, 8):                # buckets below the plan's max_bs: blocks wider than the rows
         (a, key), (b, key_b) = _plans(kind, bs, page_size, device)
-        for raw in sorted({1, max(1, bs // 2), bs}):
+        for raw in sorted({1, max(1, bs // 2), bs - 1 or 1, bs}):
             _garbage(a, key, raw, random.Random(raw * 31 + bs))
             _garbage(b, key_b, raw, random.Random(raw * 31 + bs))
             la, lb = _prep(a, key, fused=False), _prep(b, key_b, fused=True)
@@ -96,3 +102,13 @@ def test_fused_prep_refuses_a_tree_mask():
     plan.capture(key, verify_spec(N, 4, random.Random(1), topk=2, steps=2), 4)
     with pytest.raises(LayoutError, match="no fused prep for TARGET_VERIFY with a tree mask"):
         _prep(plan, key, fused=True)
+
+
+def test_uniform_prep_refuses_short_buffers():
+    t = lambda n, dt=torch.int32: torch.zeros(n, dtype=dt)  # noqa: E731
+    from attn_backends_kernels.layout_prep import uniform_prep
+    with pytest.raises(ValueError, match=r"too small for bs=4, W=2: cu_seqlens_q 4 < 5"):
+        uniform_prep(t((9, 64)), 16, 2, 2, t(4), t(4), t(1), t(4), t(4), t(4), t(4), t((4, 4)), t(5), t(16))
+    with pytest.raises(ValueError, match=r"tokens \(3, 6\) < \(3, 8\)"):
+        uniform_prep(t((9, 64)), 16, 2, 2, t(4), t(4), t(1), t(5), t(4), t(4), t(4), t((4, 4)), t(5), t(16),
+                     tokens=t((3, 6), torch.int64))
