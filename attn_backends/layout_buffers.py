@@ -76,7 +76,12 @@ class RowCopies:
     def write(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None) -> None:
         """``tokens``: ``[input_ids, positions, out_cache_loc]`` (``n`` rows each; None entries are
         left alone); sources longer than the real rows are cut."""
-        dst, src, rest = self.pairs(raw_bs, n, req_pool_indices, seq_lens, draft_step, tokens)
+        self.launch(*self.pairs(raw_bs, n, req_pool_indices, seq_lens, draft_step, tokens))
+
+    @staticmethod
+    def launch(dst: list, src: list, rest: list) -> None:
+        """Run copies as :meth:`pairs` hands them out (those of several plans joined): one
+        ``_foreach_copy_``, and one more for ``rest``."""
         if rest:
             torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
         torch._foreach_copy_(dst, src)

@@ -384,9 +384,7 @@ def load_rows_of_steps(plans: list, key: GraphKey, raw_bs: int, req_pool_indices
     for p, (_, step), seq, tok in zip(plans, checked, seq_lens, tokens):
         d, s_, r = p._copies.pairs(raw_bs, raw_bs * key.width, req_pool_indices, seq, step, tok)
         dst, src, rest = dst + d, src + s_, rest + r
-    if rest:
-        torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
-    torch._foreach_copy_(dst, src)
+    RowCopies.launch(dst, src, rest)
     for p, (seq, step) in zip(plans, checked):
         p._seq_np[:raw_bs] = seq
         p._loaded = (key, raw_bs, step)
