@@ -89,20 +89,22 @@ class RowCopies:
     def pairs(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None):
         """The copies of :meth:`write` without launching them: ``(dst, src, rest)``, where ``dst``
         / ``src`` can join one ``_foreach_copy_`` with other plans' and ``rest`` lists the
-        ``(dst, src)`` pairs of token sources that are not contiguous int64."""
+        ``(dst, src)`` pairs of token sources that are not contiguous int64. (The replay's hot
+        path: int32 request rows and three contiguous int64 token rows take the first branch.)"""
         c = self._consts
-        dst, src = self._req[raw_bs], [_rows(req_pool_indices, raw_bs), _rows(seq_lens, raw_bs), c[raw_bs],
-                                        c[draft_step]]
+        src = [req_pool_indices if req_pool_indices.shape[0] == raw_bs else req_pool_indices[:raw_bs],
+               seq_lens if seq_lens.shape[0] == raw_bs else seq_lens[:raw_bs], c[raw_bs], c[draft_step]]
         if tokens is None:
-            return dst, src, []
+            return self._req[raw_bs], src, []
+        words = src[0].dtype is I32 and src[1].dtype is I32
+        if words and all(t is not None and t.dtype is I64 and t.is_contiguous() for t in tokens):
+            src += [(t if t.shape[0] == n else t[:n]).view(I32) for t in tokens]
+            return self._all[raw_bs], src, []
         toks = [None if t is None else _rows(t, n) for t in tokens]
-        if src[0].dtype == src[1].dtype == I32 and all(t is None or (t.dtype == I64 and t.is_contiguous())
-                                                       for t in toks):
-            if all(t is not None for t in toks):
-                return self._all[raw_bs], src + [t.view(I32) for t in toks], []
-            return (dst + [w for w, t in zip(self._words[raw_bs], toks) if t is not None],
+        if words and all(t is None or (t.dtype is I64 and t.is_contiguous()) for t in toks):
+            return (self._req[raw_bs] + [w for w, t in zip(self._words[raw_bs], toks) if t is not None],
                     src + [t.view(I32) for t in toks if t is not None], [])
-        return dst, src, [(d, t) for d, t in zip(self._tok[raw_bs], toks) if t is not None]
+        return self._req[raw_bs], src, [(d, t) for d, t in zip(self._tok[raw_bs], toks) if t is not None]
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:

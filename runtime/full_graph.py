@@ -10,7 +10,7 @@ from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey
 from attn_backends.layout import mask_kind
 from attn_backends.plan import LayoutPlan
 
-from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
+from .runner_base import INT_DTYPES, GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
 
@@ -64,11 +64,17 @@ class UniformGraphRunner(GraphRunnerBase):
         """Shapes, dtypes and devices of what ``_load`` copies: a bad tensor is refused before any
         static row is written (a float row index would be copied, converted, without a word)."""
         raw, n, dev = batch.raw_bs, batch.raw_bs * self.width, self.device.type
-        for name, rows, where in (("req_pool_indices", raw, dev), ("seq_lens", raw, dev), ("seq_lens_cpu", raw, "cpu"),
-                                  ("input_ids", n, dev), ("positions", n, dev), ("out_cache_loc", n, dev)):
-            reason = tensor_refusal(name, getattr(batch, name), rows, where)
-            if reason:
-                return reason
+        b, cuda = batch, dev == "cuda"
+        for t, rows, on_cuda in ((b.req_pool_indices, raw, cuda), (b.seq_lens, raw, cuda), (b.seq_lens_cpu, raw, False),
+                                 (b.input_ids, n, cuda), (b.positions, n, cuda), (b.out_cache_loc, n, cuda)):
+            if t is None or t.dtype not in INT_DTYPES or not (t.is_cuda if on_cuda else t.is_cpu) or not t.ndim \
+                    or t.shape[0] < rows:      # the replay's fast path (inline); the loop below names the tensor
+                for name, rows, where in (("req_pool_indices", raw, dev), ("seq_lens", raw, dev),
+                                          ("seq_lens_cpu", raw, "cpu"), ("input_ids", n, dev), ("positions", n, dev),
+                                          ("out_cache_loc", n, dev)):
+                    reason = tensor_refusal(name, getattr(batch, name), rows, where)
+                    if reason:
+                        return reason
         spec, w = batch.spec_info, self.width
         if self.tree:
             tm = None if spec is None else spec.tree_mask
