@@ -35,7 +35,8 @@ class TritonMLABackend(TritonBackendBase):
         return bs * -(-self.config.num_q_heads // block_h)
 
     def _per_sm(self, width: int) -> int:
-        return 2 if width <= 1 else 1
+        # decode: two 16-head programs per SM, one 64-head program (>= 64 heads); verify: one
+        return 2 if width <= 1 and self.config.num_q_heads < 64 else 1
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank

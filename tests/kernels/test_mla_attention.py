@@ -49,6 +49,7 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
     (1, [9, 1], 16, 3),
     (16, [40, 17], 4, 1),
     (64, [130, 2], 16, 2),
+    (16, [70, 3], 80, 2),       # >= 64 heads: 64-head tiles, the second one partly past H
 ])
 def test_mla_decode_cpu(page_size, seq_lens, H, splits):
     out, ref = run_mla(seq_lens, 1, page_size, H, torch.float32, "cpu", splits=splits)
