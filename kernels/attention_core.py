@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_record import launch
+
 # exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
 # softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
 LOG2E = 1.4426950408889634
@@ -89,7 +91,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> to
         raise ValueError("merge_splits: the last dimension of part, lse and out must be contiguous")
     if T == 0:
         return out
-    _merge_splits_kernel[(T, H)](
+    launch(_merge_splits_kernel, (T, H),
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),

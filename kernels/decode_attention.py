@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets, store_partial
+from .launch_record import launch
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     block_h = max(16, triton.next_power_of_2(group))
     o, lse, o_strides, lse_strides = split_targets("decode_attention_fwd", out, workspace,
                                                    num_kv_splits)
-    _decode_split_kernel[(bs, Hkv, num_kv_splits)](
+    launch(_decode_split_kernel, (bs, Hkv, num_kv_splits),
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),

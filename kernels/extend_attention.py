@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets, store_partial
+from .launch_record import launch
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 
@@ -190,7 +191,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(max_q_len, block_q) * num_kv_splits, bs, Hkv)
-    _extend_split_kernel[grid](
+    launch(_extend_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse,
         sm_scale * LOG2E,

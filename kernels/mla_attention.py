@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
+from .launch_record import launch
 
 
 @triton.jit
@@ -239,7 +240,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
-    _mla_split_kernel[grid](
+    launch(_mla_split_kernel, grid,
         q, kv_buffer, page_table, seq_lens_k,
         cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse,
         sm_scale * LOG2E,

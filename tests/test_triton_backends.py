@@ -60,3 +60,41 @@ def test_triton_backend_matches_float64(backend, ps, name):
         be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
         out_graph = be.forward(q, k, v, cfg.layer(1), m.batch, save_kv_cache=False)
         assert torch.equal(out_graph[real.to(out.device)], out[real.to(out.device)])
+
+
+LEAN = [(b, n) for b in ("triton", "triton_mla") for n in ("decode_padded", "extend_ragged", "verify_tree",
+                                                           "draft_extend")]
+
+
+@pytest.mark.parametrize("backend,name", LEAN)
+def test_eager_step_replays_its_recorded_launches(backend, name):
+    """The eager path validates once per step: the first call runs the kernel wrapper, later
+    calls replay its launches with their own q, layer KV and output (on CUDA; the interpreter
+    has no compiled kernel to call, so every call runs the wrapper). Every output against the
+    float64 reference: a replay that kept the first call's q or KV fails here. A q of other
+    strides is refused by the replay and runs the wrapper again."""
+    if backend not in AVAILABLE:
+        pytest.skip(f"{backend} unavailable on {DEVICE}")
+    cfg, mem, be = _setup(backend, 16)
+    m = materialize(named_batches()[name](), mem, be.get_cuda_graph_seq_len_fill_value())
+    be.init_forward_metadata(m.batch)
+    n, scale = m.batch.num_tokens, cfg.layer(0).scaling
+    wide = torch.randn(n, cfg.num_q_heads + 1, cfg.qk_dim, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    calls = [(0, 1), (1, 2), (0, 3), (1, None)]            # (layer, q seed); None: q with other strides
+    for layer, seed in calls:
+        q, k, v = _qkv(cfg, n, seed if seed is not None else 4)
+        if seed is None:
+            q = wide[:, :cfg.num_q_heads]
+        out = be.forward(q, k, v, cfg.layer(layer), m.batch)
+        ref = dense_reference(m.batch, mem, layer, q.cpu(), scale, cfg.kv_lora_rank)
+        err, _ = _rel_err(out, ref)
+        assert err < 1e-4, f"layer {layer}, q seed {seed}: relative error {err:.2e}"
+        if seed == 3:
+            first = be.forward_metadata.extra["recorded"][scale]
+    rec = be.forward_metadata.extra["recorded"][scale]
+    if DEVICE == "cuda":
+        assert first.usable and first.replays == 2, f"usable {first.usable}, replays {first.replays} (want 2)"
+        assert rec is not first and rec.facts[0][2] == wide[:, :cfg.num_q_heads].stride(), \
+            "the strided q was not recorded anew"
+    else:
+        assert not rec.usable and rec is first

@@ -45,16 +45,20 @@ class TritonBackend(TritonBackendBase):
         pool = self.memory.pool
         store_kv(k, v, pool.k[layer.layer_id], pool.v[layer.layer_id], loc)
 
-    def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
-        lay = meta.layout
+    def _kv_buffers(self, layer: AttentionLayer) -> tuple:
         pool = self.memory.pool
-        kb, vb = pool.k[layer.layer_id], pool.v[layer.layer_id]
-        out = torch.empty(q.shape[0], q.shape[1], vb.shape[2], dtype=q.dtype, device=q.device)
+        return pool.k[layer.layer_id], pool.v[layer.layer_id]
+
+    def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
+                meta: ForwardMetadata) -> None:
+        lay = meta.layout
+        kb, vb = kv
         splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
         if is_plain_decode(lay):
-            return decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                        layer.scaling, splits, out, workspace=ws)
-        return extend_attention_fwd(
+            decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
+                                 layer.scaling, splits, out, workspace=ws)
+            return
+        extend_attention_fwd(
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws)

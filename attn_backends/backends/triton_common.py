@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from attn_backends_kernels.launch_record import Recorded, recording
+
 from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphInputs, GraphKey
 from ..layout import Layout
@@ -38,7 +40,13 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 
 class TritonBackendBase(LayoutBackend):
     """Split counts and workspaces: eager and graph paths pick them from (bs, W) alone, so
-    replay and eager launch identical kernels on the same padded batch (bitwise equal)."""
+    replay and eager launch identical kernels on the same padded batch (bitwise equal).
+
+    The eager path validates once per step: the first call of a step (per softmax scale) runs
+    the kernel wrapper, with its checks, under :func:`recording`; every later call of the step
+    replays the recorded launches with its own q, KV buffers and output
+    (:class:`~attn_backends_kernels.launch_record.Recorded`), or runs the wrapper again where
+    the tensors differ in a fact the compiled kernels are specialized on."""
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -67,6 +75,33 @@ class TritonBackendBase(LayoutBackend):
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
                                                           max_pages, self._per_sm(width))
         return cache[(lay.bs, width)]
+
+    def _kv_buffers(self, layer) -> tuple:
+        """The layer's KV buffers, as the kernel wrapper takes them."""
+        raise NotImplementedError
+
+    def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer, meta: ForwardMetadata) -> None:
+        """The kernel wrapper's call: attention of ``q`` over ``kv`` into ``out``."""
+        raise NotImplementedError
+
+    def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
+        kv = self._kv_buffers(layer)
+        out = torch.empty(q.shape[0], q.shape[1], self._out_dim(), dtype=q.dtype, device=q.device)
+        if meta.plan is not None:                 # graph metadata: captured or replayed as it is
+            self._launch(q, kv, out, layer, meta)
+            return out
+        inputs = (q, *kv, out)
+        book = meta.extra.setdefault("recorded", {})
+        rec = book.get(layer.scaling)
+        if rec is not None and rec.replay(inputs):
+            return out
+        if rec is not None and not rec.usable:    # the interpreter, or a wrapper that views q
+            self._launch(q, kv, out, layer, meta)
+            return out
+        with recording() as launches:
+            self._launch(q, kv, out, layer, meta)
+        book[layer.scaling] = Recorded(launches, inputs)
+        return out
 
     def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
         splits = self._splits(layout)

@@ -42,16 +42,17 @@ class TritonMLABackend(TritonBackendBase):
         r = self.config.kv_lora_rank
         store_mla_kv(k[..., :r], k[..., r:], self.memory.pool.kv[layer.layer_id], loc)
 
-    def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
+    def _kv_buffers(self, layer: AttentionLayer) -> tuple:
+        return (self.memory.pool.kv[layer.layer_id],)
+
+    def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
+                meta: ForwardMetadata) -> None:
         lay = meta.layout
-        kv = self.memory.pool.kv[layer.layer_id]
-        r = self.config.kv_lora_rank
-        out = torch.empty(q.shape[0], q.shape[1], r, dtype=q.dtype, device=q.device)
         splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
         ragged = lay.mode == ForwardMode.EXTEND
-        return mla_attention_fwd(q, kv, lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
-                                 splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,
-                                 custom_mask=lay.custom_mask, workspace=ws,
-                                 cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
-                                 max_q_len=lay.max_seq_len_q if ragged else None,
-                                 draft_prefix_lens=lay.draft_prefix_lens)
+        mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
+                          splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,
+                          custom_mask=lay.custom_mask, workspace=ws,
+                          cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
+                          max_q_len=lay.max_seq_len_q if ragged else None,
+                          draft_prefix_lens=lay.draft_prefix_lens)

@@ -1,0 +1,124 @@
+"""Recorded launches: the Triton launches of one kernel-wrapper call, replayed with other
+tensors at a fraction of the host cost (the eager path's "validate once per step").
+
+``kernel[grid](...)`` binds and specializes every argument on every call: for an attention
+kernel of some 25 arguments that is most of an eager call's host time. Within one eager step
+everything a wrapper checks and computes is the same for every layer except the per-call
+tensors (q, the layer's KV buffers, the output). So a backend runs the wrapper once per step
+under :func:`recording`, wraps what it launched in a :class:`Recorded`, and later calls of the
+step replay the compiled kernels directly with the per-call tensors substituted.
+
+A replay is refused (:meth:`Recorded.replay` returns False: the caller runs the wrapper again)
+unless every per-call tensor matches the recorded one in dtype, shape, strides, device and
+16-byte alignment: with every int argument replayed as it was recorded, these are all the facts
+Triton specializes a compiled kernel on. A recording is unusable (every replay refused) when a
+launch's tensor argument is a view of a per-call tensor made inside the wrapper (it would be
+replayed stale), or under the interpreter (no compiled kernel). The wrapper's own tensors (the
+split workspace it allocated) are reused by every replay: replays run in stream order, like
+every layer's use of one workspace.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+_state = threading.local()
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, recorded when a :func:`recording` is active."""
+    compiled = kernel[grid](*args, **kwargs)
+    book = getattr(_state, "book", None)
+    if book is not None:
+        book.append((kernel, compiled, tuple(grid), args, kwargs))
+    return compiled
+
+
+class recording:
+    """``with recording() as launches:`` collects the launches made inside the block."""
+
+    def __enter__(self) -> list:
+        self._outer = getattr(_state, "book", None)
+        _state.book = []
+        return _state.book
+
+    def __exit__(self, *exc) -> None:
+        _state.book = self._outer
+
+
+def _facts(t: torch.Tensor) -> tuple:
+    return t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() % 16 == 0
+
+
+class Recorded:
+    """The launches of one wrapper call over the per-call tensors ``inputs``, replayable."""
+
+    def __init__(self, launches: list, inputs: tuple) -> None:
+        self.facts = tuple(_facts(t) for t in inputs)
+        self.calls: Optional[list] = []           # (runner, args, [(position, input index)])
+        self.replays = 0
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        for kernel, compiled, grid, args, kwargs in launches:
+            if compiled is None or not hasattr(compiled, "packed_metadata"):
+                self.calls = None                 # the interpreter: nothing compiled to call
+                return
+            full = _ordered(kernel, args, kwargs)
+            slots = []
+            for pos, a in enumerate(full):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                hit = [i for i, t in enumerate(inputs) if a is t]
+                if hit:
+                    slots.append((pos, hit[0]))
+                elif a.untyped_storage().data_ptr() in storages:
+                    self.calls = None             # a view of a per-call tensor: it would go stale
+                    return
+            for pos, _ in slots:
+                full[pos] = None                  # substituted on every replay: hold no call's tensor
+            self.calls.append((compiled[grid], full, slots))
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.calls)
+
+    def replay(self, inputs: tuple) -> bool:
+        """Launch the recorded kernels over ``inputs``; False (nothing launched) unless they
+        match the recorded tensors in every fact a compiled kernel is specialized on."""
+        if not self.calls or len(inputs) != len(self.facts) or \
+                any(_facts(t) != f for t, f in zip(inputs, self.facts)):
+            return False
+        for runner, full, slots in self.calls:
+            args = list(full)
+            for pos, i in slots:
+                args[pos] = inputs[i]
+            runner(*args)
+        self.replays += 1
+        return True
+
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+            "launch_pdl")
+
+
+def _ordered(kernel, args: tuple, kwargs: dict) -> list:
+    """Every parameter of ``kernel`` in order (constexprs included: the compiled launcher takes
+    them and skips them), from positional ``args``, keyword ``kwargs`` and the defaults."""
+    params = list(kernel.signature.parameters.values())
+    named = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+    out = list(args)
+    for p in params[len(args):]:
+        if p.name in named:
+            out.append(named.pop(p.name))
+        elif p.default is not p.empty:
+            out.append(p.default)
+        else:
+            raise TypeError(f"{_name(kernel)}: no value for parameter {p.name}")
+    if named:
+        raise TypeError(f"{_name(kernel)}: unknown keyword arguments {sorted(named)}")
+    return out
+
+
+def _name(kernel) -> str:
+    return getattr(kernel, "__name__", type(kernel).__name__)
