@@ -32,7 +32,7 @@ def launch(kernel, grid, *args, **kwargs):
     compiled = kernel[grid](*args, **kwargs)
     book = getattr(_state, "book", None)
     if book is not None:
-        book.append((kernel, compiled, tuple(grid), args, kwargs))
+        book.append((kernel, compiled, tuple(grid) + (1,) * (3 - len(grid)), args, kwargs))   # the launcher takes 3
     return compiled
 
 
