@@ -23,8 +23,19 @@ import threading
 from typing import Optional
 
 import torch
+from triton import knobs
 
 _state = threading.local()
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps an empty ``HookChain`` when none is)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _stream() -> int:
+    """The current CUDA stream's handle, as Triton's launcher takes it."""
+    return torch.cuda.current_stream().cuda_stream
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -57,7 +68,7 @@ class Recorded:
 
     def __init__(self, launches: list, inputs: tuple) -> None:
         self.facts = tuple(_facts(t) for t in inputs)
-        self.calls: Optional[list] = []           # (runner, args, [(position, input index)])
+        self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)])
         self.replays = 0
         storages = {t.untyped_storage().data_ptr() for t in inputs}
         for kernel, compiled, grid, args, kwargs in launches:
@@ -77,7 +88,8 @@ class Recorded:
                     return
             for pos, _ in slots:
                 full[pos] = None                  # substituted on every replay: hold no call's tensor
-            self.calls.append((compiled[grid], full, slots))
+            compiled[grid]                        # loads the module and function handles
+            self.calls.append((compiled, grid, full, slots))
 
     @property
     def usable(self) -> bool:
@@ -89,11 +101,15 @@ class Recorded:
         if not self.calls or len(inputs) != len(self.facts) or \
                 any(_facts(t) != f for t, f in zip(inputs, self.facts)):
             return False
-        for runner, full, slots in self.calls:
+        stream, hooked = _stream(), _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        for compiled, grid, full, slots in self.calls:
             args = list(full)
             for pos, i in slots:
                 args[pos] = inputs[i]
-            runner(*args)
+            if hooked:                            # a profiler's launch hooks: Triton's own runner
+                compiled[grid](*args, stream=stream)
+            else:                                 # what that runner does without hooks
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         self.replays += 1
         return True
 

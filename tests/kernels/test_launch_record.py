@@ -6,17 +6,30 @@ import inspect
 import pytest
 import torch
 
+from attn_backends_kernels import launch_record
 from attn_backends_kernels.launch_record import Recorded, launch, recording
 
 
 class _Compiled:
-    packed_metadata = object()
+    """A CompiledKernel's launch surface: ``run`` as Triton's runner calls it (three grid
+    dimensions, stream, function, metadata, launch metadata, two hooks, then every argument)."""
+    packed_metadata, function = object(), object()
 
     def __init__(self) -> None:
         self.calls = []
 
     def __getitem__(self, grid):
-        return lambda *args: self.calls.append(((grid[0], grid[1], grid[2]), args))   # as Triton's runner
+        return lambda *args, stream=None: self.run(grid[0], grid[1], grid[2], stream, self.function,
+                                                   self.packed_metadata, None, None, None, *args)
+
+    def run(self, g0, g1, g2, stream, function, meta, launch_meta, enter, exit_, *args):
+        assert stream == 7 and function is self.function and meta is self.packed_metadata
+        self.calls.append(((g0, g1, g2), args))
+
+
+@pytest.fixture(autouse=True)
+def _stream(monkeypatch):
+    monkeypatch.setattr(launch_record, "_stream", lambda: 7)
 
 
 class _Kernel:
@@ -66,7 +79,7 @@ def test_replay_substitutes_the_calls_tensors_and_keeps_the_rest():
     assert grid == (4, 2, 1)                                             # the launcher takes three
     assert args[0] is second[0] and args[1] is second[1] and args[3] is second[2]
     assert args[2] is table and args[4:] == (8, 0.5, 16, 1), args[4:]        # ints, float, constexprs (default too)
-    assert all(a is None for a in (rec.calls[0][1][i] for i in (0, 1, 3))), "the record holds a call's tensor"
+    assert all(a is None for a in (rec.calls[0][2][i] for i in (0, 1, 3))), "the record holds a call's tensor"
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape", "stride", "alignment", "count"])
@@ -102,3 +115,14 @@ def test_launches_outside_a_recording_are_not_kept_and_recordings_nest():
             _wrapper(k, *_tensors(0), table)
         _wrapper(k, *_tensors(1), table)
     assert len(inner) == 1 and len(outer) == 1 and k.direct == 3
+
+
+def test_a_launch_hook_gets_triton_s_own_runner(monkeypatch):
+    """With a profiler's launch hook set, a replay launches through Triton's runner (which
+    calls the hooks with their launch metadata) on the current stream."""
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    rec = _record(k, _tensors(0), table)
+    via = []
+    monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: lambda *a, stream=None: via.append(stream))
+    monkeypatch.setattr(launch_record.knobs.runtime, "launch_enter_hook", lambda meta: None)
+    assert rec.replay(_tensors(1)) and via == [7] and not k.compiled.calls
