@@ -10,12 +10,14 @@ step replay the compiled kernels directly with the per-call tensors substituted.
 
 A replay is refused (:meth:`Recorded.replay` returns False: the caller runs the wrapper again)
 unless every per-call tensor matches the recorded one in dtype, shape, strides, device and
-16-byte alignment: with every int argument replayed as it was recorded, these are all the facts
-Triton specializes a compiled kernel on. A recording is unusable (every replay refused) when a
-launch's tensor argument is a view of a per-call tensor made inside the wrapper (it would be
-replayed stale), or under the interpreter (no compiled kernel). The wrapper's own tensors (the
-split workspace it allocated) are reused by every replay: replays run in stream order, like
-every layer's use of one workspace.
+16-byte alignment (with every int argument replayed as it was recorded, these are all the facts
+Triton specializes a compiled kernel on) and the current stream and device are the recording's.
+The wrapper's own tensors (the split workspace it allocated on that stream) are reused by every
+replay, in that stream's order. A recording is unusable (every replay refused) when a launch's
+tensor argument is a view of a per-call tensor made inside the wrapper (it would be replayed
+stale), when one tensor plays two roles (``k is v``), or under the interpreter (no compiled
+kernel). Only launches made through :func:`launch` are recorded: a wrapper recorded this way
+does every piece of per-call work in its kernels (no torch op on q or the output).
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _stream() -> int:
-    """The current CUDA stream's handle, as Triton's launcher takes it."""
-    return torch.cuda.current_stream().cuda_stream
+def _stream() -> tuple:
+    """``(device index, stream handle)`` of the current CUDA stream (the handle is what Triton's
+    launcher takes; the legacy default stream is 0 on every device, hence the index)."""
+    s = torch.cuda.current_stream()
+    return s.device_index, s.cuda_stream
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -56,7 +60,9 @@ class recording:
         return _state.book
 
     def __exit__(self, *exc) -> None:
-        _state.book = self._outer
+        inner, _state.book = _state.book, self._outer
+        if self._outer is not None:              # an outer recording replays the inner launches too
+            self._outer.extend(inner)
 
 
 def _facts(t: torch.Tensor) -> tuple:
@@ -70,6 +76,9 @@ class Recorded:
         self.facts = tuple(_facts(t) for t in inputs)
         self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)])
         self.replays = 0
+        if not launches or len({id(t) for t in inputs}) < len(inputs):
+            self.calls = None                     # one tensor in two roles (k is v): positions would alias
+            return
         storages = {t.untyped_storage().data_ptr() for t in inputs}
         for kernel, compiled, grid, args, kwargs in launches:
             if compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -90,6 +99,7 @@ class Recorded:
                 full[pos] = None                  # substituted on every replay: hold no call's tensor
             compiled[grid]                        # loads the module and function handles
             self.calls.append((compiled, grid, full, slots))
+        self.stream = _stream()                   # the workspace the wrapper made is this stream's
 
     @property
     def usable(self) -> bool:
@@ -101,7 +111,10 @@ class Recorded:
         if not self.calls or len(inputs) != len(self.facts) or \
                 any(_facts(t) != f for t, f in zip(inputs, self.facts)):
             return False
-        stream, hooked = _stream(), _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        where = _stream()
+        if where != self.stream:                  # another stream or device: record there anew
+            return False
+        stream, hooked = where[1], _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         for compiled, grid, full, slots in self.calls:
             args = list(full)
             for pos, i in slots:
@@ -114,25 +127,19 @@ class Recorded:
         return True
 
 
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
-            "launch_pdl")
-
-
 def _ordered(kernel, args: tuple, kwargs: dict) -> list:
     """Every parameter of ``kernel`` in order (constexprs included: the compiled launcher takes
-    them and skips them), from positional ``args``, keyword ``kwargs`` and the defaults."""
-    params = list(kernel.signature.parameters.values())
-    named = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+    them and skips them), from positional ``args``, keyword ``kwargs`` and the defaults; a
+    keyword that names no parameter is a compile option (``num_warps``, ``debug``, ...), which
+    the compiled kernel already holds."""
     out = list(args)
-    for p in params[len(args):]:
-        if p.name in named:
-            out.append(named.pop(p.name))
+    for p in list(kernel.signature.parameters.values())[len(args):]:
+        if p.name in kwargs:
+            out.append(kwargs[p.name])
         elif p.default is not p.empty:
             out.append(p.default)
         else:
             raise TypeError(f"{_name(kernel)}: no value for parameter {p.name}")
-    if named:
-        raise TypeError(f"{_name(kernel)}: unknown keyword arguments {sorted(named)}")
     return out
 
 

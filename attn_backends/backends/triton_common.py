@@ -91,7 +91,7 @@ class TritonBackendBase(LayoutBackend):
             self._launch(q, kv, out, layer, meta)
             return out
         inputs = (q, *kv, out)
-        book = meta.extra.setdefault("recorded", {})
+        book = self._eager_book(meta)
         rec = book.get(layer.scaling)
         if rec is not None and rec.replay(inputs):
             return out
@@ -102,6 +102,19 @@ class TritonBackendBase(LayoutBackend):
             self._launch(q, kv, out, layer, meta)
         book[layer.scaling] = Recorded(launches, inputs)
         return out
+
+    def _eager_book(self, meta: ForwardMetadata) -> dict:
+        """The eager step's recorded launches (softmax scale -> :class:`Recorded`): in the step
+        plan when the batch has one, shared by every instance of this class over the same config
+        and KV memory (they read the plan's one layout: with a backend instance per layer the
+        step still records once), else in the step's metadata."""
+        plan = meta.batch.plan if meta.batch is not None else None
+        if plan is None:
+            return meta.extra.setdefault("recorded", {})
+        held = plan.library_state(("recorded launches", type(self), self.config, id(self.memory)), lambda: [None, {}])
+        if held[0] is not meta.layout:            # a plan built again: its launches read the old layout
+            held[0], held[1] = meta.layout, {}
+        return held[1]
 
     def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
         splits = self._splits(layout)

@@ -29,7 +29,7 @@ class _Compiled:
 
 @pytest.fixture(autouse=True)
 def _stream(monkeypatch):
-    monkeypatch.setattr(launch_record, "_stream", lambda: 7)
+    monkeypatch.setattr(launch_record, "_stream", lambda: (0, 7))
 
 
 class _Kernel:
@@ -108,13 +108,33 @@ def test_a_view_of_a_calls_tensor_or_no_compiled_kernel_makes_the_recording_unus
 
 
 def test_launches_outside_a_recording_are_not_kept_and_recordings_nest():
+    """An inner recording's launches belong to the outer one too (a backend whose recorded call
+    records another's would otherwise replay without them)."""
     k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
     _wrapper(k, *_tensors(0), table)
     with recording() as outer:
         with recording() as inner:
             _wrapper(k, *_tensors(0), table)
         _wrapper(k, *_tensors(1), table)
-    assert len(inner) == 1 and len(outer) == 1 and k.direct == 3
+    assert len(inner) == 1 and len(outer) == 2 and k.direct == 3
+
+
+def test_another_stream_or_device_one_tensor_in_two_roles_and_compile_options(monkeypatch):
+    """A replay on another stream or device is refused (the wrapper's workspace belongs to the
+    recording's stream); a recording where one tensor is two inputs is unusable (its positions
+    would alias on replay); keywords that name no parameter are compile options, not arguments."""
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    rec = _record(k, _tensors(0), table)
+    for where in ((0, 8), (1, 7)):
+        monkeypatch.setattr(launch_record, "_stream", lambda w=where: w)
+        assert not rec.replay(_tensors(1))
+    monkeypatch.setattr(launch_record, "_stream", lambda: (0, 7))
+    assert rec.replay(_tensors(1))
+    q, kv, out = _tensors(0)
+    with recording() as launches:
+        launch(k, (4,), q, q, table, out, 8, 0.5, debug=True, num_stages=2)
+    assert not Recorded(launches, (q, q, out)).usable
+    assert Recorded(launches, (q, out)).calls[0][2][4:] == [8, 0.5, 16, 0]
 
 
 def test_a_launch_hook_gets_triton_s_own_runner(monkeypatch):
@@ -126,3 +146,75 @@ def test_a_launch_hook_gets_triton_s_own_runner(monkeypatch):
     monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: lambda *a, stream=None: via.append(stream))
     monkeypatch.setattr(launch_record.knobs.runtime, "launch_enter_hook", lambda meta: None)
     assert rec.replay(_tensors(1)) and via == [7] and not k.compiled.calls
+
+
+class _Scaled(_Kernel):
+    """A stand-in attention kernel that computes: ``out = q[..., :Dv] * scale`` (direct launch
+    and compiled replay alike), so that a replay's output shows which q and scale it used."""
+
+    def __init__(self) -> None:
+        super().__init__(_attn)
+        self.compiled.run = lambda *a: (self.compiled.calls.append(a[9:]), self._compute(a[9:]))
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.direct += 1
+            self._compute(args)
+            return self.compiled
+        return run
+
+    @staticmethod
+    def _compute(args) -> None:
+        q, out, scale = args[0], args[3], args[5]
+        out.copy_(q[..., :out.shape[-1]] * scale)
+
+
+def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
+    """``TritonBackendBase._run`` with the stand-in kernel: one recording per step and softmax
+    scale, shared by the backend instances of one step plan (one instance per layer); a q of other
+    strides records anew; a plan built again starts a new book; graph metadata never records."""
+    from dataclasses import replace
+
+    from test_torch_native import named_batches
+
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.backends.triton_backend import TritonBackend
+    from attn_backends.plan import step_plan
+    from attn_backends.testing.scenarios import make_memory, materialize
+
+    k = _Scaled()
+
+    def _launch(self, q, kv, out, layer, meta):
+        launch(k, (q.shape[0], 1), q, kv[0], meta.layout.page_table, out, q.stride(0), layer.scaling, num_warps=4)
+
+    monkeypatch.setattr(TritonBackend, "_launch", _launch)
+    cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+    mem = make_memory(cfg, num_pages=20, max_reqs=6, max_context_len=128, seed=0)
+    be = [get_backend("triton", cfg, mem) for _ in range(2)]
+    m = materialize(named_batches()["decode_padded"](), mem, be[0].get_cuda_graph_seq_len_fill_value())
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(m.batch.num_tokens, 4, 16, generator=g) for _ in range(3)]
+
+    def step(batch, calls):
+        for b in be:
+            b.init_forward_metadata(batch)
+        for inst, layer, q in calls:
+            out = be[inst].forward(q, None, None, layer, batch, save_kv_cache=False)
+            assert torch.equal(out, q * layer.scaling), "the output of another call's q or scale"
+
+    l0, l1 = cfg.layer(0), cfg.layer(1)
+    batch = step_plan(m.batch, be)
+    step(batch, [(0, l0, qs[0]), (1, l1, qs[1]), (0, l0, qs[2])])
+    assert (k.direct, len(k.compiled.calls)) == (1, 2), "one recording, then replays in both instances"
+    strided = torch.randn(m.batch.num_tokens, 5, 16)[:, :4]
+    step(batch, [(1, l1, strided), (0, replace(l0, scaling=0.5), qs[0]), (0, l0, qs[1])])
+    assert (k.direct, len(k.compiled.calls)) == (4, 2), "other strides and another scale record anew"
+    step(batch.plan.build(m.batch), [(0, l0, qs[1]), (1, l1, qs[2])])     # the plan built again
+    assert (k.direct, len(k.compiled.calls)) == (5, 3), "a plan built again replayed the old layout's launches"
+    step(step_plan(m.batch, be), [(0, l0, qs[1]), (1, l1, qs[2])])       # a new step plan
+    assert (k.direct, len(k.compiled.calls)) == (6, 4), "a new step plan must record anew"
+    b = be[0]
+    b.init_cuda_graph_state(8, 8)
+    b.init_forward_metadata_capture_cuda_graph(m.batch.graph_inputs())
+    b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
+    assert "recorded" not in b.forward_metadata.extra and k.direct == 7, "graph metadata recorded"
