@@ -64,6 +64,8 @@ def test_triton_backend_matches_float64(backend, ps, name):
 
 LEAN = [(b, n) for b in ("triton", "triton_mla") for n in ("decode_padded", "extend_ragged", "verify_tree",
                                                            "draft_extend")]
+if DEVICE == "cpu":   # the interpreter replays nothing (every call runs the wrapper): two cases keep the
+    LEAN = [("triton", "decode_padded"), ("triton_mla", "verify_tree")]   # bookkeeping checked, at less cost
 
 
 @pytest.mark.parametrize("backend,name", LEAN)
