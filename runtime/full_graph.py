@@ -15,6 +15,11 @@ from .runner_base import INT_DTYPES, GraphRunnerBase, RunnerOutput, slice_hidden
 I32, I64 = torch.int32, torch.int64
 
 
+# What ``_load`` copies: (field of the batch, one row per token (else per request), on the host)
+_COPIED = (("req_pool_indices", False, False), ("seq_lens", False, False), ("seq_lens_cpu", False, True),
+           ("input_ids", True, False), ("positions", True, False), ("out_cache_loc", True, False))
+
+
 class UniformGraphRunner(GraphRunnerBase):
     """One graph per bucket of requests; every request owns W rows. The step plan owns the
     static inputs (``input_ids``, ``positions``, ``out_cache_loc``, ``req_pool_indices``,
@@ -64,17 +69,14 @@ class UniformGraphRunner(GraphRunnerBase):
         """Shapes, dtypes and devices of what ``_load`` copies: a bad tensor is refused before any
         static row is written (a float row index would be copied, converted, without a word)."""
         raw, n, dev = batch.raw_bs, batch.raw_bs * self.width, self.device.type
-        b, cuda = batch, dev == "cuda"
-        for t, rows, on_cuda in ((b.req_pool_indices, raw, cuda), (b.seq_lens, raw, cuda), (b.seq_lens_cpu, raw, False),
-                                 (b.input_ids, n, cuda), (b.positions, n, cuda), (b.out_cache_loc, n, cuda)):
-            if t is None or t.dtype not in INT_DTYPES or not (t.is_cuda if on_cuda else t.is_cpu) or not t.ndim \
-                    or t.shape[0] < rows:      # the replay's fast path (inline); the loop below names the tensor
-                for name, rows, where in (("req_pool_indices", raw, dev), ("seq_lens", raw, dev),
-                                          ("seq_lens_cpu", raw, "cpu"), ("input_ids", n, dev), ("positions", n, dev),
-                                          ("out_cache_loc", n, dev)):
-                    reason = tensor_refusal(name, getattr(batch, name), rows, where)
-                    if reason:
-                        return reason
+        cuda = dev == "cuda"
+        for name, per_token, host in _COPIED:
+            t, rows = getattr(batch, name), n if per_token else raw
+            if t is None or t.dtype not in INT_DTYPES or not (t.is_cpu if host or not cuda else t.is_cuda) \
+                    or not t.ndim or t.shape[0] < rows:      # the replay's fast path; the message on a miss
+                reason = tensor_refusal(name, t, rows, "cpu" if host else dev)
+                if reason:
+                    return reason
         spec, w = batch.spec_info, self.width
         if self.tree:
             tm = None if spec is None else spec.tree_mask
