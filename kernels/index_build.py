@@ -23,6 +23,30 @@ import triton.language as tl
 
 
 @triton.jit
+def page_row(req_to_token_ptr, row, stride_rt, page_table_ptr, pid, stride_pt, kv_indices_ptr, start, n,
+             max_pages, max_context, capacity, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+             WRITE_FLAT: tl.constexpr):
+    """Row ``pid`` of the page table (its ``n`` pages from request row ``row`` of the token
+    table, zeros after them) and, with ``WRITE_FLAT``, its pages at ``kv_indices[start:]``."""
+    for p0 in range(0, max_pages, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        valid = (p < n) & (p * PAGE_SIZE < max_context)
+        tok = tl.load(req_to_token_ptr + row * stride_rt + p * PAGE_SIZE, mask=valid, other=0)
+        page = tl.where(valid, tok // PAGE_SIZE, 0)
+        tl.store(page_table_ptr + pid.to(tl.int64) * stride_pt + p, page, mask=p < max_pages)
+        if WRITE_FLAT:
+            tl.store(kv_indices_ptr + start + p, page, mask=valid & (start + p < capacity))
+
+
+@triton.jit
+def zero_tail(kv_indices_ptr, counts, block, capacity, BLOCK_TAIL: tl.constexpr):
+    """Block ``block`` of the flat indices past the rows' pages (``counts`` summed), zeroed."""
+    offs = block * BLOCK_TAIL + tl.arange(0, BLOCK_TAIL)
+    tl.store(kv_indices_ptr + offs, tl.zeros([BLOCK_TAIL], tl.int32),
+             mask=(offs >= tl.sum(counts, 0)) & (offs < capacity))
+
+
+@triton.jit
 def _build_index_kernel(
     req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
     page_table_ptr, kv_indptr_ptr, kv_indices_ptr,
@@ -39,23 +63,14 @@ def _build_index_kernel(
         start = tl.sum(tl.where(offs_b < pid, counts, 0), 0)
         n = tl.sum(tl.where(offs_b == pid, counts, 0), 0)
         row = tl.load(req_pool_ptr + pid).to(tl.int64)
-        for p0 in range(0, max_pages, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            valid = (p < n) & (p * PAGE_SIZE < max_context)
-            tok = tl.load(req_to_token_ptr + row * stride_rt + p * PAGE_SIZE, mask=valid, other=0)
-            page = tl.where(valid, tok // PAGE_SIZE, 0)
-            tl.store(page_table_ptr + pid.to(tl.int64) * stride_pt + p, page, mask=p < max_pages)
-            if WRITE_FLAT:
-                tl.store(kv_indices_ptr + start + p, page, mask=valid & (start + p < capacity))
+        page_row(req_to_token_ptr, row, stride_rt, page_table_ptr, pid, stride_pt, kv_indices_ptr, start, n,
+                 max_pages, max_context, capacity, PAGE_SIZE, BLOCK_P, WRITE_FLAT)
         if WRITE_FLAT:
             if pid == 0:
                 tl.store(kv_indptr_ptr + 1 + offs_b, tl.cumsum(counts, 0), mask=offs_b < bs)
                 tl.store(kv_indptr_ptr, 0)
     else:
-        total = tl.sum(counts, 0)
-        offs = (pid - bs) * BLOCK_TAIL + tl.arange(0, BLOCK_TAIL)
-        tl.store(kv_indices_ptr + offs, tl.zeros([BLOCK_TAIL], tl.int32),
-                 mask=(offs >= total) & (offs < capacity))
+        zero_tail(kv_indices_ptr, counts, pid - bs, capacity, BLOCK_TAIL)
 
 
 def build_page_indices(req_to_token, req_pool_indices, seq_lens, page_size, page_table,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .index_build import page_row, zero_tail
+
 
 @triton.jit
 def _uniform_prep_kernel(
@@ -65,17 +67,10 @@ def _uniform_prep_kernel(
         if HAS_DRAFT:
             step = tl.load(step_ptr)
             tl.store(draft_prefix_ptr + pid, tl.maximum(seq - W * step, 0))
-        for p0 in range(0, max_pages, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            valid = (p < n) & (p * PAGE_SIZE < max_context)
-            slot = tl.load(req_to_token_ptr + row * stride_rt + p * PAGE_SIZE, mask=valid, other=0)
-            page = tl.where(valid, slot // PAGE_SIZE, 0)
-            tl.store(page_table_ptr + pid.to(tl.int64) * stride_pt + p, page, mask=p < max_pages)
-            tl.store(kv_indices_ptr + start + p, page, mask=valid & (start + p < capacity))
+        page_row(req_to_token_ptr, row, stride_rt, page_table_ptr, pid, stride_pt, kv_indices_ptr, start, n,
+                 max_pages, max_context, capacity, PAGE_SIZE, BLOCK_P, True)
     else:
-        total = tl.sum(counts, 0)
-        offs = (pid - bs) * BLOCK_TAIL + tl.arange(0, BLOCK_TAIL)
-        tl.store(kv_indices_ptr + offs, tl.zeros([BLOCK_TAIL], tl.int32), mask=(offs >= total) & (offs < capacity))
+        zero_tail(kv_indices_ptr, counts, pid - bs, capacity, BLOCK_TAIL)
 
 
 def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq_len: int,
