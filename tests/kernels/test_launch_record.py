@@ -183,6 +183,7 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     from attn_backends.testing.scenarios import make_memory, materialize
 
     k = _Scaled()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")     # CPU tensors: the backend serves them on a CUDA host too
 
     def _launch(self, q, kv, out, layer, meta):
         launch(k, (q.shape[0], 1), q, kv[0], meta.layout.page_table, out, q.stride(0), layer.scaling, num_warps=4)
