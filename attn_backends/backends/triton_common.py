@@ -12,7 +12,7 @@ from attn_backends_kernels.launch_record import Recorded, recording
 
 from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphInputs, GraphKey
-from ..layout import Layout
+from ..layout import Layout, stream_capturing
 
 MAX_KV_SPLITS = 32
 
@@ -46,7 +46,9 @@ class TritonBackendBase(LayoutBackend):
     the kernel wrapper, with its checks, under :func:`recording`; every later call of the step
     replays the recorded launches with its own q, KV buffers and output
     (:class:`~attn_backends_kernels.launch_record.Recorded`), or runs the wrapper again where
-    the tensors differ in a fact the compiled kernels are specialized on."""
+    the tensors differ in a fact the compiled kernels are specialized on. Graph metadata records
+    once per key when called outside a capture (the breakable runner's attention) and launches
+    directly inside one."""
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -87,7 +89,7 @@ class TritonBackendBase(LayoutBackend):
     def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
         kv = self._kv_buffers(layer)
         out = torch.empty(q.shape[0], q.shape[1], self._out_dim(), dtype=q.dtype, device=q.device)
-        if meta.plan is not None:                 # graph metadata: captured or replayed as it is
+        if meta.plan is not None and stream_capturing():   # captured: the graph replays the launch
             self._launch(q, kv, out, layer, meta)
             return out
         inputs = (q, *kv, out)
@@ -104,10 +106,15 @@ class TritonBackendBase(LayoutBackend):
         return out
 
     def _eager_book(self, meta: ForwardMetadata) -> dict:
-        """The eager step's recorded launches (softmax scale -> :class:`Recorded`): in the step
-        plan when the batch has one, shared by every instance of this class over the same config
-        and KV memory (they read the plan's one layout: with a backend instance per layer the
-        step still records once), else in the step's metadata."""
+        """The recorded launches (softmax scale -> :class:`Recorded`) of eager calls. Graph
+        metadata called outside a capture (the breakable runner's attention between its graph
+        segments): in the metadata of the key, whose every tensor but q, KV and out is static and
+        whose host values come from the key, so one recording serves every later replay. An eager
+        step: in the step plan when the batch has one, shared by every instance of this class
+        over the same config and KV memory (they read the plan's one layout: with a backend
+        instance per layer the step still records once), else in the step's metadata."""
+        if meta.plan is not None:
+            return meta.extra.setdefault("recorded", {})
         plan = meta.batch.plan if meta.batch is not None else None
         if plan is None:
             return meta.extra.setdefault("recorded", {})

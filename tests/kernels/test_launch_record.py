@@ -172,7 +172,8 @@ class _Scaled(_Kernel):
 def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     """``TritonBackendBase._run`` with the stand-in kernel: one recording per step and softmax
     scale, shared by the backend instances of one step plan (one instance per layer); a q of other
-    strides records anew; a plan built again starts a new book; graph metadata never records."""
+    strides records anew; a plan built again starts a new book; graph metadata records once per key
+    outside a capture (every later step replays) and never inside one."""
     from dataclasses import replace
 
     from test_torch_native import named_batches
@@ -217,5 +218,15 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     b = be[0]
     b.init_cuda_graph_state(8, 8)
     b.init_forward_metadata_capture_cuda_graph(m.batch.graph_inputs())
+    import attn_backends.backends.triton_common as tc
+    monkeypatch.setattr(tc, "stream_capturing", lambda: True)
     b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
-    assert "recorded" not in b.forward_metadata.extra and k.direct == 7, "graph metadata recorded"
+    assert "recorded" not in b.forward_metadata.extra and k.direct == 7, "graph metadata recorded in a capture"
+    monkeypatch.setattr(tc, "stream_capturing", lambda: False)       # the breakable runner's attention
+    b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
+    for q in qs:
+        out = b.forward(q, None, None, l0, m.batch, save_kv_cache=False)
+        assert torch.equal(out, q * l0.scaling)
+    b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())   # the next step's replay
+    b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
+    assert (k.direct, len(k.compiled.calls)) == (8, 7), "graph metadata outside a capture: one recording per key"
