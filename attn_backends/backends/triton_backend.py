@@ -40,8 +40,9 @@ class TritonBackend(TritonBackendBase):
 
     def _per_sm(self, width: int) -> int:
         # Verify (W <= 4) with tiles of >= 32 rows (a KV group of >= 8 heads) does twice the
-        # work per program: half the splits (H100, GQA 64/8 verify4: bs 4 kv 8192 72 -> 64 us,
-        # bs 16 kv 8192 227 -> 212 us, bs 64 kv 2048 231 -> 215 us).
+        # work per program: half the splits (H100, GQA 64/8 verify4, with extend_attention_fwd's
+        # 32-token tiles: bs 4 kv 8192 72 -> 60 us, bs 16 kv 8192 227 -> 208 us, bs 64 kv 2048
+        # 231 -> 212 us).
         group_pad = 1 << (self.config.num_q_heads // self.config.num_kv_heads - 1).bit_length()
         rows = group_pad * pick_block_q(width, group_pad) if width > 1 else 0
         return 8 if 1 < width <= 4 and rows >= 32 else 16

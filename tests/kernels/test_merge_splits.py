@@ -26,8 +26,9 @@ def make(T, H, S, Dv, device, seed=0):
     return part.to(device), lse.to(device)
 
 
-# the last case: three head blocks of two heads, the third half empty
-@pytest.mark.parametrize("T,H,S,Dv", [(3, 6, 3, 16), (2, 5, 2, 32), (4, 3, 7, 24), (2, 5, 19, 128)])
+# (120, 5, 3, 16): T * H = 600 gives programs of two heads, three per row, the third half empty;
+# the others run one head per program (at most 8192 values a program, about 256 programs)
+@pytest.mark.parametrize("T,H,S,Dv", [(3, 6, 3, 16), (2, 5, 2, 32), (4, 3, 7, 24), (2, 5, 19, 128), (120, 5, 3, 16)])
 def test_merge_splits_cpu(T, H, S, Dv):
     part, lse = make(T, H, S, Dv, "cpu")
     out = torch.full((T, H, Dv), float("nan"))
