@@ -38,6 +38,12 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     return int(max(1, splits))
 
 
+def _book_in_meta(meta: ForwardMetadata) -> bool:
+    """Whether the recorded launches of ``meta`` live in its ``extra`` (graph metadata, or an
+    eager batch without a step plan) rather than in the step plan."""
+    return meta.plan is not None or meta.batch is None or meta.batch.plan is None
+
+
 class TritonBackendBase(LayoutBackend):
     """Split counts and workspaces: eager and graph paths pick them from (bs, W) alone, so
     replay and eager launch identical kernels on the same padded batch (bitwise equal).
@@ -103,6 +109,8 @@ class TritonBackendBase(LayoutBackend):
         with recording() as launches:
             self._launch(q, kv, out, layer, meta)
         book[layer.scaling] = Recorded(launches, inputs)
+        if _book_in_meta(meta):                   # kept once a call succeeded: a failed call changes nothing
+            meta.extra["recorded"] = book
         return out
 
     def _eager_book(self, meta: ForwardMetadata) -> dict:
@@ -113,11 +121,9 @@ class TritonBackendBase(LayoutBackend):
         step: in the step plan when the batch has one, shared by every instance of this class
         over the same config and KV memory (they read the plan's one layout: with a backend
         instance per layer the step still records once), else in the step's metadata."""
-        if meta.plan is not None:
-            return meta.extra.setdefault("recorded", {})
-        plan = meta.batch.plan if meta.batch is not None else None
-        if plan is None:
-            return meta.extra.setdefault("recorded", {})
+        if _book_in_meta(meta):
+            return meta.extra.get("recorded", {})
+        plan = meta.batch.plan
         held = plan.library_state(("recorded launches", type(self), self.config, id(self.memory)), lambda: [None, {}])
         if held[0] is not meta.layout:            # a plan built again: its launches read the old layout
             held[0], held[1] = meta.layout, {}

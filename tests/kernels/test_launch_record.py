@@ -224,6 +224,15 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     assert "recorded" not in b.forward_metadata.extra and k.direct == 7, "graph metadata recorded in a capture"
     monkeypatch.setattr(tc, "stream_capturing", lambda: False)       # the breakable runner's attention
     b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
+
+    def _failing(self, q, kv, out, layer, meta):
+        raise ValueError("a wrapper's check refused the call")
+
+    monkeypatch.setattr(TritonBackend, "_launch", _failing)
+    with pytest.raises(ValueError, match="refused"):
+        b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
+    assert "recorded" not in b.forward_metadata.extra, "a failed first call left a book in the metadata"
+    monkeypatch.setattr(TritonBackend, "_launch", _launch)
     for q in qs:
         out = b.forward(q, None, None, l0, m.batch, save_kv_cache=False)
         assert torch.equal(out, q * l0.scaling)
