@@ -170,6 +170,10 @@ def cmd_check(args, out: TextIO, err: TextIO) -> int:
     _check_json_path(args.json)
     backends = _check_mode(args, _resolve(args.backend, args.device))
     plan = _plan_suites(args)
+    if args.suite in (None, "all") and not args.mode and args.suite_cases and len(plan) == 1:
+        print(f"note: no suite of the entry-point group {SUITES_GROUP} is installed, so only the "
+              f"{LAYOUT_SUITE} suite runs (the runner suite of attn_backends_runtime registers with "
+              "`pip install -e .`)", file=err, flush=True)
     results, status = [], None
     try:
         for name, _ in backends:

@@ -140,6 +140,17 @@ def test_check_defaults_and_exit_0(fake_suite, capsys):
     assert re.search(r"^torch_native: ok, 3 checks in \d+s$", out, re.M)
 
 
+def test_check_says_when_no_other_suite_is_installed(fake_suite, capsys, monkeypatch):
+    """Without the entry points (a checkout on the path, no install) only the layout suite runs,
+    and check says so instead of printing a smaller count alone."""
+    monkeypatch.setattr(cli, "_extra_suites", lambda: [])
+    assert cli.main(["check"]) == 0
+    err = capsys.readouterr().err
+    assert "note: no suite of the entry-point group attn_backends.suites is installed" in err
+    assert cli.main(["check", "--suite-cases", "0"]) == 0            # asked for the layout suite alone
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_a_failure_prints_the_one_command_that_replays_its_case(fake_suite, capsys):
     fake_suite.fail = 1
     assert cli.main(["check", "--cases", "5", "--seed", "3"]) == 1
