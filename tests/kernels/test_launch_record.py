@@ -169,33 +169,47 @@ class _Scaled(_Kernel):
         out.copy_(q[..., :out.shape[-1]] * scale)
 
 
+class _Rig:
+    """Two ``triton`` backend instances over one CPU memory whose ``_launch`` runs the stand-in
+    kernel through :func:`launch`, a padded decode batch and three q tensors."""
+
+    def __init__(self, monkeypatch) -> None:
+        from test_torch_native import named_batches
+
+        from attn_backends import ModelConfig, get_backend
+        from attn_backends.backends.triton_backend import TritonBackend
+        from attn_backends.testing.scenarios import make_memory, materialize
+
+        self.k = k = _Scaled()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")     # CPU tensors: the backend serves them on a CUDA host too
+
+        def _launch(self, q, kv, out, layer, meta):
+            launch(k, (q.shape[0], 1), q, kv[0], meta.layout.page_table, out, q.stride(0), layer.scaling,
+                   num_warps=4)
+
+        self.launch_fn, self.cls = _launch, TritonBackend
+        monkeypatch.setattr(TritonBackend, "_launch", _launch)
+        self.cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+        mem = make_memory(self.cfg, num_pages=20, max_reqs=6, max_context_len=128, seed=0)
+        self.be = [get_backend("triton", self.cfg, mem) for _ in range(2)]
+        self.m = materialize(named_batches()["decode_padded"](), mem, self.be[0].get_cuda_graph_seq_len_fill_value())
+        g = torch.Generator().manual_seed(0)
+        self.qs = [torch.randn(self.m.batch.num_tokens, 4, 16, generator=g) for _ in range(3)]
+
+    def counts(self) -> tuple:
+        return self.k.direct, len(self.k.compiled.calls)
+
+
 def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     """``TritonBackendBase._run`` with the stand-in kernel: one recording per step and softmax
     scale, shared by the backend instances of one step plan (one instance per layer); a q of other
-    strides records anew; a plan built again starts a new book; graph metadata records once per key
-    outside a capture (every later step replays) and never inside one."""
+    strides records anew; a plan built again starts a new book."""
     from dataclasses import replace
 
-    from test_torch_native import named_batches
-
-    from attn_backends import ModelConfig, get_backend
-    from attn_backends.backends.triton_backend import TritonBackend
     from attn_backends.plan import step_plan
-    from attn_backends.testing.scenarios import make_memory, materialize
 
-    k = _Scaled()
-    monkeypatch.setenv("TRITON_INTERPRET", "1")     # CPU tensors: the backend serves them on a CUDA host too
-
-    def _launch(self, q, kv, out, layer, meta):
-        launch(k, (q.shape[0], 1), q, kv[0], meta.layout.page_table, out, q.stride(0), layer.scaling, num_warps=4)
-
-    monkeypatch.setattr(TritonBackend, "_launch", _launch)
-    cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
-    mem = make_memory(cfg, num_pages=20, max_reqs=6, max_context_len=128, seed=0)
-    be = [get_backend("triton", cfg, mem) for _ in range(2)]
-    m = materialize(named_batches()["decode_padded"](), mem, be[0].get_cuda_graph_seq_len_fill_value())
-    g = torch.Generator().manual_seed(0)
-    qs = [torch.randn(m.batch.num_tokens, 4, 16, generator=g) for _ in range(3)]
+    rig = _Rig(monkeypatch)
+    be, m, qs = rig.be, rig.m, rig.qs
 
     def step(batch, calls):
         for b in be:
@@ -204,38 +218,46 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
             out = be[inst].forward(q, None, None, layer, batch, save_kv_cache=False)
             assert torch.equal(out, q * layer.scaling), "the output of another call's q or scale"
 
-    l0, l1 = cfg.layer(0), cfg.layer(1)
+    l0, l1 = rig.cfg.layer(0), rig.cfg.layer(1)
     batch = step_plan(m.batch, be)
     step(batch, [(0, l0, qs[0]), (1, l1, qs[1]), (0, l0, qs[2])])
-    assert (k.direct, len(k.compiled.calls)) == (1, 2), "one recording, then replays in both instances"
+    assert rig.counts() == (1, 2), "one recording, then replays in both instances"
     strided = torch.randn(m.batch.num_tokens, 5, 16)[:, :4]
     step(batch, [(1, l1, strided), (0, replace(l0, scaling=0.5), qs[0]), (0, l0, qs[1])])
-    assert (k.direct, len(k.compiled.calls)) == (4, 2), "other strides and another scale record anew"
+    assert rig.counts() == (4, 2), "other strides and another scale record anew"
     step(batch.plan.build(m.batch), [(0, l0, qs[1]), (1, l1, qs[2])])     # the plan built again
-    assert (k.direct, len(k.compiled.calls)) == (5, 3), "a plan built again replayed the old layout's launches"
+    assert rig.counts() == (5, 3), "a plan built again replayed the old layout's launches"
     step(step_plan(m.batch, be), [(0, l0, qs[1]), (1, l1, qs[2])])       # a new step plan
-    assert (k.direct, len(k.compiled.calls)) == (6, 4), "a new step plan must record anew"
-    b = be[0]
+    assert rig.counts() == (6, 4), "a new step plan must record anew"
+
+
+def test_graph_metadata_records_once_per_key_outside_a_capture(monkeypatch):
+    """Graph metadata launches directly inside a capture; outside one (the breakable runner's
+    attention) it records once per key and every later call and step replays; a failed first call
+    leaves no book in the metadata."""
+    import attn_backends.backends.triton_common as tc
+
+    rig = _Rig(monkeypatch)
+    b, m, qs, l0 = rig.be[0], rig.m, rig.qs, rig.cfg.layer(0)
     b.init_cuda_graph_state(8, 8)
     b.init_forward_metadata_capture_cuda_graph(m.batch.graph_inputs())
-    import attn_backends.backends.triton_common as tc
     monkeypatch.setattr(tc, "stream_capturing", lambda: True)
     b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
-    assert "recorded" not in b.forward_metadata.extra and k.direct == 7, "graph metadata recorded in a capture"
+    assert "recorded" not in b.forward_metadata.extra and rig.counts() == (1, 0), "graph metadata recorded in a capture"
     monkeypatch.setattr(tc, "stream_capturing", lambda: False)       # the breakable runner's attention
     b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
 
     def _failing(self, q, kv, out, layer, meta):
         raise ValueError("a wrapper's check refused the call")
 
-    monkeypatch.setattr(TritonBackend, "_launch", _failing)
+    monkeypatch.setattr(rig.cls, "_launch", _failing)
     with pytest.raises(ValueError, match="refused"):
         b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
     assert "recorded" not in b.forward_metadata.extra, "a failed first call left a book in the metadata"
-    monkeypatch.setattr(TritonBackend, "_launch", _launch)
+    monkeypatch.setattr(rig.cls, "_launch", rig.launch_fn)
     for q in qs:
         out = b.forward(q, None, None, l0, m.batch, save_kv_cache=False)
         assert torch.equal(out, q * l0.scaling)
     b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())   # the next step's replay
     b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
-    assert (k.direct, len(k.compiled.calls)) == (8, 7), "graph metadata outside a capture: one recording per key"
+    assert rig.counts() == (2, 3), "graph metadata outside a capture: one recording per key"
