@@ -103,7 +103,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> to
     # 256 programs (H100, GQA verify bs 64: 16,384 one-head programs 259 -> 231 us; with one
     # row, two-head programs cost decode bs 1 a microsecond, 8.3 -> 9.4 us).
     cap = max(1, 8192 // (block_s * block_dv))
-    block_hm = max(1, min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // 256).bit_length() - 1)))
+    block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // 256).bit_length() - 1))
     launch(_merge_splits_kernel, (T, triton.cdiv(H, block_hm)),
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),

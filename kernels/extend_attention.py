@@ -131,6 +131,14 @@ def pick_block_q(max_q_len, group_pad, max_rows=64):
     return max(block_q, 16 // min(group_pad, 16))
 
 
+def wide_verify_tile(max_q_len, rows):
+    """Whether a tile of ``rows`` rows (query rows x padded KV-group heads) over requests of at
+    most ``max_q_len`` rows is a verify tile of >= 32 rows, which takes 32-token KV tiles here and
+    half the splits in the ``triton`` backend (H100, GQA 64/8 verify4: 1-6 % from the KV tiles;
+    with both, bs 4 kv 8192 72 -> 60 us, bs 16 kv 8192 227 -> 208 us, bs 64 kv 2048 231 -> 212 us)."""
+    return max_q_len <= 4 and rows >= 32
+
+
 def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
@@ -189,9 +197,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     group = H // Hkv
     group_pad = triton.next_power_of_2(group)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
-    # 32 KV tokens per tile for verify-sized tiles of >= 32 rows (H100, GQA 64/8 verify4: 1-6 %
-    # faster than 64 at bs 4-64); 64 elsewhere
-    block_n = block_n or (32 if max_q_len <= 4 and block_q * group_pad >= 32 else 64)
+    block_n = block_n or (32 if wide_verify_tile(max_q_len, block_q * group_pad) else 64)
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(max_q_len, block_q) * num_kv_splits, bs, Hkv)
     launch(_extend_split_kernel, grid,

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import triton
 
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.extend_attention import extend_attention_fwd, pick_block_q
+from attn_backends_kernels.extend_attention import extend_attention_fwd, pick_block_q, wide_verify_tile
 from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
@@ -39,13 +40,11 @@ class TritonBackend(TritonBackendBase):
         return bs * self.config.num_kv_heads
 
     def _per_sm(self, width: int) -> int:
-        # Verify (W <= 4) with tiles of >= 32 rows (a KV group of >= 8 heads) does twice the
-        # work per program: half the splits (H100, GQA 64/8 verify4, with extend_attention_fwd's
-        # 32-token tiles: bs 4 kv 8192 72 -> 60 us, bs 16 kv 8192 227 -> 208 us, bs 64 kv 2048
-        # 231 -> 212 us).
-        group_pad = 1 << (self.config.num_q_heads // self.config.num_kv_heads - 1).bit_length()
-        rows = group_pad * pick_block_q(width, group_pad) if width > 1 else 0
-        return 8 if 1 < width <= 4 and rows >= 32 else 16
+        # a verify tile of >= 32 rows (a KV group of >= 8 heads) does twice the work per program
+        if width <= 1:
+            return 16
+        group_pad = triton.next_power_of_2(self.config.num_q_heads // self.config.num_kv_heads)
+        return 8 if wide_verify_tile(width, pick_block_q(width, group_pad) * group_pad) else 16
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool
