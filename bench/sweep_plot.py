@@ -55,5 +55,5 @@ def plot(header: dict, grouped: dict, path) -> None:
     fig.suptitle(f"{header.get('device')}: ours vs FlashInfer {header.get('flashinfer') or '-'} "
                  f"(graph replay; dotted = bytes / {header.get('copy_gbs') or '-'} GB/s copy)")
     fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
