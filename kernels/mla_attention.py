@@ -57,11 +57,16 @@ def _mla_split_kernel(
     stride_pb,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
-    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    W, NUM_SPLITS,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr,
 ):
+    # W (query rows per request, the ragged bound) and NUM_SPLITS are plain ints, not
+    # constexprs: a compiled kernel serves every width and split count (Triton still
+    # specializes a value of 1), so a server's graph buckets and a suite's random cases do
+    # not each compile the 576-wide kernel anew.
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     HALF: tl.constexpr = LATENT // 2
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -148,7 +153,7 @@ def _mla_split_kernel(
     tl.store(o_ptr + o_off + col_a + offs_c[None, :], out_a, mask=row_ok[:, None])
     out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)
     tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b, mask=row_ok[:, None])
-    if NUM_SPLITS > 1:
+    if WRITE_LSE:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
                  mask=row_ok)
@@ -248,8 +253,9 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         kv_buffer.stride(0),
         page_table.stride(0),
         *o_strides, *lse_strides,
-        NUM_HEADS=H, BLOCK_H=block_h, W=W, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
+        W, num_kv_splits,
+        NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, WRITE_LSE=num_kv_splits > 1,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RAGGED=ragged, num_warps=num_warps,
         num_stages=num_stages,
