@@ -19,13 +19,24 @@ out=${1:-${OUT:-/tmp/attn-bench}}
 mkdir -p "$out"
 # An editable install gives the import names of kernels/ and runtime/ (attn_backends_kernels,
 # attn_backends_runtime) and the entry points (the runner suite of `check`); where pip cannot
-# install offline, links in a folder on the path give the import names.
+# install offline, links in a folder on the path give the import names and a dist-info the entry points.
 links=$(mktemp -d)
 python -m pip install -q --no-deps --no-build-isolation -e . >"$links/pip.log" 2>&1
 if ! (cd /tmp && python -c "import attn_backends_kernels, attn_backends_runtime") 2>/dev/null; then
   echo "editable install unusable (see below); import names from links, no entry points"; tail -3 "$links/pip.log"
   ln -s "$PWD/kernels" "$links/attn_backends_kernels"
   ln -s "$PWD/runtime" "$links/attn_backends_runtime"
+  # and a dist-info beside them declares pyproject's entry points (the runner suite of `check`)
+  python - "$links" <<'PY'
+import pathlib, sys, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+d = pathlib.Path(sys.argv[1]) / f"attn_backends-{p['version']}.dist-info"
+d.mkdir()
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p['name']}\nVersion: {p['version']}\n")
+(d / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
+    for group, eps in p["entry-points"].items()))
+PY
 fi
 export PYTHONPATH="$PWD:$links${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export BENCH_TUNED="$out/tuned.json" BENCH_RESULTS="$out/results.jsonl" BENCH_EAGLE_RESULTS="$out/eagle.jsonl"
