@@ -15,6 +15,14 @@ from ..batch import GraphInputs, GraphKey
 from ..layout import Layout, stream_capturing
 
 MAX_KV_SPLITS = 32
+# Up to 64 splits where a batch has too few programs to fill the GPU at 32: at most 4 x SMs / 64
+# programs per split (GQA 32/8 or 64/8: bs 1; MLA 16 heads: bs <= 8) and at most 4 query rows.
+# H200, graph replay, 32 -> 64 splits: GQA decode bs 1 kv 8192 27.2 -> 22.7 us, kv 32768
+# 69.1 -> 52.1; GQA 64/8 verify4 bs 1 kv 32768 76.1 -> 59.7; MLA16 decode bs 1 kv 32768
+# 74.9 -> 45.3, bs 4 80.0 -> 61.0; MLA16 verify4 bs 1 kv 32768 82.7 -> 52.9. Not wider:
+# 128 splits lost to 64 for MLA (bs 1 kv 8192 19.6 -> 34.1) and for verify; GQA decode at bs 4
+# lost 3-6 % at 64; the 8-row tree lost at every width above 32 (bs 1 kv 2048 18.5 -> 25.8).
+WIDE_MAX_KV_SPLITS = 64
 
 
 def interpreting() -> bool:
@@ -26,16 +34,20 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int) -> int:
+def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
+                         width: int = 1) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
-    rounded down to a power of two, at most 32 and never more than the pages. Depends only
-    on host facts fixed by the GraphKey. ``per_sm`` comes from the H200 sweeps of
-    bench/tune.py (GQA decode at bs 64: 4 splits; MLA decode: 4; MLA verify: 2)."""
+    rounded down to a power of two, at most 32 (64 for a batch of few programs, see
+    ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
+    the GraphKey. ``per_sm`` comes from the H200 sweeps of bench/tune.py (GQA decode at bs 64:
+    4 splits; MLA decode: 4; MLA verify: 2)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
-    want = per_sm * sm_count(device.index or 0) // max(programs, 1)
-    splits = 1 << max(0, min(want, MAX_KV_SPLITS, max_pages).bit_length() - 1)
-    return int(max(1, splits))
+    sms = sm_count(device.index or 0)
+    programs = max(programs, 1)
+    cap = WIDE_MAX_KV_SPLITS if width <= 4 and programs * WIDE_MAX_KV_SPLITS <= 4 * sms else MAX_KV_SPLITS
+    want = per_sm * sms // programs
+    return 1 << max(0, min(want, cap, max_pages).bit_length() - 1)
 
 
 def _book_in_meta(meta: ForwardMetadata) -> bool:
@@ -81,7 +93,7 @@ class TritonBackendBase(LayoutBackend):
         if (lay.bs, width) not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
-                                                          max_pages, self._per_sm(width))
+                                                          max_pages, self._per_sm(width), width)
         return cache[(lay.bs, width)]
 
     def _kv_buffers(self, layer) -> tuple:
