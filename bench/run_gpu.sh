@@ -11,6 +11,7 @@
 #            "fitests" the FlashInfer family's GPU tests, "ficheck" `check` on flashinfer, flashinfer_mla,
 #            trtllm_mla and hybrid (FI_CASES / FI_SUITE_CASES cases, FI_BACKENDS), "fibench"
 #            bench/bench_flashinfer_backends.py and its table
+#   SWEEP_COMMIT the commit the sweep names (where the copied tree has no current git metadata)
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).

@@ -125,9 +125,10 @@ def environment(args, device: str, fi, fi_error) -> dict:
                flashinfer=getattr(fi, "__version__", None), flashinfer_error=fi_error,
                flashinfer_cuda_arch_list=os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
                args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT)
-    try:
-        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    try:   # SWEEP_COMMIT names the commit where the tree was copied without its git metadata
+        env["git"] = os.environ.get("SWEEP_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except Exception:
         env["git"] = None
     if device == "cuda":
