@@ -1,6 +1,6 @@
 """One model's forwards, each through a runner: the captured graph where the runner can run
 the batch (``try_run``: the refusal checked once), the eager path otherwise, both counted per
-mode so that a silent fallback (DESIGN.md E1/E2) shows in the summary. Outputs always come from
+mode so that a silent fallback to eager shows in the summary. Outputs always come from
 the path that ran; nothing reads a runner's buffers.
 
 Every runner owns its backend instance(s) (a runner's ``init_cuda_graph_state`` re-binds its

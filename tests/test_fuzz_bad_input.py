@@ -119,7 +119,7 @@ def _refused(objs, call, match):
 @SETTINGS
 @given(name=st.sampled_from(CORRUPTIONS), d=st.integers(0, 300))
 def test_backend_refuses_bad_batches(mode, graph, name, d):
-    """Replay preparation never reads device values (no host sync, DESIGN.md): row indices and a
+    """Replay preparation never reads device values (no host sync, I15): row indices and a
     device copy of seq_lens that disagrees with the host copy are validated eagerly and at capture
     only."""
     if graph and name in DEVICE_VALUES:

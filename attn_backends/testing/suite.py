@@ -1,4 +1,4 @@
-"""The layout-equivalence suite: invariants I1-I6 and I13-I15 of DESIGN.md, at metadata level,
+"""The layout-equivalence suite: invariants I1-I6 and I13-I15 (the legend of report.py), at metadata level,
 for any backend, in every mode it declares.
 
 One *case* = one backend instance, one GraphKey (mode, bucket, W), a capture batch C and a

@@ -187,7 +187,7 @@ class Rig:
         return reqs
 
     def batch(self, reqs: list, bucket: Optional[int] = None, hidden=H.NULL):
-        """The batch of ``reqs`` in this order, padded by DESIGN.md's rules to ``bucket``
+        """The batch of ``reqs`` in this order, padded by the pad rule (layout.canonical_rows) to ``bucket``
         requests (uniform kinds; draft decode pads only for the eager reference)."""
         dev, raw = self.device, len(reqs)
         bs = bucket or raw

@@ -1,5 +1,5 @@
-"""Runner-level invariants of DESIGN.md (I7-I12, I14) over random cases, and the rig that
-builds a case: a tiny model, a KV memory with shuffled pages, per-layer backend instances, one
+"""Runner-level invariants (I7-I12, I14; legend in attn_backends/testing/report.py) over random
+cases, and the rig that builds a case: a tiny model, a KV memory with shuffled pages, per-layer backend instances, one
 runner of a given kind, and requests that can be assembled into batches at any bucket.
 
 ``run_runner_suite(backend)`` draws ``cases`` random cases (runner kind, buckets, raw_bs,
