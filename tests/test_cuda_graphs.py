@@ -22,12 +22,12 @@ pytestmark = pytest.mark.cuda
 BS = 8
 
 
-def _scenarios(mode, rng, raw):
+def _scenarios(mode, rng, raw, bs=BS):
     pick = lambda lo=0: [rng.randint(lo, 3000) for _ in range(raw)]  # noqa: E731
     if mode == "decode":
-        return Scenario(ForwardMode.DECODE, BS, pick())
+        return Scenario(ForwardMode.DECODE, bs, pick())
     if mode == "verify_chain":
-        return Scenario(ForwardMode.TARGET_VERIFY, BS, pick(), spec=verify_spec(4, BS, rng, device="cuda"))
+        return Scenario(ForwardMode.TARGET_VERIFY, bs, pick(), spec=verify_spec(4, bs, rng, device="cuda"))
     if mode == "verify_tree":
         spec = verify_spec(8, BS, rng, topk=4, steps=3, device="cuda")
         return Scenario(ForwardMode.TARGET_VERIFY, BS, pick(), spec=spec)
@@ -54,26 +54,29 @@ def _qkv(cfg, n, seed):
 
 MODES = {"triton": ["decode", "verify_chain", "verify_tree", "draft_extend", "draft_decode"],
          "triton_mla": ["decode", "verify_chain", "verify_tree", "draft_extend"]}
-CASES = [(b, m, ps) for b, ms in MODES.items() for m in ms for ps in (1, 16, 64)]
+# bs 1 (decode, chain verify) takes 64 KV splits (triton_common.WIDE_MAX_KV_SPLITS): the merge at
+# its widest, most splits holding tokens at contexts up to 3000
+CASES = ([pytest.param(b, m, ps, BS, id=f"{b}-{m}-{ps}") for b, ms in MODES.items() for m in ms for ps in (1, 16, 64)]
+         + [pytest.param(b, m, 16, 1, id=f"{b}-{m}-16-bs1") for b in MODES for m in ("decode", "verify_chain")])
 
 
-@pytest.mark.parametrize("backend,mode,ps", CASES)
-def test_replay_equals_eager_and_reference(backend, mode, ps):
-    rng = random.Random(hash((backend, mode, ps)) & 0xFFFF)
+@pytest.mark.parametrize("backend,mode,ps,bs", CASES)
+def test_replay_equals_eager_and_reference(backend, mode, ps, bs):
+    rng = random.Random(hash((backend, mode, ps, bs)) & 0xFFFF)
     cfg = _config(backend, ps, torch.bfloat16)
     mem = make_memory(cfg, num_pages=4 * BS * 3200 // ps + 8, max_reqs=4 * BS, max_context_len=3200 + 64,
                       page_order="shuffled", seed=ps, device="cuda")
     graph_be, eager_be = get_backend(backend, cfg, mem), get_backend(backend, cfg, mem)
     fill = graph_be.get_cuda_graph_seq_len_fill_value()
-    cap = materialize(_scenarios(mode, rng, BS), mem, fill)
-    a = materialize(_scenarios(mode, rng, 5), mem, fill)
-    b = materialize(_scenarios(mode, rng, 3), mem, fill)
+    cap = materialize(_scenarios(mode, rng, bs, bs), mem, fill)
+    a = materialize(_scenarios(mode, rng, min(5, bs), bs), mem, fill)
+    b = materialize(_scenarios(mode, rng, min(3, bs), bs), mem, fill)
     n = cap.batch.num_tokens
     layer = cfg.layer(0)
     q_s, k_s, v_s = _qkv(cfg, n, 0)
     batch_s = cap.batch
     loc_s = batch_s.out_cache_loc                         # the static out_cache_loc the graph reads
-    graph_be.init_cuda_graph_state(BS, n)
+    graph_be.init_cuda_graph_state(bs, n)
     graph_be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -28,7 +28,9 @@ def make(T, H, S, Dv, device, seed=0):
 
 # (120, 5, 3, 16): T * H = 600 gives programs of two heads, three per row, the third half empty;
 # the others run one head per program (at most 8192 values a program, about 256 programs)
-@pytest.mark.parametrize("T,H,S,Dv", [(3, 6, 3, 16), (2, 5, 2, 32), (4, 3, 7, 24), (2, 5, 19, 128), (120, 5, 3, 16)])
+# (1, 3, 64, 512): 64 splits of MLA's 512-wide output, the widest merge (bs 1 takes 64 splits)
+@pytest.mark.parametrize("T,H,S,Dv", [(3, 6, 3, 16), (2, 5, 2, 32), (4, 3, 7, 24), (2, 5, 19, 128), (120, 5, 3, 16),
+                                      (1, 3, 64, 512)])
 def test_merge_splits_cpu(T, H, S, Dv):
     part, lse = make(T, H, S, Dv, "cpu")
     out = torch.full((T, H, Dv), float("nan"))
@@ -39,7 +41,8 @@ def test_merge_splits_cpu(T, H, S, Dv):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T,H,S,Dv", [(1, 32, 32, 128), (256, 64, 4, 128), (64, 16, 32, 512), (37, 80, 2, 512)])
+@pytest.mark.parametrize("T,H,S,Dv", [(1, 32, 32, 128), (256, 64, 4, 128), (64, 16, 32, 512), (37, 80, 2, 512),
+                                      (1, 16, 64, 512), (1, 32, 64, 128)])
 def test_merge_splits_gpu(T, H, S, Dv):
     part, lse = make(T, H, S, Dv, "cuda")
     out = torch.full((T, H, Dv), float("nan"), device="cuda", dtype=torch.bfloat16)
