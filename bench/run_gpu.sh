@@ -24,7 +24,7 @@ mkdir -p "$out"
 links=$(mktemp -d)
 python -m pip install -q --no-deps --no-build-isolation -e . >"$links/pip.log" 2>&1
 if ! (cd /tmp && python -c "import attn_backends_kernels, attn_backends_runtime") 2>/dev/null; then
-  echo "editable install unusable (see below); import names from links, no entry points"; tail -3 "$links/pip.log"
+  echo "editable install unusable (see below); import names from links, entry points from a dist-info"; tail -3 "$links/pip.log"
   ln -s "$PWD/kernels" "$links/attn_backends_kernels"
   ln -s "$PWD/runtime" "$links/attn_backends_runtime"
   # and a dist-info beside them declares pyproject's entry points (the runner suite of `check`)

@@ -20,7 +20,7 @@ from sweep_flashinfer import PREWARM, Peer, fi_inputs, new_workspace, refusal
 from sweep_ours import Ours
 from sweep_rows import BY_NAME, build_group, build_row
 
-PREWARM_KV = 2048      # >= 32 pages at page 64: the split counts are those of every row
+PREWARM_KV = 4096      # >= 64 pages at page 64: the split counts (up to 64) are those of every row
 
 
 def jobs(groups, with_fi: bool, sm: int) -> list:

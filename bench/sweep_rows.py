@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from attn_backends import ForwardBatch, ForwardMode, ModelConfig, SpecInfo
+from attn_backends.backends.triton_common import WIDE_MAX_KV_SPLITS
 from attn_backends.testing.scenarios import Scenario, make_memory, materialize, verify_spec
 
 BATCHES = (1, 4, 16, 64, 128)
@@ -117,12 +118,12 @@ def smoke_workload(wl: Workload) -> Workload:
 
 def estimate_bytes(family: str, bs: int, kv: int) -> int:
     """Device memory a group needs at most: the KV pool, FlashInfer's flattened tree mask,
-    our split-KV workspace (32 splits at most) and 1 GiB for workspaces and graph pools."""
+    our split-KV workspace (WIDE_MAX_KV_SPLITS at most) and 1 GiB for workspaces and graph pools."""
     wls = [w for w in WORKLOADS if w.family == family]
     wl = wls[0]
     pool = (bs * (kv // wl.page_size) + 1) * wl.page_size * wl.kv_bytes_per_token()
     mask = max(bs * w.width * kv if w.mode == "tree" else 0 for w in wls)
-    split_ws = max(bs * w.width * w.heads * 32 * (w.v_dim + 1) * 4 for w in wls)
+    split_ws = max(bs * w.width * w.heads * WIDE_MAX_KV_SPLITS * (w.v_dim + 1) * 4 for w in wls)
     return pool + mask + split_ws + (1 << 30)
 
 

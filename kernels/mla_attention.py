@@ -64,9 +64,9 @@ def _mla_split_kernel(
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr,
 ):
     # W (query rows per request, the ragged bound) and NUM_SPLITS are plain ints, not
-    # constexprs: a compiled kernel serves every width and split count (Triton still
-    # specializes a value of 1), so a server's graph buckets and a suite's random cases do
-    # not each compile the 576-wide kernel anew.
+    # constexprs: a compiled kernel serves the widths and split counts of one specialization
+    # class (Triton specializes a value of 1 and multiples of 16), so a server's graph buckets
+    # and a suite's random cases do not each compile the 576-wide kernel anew.
     BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
     HALF: tl.constexpr = LATENT // 2
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H

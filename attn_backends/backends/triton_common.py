@@ -16,12 +16,13 @@ from ..layout import Layout, stream_capturing
 
 MAX_KV_SPLITS = 32
 # Up to 64 splits where a batch has too few programs to fill the GPU at 32: at most 4 x SMs / 64
-# programs per split (GQA 32/8 or 64/8: bs 1; MLA 16 heads: bs <= 8) and at most 4 query rows.
+# programs per split and at most 4 query rows. With the per-SM targets this gives 64 splits to GQA
+# 32/8 and 64/8 at bs 1, MLA16 decode at bs <= 4, MLA16 verify at bs <= 2, MLA128 decode at bs 1.
 # H200, graph replay, 32 -> 64 splits: GQA decode bs 1 kv 8192 27.2 -> 22.7 us, kv 32768
 # 69.1 -> 52.1; GQA 64/8 verify4 bs 1 kv 32768 76.1 -> 59.7; MLA16 decode bs 1 kv 32768
 # 74.9 -> 45.3, bs 4 80.0 -> 61.0; MLA16 verify4 bs 1 kv 32768 82.7 -> 52.9. Not wider:
 # 128 splits lost to 64 for MLA (bs 1 kv 8192 19.6 -> 34.1) and for verify; GQA decode at bs 4
-# lost 3-6 % at 64; the 8-row tree lost at every width above 32 (bs 1 kv 2048 18.5 -> 25.8).
+# lost 3-8 % at 64; the 8-row tree lost at every width above 32 (bs 1 kv 2048 18.5 -> 25.8).
 WIDE_MAX_KV_SPLITS = 64
 
 

@@ -3,8 +3,8 @@
 A :class:`Scenario` describes one forward (mode, bucket, raw_bs, prefixes, spec, page
 layout); :func:`materialize` allocates its requests in a :class:`KVMemory` (shuffled,
 reversed or interleaved pages), fills the pool with random data (never zeros) and returns
-the padded :class:`ForwardBatch`. Padding follows the pad rule (layout.canonical_rows): request row 0, out_cache_loc 0,
-seq_len = fill (>= W).
+the padded :class:`ForwardBatch`. Padding follows the pad rule (layout.canonical_rows,
+write_canonical_pad): request row 0, out_cache_loc 0, seq_len = fill (>= W).
 """
 from __future__ import annotations
 
