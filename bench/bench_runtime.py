@@ -156,8 +156,9 @@ def test_replay_preparation_host_time(benchmark):
     and the metadata part alone (plan update + backends). The points (model x runner x bs)
     are timed in turn, ``PREP_ROUNDS`` rounds of a 300-call median each with a pause between
     rounds, and a point keeps its least round: a slow spell of the lent machine (seen lasting
-    seconds, host and launch times 60-70 % up at once) then falls on some rounds of every
-    point instead of on every round of one point. Every round is recorded."""
+    seconds, the Python part 1.5-1.8x slower while a bare launch kept its time) then falls on
+    some rounds of every point instead of on every round of one point. Every round is recorded;
+    the note of a run gives the rounds, not the least alone."""
     import triton
     points = [(which, runner, bs) for which in ("gqa", "mla") for bs in BATCH_SIZES
               for runner in ("full_graph", "full_graph_per_layer")]
