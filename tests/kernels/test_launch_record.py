@@ -148,6 +148,44 @@ def test_a_launch_hook_gets_triton_s_own_runner(monkeypatch):
     assert rec.replay(_tensors(1)) and via == [7] and not k.compiled.calls
 
 
+class _Runner:
+    """Triton's CudaLauncher surface: ``launch`` (the C function its ``__call__`` ends in) and the
+    facts that call adds (scratch sizes, cooperative grid, programmatic dependent launch)."""
+
+    def __init__(self, scratch: int) -> None:
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.direct, self.via_call = [], []
+
+    def launch(self, *args):
+        self.direct.append(args)
+
+    def __call__(self, *args):
+        self.via_call.append(args)
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_replay_calls_the_c_launch_directly_unless_the_runner_adds_scratch(scratch):
+    """Without scratch memory a replay calls the C launch with what Triton's runner would pass it
+    (grid, stream, function, cooperative and PDL flags, no scratch, metadata, no hooks, the
+    arguments); with scratch it goes through the runner, which allocates it."""
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    k.compiled.run = runner = _Runner(scratch)
+    rec = _record(k, _tensors(0), table)
+    second = _tensors(1)
+    assert rec.replay(second)
+    c = k.compiled
+    if scratch:
+        assert not runner.direct and len(runner.via_call) == 1
+        assert runner.via_call[0][:9] == (4, 2, 1, 7, c.function, c.packed_metadata, None, None, None)
+        return
+    assert not runner.via_call and len(runner.direct) == 1
+    args = runner.direct[0]
+    assert args[:13] == (4, 2, 1, 7, c.function, False, True, None, None, c.packed_metadata, None, None, None)
+    assert args[13] is second[0] and args[14] is second[1] and args[15] is table and args[16] is second[2]
+    assert args[17:] == (8, 0.5, 16, 1)
+
+
 class _Scaled(_Kernel):
     """A stand-in attention kernel that computes: ``out = q[..., :Dv] * scale`` (direct launch
     and compiled replay alike), so that a replay's output shows which q and scale it used."""
