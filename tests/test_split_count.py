@@ -33,3 +33,21 @@ def test_split_count(h200, programs, per_sm, width, max_pages, want):
 
 def test_interpreter_takes_two_splits():
     assert tc.choose_num_kv_splits(8, torch.device("cpu"), 2048, 16, 1) == 2
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("width,bs,want", [
+    (1, 1, 64), (1, 4, 32), (1, 16, 8), (1, 64, 2), (1, 128, 1),     # decode: 8 programs per SM
+    (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
+    (8, 1, 32), (8, 16, 16),                                          # the 8-row tree: 16
+])
+def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
+    """The ``triton`` backend's counts for GQA 32/8 and 64/8 (H200 probe of 2026-11-27: fewer
+    splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1)."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.testing.scenarios import make_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
+    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=64))
+    assert tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, be._per_sm(width), width) == want

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import triton
 
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.extend_attention import extend_attention_fwd, pick_block_q, wide_verify_tile
+from attn_backends_kernels.extend_attention import extend_attention_fwd
 from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
@@ -40,11 +39,15 @@ class TritonBackend(TritonBackendBase):
         return bs * self.config.num_kv_heads
 
     def _per_sm(self, width: int) -> int:
-        # a verify tile of >= 32 rows (a KV group of >= 8 heads) does twice the work per program
+        # H200, graph replay, the split count halved and doubled around the rule (2026-11-27):
+        # decode bs 16 kv 8192: 16 splits 144.5 us -> 8: 140.6; bs 64: 4 -> 2 510 / 508.
+        # A chain verify of <= 4 rows wants fewer splits still: GQA 32/8 verify4 kv 8192 bs 4
+        # 32 -> 16 56.6 -> 52.1 us, bs 16 16 -> 4 153.6 -> 142.8, kv 2048 bs 64 4 -> 1
+        # 155.3 -> 139.0; GQA 64/8 bs 4 32 -> 16 64.3 -> 56.8, bs 16 8 -> 4 181.3 -> 178.0,
+        # kv 2048 bs 64 2 -> 1 183.7 -> 169.6. Bs 1 keeps 64 (the cap). Trees (8 rows) keep 16.
         if width <= 1:
-            return 16
-        group_pad = triton.next_power_of_2(self.config.num_q_heads // self.config.num_kv_heads)
-        return 8 if wide_verify_tile(width, pick_block_q(width, group_pad) * group_pad) else 16
+            return 8
+        return 4 if width <= 4 else 16
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool

@@ -40,8 +40,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
-    the GraphKey. ``per_sm`` comes from the H200 sweeps of bench/tune.py (GQA decode at bs 64:
-    4 splits; MLA decode: 4; MLA verify: 2)."""
+    the GraphKey. ``per_sm`` comes from H200 sweeps (GQA decode at bs 64: 2 splits; GQA chain verify
+    at bs 64: 1; MLA decode: 4; MLA verify: 2)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(device.index or 0)
