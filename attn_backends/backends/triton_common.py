@@ -36,7 +36,7 @@ def sm_count(device_index: int) -> int:
 
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
-                         width: int = 1) -> int:
+                         width: int = 1, floor: int = 1) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
@@ -47,7 +47,7 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     sms = sm_count(device.index or 0)
     programs = max(programs, 1)
     cap = WIDE_MAX_KV_SPLITS if width <= 4 and programs * WIDE_MAX_KV_SPLITS <= 4 * sms else MAX_KV_SPLITS
-    want = per_sm * sms // programs
+    want = max(per_sm * sms // programs, floor)
     return 1 << max(0, min(want, cap, max_pages).bit_length() - 1)
 
 
@@ -85,6 +85,10 @@ class TritonBackendBase(LayoutBackend):
     def _per_sm(self, width: int) -> int:
         raise NotImplementedError
 
+    def _min_splits(self, width: int) -> int:
+        """The fewest splits whatever the batch (the pages permitting)."""
+        return 1
+
     def _out_dim(self) -> int:
         return self.config.out_dim
 
@@ -94,7 +98,8 @@ class TritonBackendBase(LayoutBackend):
         if (lay.bs, width) not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
-                                                          max_pages, self._per_sm(width), width)
+                                                          max_pages, self._per_sm(width), width,
+                                                          self._min_splits(width))
         return cache[(lay.bs, width)]
 
     def _kv_buffers(self, layer) -> tuple:
