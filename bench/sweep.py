@@ -158,7 +158,8 @@ def base_record(row, impl: str, **kw) -> dict:
 
 
 def finish(ctx: Ctx, row, rec: dict) -> dict:
-    """Rates from the graph time (eager where there is none), the check, loud mismatches."""
+    """Rates from the graph time (eager where there is none), the check, loud mismatches
+    (``measure_row`` writes the record, once the row's host times are in)."""
     rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
     errs = [e for e in (rec.get("err"), rec.get("err_graph")) if e is not None]
     if errs:
@@ -168,11 +169,11 @@ def finish(ctx: Ctx, row, rec: dict) -> dict:
             ctx.mismatches.append(msg)
             print(f"!! MISMATCH {msg}", flush=True)
             print(f"!! MISMATCH {msg}", file=sys.stderr, flush=True)
-    write(ctx, rec)
     return rec
 
 
 def time_ours(ctx: Ctx, row) -> tuple:
+    """``(record, reference output, layout, eager call)``; the host time comes later (``host_times``)."""
     ours = Ours(row)
     fn, c = ours.eager(), ctx.clock
     t0 = time.perf_counter()
@@ -180,15 +181,15 @@ def time_ours(ctx: Ctx, row) -> tuple:
     rec = base_record(row, "ours", status="ok")
     if ctx.device != "cuda":                   # the interpreter: one call is the measurement
         rec["eager_us"] = (time.perf_counter() - t0) * 1e6
-        return finish(ctx, row, rec), ref, ours.layout()
-    rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn), host_us=c.host_us(fn))
+        return finish(ctx, row, rec), ref, ours.layout(), fn
+    rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn))
     g, out = ours.graph()
     g.replay()
     torch.cuda.synchronize()
     rec["err_graph"] = rel_err(out, ref)
     rec["graph_us"] = c.gpu_us(g.replay)
     del g
-    return finish(ctx, row, rec), ref, ours.layout()
+    return finish(ctx, row, rec), ref, ours.layout(), fn
 
 
 def _drain() -> None:
@@ -207,7 +208,7 @@ def time_peer(ctx: Ctx, row, config: str, inp, ref) -> dict:
         peer = Peer(ctx.fi, config, inp, ctx.ws)
         stage, fn = "run", peer.fn()
         rec["err"] = rel_err(fn(), ref)
-        rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn), host_us=c.host_us(fn))
+        rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn))
         del peer, fn
         stage = "graph"
         gpeer = Peer(ctx.fi, config, inp, ctx.ws, graph=True)   # alive while its graph replays
@@ -235,8 +236,15 @@ def emulated_peer(ctx: Ctx, row, config: str, inp, ref) -> dict:
 
 
 def measure_row(ctx: Ctx, row) -> list:
+    recs = _measure_row(ctx, row)
+    for rec in recs:
+        write(ctx, rec)
+    return recs
+
+
+def _measure_row(ctx: Ctx, row) -> list:
     try:
-        ours, ref, layout = time_ours(ctx, row)
+        ours, ref, layout, ours_fn = time_ours(ctx, row)
     except Exception as e:  # no reference and no layout: the peers of this row are skipped
         _drain()
         reason = f"ours: {type(e).__name__}: {e}"[:500]
@@ -245,6 +253,7 @@ def measure_row(ctx: Ctx, row) -> list:
         return [finish(ctx, row, base_record(row, "ours", status="error", reason=reason))]
     recs = [ours]
     if ctx.fi is None and not ctx.env["smoke"]:
+        host_times(ctx, recs, ours_fn, None)
         return recs
     inp = fi_inputs(row, layout)
     sm = ctx.env["sm"] if not ctx.env["smoke"] else 90      # smoke: check the SM90 set
@@ -256,7 +265,23 @@ def measure_row(ctx: Ctx, row) -> list:
             recs.append(emulated_peer(ctx, row, config, inp, ref))
         else:
             recs.append(time_peer(ctx, row, config, inp, ref))
+    host_times(ctx, recs, ours_fn, inp)
     return recs
+
+
+def host_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
+    """``host_us`` of ours and every FlashInfer configuration that ran, in interleaved rounds
+    (``Clock.interleaved_host_us``): each keeps its least round, ``host_rounds_us`` all."""
+    if ctx.device != "cuda":
+        return
+    makers = {"ours": lambda: ours_fn}
+    for rec in recs[1:]:
+        if rec["status"] == "ok":
+            makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
+    rounds = ctx.clock.interleaved_host_us(makers)
+    for rec in recs:
+        if rec["impl"] in rounds:
+            rec.update(host_us=min(rounds[rec["impl"]]), host_rounds_us=[round(v, 2) for v in rounds[rec["impl"]]])
 
 
 def summary(recs: list) -> str:

@@ -9,6 +9,12 @@
   included (what a runner that launches attention outside its graphs waits for).
 * ``host_us(fn)``: ``perf_counter`` around the call, no synchronize inside the timed span
   (the device is drained before each call so the launch queue never fills).
+* ``interleaved_host_us(makers)``: ``host_us`` of several implementations of one row in
+  rounds, each round timing every implementation in turn. The device machines have spells in
+  which Python runs 1.5-1.8x slower for seconds at a time (bench/RESULTS.md); timed one after
+  the other, two implementations could each land in a different state (one sweep had the
+  medians of ours and FlashInfer's host times both at 42.6 us, the previous 33.7 and 26.6).
+  Every round spans all of them, and each keeps its least round.
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
@@ -22,6 +28,7 @@ import torch
 TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
 MIN_ITERS, MAX_ITERS = 8, 30
 HOST_ITERS = 25
+HOST_ROUNDS = 3
 
 
 class Clock:
@@ -81,6 +88,15 @@ class Clock:
             spans.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
         return statistics.median(spans)
+
+    def interleaved_host_us(self, makers: dict, rounds: int = HOST_ROUNDS) -> dict:
+        """``{name: [host_us of each round]}``; ``makers[name]()`` gives the call to time, made
+        anew each round (a FlashInfer wrapper planned again: the wrappers share one workspace)."""
+        out = {name: [] for name in makers}
+        for _ in range(rounds):
+            for name, make in makers.items():
+                out[name].append(self.host_us(make()))
+        return out
 
     def copy_gbs(self, nbytes: int = 1 << 30) -> float:
         """Device-to-device copy of 1 GiB, read + write bytes per second (GB/s)."""

@@ -3,6 +3,8 @@ epilogue, the log-sum-exp merge of split-KV partials, the split workspace and th
 checks. ``decode_attention``, ``extend_attention`` and ``mla_attention`` build on it.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -114,6 +116,17 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> to
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
     )
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_mem_fits(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``nbytes`` of shared memory fit one program on ``t``'s device (always on the
+    CPU: the interpreter has no such limit)."""
+    return not t.is_cuda or nbytes <= _max_shared_mem(t.get_device())
 
 
 def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs):
