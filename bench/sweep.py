@@ -271,17 +271,22 @@ def _measure_row(ctx: Ctx, row) -> list:
 
 def host_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
     """``host_us`` of ours and every FlashInfer configuration that ran, in interleaved rounds
-    (``Clock.interleaved_host_us``): each keeps its least round, ``host_rounds_us`` all."""
+    (``Clock.interleaved_host_us``): each keeps its least round, ``host_rounds_us`` all; one that
+    fails gets ``host_error`` and the row's other records are still written."""
     if ctx.device != "cuda":
         return
     makers = {"ours": lambda: ours_fn}
     for rec in recs[1:]:
         if rec["status"] == "ok":
             makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
-    rounds = ctx.clock.interleaved_host_us(makers)
+    rounds, errors = ctx.clock.interleaved_host_us(makers)
     for rec in recs:
-        if rec["impl"] in rounds:
+        if rounds.get(rec["impl"]):
             rec.update(host_us=min(rounds[rec["impl"]]), host_rounds_us=[round(v, 2) for v in rounds[rec["impl"]]])
+        if rec["impl"] in errors:
+            rec["host_error"] = errors[rec["impl"]]
+            ctx.errors.append(f"host time of {rec['impl']}: {errors[rec['impl']][:160]}")
+            _drain()
 
 
 def summary(recs: list) -> str:

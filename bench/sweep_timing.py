@@ -89,14 +89,20 @@ class Clock:
         torch.cuda.synchronize()
         return statistics.median(spans)
 
-    def interleaved_host_us(self, makers: dict, rounds: int = HOST_ROUNDS) -> dict:
-        """``{name: [host_us of each round]}``; ``makers[name]()`` gives the call to time, made
-        anew each round (a FlashInfer wrapper planned again: the wrappers share one workspace)."""
-        out = {name: [] for name in makers}
+    def interleaved_host_us(self, makers: dict, rounds: int = HOST_ROUNDS) -> tuple:
+        """``({name: [host_us of each round]}, {name: error})``; ``makers[name]()`` gives the call
+        to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
+        one workspace). An implementation that raises is timed no further; the others go on."""
+        out, errors = {name: [] for name in makers}, {}
         for _ in range(rounds):
             for name, make in makers.items():
-                out[name].append(self.host_us(make()))
-        return out
+                if name in errors:
+                    continue
+                try:
+                    out[name].append(self.host_us(make()))
+                except Exception as e:  # recorded with the implementation's row, never hidden
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+        return out, errors
 
     def copy_gbs(self, nbytes: int = 1 << 30) -> float:
         """Device-to-device copy of 1 GiB, read + write bytes per second (GB/s)."""

@@ -133,9 +133,8 @@ def pick_block_q(max_q_len, group_pad, max_rows=64):
 
 def wide_verify_tile(max_q_len, rows):
     """Whether a tile of ``rows`` rows (query rows x padded KV-group heads) over requests of at
-    most ``max_q_len`` rows is a verify tile of >= 32 rows, which takes 32-token KV tiles here and
-    half the splits in the ``triton`` backend (H100, GQA 64/8 verify4: 1-6 % from the KV tiles;
-    with both, bs 4 kv 8192 72 -> 60 us, bs 16 kv 8192 227 -> 208 us, bs 64 kv 2048 231 -> 212 us)."""
+    most ``max_q_len`` rows is a verify tile of >= 32 rows, which takes 32-token KV tiles here
+    (H100, GQA 64/8 verify4: 1-6 %), and 2 warps and 3 stages over at most 4 splits."""
     return max_q_len <= 4 and rows >= 32
 
 
@@ -198,13 +197,17 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     group_pad = triton.next_power_of_2(group)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     wide = wide_verify_tile(max_q_len, block_q * group_pad)
-    block_n = block_n or (32 if wide else 64)
-    # A wide verify tile over long splits (<= 4: bs >= 16 with GQA 64/8) runs 2 warps and 3
-    # stages: H200 graph replay, GQA 64/8 verify4 bs 16 kv 8192 177.9 -> 168.3 us, bs 64
-    # 627.9 -> 599.1, bs 128 kv 2048 322.5 -> 312.4; with 16-64 splits (bs <= 4) it lost up to 8 %.
-    long_splits = wide and num_kv_splits <= 4
-    num_warps = num_warps or (2 if long_splits else 4)
-    num_stages = num_stages or (3 if long_splits else 2)
+    # A wide verify tile of 32-token KV tiles over long splits (<= 4: bs >= 16 with GQA 64/8)
+    # runs 2 warps and 3 stages: H200 graph replay, GQA 64/8 verify4 bs 16 kv 8192 177.9 ->
+    # 168.3 us, bs 64 627.9 -> 599.1, bs 128 kv 2048 322.5 -> 312.4. With 64 splits (bs 1) it
+    # lost up to 8.5 %; with 16 (bs 4) it went from 3 % slower to 5 % faster.
+    long_splits = wide and num_kv_splits <= 4 and block_n in (None, 32)
+    if block_n is None:
+        block_n = 32 if wide else 64
+    if num_warps is None:
+        num_warps = 2 if long_splits else 4
+    if num_stages is None:
+        num_stages = 3 if long_splits else 2
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(max_q_len, block_q) * num_kv_splits, bs, Hkv)
     launch(_extend_split_kernel, grid,

@@ -94,7 +94,7 @@ class Recorded:
 
     def __init__(self, launches: list, inputs: tuple) -> None:
         self.facts = tuple(_facts(t) for t in inputs)
-        self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)])
+        self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)], direct)
         self.replays = 0
         if not launches or len({id(t) for t in inputs}) < len(inputs):
             self.calls = None                     # one tensor in two roles (k is v): positions would alias

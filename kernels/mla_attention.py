@@ -240,12 +240,17 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     # token (H200: verify4 226 -> 165 us). Decode tiles of fewer rows (16 heads) take 64 KV
     # tokens, 8 warps and 3 stages (H200 graph replay, MLA16 decode against 32 / 4 / 2:
     # bs 1 kv 32768 45.4 -> 39.9 us, bs 64 kv 8192 178.2 -> 167.4, bs 128 kv 32768
-    # 1240 -> 1147; the worst of 15 points 2 % slower, bs 16 kv 2048 26.8 -> 27.3), where three
-    # 64-token tiles fit the shared memory (16-bit types on Hopper; not float32).
-    decode_tile = W == 1 and rows < 64 and shared_mem_fits(q, 3 * 64 * D * q.element_size())
-    block_n = block_n or (64 if rows >= 64 or decode_tile else 32)
-    num_warps = num_warps or (8 if rows >= 64 or decode_tile else 4)
-    num_stages = num_stages or (3 if decode_tile else 2)
+    # 1240 -> 1147; 2 of 15 points 2 % slower, bs 16 kv 2048 26.8 -> 27.3). Triton 3.6 gives
+    # that config 116,736 bytes of shared memory at bf16 on sm_90: taken where two 64-token
+    # tiles' worth (147,456 bytes at 16 bits) fit, so not at float32 (which `check` runs).
+    decode_tile = (W == 1 and rows < 64 and block_n in (None, 64)
+                   and shared_mem_fits(q, 2 * 64 * D * q.element_size()))
+    if block_n is None:
+        block_n = 64 if rows >= 64 or decode_tile else 32
+    if num_warps is None:
+        num_warps = 8 if rows >= 64 or decode_tile else 4
+    if num_stages is None:
+        num_stages = 3 if decode_tile else 2
     if block_w * block_h < 16:  # tl.dot needs M >= 16
         raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)

@@ -108,3 +108,38 @@ def test_flashinfer_calls_bind_to_the_wheel():
             _host_checks(call, graph=call is calls[1])
             n += 1
     assert n > 0
+
+
+def test_host_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
+    """Every round times ours and each FlashInfer configuration that ran, in turn (a peer planned
+    anew each round); each keeps its least round; one that fails gets ``host_error``, is timed
+    no further, and the row's other records keep their times."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+    import sweep_timing
+
+    order = []
+
+    class _Peer:
+        def __init__(self, fi, config, inp, ws) -> None:
+            if config == "broken":
+                raise RuntimeError("plan refused")
+            self.config = config
+
+        def fn(self):
+            return lambda: order.append(self.config)
+
+    monkeypatch.setattr(sweep, "Peer", _Peer)
+    monkeypatch.setattr(sweep, "_drain", lambda: None)
+    ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[])
+    recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
+            dict(impl="fa3", status="skipped")]
+    sweep.host_times(ctx, recs, lambda: order.append("ours"), None)
+    assert order == ["ours", "fa2"] * sweep_timing.HOST_ROUNDS
+    for rec in recs[:2]:
+        assert len(rec["host_rounds_us"]) == sweep_timing.HOST_ROUNDS
+        assert round(rec["host_us"], 2) == min(rec["host_rounds_us"])
+    assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
+    assert "host_us" not in recs[3] and len(ctx.errors) == 1

@@ -16,11 +16,11 @@ def h200(monkeypatch):
 
 
 @pytest.mark.parametrize("programs,per_sm,width,max_pages,want", [
-    (8, 16, 1, 2048, 64),      # GQA 8 KV heads, decode bs 1: 64 (32 before 0bf745b)
-    (32, 16, 1, 2048, 32),     # bs 4 keeps 32 (64 measured 3-8 % slower)
-    (128, 16, 1, 2048, 16),    # bs 16: per_sm x SMs / programs
-    (8, 8, 4, 2048, 64),       # GQA 64/8 verify4 bs 1
-    (8, 16, 8, 2048, 32),      # the 8-row tree keeps 32 at bs 1
+    (8, 16, 1, 2048, 64),      # 8 programs, 16 per SM wanted, W 1: the 64 cap (32 before 0bf745b)
+    (32, 16, 1, 2048, 32),     # 32 programs keep the 32 cap (GQA decode bs 4: 64 measured 3-8 % slower)
+    (128, 16, 1, 2048, 16),    # 128 programs: per_sm x SMs / programs
+    (8, 8, 4, 2048, 64),       # 4 query rows still take the 64 cap
+    (8, 16, 8, 2048, 32),      # 8 rows (the tree) keep 32
     (1, 2, 1, 512, 64),        # MLA16 decode bs 1
     (4, 2, 1, 512, 64),        # MLA16 decode bs 4
     (8, 2, 1, 512, 32),        # MLA16 decode bs 8: wants 33

@@ -186,6 +186,39 @@ def test_replay_calls_the_c_launch_directly_unless_the_runner_adds_scratch(scrat
     assert args[17:] == (8, 0.5, 16, 1)
 
 
+def test_the_direct_launch_passes_what_triton_s_runner_passes():
+    """Triton's own ``CudaLauncher.__call__`` (its C launch recorded, no module compiled) and the
+    replay's direct call hand the C launch the same arguments."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    class _Real(CudaLauncher):
+        def __init__(self) -> None:                    # no compiled module: launch records its arguments
+            self.num_ctas, self.global_scratch_size, self.profile_scratch_size = 1, 0, 0
+            self.global_scratch_align = self.profile_scratch_align = 1
+            self.launch_cooperative_grid, self.launch_pdl, self.seen = False, True, []
+            self.launch = lambda *a: self.seen.append(a)
+
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    k.compiled.run = runner = _Real()
+    rec = _record(k, _tensors(0), table)
+    second = _tensors(1)
+    c = k.compiled
+    runner(4, 2, 1, 7, c.function, c.packed_metadata, None, None, None,
+           second[0], second[1], table, second[2], 8, 0.5, 16, 1)     # what Triton's launch path passes
+    assert rec.replay(second) and len(runner.seen) == 2
+    assert runner.seen[0] == runner.seen[1]
+
+
+def test_a_launch_hook_takes_triton_s_runner_over_the_direct_launch(monkeypatch):
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    k.compiled.run = runner = _Runner(0)
+    rec = _record(k, _tensors(0), table)
+    via = []
+    monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: lambda *a, stream=None: via.append(stream))
+    monkeypatch.setattr(launch_record.knobs.runtime, "launch_enter_hook", lambda meta: None)
+    assert rec.replay(_tensors(1)) and via == [7] and not runner.direct
+
+
 class _Scaled(_Kernel):
     """A stand-in attention kernel that computes: ``out = q[..., :Dv] * scale`` (direct launch
     and compiled replay alike), so that a replay's output shows which q and scale it used."""
