@@ -19,6 +19,9 @@ def grid(**axes):
 
 # H200 sweeps pruned these (gqa: 8 warps never won; mla: 1 stage, block_n 16, block_w 1,
 # tl.range(warp_specialize=True), TMA loads, split output halves and 8 decode splits never won).
+# These are do_bench timings: below about 200 us they are bound by the host launch (MLA16 decode
+# bs 16 kv 8192 read 137-170 us here, 60 us replayed in a graph), so small shapes need graph
+# replay; the 2-warp wide GQA verify tile won there (GQA 64/8, not this 32/8 workload).
 SWEEPS = {
     "gqa_decode": grid(num_kv_splits=[4, 8], block_n=[32, 64], num_warps=[4],
                        num_stages=[2, 3, 4]),
@@ -26,7 +29,7 @@ SWEEPS = {
                         num_stages=[2, 3]),
     "gqa_verify8": grid(block_q=[8, 4], num_kv_splits=[4, 8], block_n=[32, 64],
                         num_warps=[4], num_stages=[2, 3]),
-    "mla_decode": grid(num_kv_splits=[4], block_n=[32, 64], num_warps=[4], num_stages=[2, 3]),
+    "mla_decode": grid(num_kv_splits=[4], block_n=[32, 64], num_warps=[4, 8], num_stages=[2, 3]),
     "mla_verify4": grid(block_w=[4], block_h=[16], num_kv_splits=[2, 4], block_n=[32, 64],
                         num_warps=[8], num_stages=[2, 3]),
 }
