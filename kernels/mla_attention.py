@@ -22,6 +22,7 @@ import triton.language as tl
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
+from .mla_wgmma import TILE_ROWS, TILE_TOKENS, WARPS, _mla_wgmma_kernel, wgmma_tile_fits
 
 
 @triton.jit
@@ -162,7 +163,8 @@ def _mla_split_kernel(
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
                       block_h=None, block_w=None, block_n=None, num_warps=None,
-                      num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None):
+                      num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None,
+                      kernel=None):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
@@ -179,6 +181,9 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
+    kernel : None picks ``mla_wgmma``'s Gluon kernel where it serves the launch (Hopper,
+        16-bit, 64-row tiles of 64 tokens, uniform rows) and the Triton kernel elsewhere;
+        "triton" or "wgmma" asks for one (ValueError where "wgmma" cannot serve)
     """
     name = "mla_attention_fwd"
     T, H, D = q.shape
@@ -236,6 +241,14 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         # 64 heads (H200, 128 heads, kv 8192: bs 16 301 -> 152 us, bs 128 2230 -> 1025 us)
         block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
     rows = block_w * block_h
+    if kernel not in (None, "triton", "wgmma"):
+        raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton', 'wgmma')")
+    wgmma = kernel != "triton" and wgmma_tile_fits(q, Dv, rope, rows, block_n, num_warps,
+                                                   num_stages, ragged)
+    if kernel == "wgmma" and not wgmma:
+        raise ValueError(f"{name}: the wgmma kernel needs a Hopper GPU, float16/bfloat16, "
+                         f"512 + 64 dims, {TILE_ROWS}-row tiles (block_w x block_h, got {rows}) "
+                         f"of {TILE_TOKENS} tokens on 8 warps and uniform rows per request")
     # 64-row tiles: 64 KV tokens per tile halve the q re-reads from shared memory per
     # token (H200: verify4 226 -> 165 us). Decode tiles of fewer rows (16 heads) take 64 KV
     # tokens, 8 warps and 3 stages (H200 graph replay, MLA16 decode against 32 / 4 / 2:
@@ -255,6 +268,22 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
     o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
+    if wgmma:
+        launch(_mla_wgmma_kernel, grid,
+            q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, o, lse,
+            sm_scale * LOG2E,
+            q.stride(0), q.stride(1),
+            kv_buffer.stride(0),
+            page_table.stride(0),
+            *o_strides, *lse_strides,
+            W, num_kv_splits,
+            NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
+            PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask],
+            num_warps=WARPS,
+        )
+        if num_kv_splits > 1:
+            merge_splits(o, lse, out)
+        return out
     launch(_mla_split_kernel, grid,
         q, kv_buffer, page_table, seq_lens_k,
         cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse,

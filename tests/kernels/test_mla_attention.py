@@ -1,9 +1,11 @@
 import pytest
 import torch
-from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
+from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.launch_record import recording
 from attn_backends_kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
+from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
 
@@ -22,10 +24,12 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
             pos = torch.arange(int(lens[i]), device=device)
             used[page_table[i, pos // page_size].long() * page_size + pos % page_size] = True
         kv[~used] = float("nan")
-    custom_mask = None
+    custom_mask = draft = None
     if mask == TREE:
         custom_mask = torch.rand(bs * W * W, device=device) < 0.5
         custom_mask.view(bs, W, W).diagonal(dim1=1, dim2=2).fill_(True)
+    if mask == DRAFT:  # a draft prefix somewhere in each request, its branches interleaved after
+        draft = (lens - W * torch.randint(1, 4, (bs,), device=lens.device)).clamp_min(0).to(torch.int32)
     out = torch.full((bs * W, H, LATENT), float("nan"), device=device, dtype=dtype)
     ws = None
     if splits > 1:
@@ -38,10 +42,11 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
                        **tuning)
     else:
         mla_attention_fwd(q, kv, page_table, lens, page_size, scale, splits, out, q_per_req=W,
-                          mask=mask, custom_mask=custom_mask, workspace=ws, **tuning)
+                          mask=mask, custom_mask=custom_mask, workspace=ws,
+                          draft_prefix_lens=draft, **tuning)
     cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
     ref = ref_paged_attention(q, kv, kv[:, :, :LATENT], page_table, lens, cu, page_size, scale,
-                              mask, custom_mask)
+                              mask, custom_mask, draft)
     return out, ref
 
 
@@ -93,3 +98,40 @@ def test_mla_in_page_tiles_gpu(mask, W, block_n, warps):
     out, ref = run_mla([W, 33, 1000, 4096, 32768], W, 64, 16, torch.bfloat16, "cuda", mask=mask,
                        splits=8, pad_rows=2, block_n=block_n, num_warps=warps, poison_unused=True)
     assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.bfloat16, 1), (torch.float16, 16)])
+@pytest.mark.parametrize("H,W,mask,tuning", [
+    (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
+    (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
+    (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
+    (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
+])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
+    """The Gluon wgmma kernel against the float64 reference: shuffled pages, ragged lengths (a
+    request of W tokens, partial last tiles, empty splits), padded rows, unused slots poisoned
+    with NaN, every mask, with and without the merge."""
+    out, ref = run_mla([W, 33, 1000, 4096, 32768], W, page_size, H, dtype, "cuda", mask=mask,
+                       splits=splits, pad_rows=2, poison_unused=True, kernel="wgmma", **tuning)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,W,rows_64", [(16, 4, True), (128, 1, True), (16, 1, False), (16, 2, False)])
+def test_mla_default_kernel_gpu(H, W, rows_64):
+    """On Hopper the wrapper's default launches the wgmma kernel exactly for 64-row tiles."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma kernel is Hopper's (sm_90)")
+    with recording() as launches:
+        run_mla([W, 300], W, 64, H, torch.bfloat16, "cuda", splits=2)
+    assert (launches[0][0] is _mla_wgmma_kernel) == rows_64
+
+
+def test_mla_kernel_choice_errors():
+    """Asking for the wgmma kernel where it cannot run, or for an unknown kernel, is an error."""
+    with pytest.raises(ValueError, match="wgmma kernel needs"):
+        run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="wgmma")
+    with pytest.raises(ValueError, match="kernel="):
+        run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")

@@ -1,0 +1,221 @@
+"""Absorbed MLA attention on Hopper in Gluon: one 64-row tile (query rows x heads) per program,
+q resident in shared memory, 64-token latent tiles double-buffered by cp.async, the scores
+split between the two warp groups by KV token and the 512-wide output split between them by
+column, both on wgmma.
+
+The Triton kernel of ``mla_attention`` leaves the layouts to the compiler, which gives a
+64-row tile of 8 warps the flash-attention layout ``[8, 1]`` for the scores (they feed a
+second dot): both warp groups then compute the whole 64 x 64 score tile, half the tensor work
+of a tile wasted. Here the scores take ``[4, 2]`` (each warp group 32 of the 64 tokens, the
+row max and sum across the two through shared memory), P goes through shared memory to both
+warp groups, and each accumulates 256 of the 512 output columns. Same interface, masks and
+split-KV outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
+``mla_attention_fwd`` picks it for bf16/fp16 64-row tiles on sm_90.
+"""
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
+BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group
+BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
+NUM_WARPS = gl.constexpr(WARPS)      # two warp groups
+
+
+@gluon.jit
+def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
+                  PAGE_SIZE: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
+                  LD: gl.constexpr, LR: gl.constexpr):
+    """Issue the cp.async copies of KV tokens n0 .. n0+BLOCK_N (those below ``end``; the rest
+    zero-filled and never read from global memory) into one stage."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    ok = offs_n < end
+    page = gl.load(pt_row + offs_n // PAGE_SIZE, mask=ok, other=0)
+    slot = page.to(gl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+    cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(
+        lat_dst, kv_ptr + slot[:, None] * stride_kvs + cols[None, :], mask=ok[:, None])
+    slot_r = gl.convert_layout(slot, gl.SliceLayout(1, LR))
+    ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR))
+    cols_r = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    async_copy.async_copy_global_to_shared(
+        rope_dst, kv_ptr + slot_r[:, None] * stride_kvs + cols_r[None, :], mask=ok_r[:, None])
+
+
+@gluon.jit
+def _tile_rows(wb, hb, row0, q_len, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+               BLOCK_W: gl.constexpr, layout: gl.constexpr):
+    """Query index j, head, flat row and validity of each of the tile's rows, in ``layout``."""
+    offs_m = gl.arange(0, BLOCK_M, layout=layout)
+    j = wb * BLOCK_W + offs_m // BLOCK_H
+    heads = hb * BLOCK_H + offs_m % BLOCK_H
+    return j, heads, row0 + j, (j < q_len) & (heads < NUM_HEADS)
+
+
+@gluon.jit
+def _visible(s_layout: gl.constexpr, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr,
+             mask_base, MASK: gl.constexpr):
+    """[BLOCK_M, BLOCK_N] visibility of tokens n0.. for the tile's rows (as ``visible_mask``)."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    vis = (offs_n[None, :] < end) & row_ok[:, None]
+    if MASK == 0:
+        vis = vis & (offs_n[None, :] <= prefix + j[:, None])
+    elif MASK == 1:
+        rel = offs_n[None, :] - prefix
+        tail = vis & (rel >= 0)
+        bits = gl.load(mask_ptr + mask_base + j[:, None] * q_len + rel, mask=tail, other=0)
+        vis = vis & ((rel < 0) | (bits != 0))
+    else:
+        rel = offs_n[None, :] - draft_prefix
+        vis = vis & ((rel < 0) | (rel % q_len == j[:, None]))
+    return vis
+
+
+@gluon.jit
+def _mla_wgmma_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvs,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    W, NUM_SPLITS,
+    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+):
+    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    # Scores [64, 64]: warp groups side by side over the tokens (n = 32 each); output
+    # [64, 512]: side by side over the columns (n = 256 each).
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, LATENT // 2, 16])
+    # Copies: 16 bytes a thread, a warp over 256 contiguous latent columns of one token.
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    pid = gl.program_id(0)
+    hb = pid % NUM_HB
+    wb = pid // NUM_HB
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    row0 = b.to(gl.int64) * W
+    q_len = W
+    prefix = seq_len - q_len
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = gl.load(draft_prefix_ptr + b)
+    mask_base = b.to(gl.int64) * W * W
+    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if MASK == 0:  # causal: nothing past the block's last row is visible
+        end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
+    num_tiles = gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
+
+    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT], SH)
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], SH)
+    lat = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], SH)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], SH)
+
+    # q once (its copies join the first tile's group), then the first two tiles.
+    j_d, heads_d, rows_d, ok_d = _tile_rows(wb, hb, row0, q_len, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                            gl.SliceLayout(1, LD))
+    q_row = q_ptr + rows_d[:, None] * stride_qt + heads_d[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(
+        q_lat, q_row + gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))[None, :], mask=ok_d[:, None])
+    j_r, heads_r, rows_r, ok_r = _tile_rows(wb, hb, row0, q_len, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                            gl.SliceLayout(1, LR))
+    async_copy.async_copy_global_to_shared(
+        q_pe, q_ptr + rows_r[:, None] * stride_qt + heads_r[:, None] * stride_qh + LATENT
+        + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))[None, :], mask=ok_r[:, None])
+    pt_row = page_table_ptr + b * stride_pb
+    _load_kv_tile(lat.index(0), rope.index(0), kv_ptr, pt_row, start, end, stride_kvs,
+                  PAGE_SIZE, LATENT, ROPE, LD, LR)
+    async_copy.commit_group()
+    _load_kv_tile(lat.index(1), rope.index(1), kv_ptr, pt_row, start + BLOCK_N, end, stride_kvs,
+                  PAGE_SIZE, LATENT, ROPE, LD, LR)
+    async_copy.commit_group()
+
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, q_len, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                        gl.SliceLayout(1, S_L))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_M, LATENT], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+    for t in range(num_tiles):
+        stage = t % 2
+        async_copy.wait_group(1)          # tile t is in (tile t + 1 may still be in flight)
+        fence_async_shared()
+        gl.thread_barrier()
+        lat_t = lat.index(stage)
+        s = warpgroup_mma(q_lat, lat_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe, rope.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        n0 = start + t * BLOCK_N
+        vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+                       MASK)
+        s = gl.where(vis, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row masked in this tile
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, lat_t, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.thread_barrier()               # both warp groups are done with this stage and P
+        _load_kv_tile(lat.index(stage), rope.index(stage), kv_ptr, pt_row, n0 + 2 * BLOCK_N, end,
+                      stride_kvs, PAGE_SIZE, LATENT, ROPE, LD, LR)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+
+    nonempty = l_i > 0
+    inv_l = 1.0 / gl.where(nonempty, l_i, 1.0)
+    if WRITE_LSE:
+        lse = gl.where(nonempty, m_i + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+        gl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, q_len, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                            gl.SliceLayout(1, O_L))
+    inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))
+    out = acc * inv_o[:, None]           # an empty row: acc is 0, inv 1
+    cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
+    o_ptrs = (o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
+              + cols[None, :])
+    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+
+
+def wgmma_tile_fits(q, latent, rope, rows, block_n, num_warps, num_stages, ragged) -> bool:
+    """Whether ``_mla_wgmma_kernel`` can serve a launch: a Hopper GPU (wgmma), 16-bit inputs,
+    the 512 + 64 layout, a 64-row tile of 64 tokens on 8 warps (two cp.async stages), uniform
+    rows per request."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and latent == 512
+            and rope == 64 and rows == TILE_ROWS and block_n in (None, TILE_TOKENS)
+            and num_warps in (None, WARPS) and num_stages in (None, 2) and not ragged
+            and _capability(q.get_device())[0] == 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
