@@ -209,13 +209,17 @@ def wgmma_tile_fits(q, latent, rope, rows, block_n, num_warps, num_stages, ragge
     """Whether ``_mla_wgmma_kernel`` can serve a launch: a Hopper GPU (wgmma), 16-bit inputs,
     the 512 + 64 layout, a 64-row tile of 64 tokens on 8 warps (two cp.async stages), uniform
     rows per request."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and latent == 512
-            and rope == 64 and rows == TILE_ROWS and block_n in (None, TILE_TOKENS)
+    return (q.dtype in (torch.float16, torch.bfloat16) and latent == 512 and rope == 64
+            and rows == TILE_ROWS and block_n in (None, TILE_TOKENS)
             and num_warps in (None, WARPS) and num_stages in (None, 2) and not ragged
-            and _capability(q.get_device())[0] == 9)
+            and on_hopper(q))
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an sm_90 GPU (``bench/offline_sm90.py`` stands in for one)."""
+    return t.is_cuda and _capability(t.get_device())[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
-

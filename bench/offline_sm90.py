@@ -1,0 +1,158 @@
+"""Compile our kernel wrappers' launches for Hopper (sm_90) on a machine without a GPU, and read
+what the compiler made of them: registers, spilled bytes, shared memory, and whether the dots
+became wgmma or mma.sync and the loads cp.async copies.
+
+Triton's compiler and the ptxas it bundles need no GPU. Inside ``with offline() as launches:``
+every launch a wrapper makes through ``launch_record.launch`` is specialized exactly as
+Triton's runtime would specialize it on that call (argument types, 16-byte alignment,
+divisibility by 16, values of 1) and compiled for sm_90 instead of launched; the wrapper acts
+as if its tensors were on an sm_90 GPU (the MLA wrapper then picks the Gluon wgmma kernel for
+a 64-row tile). Nothing is computed: outputs are left as they were.
+
+``python bench/offline_sm90.py [--json]`` prints the table for the MLA launch configurations
+the backend uses at the sweep's shapes (a few seconds each, cached by Triton afterwards; not
+under ``TRITON_INTERPRET=1``, whose kernels are the interpreter's). A
+kernel that spills (``stack`` > 0) or outgrows the 227 KiB of shared memory one sm_90 program
+may use is visible here before any device time is spent; tests/kernels/test_offline_sm90.py
+asserts it for the wgmma kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+TARGET = GPUTarget("cuda", 90, 32)
+SM90_MAX_SHARED = 232448          # bytes of dynamic shared memory an sm_90 program may use
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def available() -> bool:
+    """Whether this Triton carries its NVIDIA backend's ptxas and cuobjdump."""
+    return all(os.path.exists(os.path.join(_BIN, b)) for b in ("ptxas", "cuobjdump"))
+
+
+def compile_sm90(kernel, args: tuple, kwargs: dict):
+    """``kernel`` compiled for sm_90 as ``kernel[grid](*args, **kwargs)`` would specialize it."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def resources(compiled) -> dict:
+    """Registers and spill stack per thread (from the cubin), shared memory, warps, and the
+    counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    ttgir = compiled.asm["ttgir"]
+    return dict(regs=int(found["REG"]), stack=int(found["STACK"]), smem=compiled.metadata.shared,
+                warps=compiled.metadata.num_warps, wgmma=ttgir.count("warp_group_dot "),
+                mma_sync=ttgir.count("tt.dot "), cp_async=ttgir.count("async_copy_global_to_local"))
+
+
+@contextlib.contextmanager
+def offline():
+    """``with offline() as launches:`` -- wrapper launches compiled for sm_90, not run; each
+    appended as ``(kernel name, grid, resources)``."""
+    import attn_backends_kernels.attention_core as core
+    import attn_backends_kernels.decode_attention as decode
+    import attn_backends_kernels.extend_attention as extend
+    import attn_backends_kernels.mla_attention as mla
+    import attn_backends_kernels.mla_wgmma as wgmma
+    modules = (core, decode, extend, mla)
+    launches: list = []
+
+    def compile_instead(kernel, grid, *args, **kwargs):
+        compiled = compile_sm90(kernel, args, kwargs)
+        launches.append((kernel.__name__, tuple(grid), resources(compiled)))
+        return compiled
+
+    saved = [m.launch for m in modules], wgmma.on_hopper
+    for m in modules:
+        m.launch = compile_instead
+    wgmma.on_hopper = lambda t: True
+    try:
+        yield launches
+    finally:
+        for m, fn in zip(modules, saved[0]):
+            m.launch = fn
+        wgmma.on_hopper = saved[1]
+
+
+def mla_configs() -> dict:
+    """``{label: thunk}``: the MLA wrapper at the sweep's shapes (bf16, page 64), and the wgmma
+    kernel's other masks, dtypes and page sizes."""
+    import torch
+
+    from attn_backends_kernels.mla_attention import mla_attention_fwd
+
+    def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64):
+        bs, kv = 2, 256
+        q = torch.zeros(bs * W, H, 576, dtype=dtype)
+        buf = torch.zeros(bs * kv + 64, 1, 576, dtype=dtype)
+        pt = torch.arange(bs * kv // page, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), kv, dtype=torch.int32)
+        out = torch.zeros(bs * W, H, 512, dtype=dtype)
+        cm = torch.ones(bs * W * W, dtype=torch.bool) if mask == "tree" else None
+        draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
+        return lambda: mla_attention_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W,
+                                         mask=mask, custom_mask=cm, draft_prefix_lens=draft)
+    return {"mla16 decode": call(16, 1, 2), "mla16 verify4": call(16, 4, 2),
+            "mla128 decode": call(128, 1, 1), "mla128 verify4": call(128, 4, 2),
+            "mla16 tree8 fp16 page 16": call(16, 8, 8, "tree", torch.float16, 16),
+            "mla16 draft4 page 1": call(16, 4, 1, "draft", page=1)}
+
+
+def measure(labels=None) -> list:
+    """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
+    rows = []
+    for label, thunk in mla_configs().items():
+        if labels and label not in labels:
+            continue
+        with offline() as launches:
+            thunk()
+        rows += [dict(config=label, kernel=name, grid=list(grid), **r) for name, grid, r in launches]
+    return rows
+
+
+def main(argv) -> int:
+    if not available():
+        print("this Triton has no bundled ptxas / cuobjdump (its NVIDIA backend)", file=sys.stderr)
+        return 1
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled", file=sys.stderr)
+        return 1
+    rows = measure()
+    if "--json" in argv:
+        print("\n".join(json.dumps(r) for r in rows))
+        return 0
+    cols = ("regs", "stack", "smem", "warps", "wgmma", "mma_sync", "cp_async")
+    print("| config | kernel | grid | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---:|" * len(cols))
+    for r in rows:
+        print(f"| {r['config']} | {r['kernel']} | {tuple(r['grid'])} | "
+              + " | ".join(str(r[c]) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""The Gluon wgmma MLA kernel as compiled for sm_90 on this machine (no GPU needed): it must not
+spill, must fit one program's shared memory and must stay on wgmma with cp.async copies. A
+change that breaks one of these would otherwise show only on the device, as a launch failure
+(shared memory) or a silent slowdown (spills, mma.sync). The compile runs in a subprocess:
+this suite's kernels are the interpreter's (``TRITON_INTERPRET=1`` without CUDA)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+import offline_sm90  # noqa: E402
+
+WGMMA_CONFIGS = ["mla16 verify4", "mla128 decode", "mla128 verify4", "mla16 tree8 fp16 page 16",
+                 "mla16 draft4 page 1"]
+
+pytestmark = pytest.mark.skipif(not offline_sm90.available(),
+                                reason="this Triton bundles no ptxas / cuobjdump")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH / "offline_sm90.py"), "--json"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    return {label: [r for r in rows if r["config"] == label] for label in {r["config"] for r in rows}}
+
+
+@pytest.mark.parametrize("label", WGMMA_CONFIGS)
+def test_wgmma_kernel_compiles_for_sm90(compiled, label):
+    first, *rest = compiled[label]
+    assert first["kernel"] == "_mla_wgmma_kernel"
+    assert first["stack"] == 0, f"spills: {first}"
+    assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
+    assert first["wgmma"] >= 3 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
+    assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
+
+
+def test_sixteen_head_decode_stays_on_triton(compiled):
+    """A 16-row decode tile is the Triton kernel's (the wgmma kernel padded to 64 rows lost)."""
+    assert compiled["mla16 decode"][0]["kernel"] == "_mla_split_kernel"
