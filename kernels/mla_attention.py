@@ -11,8 +11,13 @@ blocks) are adjacent on the fastest grid axis, so that when BLOCK_W < W or BLOCK
 the repeated tile reads of neighbours come from L2 while the tile state per program stays
 small. A split-KV axis gives the parallelism, merged by ``merge_splits``; split boundaries
 come from ``seq_lens_k`` on the device and the grid from host ints only, so the launch is
-graph safe. Verify masks: causal or tree (``custom_mask [bs*W*W]``), as in
+graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as in
 ``extend_attention``.
+
+This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an
+sm_90 GPU, 16-bit 64-row tiles go to the Gluon wgmma kernel of ``mla_wgmma`` instead (same
+arguments, masks and split outputs): Triton gives this kernel's 64-row tile a score layout in
+which both warp groups compute the whole score tile.
 """
 
 import torch
@@ -22,7 +27,7 @@ import triton.language as tl
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
-from .mla_wgmma import TILE_ROWS, TILE_TOKENS, WARPS, _mla_wgmma_kernel, wgmma_tile_fits
+from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 
 @triton.jit
@@ -181,15 +186,57 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
-    kernel : None picks ``mla_wgmma``'s Gluon kernel where it serves the launch (Hopper,
-        16-bit, 64-row tiles of 64 tokens, uniform rows) and the Triton kernel elsewhere;
-        "triton" or "wgmma" asks for one (ValueError where "wgmma" cannot serve)
+    kernel : None picks ``mla_wgmma``'s Gluon kernel where it serves the launch (an sm_90 GPU,
+        16-bit, 64-row tiles of 64 tokens, uniform rows, 16-byte aligned q and cache rows; by
+        default verify with W >= 3 at 16 heads and decode with >= 64 heads) and the Triton
+        kernel elsewhere; "triton" or "wgmma" asks for one (ValueError, with the reason, where
+        "wgmma" cannot serve)
     """
     name = "mla_attention_fwd"
+    if kernel not in (None, "triton", "wgmma"):
+        raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton', 'wgmma')")
+    ragged = cu_seqlens_q is not None
+    W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k,
+                                               page_size, num_kv_splits, out, q_per_req, mask,
+                                               custom_mask, cu_seqlens_q, max_q_len,
+                                               draft_prefix_lens)
     T, H, D = q.shape
     Dv = out.shape[-1]
-    ragged = cu_seqlens_q is not None
-    if ragged:
+    block_w, block_h, block_n_, num_warps_, num_stages_ = _tile_config(
+        q, W, H, D, block_w, block_h, block_n, num_warps, num_stages)
+    refusal = None if kernel == "triton" else wgmma_refusal(
+        q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n, num_warps, num_stages, ragged)
+    if kernel == "wgmma" and refusal:
+        raise ValueError(f"{name}: the wgmma kernel {refusal}")
+    if bs == 0:
+        return out
+    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
+    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
+    common = (sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0),
+              page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
+    tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
+                 PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask])
+    if kernel != "triton" and not refusal:
+        launch(_mla_wgmma_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg,
+               draft_arg, o, lse, *common, **tiles, num_warps=WARPS)
+    else:
+        launch(_mla_split_kernel, grid, q, kv_buffer, page_table, seq_lens_k,
+               cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse, *common,
+               **tiles, BLOCK_N=block_n_, RAGGED=ragged,
+               INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+               num_warps=num_warps_, num_stages=num_stages_)
+    if num_kv_splits > 1:
+        merge_splits(o, lse, out)
+    return out
+
+
+def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,
+                  q_per_req, mask, custom_mask, cu_seqlens_q, max_q_len, draft_prefix_lens):
+    """Every check of ``mla_attention_fwd``'s arguments; returns (W, bs, the mask argument,
+    the draft-prefix argument), the last two placeholders where the mask reads none."""
+    T, H, D = q.shape
+    Dv = out.shape[-1]
+    if cu_seqlens_q is not None:
         if (max_q_len is None or max_q_len < 1 or cu_seqlens_q.dtype != torch.int32
                 or cu_seqlens_q.device != q.device or mask != "causal"):
             raise ValueError(f"{name}: ragged rows need cu_seqlens_q int32 on {q.device}, "
@@ -213,15 +260,14 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if mask not in MASK_KINDS:
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
-    draft_arg = seq_lens_k  # placeholder, never read unless mask == "draft"
+    if num_kv_splits < 1:
+        raise ValueError(f"{name}: num_kv_splits={num_kv_splits} must be >= 1")
+    mask_arg = draft_arg = seq_lens_k  # placeholders, never read unless the mask needs them
     if mask == "draft":
         if (draft_prefix_lens is None or draft_prefix_lens.dtype != torch.int32
                 or draft_prefix_lens.shape[0] < bs or draft_prefix_lens.device != q.device):
             raise ValueError(f"{name}: draft mask needs draft_prefix_lens int32 [>= {bs}] on {q.device}")
         draft_arg = draft_prefix_lens
-    if num_kv_splits < 1:
-        raise ValueError(f"{name}: num_kv_splits={num_kv_splits} must be >= 1")
-    mask_arg = seq_lens_k  # placeholder, never read for causal
     if mask == "tree":
         if (custom_mask is None or custom_mask.numel() < bs * W * W
                 or custom_mask.dtype not in (torch.bool, torch.uint8)
@@ -229,33 +275,33 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
             raise ValueError(f"{name}: tree mask needs custom_mask bool/uint8 with >= "
                              f"bs*W*W = {bs * W * W} elements on {q.device}")
         mask_arg = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
-    if bs == 0:
-        return out
-    # Defaults from the H200 sweeps of bench/tune.py: up to 4 query rows x 16 heads per tile;
-    # a 64-row tile needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two
-    # output halves over two programs and TMA tile loads were measured slower on an H200,
-    # decode 101 -> 188 / 300 us, and were removed.)
+    return W, bs, mask_arg, draft_arg
+
+
+def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> tuple:
+    """(block_w, block_h, block_n, num_warps, num_stages): the caller's, None filled with the
+    defaults. The launch knobs are the Triton kernel's; the wgmma kernel has its own."""
+    # Up to 4 query rows x 16 heads per tile (H200 sweeps of bench/tune.py); a 64-row tile
+    # needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two output halves
+    # over two programs and TMA tile loads were measured slower on an H200, decode 101 -> 188
+    # / 300 us, and were removed.)
     if block_w is None:
         block_w = min(triton.next_power_of_2(W), 4)
     if block_h is None:  # decode with >= 64 heads: one 64-head tile reads each latent tile for
-        # 64 heads (H200, 128 heads, kv 8192: bs 16 301 -> 152 us, bs 128 2230 -> 1025 us)
+        # 64 heads (H200, 128 heads, kv 8192, Triton kernel: bs 16 301 -> 152 us, bs 128 2230
+        # -> 1025 us; the wgmma kernel, which serves it on sm_90, 116 and 789 us)
         block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
     rows = block_w * block_h
-    if kernel not in (None, "triton", "wgmma"):
-        raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton', 'wgmma')")
-    wgmma = kernel != "triton" and wgmma_tile_fits(q, Dv, rope, rows, block_n, num_warps,
-                                                   num_stages, ragged)
-    if kernel == "wgmma" and not wgmma:
-        raise ValueError(f"{name}: the wgmma kernel needs a Hopper GPU, float16/bfloat16, "
-                         f"512 + 64 dims, {TILE_ROWS}-row tiles (block_w x block_h, got {rows}) "
-                         f"of {TILE_TOKENS} tokens on 8 warps and uniform rows per request")
-    # 64-row tiles: 64 KV tokens per tile halve the q re-reads from shared memory per
-    # token (H200: verify4 226 -> 165 us). Decode tiles of fewer rows (16 heads) take 64 KV
-    # tokens, 8 warps and 3 stages (H200 graph replay, MLA16 decode against 32 / 4 / 2:
-    # bs 1 kv 32768 45.4 -> 39.9 us, bs 64 kv 8192 178.2 -> 167.4, bs 128 kv 32768
-    # 1240 -> 1147; 2 of 15 points 2 % slower, bs 16 kv 2048 26.8 -> 27.3). Triton 3.6 gives
-    # that config 116,736 bytes of shared memory at bf16 on sm_90: taken where two 64-token
-    # tiles' worth (147,456 bytes at 16 bits) fit, so not at float32 (which `check` runs).
+    if rows < 16:  # tl.dot needs M >= 16
+        raise ValueError(f"mla_attention_fwd: block_w={block_w} x block_h={block_h} rows < 16")
+    # The Triton kernel's 64-row tiles (off sm_90, at float32, or asked for): 64 KV tokens per
+    # tile halve the q re-reads from shared memory per token (H200: verify4 226 -> 165 us).
+    # Decode tiles of fewer rows (16 heads) take 64 KV tokens, 8 warps and 3 stages (H200
+    # graph replay, MLA16 decode against 32 / 4 / 2: bs 1 kv 32768 45.4 -> 39.9 us, bs 64 kv
+    # 8192 178.2 -> 167.4, bs 128 kv 32768 1240 -> 1147; 2 of 15 points 2 % slower, bs 16 kv
+    # 2048 26.8 -> 27.3). Triton 3.6 gives that config 116,736 bytes of shared memory at bf16
+    # on sm_90: taken where two 64-token tiles' worth (147,456 bytes at 16 bits) fit, so not at
+    # float32 (which `check` runs).
     decode_tile = (W == 1 and rows < 64 and block_n in (None, 64)
                    and shared_mem_fits(q, 2 * 64 * D * q.element_size()))
     if block_n is None:
@@ -264,44 +310,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         num_warps = 8 if rows >= 64 or decode_tile else 4
     if num_stages is None:
         num_stages = 3 if decode_tile else 2
-    if block_w * block_h < 16:  # tl.dot needs M >= 16
-        raise ValueError(f"{name}: block_w={block_w} x block_h={block_h} rows < 16")
-    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
-    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
-    if wgmma:
-        launch(_mla_wgmma_kernel, grid,
-            q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, o, lse,
-            sm_scale * LOG2E,
-            q.stride(0), q.stride(1),
-            kv_buffer.stride(0),
-            page_table.stride(0),
-            *o_strides, *lse_strides,
-            W, num_kv_splits,
-            NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
-            PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask],
-            num_warps=WARPS,
-        )
-        if num_kv_splits > 1:
-            merge_splits(o, lse, out)
-        return out
-    launch(_mla_split_kernel, grid,
-        q, kv_buffer, page_table, seq_lens_k,
-        cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        kv_buffer.stride(0),
-        page_table.stride(0),
-        *o_strides, *lse_strides,
-        W, num_kv_splits,
-        NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=rope,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, WRITE_LSE=num_kv_splits > 1,
-        MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        RAGGED=ragged, num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if num_kv_splits > 1:
-        merge_splits(o, lse, out)
-    return out
+    return block_w, block_h, block_n, num_warps, num_stages
 
 
 def mla_decode_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,

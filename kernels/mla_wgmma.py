@@ -10,7 +10,7 @@ of a tile wasted. Here the scores take ``[4, 2]`` (each warp group 32 of the 64 
 row max and sum across the two through shared memory), P goes through shared memory to both
 warp groups, and each accumulates 256 of the 512 output columns. Same interface, masks and
 split-KV outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
-``mla_attention_fwd`` picks it for bf16/fp16 64-row tiles on sm_90.
+``mla_attention_fwd`` picks it where ``wgmma_refusal`` finds nothing against it.
 """
 
 import functools
@@ -198,26 +198,45 @@ def _mla_wgmma_kernel(
     j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, q_len, NUM_HEADS, BLOCK_H, BLOCK_W,
                                             gl.SliceLayout(1, O_L))
     inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))
-    out = acc * inv_o[:, None]           # an empty row: acc is 0, inv 1
+    nonempty_o = gl.convert_layout(nonempty, gl.SliceLayout(1, O_L))
+    out = gl.where(nonempty_o[:, None], acc * inv_o[:, None], 0.0)   # empty rows: zeros
     cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_L))
     o_ptrs = (o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
               + cols[None, :])
     gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
 
 
-def wgmma_tile_fits(q, latent, rope, rows, block_n, num_warps, num_stages, ragged) -> bool:
-    """Whether ``_mla_wgmma_kernel`` can serve a launch: a Hopper GPU (wgmma), 16-bit inputs,
-    the 512 + 64 layout, a 64-row tile of 64 tokens on 8 warps (two cp.async stages), uniform
-    rows per request."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and latent == 512 and rope == 64
-            and rows == TILE_ROWS and block_n in (None, TILE_TOKENS)
-            and num_warps in (None, WARPS) and num_stages in (None, 2) and not ragged
-            and on_hopper(q))
+def wgmma_refusal(q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages, ragged):
+    """Why ``_mla_wgmma_kernel`` cannot serve a launch (None where it can): it needs 16-bit
+    inputs, the 512 + 64 layout, a 64-row tile (``rows`` = block_w x block_h) of 64 tokens on 8
+    warps with two cp.async stages (the caller's knobs None or these), uniform rows per request,
+    q and cache rows that its 16-byte copies can read (16-element strides, 16-byte aligned
+    bases) and an sm_90 GPU."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs float16/bfloat16 (got {q.dtype})"
+    if (latent, rope) != (512, 64):
+        return f"needs 512 + 64 dims (got {latent} + {rope})"
+    if rows != TILE_ROWS:
+        return f"needs {TILE_ROWS}-row tiles (block_w x block_h = {rows})"
+    if (block_n, num_warps, num_stages) not in [(b, w, s) for b in (None, TILE_TOKENS)
+                                                for w in (None, WARPS) for s in (None, 2)]:
+        return (f"runs {TILE_TOKENS}-token tiles on {WARPS} warps in 2 stages (got block_n="
+                f"{block_n}, num_warps={num_warps}, num_stages={num_stages})")
+    if ragged:
+        return "needs uniform rows per request (no cu_seqlens_q)"
+    if (q.stride(0) % 16 or q.stride(1) % 16 or kv_buffer.stride(0) % 16
+            or q.data_ptr() % 16 or kv_buffer.data_ptr() % 16):
+        return (f"needs q and kv_buffer strides in multiples of 16 elements and 16-byte aligned "
+                f"bases (q strides {q.stride()[:2]}, kv_buffer stride {kv_buffer.stride(0)})")
+    if not on_hopper(q):
+        return f"needs an sm_90 (Hopper) NVIDIA GPU (q is on {q.device})"
+    return None
 
 
 def on_hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on an sm_90 GPU (``bench/offline_sm90.py`` stands in for one)."""
-    return t.is_cuda and _capability(t.get_device())[0] == 9
+    """Whether ``t`` lives on an sm_90 NVIDIA GPU (``bench/offline_sm90.py`` stands in for one;
+    a ROCm build reports gfx9 GPUs as capability 9 too)."""
+    return t.is_cuda and torch.version.hip is None and _capability(t.get_device())[0] == 9
 
 
 @functools.lru_cache(maxsize=None)

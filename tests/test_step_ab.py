@@ -103,7 +103,8 @@ def test_driver_end_to_end_without_gpu(tmp_path):
     a, b = fake_tree(tmp_path, "a"), fake_tree(tmp_path, "b")
     # the caller's path leads to the real checkout (its links and root): workers must not import it
     main_links = step_ab.make_links(str(ROOT), str(tmp_path / "main_links"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), main_links]))
+    # CUDA hidden: the workers must stop at "no CUDA device" on a GPU machine too
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), main_links]), CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_ab.py"), "--tree", f"before={a}",
                           "--tree", f"after={b}", "--rounds", "2", "--steps", "3", "--models", "gqa",
                           "--impls", "eager", "--bs", "1", "--out", str(tmp_path / "out")],

@@ -2,8 +2,9 @@ import pytest
 import torch
 from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
 
+from attn_backends_kernels import mla_wgmma
 from attn_backends_kernels.attention_core import decode_workspace
-from attn_backends_kernels.launch_record import recording
+from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
@@ -107,12 +108,16 @@ def test_mla_in_page_tiles_gpu(mask, W, block_n, warps):
     (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
     (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
     (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
+    (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
+    (16, 6, TREE, {}),                     # a second row block partly past W
+    (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
 ])
 @pytest.mark.parametrize("splits", [1, 8])
 def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
     """The Gluon wgmma kernel against the float64 reference: shuffled pages, ragged lengths (a
     request of W tokens, partial last tiles, empty splits), padded rows, unused slots poisoned
     with NaN, every mask, with and without the merge."""
+    _need_hopper()
     out, ref = run_mla([W, 33, 1000, 4096, 32768], W, page_size, H, dtype, "cuda", mask=mask,
                        splits=splits, pad_rows=2, poison_unused=True, kernel="wgmma", **tuning)
     assert_close(out, ref, 1e-2)
@@ -122,16 +127,86 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 @pytest.mark.parametrize("H,W,rows_64", [(16, 4, True), (128, 1, True), (16, 1, False), (16, 2, False)])
 def test_mla_default_kernel_gpu(H, W, rows_64):
     """On Hopper the wrapper's default launches the wgmma kernel exactly for 64-row tiles."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma kernel is Hopper's (sm_90)")
+    _need_hopper()
     with recording() as launches:
         run_mla([W, 300], W, 64, H, torch.bfloat16, "cuda", splits=2)
     assert (launches[0][0] is _mla_wgmma_kernel) == rows_64
 
 
+def _need_hopper():
+    if torch.cuda.get_device_capability()[0] != 9 or torch.version.hip is not None:
+        pytest.skip("the wgmma kernel is Hopper's (sm_90)")
+
+
+@pytest.mark.cuda
+def test_mla_wgmma_recorded_replay_gpu():
+    """The eager path's recorded launches (launch_record) replay the wgmma kernel and its merge
+    with another call's q, KV buffer and output: bitwise what the wrapper gives for that call."""
+    _need_hopper()
+    W, H, splits = 4, 16, 8
+    page_table, lens, num_pages = make_paged_batch([W, 700, 3000], 64, pad_rows=1, pad_len=W,
+                                                   device="cuda")
+    bs = lens.shape[0]
+    kv = [torch.randn(num_pages * 64, 1, 576, device="cuda").bfloat16() for _ in range(2)]
+    q = [torch.randn(bs * W, H, 576, device="cuda").bfloat16() for _ in range(2)]
+    out = [torch.empty(bs * W, H, LATENT, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ws = decode_workspace(bs * W, H, LATENT, splits, "cuda")
+    call = lambda i, o: mla_attention_fwd(q[i], kv[i], page_table, lens, 64, 0.1, splits, o,  # noqa: E731
+                                          q_per_req=W, workspace=ws)
+    with recording() as launches:
+        call(0, out[0])
+    assert [k for k, *_ in launches] == [_mla_wgmma_kernel, merge_kernel()]
+    rec = Recorded(launches, (q[0], kv[0], out[0]))
+    assert rec.usable and rec.replay((q[1], kv[1], out[1]))
+    call(1, out[2])
+    assert torch.equal(out[1], out[2]) and not torch.equal(out[0], out[1])
+
+
+def merge_kernel():
+    from attn_backends_kernels.attention_core import _merge_splits_kernel
+    return _merge_splits_kernel
+
+
 def test_mla_kernel_choice_errors():
-    """Asking for the wgmma kernel where it cannot run, or for an unknown kernel, is an error."""
-    with pytest.raises(ValueError, match="wgmma kernel needs"):
+    """Asking for the wgmma kernel where it cannot run, or for an unknown kernel (even with no
+    rows), is an error."""
+    with pytest.raises(ValueError, match="wgmma kernel needs float16/bfloat16"):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="wgmma")
+    with pytest.raises(ValueError, match="wgmma kernel needs an sm_90"):
+        run_mla([8, 4], 4, 16, 16, torch.float16, "cpu", kernel="wgmma")
     with pytest.raises(ValueError, match="kernel="):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")
+    empty = torch.zeros(0, 16, 576)
+    with pytest.raises(ValueError, match="kernel="):
+        mla_attention_fwd(empty, torch.zeros(64, 1, 576), torch.zeros(0, 1, dtype=torch.int32),
+                          torch.zeros(0, dtype=torch.int32), 64, 0.1, 1, torch.zeros(0, 16, 512),
+                          q_per_req=4, kernel="cutlass")
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({}, None),
+    ({"dtype": torch.float32}, "float16/bfloat16"),
+    ({"latent": 256}, "512 + 64"),
+    ({"rows": 32}, "64-row tiles"),
+    ({"block_n": 32}, "64-token tiles"),
+    ({"num_warps": 4}, "64-token tiles"),
+    ({"num_stages": 3}, "64-token tiles"),
+    ({"ragged": True}, "uniform rows"),
+    ({"q_stride": 580}, "strides in multiples of 16"),
+    ({"kv_stride": 577}, "strides in multiples of 16"),
+    ({"q_offset": 1}, "16-byte aligned"),
+])
+def test_wgmma_refusal_names_each_condition(monkeypatch, change, reason):
+    """Each condition of the wgmma kernel alone refuses it, with its reason; a launch that meets
+    all of them (on a stand-in sm_90 device) is taken."""
+    monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
+    dt = change.get("dtype", torch.bfloat16)
+    qs = change.get("q_stride", 576)
+    q = torch.zeros(8 * 16 * qs + 8, dtype=dt)[change.get("q_offset", 0):][:8 * 16 * qs]
+    q = q.view(8, 16, qs)[..., :576]
+    kvs = change.get("kv_stride", 576)
+    kv = torch.zeros(64 * kvs, dtype=dt).view(64, 1, kvs)[..., :576]
+    got = mla_wgmma.wgmma_refusal(q, kv, change.get("latent", 512), 64, change.get("rows", 64),
+                                  change.get("block_n"), change.get("num_warps"),
+                                  change.get("num_stages"), change.get("ragged", False))
+    assert (got is None) if reason is None else (reason in got), got

@@ -1,8 +1,10 @@
-"""The Gluon wgmma MLA kernel as compiled for sm_90 on this machine (no GPU needed): it must not
-spill, must fit one program's shared memory and must stay on wgmma with cp.async copies. A
-change that breaks one of these would otherwise show only on the device, as a launch failure
-(shared memory) or a silent slowdown (spills, mma.sync). The compile runs in a subprocess:
-this suite's kernels are the interpreter's (``TRITON_INTERPRET=1`` without CUDA)."""
+"""The Gluon wgmma MLA kernel as compiled for sm_90 on this machine (no GPU needed): the wrapper
+must pick it, and it must not spill and must fit one program's shared memory. A change that
+breaks one of these would otherwise show only on the device, as a launch failure (shared
+memory) or a silent slowdown (spills). Its dot and copy counts are fixed by the Gluon source
+(Gluon has no fallback): they guard against edits of the source, nothing more. The compile
+runs in a subprocess: this suite's kernels are the interpreter's (``TRITON_INTERPRET=1``
+without CUDA)."""
 import json
 import os
 import subprocess
