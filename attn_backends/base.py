@@ -343,12 +343,13 @@ class LayoutBackend(AttentionBackend):
         if meta.plan is not None and (batch.forward_mode != lay.mode or batch.batch_size != lay.bs):
             raise LayoutError(f"forward() got a {batch.forward_mode.name} batch of bs={batch.batch_size}, the "
                               f"graph metadata was prepared for {lay.mode.name} bs={lay.bs}")
-        n = int(q.shape[0])
-        if q.dim() != 3 or q.shape[1] != layer.num_q_heads or q.shape[2] != layer.qk_dim:
-            raise ValueError(f"q has shape {tuple(q.shape)}, expected [T, {layer.num_q_heads}, {layer.qk_dim}]")
-        if lay.width and n != lay.bs * lay.width:
-            raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{lay.width} = {lay.bs * lay.width}")
-        if not lay.width and n != batch.num_tokens:
+        shape, width = q.shape, lay.width       # q.shape read once: each read costs an eager call time
+        if len(shape) != 3 or shape[1] != layer.num_q_heads or shape[2] != layer.qk_dim:
+            raise ValueError(f"q has shape {tuple(shape)}, expected [T, {layer.num_q_heads}, {layer.qk_dim}]")
+        n = shape[0]
+        if width and n != lay.bs * width:
+            raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{width} = {lay.bs * width}")
+        if not width and n != batch.num_tokens:
             raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
@@ -358,7 +359,7 @@ class LayoutBackend(AttentionBackend):
                 real = batch.raw_bs * lay.width if lay.width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
                 self.memory.check_slots(batch.out_cache_loc, real)
             self._store_kv(layer, batch.out_cache_loc, k, v)
-        return self._run(q, layer, self.forward_metadata)
+        return self._run(q, layer, meta)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         self.memory.pool.store(layer.layer_id, loc, k, v)

@@ -26,8 +26,10 @@ class Ours:
         return self.backend.forward_metadata.as_layout()
 
     def eager(self):
-        r, be = self.row, self.backend
-        return lambda: be.forward(r.q, None, None, r.layer, r.batch, save_kv_cache=False)
+        """The eager call, its arguments bound once as FlashInfer's ``run()`` arguments are
+        (``row.layer`` builds an AttentionLayer on every read: 3.6 us of a call on the CPU)."""
+        be, q, layer, batch = self.backend, self.row.q, self.row.layer, self.row.batch
+        return lambda: be.forward(q, None, None, layer, batch, save_kv_cache=False)
 
     def graph(self) -> tuple:
         """``(graph, static output)``: captured, then prepared for replay on the same batch."""
@@ -36,7 +38,8 @@ class Ours:
         be.init_cuda_graph_state(r.bs, r.bs * r.wl.width)
         inputs = r.batch.graph_inputs()
         be.init_forward_metadata_capture_cuda_graph(inputs)
-        g, out = capture(lambda: be.forward(r.q, None, None, r.layer, r.batch, save_kv_cache=False))
+        layer = r.layer
+        g, out = capture(lambda: be.forward(r.q, None, None, layer, r.batch, save_kv_cache=False))
         be.init_forward_metadata_replay_cuda_graph(inputs)
         self._graph_backend = be                 # keeps the static buffers the graph reads alive
         return g, out

@@ -94,7 +94,7 @@ def gqa(bs=64, kv_len=4096, H=32, Hkv=8, D=128, page_size=16, W=1, dtype=torch.b
     nbytes = el * (bs * kv_len * Hkv * 2 * D + 2 * bs * W * H * D)
 
     def call(d, num_kv_splits, **tune):
-        ws = (d["ws"][0][:, :, :num_kv_splits], d["ws"][1][:, :, :num_kv_splits])
+        ws = (d["ws"][0][:, :, :num_kv_splits], d["ws"][1][:, :, :num_kv_splits], d["ws"][2])
         if W == 1:
             return decode_attention_fwd(d["q"], d["k"], d["v"], d["pt"], d["lens"], page_size,
                                         D ** -0.5, num_kv_splits, d["out"], ws, **tune)
@@ -120,7 +120,7 @@ def mla(bs=64, kv_len=4096, H=16, page_size=64, W=1, dtype=torch.bfloat16, max_s
     nbytes = el * (bs * kv_len * 576 + bs * W * H * (576 + 512))
 
     def call(d, num_kv_splits, **tune):
-        ws = (d["ws"][0][:, :, :num_kv_splits], d["ws"][1][:, :, :num_kv_splits])
+        ws = (d["ws"][0][:, :, :num_kv_splits], d["ws"][1][:, :, :num_kv_splits], d["ws"][2])
         return mla_attention_fwd(d["q"], d["kv"], d["pt"], d["lens"], page_size, 576 ** -0.5,
                                  num_kv_splits, d["out"], q_per_req=W, workspace=ws, **tune)
 

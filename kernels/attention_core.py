@@ -55,6 +55,39 @@ def store_partial(acc, m_i, l_i, o_ptrs, o_mask, lse_ptrs, lse_mask, NUM_SPLITS:
 
 
 @triton.jit
+def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, offs_dv, mask_dv,
+                  ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """The merge pass fused into the split pass: the split program of a tile that finishes last
+    merges the tile's ROWS rows (``part_rows`` / ``lse_rows`` / ``out_rows``: [ROWS] pointers to
+    split 0 of each row's partial output and log2-sum-exp, and to its output) as
+    ``_merge_splits_kernel`` does, one [ROWS, BLOCK_DV] partial a step (unrolled: the loads
+    are independent; a [ROWS, splits, BLOCK_DV] load took the extend kernel from 103 to 163
+    registers on sm_90). ``sem_ptr`` is the tile's counter
+    (int32, 0 before the launch): every split program adds 1 after its partials are stored
+    (release), the one that reads NUM_SPLITS - 1 sees them all (acquire) and sets the counter
+    back to 0 for the next launch (graph replays included)."""
+    tl.debug_barrier()                  # every thread's partial stores precede the release below
+    done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
+        offs_s = tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], cache_modifier=".cg",
+                      mask=rows_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
+        m = tl.max(lse, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)    # a row no split saw anything of: zeros
+        w_sum = tl.sum(tl.exp2(lse - m[:, None]), 1)
+        acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+        for i in tl.static_range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_rows + i, mask=rows_ok, other=float("-inf"), cache_modifier=".cg") - m)
+            part = tl.load(part_rows[:, None] + i * stride_ps + offs_dv[None, :],
+                           mask=rows_ok[:, None] & mask_dv[None, :], other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * part
+        out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+        tl.store(out_rows[:, None] + offs_dv[None, :], out, mask=rows_ok[:, None] & mask_dv[None, :])
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_pt, stride_ph, stride_ps,
@@ -157,25 +190,57 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
 
 
+# Where a tile's split partials are at most this many bytes, the split pass merges them itself
+# (``merge_if_last``: one launch instead of two, 5-7 us of an eager call's host time on the
+# H200 machine); above it the separate merge pass, which spreads the reads over many programs
+# where the fused merge has the one program that finishes last read them all. H200, graph
+# replay, separate -> fused: GQA 32/8 decode bs 1 kv 2048 (128 KiB a tile) 14.5 -> 13.8 us,
+# bs 16 kv 8192 (16 KiB) 138.9 -> 137.9; GQA 64/8 decode bs 4 (128 KiB) 23.2 -> 24.2 and
+# 51.1 -> 52.2; the extend kernel's 16-row verify tile lost more at 128 KiB (bs 4 kv 2048
+# 24.6 -> 26.9, kv 8192 52.1 -> 54.7) and tied at 32 KiB (bs 16: 51.6 -> 50.6, 140.8 -> 139.7),
+# so it fuses up to half of this.
+FUSED_MERGE_BYTES = 128 << 10
+
+
+def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int,
+               share: float = 1.0) -> bool:
+    """Whether a split pass whose tiles hold ``rows`` rows merges its own partials: splits, at
+    most ``share`` x FUSED_MERGE_BYTES of partials a tile, and a [rows, Dv] partial of at most 16 values a
+    thread (sm_90 registers with the merge: GQA 32/8 verify tile 103 -> 108-119, decode 64 -> 64-72;
+    a GQA 64/8 verify tile 99 -> 142 on 4 warps, 186 -> 255 on 2)."""
+    return (num_kv_splits > 1 and rows * num_kv_splits * head_dim_v * 4 <= FUSED_MERGE_BYTES * share
+            and rows * head_dim_v <= 16 * 32 * num_warps)
+
+
 def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device):
     """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
-    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32)``."""
+    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32, counters [rows * H] int32)``.
+    The counters (zeros; every launch leaves them zero) are the fused merge's tile counters, as
+    many as the tiles of a uniform batch of ``num_rows`` rows can have."""
     part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
                        device=device)
     lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
-    return part, lse
+    counters = torch.zeros(num_rows * num_heads, dtype=torch.int32, device=device)
+    return part, lse, counters
 
 
-def split_targets(name, out, workspace, num_kv_splits):
+def split_targets(name, out, workspace, num_kv_splits, tiles=0):
     """Where pass 1 writes: straight into ``out [T, H, Dv]`` for one split (no merge
     pass), else into the workspace (allocated here when None, which a graph must avoid).
-    Returns (o, lse, (stride_t, stride_h, stride_split), (lse stride_t, stride_h))."""
+    ``tiles`` > 0: the split pass merges its own partials, with one counter per tile (the
+    workspace's third tensor). Returns (o, lse, counters, (stride_t, stride_h, stride_split),
+    (lse stride_t, stride_h)); counters is ``out`` (never read) without a fused merge."""
     T, H, Dv = out.shape
     if num_kv_splits == 1:
-        return out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+        return out, out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     if workspace is None:
         workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device)
-    o, lse = workspace
+        if tiles > T * H:
+            workspace = (*workspace[:2], torch.zeros(tiles, dtype=torch.int32, device=out.device))
+    if len(workspace) not in (2, 3):
+        raise ValueError(f"{name}: workspace must be (part, lse[, counters]) as decode_workspace "
+                         f"returns, got {len(workspace)} tensors")
+    o, lse = workspace[:2]
     if (o.shape[0] < T or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
             or lse.shape[0] < T or tuple(lse.shape[1:]) != (H, num_kv_splits)
             or o.dtype != torch.float32 or lse.dtype != torch.float32
@@ -183,5 +248,14 @@ def split_targets(name, out, workspace, num_kv_splits):
         raise ValueError(f"{name}: workspace {tuple(o.shape)} {o.dtype} / {tuple(lse.shape)} "
                          f"{lse.dtype} does not fit rows={T}, H={H}, splits={num_kv_splits}, "
                          f"Dv={Dv} (float32, contiguous last dim)")
+    counters = out
+    if tiles:
+        counters = workspace[2] if len(workspace) == 3 else None
+        if (counters is None or counters.dtype != torch.int32 or counters.device != out.device
+                or counters.dim() != 1 or counters.stride(0) != 1 or counters.numel() < tiles):
+            got = None if counters is None else f"{tuple(counters.shape)} {counters.dtype} on {counters.device}"
+            raise ValueError(f"{name}: the fused merge needs the workspace's counters (int32, "
+                             f">= {tiles} contiguous on {out.device}, zeros: decode_workspace's "
+                             f"third tensor), got {got}")
     o, lse = o[:T], lse[:T]
-    return o, lse, (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
+    return o, lse, counters, (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))

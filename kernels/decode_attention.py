@@ -6,7 +6,9 @@ group against it (GQA), keeping an online softmax in float32. Split boundaries a
 computed in the kernel from ``seq_lens_k`` on the device, so the grid depends only on
 host ints (``bs``, ``Hkv``, ``num_kv_splits``) and the launch is CUDA-graph safe.
 Pass 2 (``merge_splits``, shared with the extend and MLA kernels) merges the per-split
-partial outputs with their log-sum-exp.
+partial outputs with their log-sum-exp; where a KV head's partials are small
+(``fuse_merge``) the split program that finishes last merges them itself (``merge_if_last``),
+one launch in all.
 
 Layout: ``k_buffer [num_slots, Hkv, D]``, ``v_buffer [num_slots, Hkv, Dv]``; slot of
 position t of request i = ``page_table[i, t // page_size] * page_size + t % page_size``.
@@ -16,13 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets, store_partial
+from .attention_core import (
+    LOG2E,
+    check_paged_inputs,
+    fuse_merge,
+    merge_if_last,
+    merge_splits,
+    paged_tile_update,
+    split_targets,
+    store_partial,
+)
 from .launch_record import launch
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
@@ -30,11 +41,13 @@ def _decode_split_kernel(
     stride_pb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_xb, stride_xh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -74,6 +87,12 @@ def _decode_split_kernel(
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
                   lse_ptr + b * stride_lb + heads * stride_lh + split, mask_h, NUM_SPLITS)
+    if FUSED:  # out_ptr / sem_ptr: the output and this KV head's counter
+        g = tl.arange(0, GROUP_PAD)
+        hg = kvh * GROUP + g
+        merge_if_last(sem_ptr + b * tl.num_programs(1) + kvh, o_ptr + b * stride_ob + hg * stride_oh,
+                      lse_ptr + b * stride_lb + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
+                      g < GROUP, stride_os, offs_dv, mask_dv, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S)
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
@@ -88,7 +107,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32 (>= 1 each)
     page_size, num_kv_splits : host ints (fixed per captured graph)
     out : [bs, H, Dv], dtype of q
-    workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32)`` from
+    workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32, counters)`` from
         ``decode_workspace``; allocated here when None (not inside a graph then).
     """
     bs, H, D = q.shape
@@ -108,23 +127,28 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     group = H // Hkv
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
-    o, lse, o_strides, lse_strides = split_targets("decode_attention_fwd", out, workspace,
-                                                   num_kv_splits)
+    group_pad = triton.next_power_of_2(group)
+    fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps)
+    block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
+    o, lse, counters, o_strides, lse_strides = split_targets(
+        "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
     launch(_decode_split_kernel, (bs, Hkv, num_kv_splits),
-        q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse,
+        q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         page_table.stride(0),
         *o_strides, *lse_strides,
+        out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+        HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)
     return out

@@ -5,8 +5,8 @@ request's whole KV extent (prefix and the new tokens, which were stored in the c
 first) through the page table. One program handles BLOCK_Q query rows times every query
 head of one KV head group, flattened into BLOCK_M = BLOCK_Q * GROUP_PAD rows, so each KV
 tile is loaded once per group and, for verify (W <= 8), once per request. An optional
-split-KV axis (merged by ``merge_splits``) adds parallelism for short queries over long
-caches.
+split-KV axis (merged by ``merge_splits``, or by the tile's last split program where its
+partials are small: ``fuse_merge``) adds parallelism for short queries over long caches.
 
 The grid is ``(cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs, Hkv)``, from host ints only
 (``max_q_len`` is a bound given by the caller, e.g. W), so the launch is graph safe;
@@ -23,7 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, check_paged_inputs, merge_splits, paged_tile_update, split_targets, store_partial
+from .attention_core import (
+    LOG2E,
+    check_paged_inputs,
+    fuse_merge,
+    merge_if_last,
+    merge_splits,
+    paged_tile_update,
+    split_targets,
+    store_partial,
+)
 from .launch_record import launch
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
@@ -50,7 +59,7 @@ def visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask
 @triton.jit
 def _extend_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
-    o_ptr, lse_ptr,
+    o_ptr, lse_ptr, out_ptr, sem_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
@@ -58,11 +67,13 @@ def _extend_split_kernel(
     stride_pb,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
+    stride_xt, stride_xh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     num_qb = tl.num_programs(0) // NUM_SPLITS
@@ -122,6 +133,12 @@ def _extend_split_kernel(
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
                   lse_ptr + rows * stride_lt + heads * stride_lh + split, row_ok, NUM_SPLITS)
+    if FUSED:  # out_ptr / sem_ptr: the output and this tile's counter
+        tile = (b * num_qb + qb) * tl.num_programs(2) + kvh
+        merge_if_last(sem_ptr + tile, o_ptr + rows * stride_ot + heads * stride_oh,
+                      lse_ptr + rows * stride_lt + heads * stride_lh,
+                      out_ptr + rows * stride_xt + heads * stride_xh, row_ok, stride_os, offs_dv,
+                      mask_dv, BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
@@ -154,7 +171,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     out : [T, H, Dv], q's dtype
     mask : "causal" | "tree" (needs ``custom_mask`` bool/uint8 [bs*W*W], uniform W rows)
         | "draft" (needs ``draft_prefix_lens`` [bs] int32, uniform W rows)
-    workspace : ``decode_workspace(T, H, Dv, num_kv_splits)`` when num_kv_splits > 1
+    workspace : ``decode_workspace(T, H, Dv, num_kv_splits)`` when num_kv_splits > 1 (its
+        counters must number ``bs * cdiv(max_q_len, block_q) * Hkv`` where the merge is fused)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -208,24 +226,29 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         num_warps = 2 if long_splits else 4
     if num_stages is None:
         num_stages = 3 if long_splits else 2
-    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
-    grid = (triton.cdiv(max_q_len, block_q) * num_kv_splits, bs, Hkv)
-    launch(_extend_split_kernel, grid,
+    num_qb = triton.cdiv(max_q_len, block_q)
+    fused = fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, share=0.5)
+    block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
+    o, lse, counters, o_strides, lse_strides = split_targets(
+        name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
+    launch(_extend_split_kernel, (num_qb * num_kv_splits, bs, Hkv),
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
-        o, lse,
+        o, lse, out, counters,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         page_table.stride(0),
         *o_strides, *lse_strides,
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+        HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED=fused, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)
     return out

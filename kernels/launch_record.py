@@ -50,16 +50,22 @@ def _stream() -> tuple:
     return index, _raw_stream(index)
 
 
-def _launcher(compiled, grid: tuple, stream: int):
-    """``(launch, leading arguments)``: the compiled kernel's C launch function and every argument
-    Triton's Python runner passes it before the kernel's own, where that runner adds nothing of a
-    call's (no scratch memory to allocate); None where it would (then replay calls the runner)."""
+def _direct(compiled, grid: tuple, stream: int, full: list):
+    """``(launch, arguments)``: the compiled kernel's C launch function and the arguments of a call
+    to it, where Triton's Python runner adds nothing of a call's (no scratch memory to allocate);
+    None where it would (then replay calls the runner). The arguments are every one Triton's runner
+    passes before the kernel's own, then the kernel's, with each tensor as its device address: the
+    C launch reads an int as the address itself, where for a tensor it calls ``data_ptr()`` and asks
+    the driver whether the address is a device one (``cuPointerGetAttribute``), a round trip per
+    pointer on every call. The tensors are the recording's own (``full`` holds them, alive) and a
+    replay passes the addresses of its per-call tensors, whose device it has checked."""
     run = compiled.run
     fn = getattr(run, "launch", None)
     if fn is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None
-    return fn, (*grid, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                compiled.packed_metadata, None, None, None)
+    lead = (*grid, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None)
+    return fn, [*lead, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full)], len(lead)
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -86,14 +92,27 @@ class recording:
 
 
 def _facts(t: torch.Tensor) -> tuple:
+    """What a compiled kernel is specialized on (and the device): :meth:`Recorded.replay` compares
+    the same tuple, built inline."""
     return t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() % 16 == 0
 
 
 class Recorded:
-    """The launches of one wrapper call over the per-call tensors ``inputs``, replayable."""
+    """The launches of one wrapper call over the per-call tensors ``inputs``, replayable.
 
-    def __init__(self, launches: list, inputs: tuple) -> None:
+    ``kept``: positions of inputs that are long-lived tensors (a layer's KV buffers): a replay
+    checks the facts of each tensor object once at a position and then only its identity (the
+    recording holds it), so a tensor whose shape or strides are changed in place afterwards
+    (``resize_``, ``set_``, ``as_strided_``) would be replayed with its old facts.
+    ``derived``: positions of inputs whose facts follow from the others' by the caller's
+    construction (an output it allocates from q's rows, heads, dtype and device, contiguous, by
+    the caching allocator: aligned): not checked. Every other input is checked on every replay.
+    """
+
+    def __init__(self, launches: list, inputs: tuple, kept: tuple = (), derived: tuple = ()) -> None:
         self.facts = tuple(_facts(t) for t in inputs)
+        self.checked = [i for i in range(len(inputs)) if i not in kept and i not in derived]
+        self.kept = {i: {id(inputs[i]): inputs[i]} for i in kept}
         self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)], direct)
         self.replays = 0
         if not launches or len({id(t) for t in inputs}) < len(inputs):
@@ -120,7 +139,7 @@ class Recorded:
             compiled[grid]                        # loads the module and function handles
             self.calls.append((compiled, grid, full, slots))
         self.stream = _stream()                   # the workspace the wrapper made is this stream's
-        self.calls = [(c, g, full, slots, _launcher(c, g, self.stream[1])) for c, g, full, slots in self.calls]
+        self.calls = [(c, g, full, slots, _direct(c, g, self.stream[1], full)) for c, g, full, slots in self.calls]
 
     @property
     def usable(self) -> bool:
@@ -129,21 +148,37 @@ class Recorded:
     def replay(self, inputs: tuple) -> bool:
         """Launch the recorded kernels over ``inputs``; False (nothing launched) unless they
         match the recorded tensors in every fact a compiled kernel is specialized on."""
-        if not self.calls or len(inputs) != len(self.facts) or \
-                any(_facts(t) != f for t, f in zip(inputs, self.facts)):
+        if not self.calls or len(inputs) != len(self.facts):
             return False
+        ptrs = [t.data_ptr() for t in inputs]
+        facts = self.facts
+        for i in self.checked:
+            t = inputs[i]
+            if (t.dtype, t.shape, t.stride(), t.get_device(), ptrs[i] % 16 == 0) != facts[i]:
+                return False
+        for i, seen in self.kept.items():
+            t = inputs[i]
+            if seen.get(id(t)) is not t:
+                if _facts(t) != facts[i]:
+                    return False
+                seen[id(t)] = t
         where = _stream()
         if where != self.stream:                  # another stream or device: record there anew
             return False
         stream, hooked = where[1], _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         for compiled, grid, full, slots, direct in self.calls:
+            if direct is not None and not hooked:  # the C launch Triton's runner ends in, called directly
+                fn, args, lead = direct
+                args = list(args)
+                for pos, i in slots:
+                    args[lead + pos] = ptrs[i]
+                fn(*args)
+                continue
             args = list(full)
             for pos, i in slots:
                 args[pos] = inputs[i]
             if hooked:                            # a profiler's launch hooks: Triton's own runner
                 compiled[grid](*args, stream=stream)
-            elif direct is not None:              # the C launch that runner ends in, called directly
-                direct[0](*direct[1], *args)
             else:                                 # that runner, for a kernel with scratch memory
                 compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         self.replays += 1

@@ -210,7 +210,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         raise ValueError(f"{name}: the wgmma kernel {refusal}")
     if bs == 0:
         return out
-    o, lse, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
+    o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
     common = (sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0),
               page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
 
 from ..base import ForwardMetadata, LayoutBackend
@@ -112,7 +113,8 @@ class TritonBackendBase(LayoutBackend):
 
     def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
         kv = self._kv_buffers(layer)
-        out = torch.empty(q.shape[0], q.shape[1], self._out_dim(), dtype=q.dtype, device=q.device)
+        shape = q.shape
+        out = q.new_empty((shape[0], shape[1], self._out_dim()))
         if meta.plan is not None and stream_capturing():   # captured: the graph replays the launch
             self._launch(q, kv, out, layer, meta)
             return out
@@ -126,7 +128,8 @@ class TritonBackendBase(LayoutBackend):
             return out
         with recording() as launches:
             self._launch(q, kv, out, layer, meta)
-        book[layer.scaling] = Recorded(launches, inputs)
+        # the KV buffers are the pool's (their facts checked once each), out is this call's own
+        book[layer.scaling] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
         if _book_in_meta(meta):                   # kept once a call succeeded: a failed call changes nothing
             meta.extra["recorded"] = book
         return out
@@ -151,20 +154,21 @@ class TritonBackendBase(LayoutBackend):
         splits = self._splits(layout)
         ws = None
         if key is not None and splits > 1:
-            rows = key.bs * key.width
-            h, dv = self.config.num_q_heads, self._out_dim()
-            dev = self.memory.device
-            ws = (torch.empty(rows, h, splits, dv, dtype=torch.float32, device=dev),
-                  torch.empty(rows, h, splits, dtype=torch.float32, device=dev))
+            ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
+                                  self.memory.device)
         return {"num_kv_splits": splits, "workspace": ws}
 
     def _extra_graph_buffers(self) -> dict:
+        """The split workspaces' partials. Not their counters (the fused merge's, see
+        ``merge_if_last``): they hold no batch's data, only zeros between launches, which every
+        launch leaves as it found them; what the suite writes into graph buffers would stand for a
+        corrupted kernel state, not for stale data."""
         out = {}
         for i, ((key, _), meta) in enumerate(self._graph_meta.items()):
             ws = meta.extra.get("workspace")
             if ws is not None:
                 tag = f"{key.forward_mode.name}_{key.bs}x{key.width}#{i}"
-                out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = ws
+                out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = ws[:2]
         return out
 
     def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:

@@ -99,6 +99,22 @@ def test_replay_refuses_tensors_the_kernel_was_not_specialized_for(change):
     assert not rec.replay(inputs) and rec.replays == 0 and not k.compiled.calls
 
 
+def test_kept_inputs_are_checked_once_per_tensor_and_derived_ones_not_at_all():
+    """The backend's recording: KV buffers (kept) checked the first time each tensor object comes
+    at its position, then by identity; the output (derived) never; q on every replay."""
+    k, table = _Kernel(_attn), torch.arange(6, dtype=torch.int32)
+    q, kv, out = _tensors(0)
+    with recording() as launches:
+        _wrapper(k, q, kv, out, table)
+    rec = Recorded(launches, (q, kv, out), kept=(1,), derived=(2,))
+    q2, kv2, out2 = _tensors(1)
+    assert rec.replay((q2, kv2, out2)) and rec.kept[1][id(kv2)] is kv2      # a new KV buffer: checked, kept
+    assert not rec.replay((q2, kv2.double(), out2)), "a KV buffer of another dtype was replayed"
+    assert not rec.replay((q2.double(), kv2, out2)), "q is checked on every replay"
+    assert rec.replay((q2, kv2, torch.empty(9, 3))), "the output's facts are the caller's to derive"
+    assert rec.replays == 2
+
+
 def test_a_view_of_a_calls_tensor_or_no_compiled_kernel_makes_the_recording_unusable():
     table = torch.arange(6, dtype=torch.int32)
     rec = _record(_Kernel(_attn), _tensors(0), table, view_q=True)     # the wrapper launched a view of q
@@ -182,13 +198,15 @@ def test_replay_calls_the_c_launch_directly_unless_the_runner_adds_scratch(scrat
     assert not runner.via_call and len(runner.direct) == 1
     args = runner.direct[0]
     assert args[:13] == (4, 2, 1, 7, c.function, False, True, None, None, c.packed_metadata, None, None, None)
-    assert args[13] is second[0] and args[14] is second[1] and args[15] is table and args[16] is second[2]
+    assert args[13:17] == (second[0].data_ptr(), second[1].data_ptr(), table.data_ptr(), second[2].data_ptr()), \
+        "the C launch takes each tensor as its address"
     assert args[17:] == (8, 0.5, 16, 1)
 
 
 def test_the_direct_launch_passes_what_triton_s_runner_passes():
     """Triton's own ``CudaLauncher.__call__`` (its C launch recorded, no module compiled) and the
-    replay's direct call hand the C launch the same arguments."""
+    replay's direct call hand the C launch the same arguments, the replay each tensor as its
+    address (the C launch reads an int as the address, and asks the driver about a tensor's)."""
     from triton.backends.nvidia.driver import CudaLauncher
 
     class _Real(CudaLauncher):
@@ -206,7 +224,8 @@ def test_the_direct_launch_passes_what_triton_s_runner_passes():
     runner(4, 2, 1, 7, c.function, c.packed_metadata, None, None, None,
            second[0], second[1], table, second[2], 8, 0.5, 16, 1)     # what Triton's launch path passes
     assert rec.replay(second) and len(runner.seen) == 2
-    assert runner.seen[0] == runner.seen[1]
+    assert tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in runner.seen[0]) == runner.seen[1]
+    assert not any(isinstance(a, torch.Tensor) for a in runner.seen[1])
 
 
 def test_a_launch_hook_takes_triton_s_runner_over_the_direct_launch(monkeypatch):

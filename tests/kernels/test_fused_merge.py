@@ -1,0 +1,126 @@
+"""The merge pass fused into the split pass (``merge_if_last``): the GQA decode and extend kernels
+merge a tile's split partials in the split program that finishes last, where they are small
+(``fuse_merge``), and launch ``merge_splits`` otherwise. Both paths against the float64
+reference; the tile counters left at zero by every launch (a second call over other data still
+right), stale counters caught, a workspace without counters refused; on the GPU, hundreds of
+graph replays bitwise equal (the counter's release / acquire order)."""
+import pytest
+import torch
+from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
+
+from attn_backends_kernels import attention_core, decode_attention, extend_attention
+from attn_backends_kernels.attention_core import decode_workspace, fuse_merge
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+
+
+class Case:
+    """A decode (W = 1) or verify batch over shuffled pages, NaN in the output and partials."""
+
+    def __init__(self, W, splits, device, dtype=torch.float32, H=8, Hkv=2, D=16, page_size=16,
+                 seq_lens=(70, 3, 129), mask=CAUSAL, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.W, self.splits, self.mask, self.page_size = W, splits, mask, page_size
+        self.pt, self.lens, pages = make_paged_batch([max(s, W) for s in seq_lens], page_size, pad_rows=1,
+                                                     pad_len=W, device=device, seed=seed)
+        bs = self.lens.shape[0]
+        self.T = bs * W
+        rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+        self.k, self.v = rnd(pages * page_size, Hkv, D), rnd(pages * page_size, Hkv, D)
+        self.qs = [rnd(self.T, H, D) for _ in range(2)]
+        self.cu = torch.arange(0, self.T + 1, W, dtype=torch.int32, device=device)
+        self.custom = None
+        if mask == TREE:
+            self.custom = torch.rand(bs * W * W, generator=g).to(device) < 0.5
+            self.custom.view(bs, W, W).diagonal(dim1=1, dim2=2).fill_(True)
+        self.ws = decode_workspace(self.T, H, D, splits, device)
+        self.ws[0].fill_(float("nan"))
+        self.ws[1].fill_(float("nan"))
+
+    def run(self, q, ws="own"):
+        ws = self.ws if ws == "own" else ws
+        out = torch.full_like(q, float("nan"))
+        scale = q.shape[-1] ** -0.5
+        if self.W == 1:
+            decode_attention_fwd(q, self.k, self.v, self.pt, self.lens, self.page_size, scale, self.splits,
+                                 out, ws)
+        else:
+            extend_attention_fwd(q, self.k, self.v, self.pt, self.lens, self.cu, self.page_size, scale, self.W,
+                                 out, mask=self.mask, custom_mask=self.custom, num_kv_splits=self.splits,
+                                 workspace=ws)
+        return out
+
+    def ref(self, q):
+        return ref_paged_attention(q, self.k, self.v, self.pt, self.lens, self.cu, self.page_size,
+                                   q.shape[-1] ** -0.5, self.mask, self.custom)
+
+
+def _separate_merges(monkeypatch) -> list:
+    """Count the separate merge launches of the decode and extend wrappers."""
+    seen = []
+    for mod in (decode_attention, extend_attention):
+        real = mod.merge_splits
+        monkeypatch.setattr(mod, "merge_splits", lambda *a, real=real: (seen.append(1), real(*a))[1])
+    return seen
+
+
+@pytest.mark.parametrize("path", ["fused", "separate"])
+@pytest.mark.parametrize("W,mask,splits", [(1, CAUSAL, 3), (1, CAUSAL, 8), (4, CAUSAL, 4), (3, TREE, 2)])
+def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkeypatch, path, W, mask, splits):
+    if path == "separate":
+        monkeypatch.setattr(attention_core, "FUSED_MERGE_BYTES", 0)
+    seen = _separate_merges(monkeypatch)
+    c = Case(W, splits, "cpu", mask=mask)
+    for q in c.qs:                          # the second call reads counters the first left behind
+        assert_close(c.run(q), c.ref(q), 1e-5)
+    assert len(seen) == (0 if path == "fused" else 2), seen
+    assert not c.ws[2].any(), "a launch left a tile counter nonzero"
+
+
+def test_a_stale_counter_is_caught():
+    """Counters not back at zero (a launch that did not reset them) make the merge fire early or
+    never: the output is wrong, and this is what the test above would see."""
+    c = Case(1, 4, "cpu")
+    c.ws[2][1] = 1
+    out = c.run(c.qs[0])
+    assert not torch.allclose(out.nan_to_num(1e9).double(), c.ref(c.qs[0]), atol=1e-3)
+
+
+def test_the_fused_merge_needs_the_counters():
+    c = Case(4, 4, "cpu")
+    with pytest.raises(ValueError, match="counters"):
+        c.run(c.qs[0], ws=c.ws[:2])
+    with pytest.raises(ValueError, match="counters"):
+        c.run(c.qs[0], ws=(*c.ws[:2], c.ws[2][:3]))     # fewer than the tiles (bs * Hkv = 8)
+    assert_close(c.run(c.qs[0], ws=None), c.ref(c.qs[0]), 1e-5)  # allocated by the wrapper
+
+
+def test_the_rule_bounds_what_one_program_reads_and_holds():
+    assert fuse_merge(4, 64, 128, 4) and not fuse_merge(4, 1, 128, 4)          # decode bs 1; no splits
+    assert not fuse_merge(32, 64, 128, 4) and not fuse_merge(16, 64, 128, 4)   # 1 MiB, 512 KiB of partials
+    assert fuse_merge(16, 16, 128, 4) and not fuse_merge(32, 4, 128, 4)        # 16 / 32 values a thread
+    assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (4, 8, 4), (4, 4, 4)])
+def test_graph_replays_are_bitwise_stable(W, splits, group):
+    """Hundreds of replays of one captured launch over long splits: a partial read before its
+    writer's release (or a counter reset lost) would show as a replay that differs."""
+    c = Case(W, splits, "cuda", dtype=torch.bfloat16, H=8 * group, Hkv=8, D=128,
+             seq_lens=(4096, 33, 8000, 700))
+    assert fuse_merge(group * W if W > 1 else group, splits, 128, 4, 0.5 if W > 1 else 1.0)
+    q = c.qs[0]
+    first = c.run(q)
+    assert_close(first, c.ref(q), 1e-2)
+    out = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(c.run(q))
+    outs = []
+    for _ in range(300):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for o in outs), "a replay differs from the eager call"
+    assert not c.ws[2].any()
