@@ -178,7 +178,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def graph_buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor a captured graph of this backend reads, by name: the suite poisons them
-        before replays and checks that their address, shape and dtype never change (I2, I3)."""
+        before replays and checks that their address, shape and dtype never change (I2, I3).
+        Kernel state that holds no batch's data and that every launch leaves as it found it (the
+        Triton kernels' fused-merge tile counters, zeros between launches) is not listed."""
 
     @abstractmethod
     def forward(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
