@@ -215,8 +215,10 @@ def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int,
 def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device):
     """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
     ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32, counters [rows * H] int32)``.
-    The counters (zeros; every launch leaves them zero) are the fused merge's tile counters, as
-    many as the tiles of a uniform batch of ``num_rows`` rows can have."""
+    The counters are the fused merge's tile counters, as many as the tiles of a uniform batch of
+    ``num_rows`` rows can have. They must be zeros before the first launch (every launch leaves
+    them so; not checked, which would cost a host sync). A workspace of ``(part, lse)`` alone is
+    accepted and runs the separate merge pass."""
     part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
                        device=device)
     lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
@@ -228,15 +230,17 @@ def split_targets(name, out, workspace, num_kv_splits, tiles=0):
     """Where pass 1 writes: straight into ``out [T, H, Dv]`` for one split (no merge
     pass), else into the workspace (allocated here when None, which a graph must avoid).
     ``tiles`` > 0: the split pass merges its own partials, with one counter per tile (the
-    workspace's third tensor). Returns (o, lse, counters, (stride_t, stride_h, stride_split),
-    (lse stride_t, stride_h)); counters is ``out`` (never read) without a fused merge."""
+    workspace's third tensor; the wrapper asks for it only where the workspace has one).
+    Returns (o, lse, counters, (stride_t, stride_h, stride_split), (lse stride_t, stride_h));
+    counters is ``out`` (never read) without a fused merge."""
     T, H, Dv = out.shape
     if num_kv_splits == 1:
         return out, out, out, (out.stride(0), out.stride(1), 0), (0, 0)
-    if workspace is None:
-        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device)
-        if tiles > T * H:
-            workspace = (*workspace[:2], torch.zeros(tiles, dtype=torch.int32, device=out.device))
+    if workspace is None:                 # counters (a memset) only for a fused merge
+        workspace = (torch.empty(T, H, num_kv_splits, Dv, dtype=torch.float32, device=out.device),
+                     torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=out.device))
+        if tiles:
+            workspace += (torch.zeros(tiles, dtype=torch.int32, device=out.device),)
     if len(workspace) not in (2, 3):
         raise ValueError(f"{name}: workspace must be (part, lse[, counters]) as decode_workspace "
                          f"returns, got {len(workspace)} tensors")

@@ -12,6 +12,9 @@ A replay is refused (:meth:`Recorded.replay` returns False: the caller runs the 
 unless every per-call tensor matches the recorded one in dtype, shape, strides, device and
 16-byte alignment (with every int argument replayed as it was recorded, these are all the facts
 Triton specializes a compiled kernel on) and the current stream and device are the recording's.
+A recording may name long-lived inputs (``kept``: checked once per tensor object) and inputs
+the caller derives from the others (``derived``: only their alignment checked); see
+:class:`Recorded`.
 The wrapper's own tensors (the split workspace it allocated on that stream) are reused by every
 replay, in that stream's order. A recording is unusable (every replay refused) when a launch's
 tensor argument is a view of a per-call tensor made inside the wrapper (it would be replayed
@@ -22,6 +25,7 @@ does every piece of per-call work in its kernels (no torch op on q or the output
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -51,9 +55,10 @@ def _stream() -> tuple:
 
 
 def _direct(compiled, grid: tuple, stream: int, full: list):
-    """``(launch, arguments)``: the compiled kernel's C launch function and the arguments of a call
-    to it, where Triton's Python runner adds nothing of a call's (no scratch memory to allocate);
-    None where it would (then replay calls the runner). The arguments are every one Triton's runner
+    """``(launch, arguments, lead)``: the compiled kernel's C launch function and the arguments of
+    a call to it (the kernel's own from index ``lead``), where Triton's Python runner adds nothing
+    of a call's (no scratch memory to allocate); None where it would (then replay calls the
+    runner). The arguments are every one Triton's runner
     passes before the kernel's own, then the kernel's, with each tensor as its device address: the
     C launch reads an int as the address itself, where for a tensor it calls ``data_ptr()`` and asks
     the driver whether the address is a device one (``cuPointerGetAttribute``), a round trip per
@@ -101,18 +106,20 @@ class Recorded:
     """The launches of one wrapper call over the per-call tensors ``inputs``, replayable.
 
     ``kept``: positions of inputs that are long-lived tensors (a layer's KV buffers): a replay
-    checks the facts of each tensor object once at a position and then only its identity (the
-    recording holds it), so a tensor whose shape or strides are changed in place afterwards
-    (``resize_``, ``set_``, ``as_strided_``) would be replayed with its old facts.
-    ``derived``: positions of inputs whose facts follow from the others' by the caller's
-    construction (an output it allocates from q's rows, heads, dtype and device, contiguous, by
-    the caching allocator: aligned): not checked. Every other input is checked on every replay.
+    checks the facts of each tensor object once at a position and then only its identity (a weak
+    reference: the recording keeps no tensor alive), so a tensor whose shape or strides are
+    changed in place afterwards (``resize_``, ``set_``, ``as_strided_``) would be replayed with
+    its old facts. ``derived``: positions of inputs whose facts follow from the others' by the
+    caller's construction (an output it allocates from q's rows, heads, dtype and device,
+    contiguous): only their 16-byte alignment is checked. Every other input is checked in full
+    on every replay.
     """
 
     def __init__(self, launches: list, inputs: tuple, kept: tuple = (), derived: tuple = ()) -> None:
         self.facts = tuple(_facts(t) for t in inputs)
         self.checked = [i for i in range(len(inputs)) if i not in kept and i not in derived]
-        self.kept = {i: {id(inputs[i]): inputs[i]} for i in kept}
+        self.derived = tuple(derived)
+        self.kept = {i: weakref.WeakValueDictionary({id(inputs[i]): inputs[i]}) for i in kept}
         self.calls: Optional[list] = []           # (compiled, grid, args, [(position, input index)], direct)
         self.replays = 0
         if not launches or len({id(t) for t in inputs}) < len(inputs):
@@ -135,7 +142,7 @@ class Recorded:
                     self.calls = None             # a view of a per-call tensor: it would go stale
                     return
             for pos, _ in slots:
-                full[pos] = None                  # substituted on every replay: hold no call's tensor
+                full[pos] = None                  # substituted on every replay: hold no call's tensor (kept: weakly)
             compiled[grid]                        # loads the module and function handles
             self.calls.append((compiled, grid, full, slots))
         self.stream = _stream()                   # the workspace the wrapper made is this stream's
@@ -147,7 +154,8 @@ class Recorded:
 
     def replay(self, inputs: tuple) -> bool:
         """Launch the recorded kernels over ``inputs``; False (nothing launched) unless they
-        match the recorded tensors in every fact a compiled kernel is specialized on."""
+        match the recorded tensors in every fact a compiled kernel is specialized on (kept and
+        derived inputs as the class says)."""
         if not self.calls or len(inputs) != len(self.facts):
             return False
         ptrs = [t.data_ptr() for t in inputs]
@@ -155,6 +163,9 @@ class Recorded:
         for i in self.checked:
             t = inputs[i]
             if (t.dtype, t.shape, t.stride(), t.get_device(), ptrs[i] % 16 == 0) != facts[i]:
+                return False
+        for i in self.derived:
+            if (ptrs[i] % 16 == 0) != facts[i][4]:
                 return False
         for i, seen in self.kept.items():
             t = inputs[i]

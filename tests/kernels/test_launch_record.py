@@ -1,6 +1,7 @@
 """Recorded launches (``kernels/launch_record.py``), with a stand-in kernel that logs its launches:
 what a replay substitutes, what it refuses and when a recording is unusable. The real kernels'
 replays are checked against the float64 reference in tests/test_triton_backends.py (CUDA)."""
+import gc
 import inspect
 
 import pytest
@@ -112,7 +113,15 @@ def test_kept_inputs_are_checked_once_per_tensor_and_derived_ones_not_at_all():
     assert not rec.replay((q2, kv2.double(), out2)), "a KV buffer of another dtype was replayed"
     assert not rec.replay((q2.double(), kv2, out2)), "q is checked on every replay"
     assert rec.replay((q2, kv2, torch.empty(9, 3))), "the output's facts are the caller's to derive"
+    assert not rec.replay((q2, kv2, torch.empty(33)[1:])), "a misaligned output was replayed"
     assert rec.replays == 2
+    kv3 = kv2.clone()
+    assert rec.replay((q2, kv3, out2))
+    key = id(kv3)
+    k.compiled.calls.clear()                          # the stand-in kernel's log of its arguments
+    del kv3
+    gc.collect()
+    assert key not in rec.kept[1], "the recording keeps a KV buffer alive"
 
 
 def test_a_view_of_a_calls_tensor_or_no_compiled_kernel_makes_the_recording_unusable():
