@@ -10,7 +10,8 @@ as if its tensors were on an sm_90 GPU (the MLA wrapper then picks the Gluon wgm
 a 64-row tile). Nothing is computed: outputs are left as they were.
 
 ``python bench/offline_sm90.py [--json]`` prints the table for the MLA launch configurations
-the backend uses at the sweep's shapes (a few seconds each, cached by Triton afterwards; not
+the backend uses at the sweep's shapes and for GQA wrappers whose split merge is fused, each
+also with the merge separate (a few seconds each, cached by Triton afterwards; not
 under ``TRITON_INTERPRET=1``, whose kernels are the interpreter's). A
 kernel that spills (``stack`` > 0) or outgrows the 227 KiB of shared memory one sm_90 program
 may use is visible here before any device time is spent; tests/kernels/test_offline_sm90.py
@@ -122,10 +123,45 @@ def mla_configs() -> dict:
             "mla16 draft4 page 1": call(16, 4, 1, "draft", page=1)}
 
 
+def gqa_configs() -> dict:
+    """``{label: thunk}``: the GQA wrappers (bf16, page 16, GQA 8 KV heads, d 128) at split counts
+    the backend picks in the sweep whose merge it fuses, each also with the merge kept separate
+    (``FUSED_MERGE_BYTES = 0``): what the fused merge costs in registers."""
+    import torch
+
+    from attn_backends_kernels import attention_core
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+    from attn_backends_kernels.extend_attention import extend_attention_fwd
+
+    def call(H, W, splits, fused):
+        bs, kv, dt = 2, 256, torch.bfloat16
+        q, out = torch.zeros(bs * W, H, 128, dtype=dt), torch.zeros(bs * W, H, 128, dtype=dt)
+        k, v = torch.zeros(bs * kv + 16, 8, 128, dtype=dt), torch.zeros(bs * kv + 16, 8, 128, dtype=dt)
+        pt = torch.arange(bs * kv // 16, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), kv, dtype=torch.int32)
+        cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
+
+        def thunk():
+            keep = attention_core.FUSED_MERGE_BYTES
+            attention_core.FUSED_MERGE_BYTES = keep if fused else 0
+            try:
+                if W == 1:
+                    decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, splits, out)
+                else:
+                    extend_attention_fwd(q, k, v, pt, lens, cu, 16, 0.1, W, out, num_kv_splits=splits)
+            finally:
+                attention_core.FUSED_MERGE_BYTES = keep
+        return thunk
+    shapes = {"gqa32 decode S64": (32, 1, 64), "gqa64 decode S32": (64, 1, 32),
+              "gqa32 verify4 S8": (32, 4, 8), "gqa32 verify4 S4": (32, 4, 4)}
+    return {f"{label} {way}": call(*shape, way == "fused") for label, shape in shapes.items()
+            for way in ("fused", "separate")}
+
+
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    for label, thunk in mla_configs().items():
+    for label, thunk in {**mla_configs(), **gqa_configs()}.items():
         if labels and label not in labels:
             continue
         with offline() as launches:

@@ -1,5 +1,8 @@
 """The Gluon wgmma MLA kernel as compiled for sm_90 on this machine (no GPU needed): the wrapper
-must pick it, and it must not spill and must fit one program's shared memory. A change that
+must pick it, and it must not spill and must fit one program's shared memory. The GQA kernels
+with their split merge fused: one launch, no spill, at most 16 registers a thread more than the
+same kernel with the merge separate (a fused merge that held a [rows, splits, Dv] tile took the
+extend kernel from 103 to 163). A change that
 breaks one of these would otherwise show only on the device, as a launch failure (shared
 memory) or a silent slowdown (spills). Its dot and copy counts are fixed by the Gluon source
 (Gluon has no fallback): they guard against edits of the source, nothing more. The compile
@@ -47,3 +50,11 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
 def test_sixteen_head_decode_stays_on_triton(compiled):
     """A 16-row decode tile is the Triton kernel's (the wgmma kernel padded to 64 rows lost)."""
     assert compiled["mla16 decode"][0]["kernel"] == "_mla_split_kernel"
+
+
+@pytest.mark.parametrize("label", ["gqa32 decode S64", "gqa64 decode S32", "gqa32 verify4 S8", "gqa32 verify4 S4"])
+def test_the_fused_merge_costs_few_registers(compiled, label):
+    fused, separate = compiled[f"{label} fused"], compiled[f"{label} separate"]
+    assert len(fused) == 1 and [r["kernel"] for r in separate][1:] == ["_merge_splits_kernel"], (fused, separate)
+    assert fused[0]["stack"] == 0, f"spills: {fused[0]}"
+    assert fused[0]["regs"] <= separate[0]["regs"] + 16, (fused[0]["regs"], separate[0]["regs"])
