@@ -22,6 +22,8 @@ Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flash
 ``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an
 idle GPU, host launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and
 ``host_us`` (host time of one eager call), all medians with L2 flushed (``sweep_timing``);
+``host_us`` and ``eager_us`` the least of interleaved rounds over ours and every configuration
+(``interleaved_times``);
 output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every
 JIT module and Triton kernel is built in parallel processes (``sweep_prewarm``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload, ours eager only, and each
@@ -173,7 +175,8 @@ def finish(ctx: Ctx, row, rec: dict) -> dict:
 
 
 def time_ours(ctx: Ctx, row) -> tuple:
-    """``(record, reference output, layout, eager call)``; the host time comes later (``host_times``)."""
+    """``(record, reference output, layout, eager call)``; the host time and the eager time's
+    interleaved rounds come later (``interleaved_times``)."""
     ours = Ours(row)
     fn, c = ours.eager(), ctx.clock
     t0 = time.perf_counter()
@@ -253,7 +256,7 @@ def _measure_row(ctx: Ctx, row) -> list:
         return [finish(ctx, row, base_record(row, "ours", status="error", reason=reason))]
     recs = [ours]
     if ctx.fi is None and not ctx.env["smoke"]:
-        host_times(ctx, recs, ours_fn, None)
+        interleaved_times(ctx, recs, ours_fn, None)
         return recs
     inp = fi_inputs(row, layout)
     sm = ctx.env["sm"] if not ctx.env["smoke"] else 90      # smoke: check the SM90 set
@@ -265,28 +268,33 @@ def _measure_row(ctx: Ctx, row) -> list:
             recs.append(emulated_peer(ctx, row, config, inp, ref))
         else:
             recs.append(time_peer(ctx, row, config, inp, ref))
-    host_times(ctx, recs, ours_fn, inp)
+    interleaved_times(ctx, recs, ours_fn, inp)
     return recs
 
 
-def host_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
-    """``host_us`` of ours and every FlashInfer configuration that ran, in interleaved rounds
-    (``Clock.interleaved_host_us``): each keeps its least round, ``host_rounds_us`` all; one that
-    fails gets ``host_error`` and the row's other records are still written."""
+def interleaved_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
+    """``host_us`` and ``eager_us`` of ours and every FlashInfer configuration that ran, in
+    interleaved rounds (``Clock.interleaved_us``): host time keeps its least round
+    (``host_rounds_us`` all); eager time the least of its first timing and its rounds
+    (``eager_rounds_us``). One that fails gets ``host_error`` or ``eager_error`` and the row's
+    other records are still written."""
     if ctx.device != "cuda":
         return
     makers = {"ours": lambda: ours_fn}
     for rec in recs[1:]:
         if rec["status"] == "ok":
             makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
-    rounds, errors = ctx.clock.interleaved_host_us(makers)
-    for rec in recs:
-        if rounds.get(rec["impl"]):
-            rec.update(host_us=min(rounds[rec["impl"]]), host_rounds_us=[round(v, 2) for v in rounds[rec["impl"]]])
-        if rec["impl"] in errors:
-            rec["host_error"] = errors[rec["impl"]]
-            ctx.errors.append(f"host time of {rec['impl']}: {errors[rec['impl']][:160]}")
-            _drain()
+    for kind, timer in (("host", ctx.clock.host_us), ("eager", ctx.clock.eager_us)):
+        rounds, errors = ctx.clock.interleaved_us(makers, timer)
+        for rec in recs:
+            got = rounds.get(rec["impl"])
+            if got:
+                first = [rec[f"{kind}_us"]] if rec.get(f"{kind}_us") is not None else []
+                rec.update({f"{kind}_us": min(first + got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
+            if rec["impl"] in errors:
+                rec[f"{kind}_error"] = errors[rec["impl"]]
+                ctx.errors.append(f"{kind} time of {rec['impl']}: {errors[rec['impl']][:160]}")
+                _drain()
 
 
 def summary(recs: list) -> str:

@@ -22,8 +22,8 @@ flushed before each call); `eager` = one eager call from an idle GPU, host launc
 (L2 flushed, device drained, events around the call); `host` = host time of one eager call
 (perf_counter, no synchronize inside). Medians of 8-30 calls; host: the least of 3 rounds,
 each the median of 25 calls, every round timing ours and each FlashInfer configuration in
-turn. Ours eager: `forward()` after one `init_forward_metadata()`; FlashInfer eager: `run()`
-after one `plan()`. bytes = KV read
+turn; eager: the least of its first median and 3 such rounds. Ours eager: `forward()` after
+one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
 compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory

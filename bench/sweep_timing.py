@@ -9,12 +9,14 @@
   included (what a runner that launches attention outside its graphs waits for).
 * ``host_us(fn)``: ``perf_counter`` around the call, no synchronize inside the timed span
   (the device is drained before each call so the launch queue never fills).
-* ``interleaved_host_us(makers)``: ``host_us`` of several implementations of one row in
-  rounds, each round timing every implementation in turn. The device machines have spells in
-  which Python runs 1.5-1.8x slower for seconds at a time (bench/RESULTS.md); timed one after
-  the other, two implementations could each land in a different state (one sweep had the
-  medians of ours and FlashInfer's host times both at 42.6 us, the previous 33.7 and 26.6).
-  Every round spans all of them, and each keeps its least round.
+* ``interleaved_us(makers, timer)``: ``timer`` (``host_us`` or ``eager_us``) of several
+  implementations of one row in rounds, each round timing every implementation in turn. The
+  device machines have spells in which Python runs 1.5-1.8x slower for seconds at a time
+  (bench/RESULTS.md); timed one after the other, two implementations could each land in a
+  different state (one sweep had the medians of ours and FlashInfer's host times both at
+  42.6 us, the previous 33.7 and 26.6; the eager time, host launch included, moves with them:
+  GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
+  add to 37.7). Every round spans all of them, and each keeps its least round.
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
@@ -89,9 +91,9 @@ class Clock:
         torch.cuda.synchronize()
         return statistics.median(spans)
 
-    def interleaved_host_us(self, makers: dict, rounds: int = HOST_ROUNDS) -> tuple:
-        """``({name: [host_us of each round]}, {name: error})``; ``makers[name]()`` gives the call
-        to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
+    def interleaved_us(self, makers: dict, timer, rounds: int = HOST_ROUNDS) -> tuple:
+        """``({name: [timer(call) of each round]}, {name: error})``; ``makers[name]()`` gives the
+        call to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
         one workspace). An implementation that raises is timed no further; the others go on."""
         out, errors = {name: [] for name in makers}, {}
         for _ in range(rounds):
@@ -99,7 +101,7 @@ class Clock:
                 if name in errors:
                     continue
                 try:
-                    out[name].append(self.host_us(make()))
+                    out[name].append(timer(make()))
                 except Exception as e:  # recorded with the implementation's row, never hidden
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
         return out, errors

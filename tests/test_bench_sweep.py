@@ -110,10 +110,11 @@ def test_flashinfer_calls_bind_to_the_wheel():
     assert n > 0
 
 
-def test_host_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
+def test_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
     """Every round times ours and each FlashInfer configuration that ran, in turn (a peer planned
-    anew each round); each keeps its least round; one that fails gets ``host_error``, is timed
-    no further, and the row's other records keep their times."""
+    anew each round), host time and then eager time; each keeps its least round (eager: with its
+    first timing); one that fails gets ``host_error`` / ``eager_error``, is timed no further in
+    those rounds, and the row's other records keep their times."""
     from types import SimpleNamespace
 
     monkeypatch.syspath_prepend(str(BENCH))
@@ -136,10 +137,15 @@ def test_host_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
     ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[])
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
-    sweep.host_times(ctx, recs, lambda: order.append("ours"), None)
-    assert order == ["ours", "fa2"] * sweep_timing.HOST_ROUNDS
+    recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager timings
+    sweep.interleaved_times(ctx, recs, lambda: order.append("ours"), None)
+    assert order == ["ours", "fa2"] * sweep_timing.HOST_ROUNDS * 2          # host rounds, then eager rounds
     for rec in recs[:2]:
-        assert len(rec["host_rounds_us"]) == sweep_timing.HOST_ROUNDS
+        for kind in ("host", "eager"):
+            assert len(rec[f"{kind}_rounds_us"]) == sweep_timing.HOST_ROUNDS
         assert round(rec["host_us"], 2) == min(rec["host_rounds_us"])
+    assert recs[0]["eager_us"] == 0.0, "the first eager timing, the least, was dropped"
+    assert round(recs[1]["eager_us"], 2) == min(recs[1]["eager_rounds_us"])
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
-    assert "host_us" not in recs[3] and len(ctx.errors) == 1
+    assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
+    assert "host_us" not in recs[3] and "eager_us" not in recs[3] and len(ctx.errors) == 2
