@@ -273,11 +273,9 @@ def _measure_row(ctx: Ctx, row) -> list:
 
 
 def interleaved_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
-    """``host_us`` and ``eager_us`` of ours and every FlashInfer configuration that ran, in
-    interleaved rounds (``Clock.interleaved_us``): host time keeps its least round
-    (``host_rounds_us`` all); eager time the least of its first timing and its rounds
-    (``eager_rounds_us``). One that fails gets ``host_error`` or ``eager_error`` and the row's
-    other records are still written."""
+    """``host_us`` / ``eager_us`` of ours and every configuration that ran, in interleaved rounds
+    (``Clock.interleaved_us``, all kept in ``*_rounds_us``): the least round (eager: or its first
+    timing). One that fails gets ``host_error`` / ``eager_error``; the others are still written."""
     if ctx.device != "cuda":
         return
     makers = {"ours": lambda: ours_fn}
