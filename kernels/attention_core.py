@@ -202,28 +202,31 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
 FUSED_MERGE_BYTES = 128 << 10
 
 
-def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int,
+def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, workspace=None,
                share: float = 1.0) -> bool:
-    """Whether a split pass whose tiles hold ``rows`` rows merges its own partials: splits, at
-    most ``share`` x FUSED_MERGE_BYTES of partials a tile, and a [rows, Dv] partial of at most 16 values a
-    thread (sm_90 registers with the merge: GQA 32/8 verify tile 103 -> 108-119, decode 64 -> 64-72;
-    a GQA 64/8 verify tile 99 -> 142 on 4 warps, 186 -> 255 on 2)."""
-    return (num_kv_splits > 1 and rows * num_kv_splits * head_dim_v * 4 <= FUSED_MERGE_BYTES * share
+    """Whether a split pass whose tiles hold ``rows`` rows merges its own partials: splits, a
+    workspace with counters (None: the wrapper allocates one; ``(part, lse)`` alone takes the
+    separate merge), at most ``share`` x FUSED_MERGE_BYTES of partials a tile, and a [rows, Dv]
+    partial of at most 16 values a thread (sm_90 registers with the merge: GQA 32/8 verify tile
+    103 -> 108-119, decode 64 -> 64-72; a GQA 64/8 verify tile 99 -> 142 on 4 warps, 186 -> 255
+    on 2)."""
+    return (num_kv_splits > 1 and (workspace is None or len(workspace) > 2)
+            and rows * num_kv_splits * head_dim_v * 4 <= FUSED_MERGE_BYTES * share
             and rows * head_dim_v <= 16 * 32 * num_warps)
 
 
-def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device):
+def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device, num_counters=None):
     """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
-    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32, counters [rows * H] int32)``.
-    The counters are the fused merge's tile counters, as many as the tiles of a uniform batch of
-    ``num_rows`` rows can have. They must be zeros before the first launch (every launch leaves
-    them so; not checked, which would cost a host sync). A workspace of ``(part, lse)`` alone is
-    accepted and runs the separate merge pass."""
+    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32, counters [n] int32)``.
+    The counters are the fused merge's tile counters: ``num_counters`` of them, by default as many
+    as the tiles of a uniform batch of ``num_rows`` rows can have (rows x H); 0 leaves them out.
+    They must be zeros before the first launch (every launch leaves them so; not checked, which
+    would cost a host sync). A workspace of ``(part, lse)`` alone runs the separate merge pass."""
     part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
                        device=device)
     lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
-    counters = torch.zeros(num_rows * num_heads, dtype=torch.int32, device=device)
-    return part, lse, counters
+    n = num_rows * num_heads if num_counters is None else num_counters
+    return (part, lse) + ((torch.zeros(n, dtype=torch.int32, device=device),) if n else ())
 
 
 def split_targets(name, out, workspace, num_kv_splits, tiles=0):
@@ -237,10 +240,7 @@ def split_targets(name, out, workspace, num_kv_splits, tiles=0):
     if num_kv_splits == 1:
         return out, out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     if workspace is None:                 # counters (a memset) only for a fused merge
-        workspace = (torch.empty(T, H, num_kv_splits, Dv, dtype=torch.float32, device=out.device),
-                     torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=out.device))
-        if tiles:
-            workspace += (torch.zeros(tiles, dtype=torch.int32, device=out.device),)
+        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device, num_counters=tiles)
     if len(workspace) not in (2, 3):
         raise ValueError(f"{name}: workspace must be (part, lse[, counters]) as decode_workspace "
                          f"returns, got {len(workspace)} tensors")

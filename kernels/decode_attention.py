@@ -128,8 +128,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    fused = (fuse_merge(group_pad, num_kv_splits, Dv, num_warps)
-             and (workspace is None or len(workspace) > 2))   # (part, lse) alone: the separate merge
+    fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)

@@ -227,8 +227,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if num_stages is None:
         num_stages = 3 if long_splits else 2
     num_qb = triton.cdiv(max_q_len, block_q)
-    fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, share=0.5)
-             and (workspace is None or len(workspace) > 2))   # (part, lse) alone: the separate merge
+    fused = fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)

@@ -106,6 +106,9 @@ def test_the_rule_bounds_what_one_program_reads_and_holds():
     assert not fuse_merge(32, 64, 128, 4) and not fuse_merge(16, 64, 128, 4)   # 1 MiB, 512 KiB of partials
     assert fuse_merge(16, 16, 128, 4) and not fuse_merge(32, 4, 128, 4)        # 16 / 32 values a thread
     assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
+    ws = decode_workspace(4, 4, 128, 64, "cpu")
+    assert fuse_merge(4, 64, 128, 4, ws) and not fuse_merge(4, 64, 128, 4, ws[:2])  # (part, lse): separate
+    assert len(decode_workspace(4, 4, 128, 64, "cpu", num_counters=0)) == 2
 
 
 @pytest.mark.cuda
