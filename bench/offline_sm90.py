@@ -57,7 +57,8 @@ def compile_sm90(kernel, args: tuple, kwargs: dict):
 
 def resources(compiled) -> dict:
     """Registers and spill stack per thread (from the cubin), shared memory, warps, and the
-    counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR."""
+    counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR, and of
+    barriers (``bar.sync``) in its PTX."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -67,7 +68,8 @@ def resources(compiled) -> dict:
     ttgir = compiled.asm["ttgir"]
     return dict(regs=int(found["REG"]), stack=int(found["STACK"]), smem=compiled.metadata.shared,
                 warps=compiled.metadata.num_warps, wgmma=ttgir.count("warp_group_dot "),
-                mma_sync=ttgir.count("tt.dot "), cp_async=ttgir.count("async_copy_global_to_local"))
+                mma_sync=ttgir.count("tt.dot "), cp_async=ttgir.count("async_copy_global_to_local"),
+                barriers=compiled.asm["ptx"].count("bar.sync"))
 
 
 @contextlib.contextmanager
@@ -181,7 +183,7 @@ def main(argv) -> int:
     if "--json" in argv:
         print("\n".join(json.dumps(r) for r in rows))
         return 0
-    cols = ("regs", "stack", "smem", "warps", "wgmma", "mma_sync", "cp_async")
+    cols = ("regs", "stack", "smem", "warps", "wgmma", "mma_sync", "cp_async", "barriers")
     print("| config | kernel | grid | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---:|" * len(cols))
     for r in rows:
