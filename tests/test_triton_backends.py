@@ -100,3 +100,19 @@ def test_eager_step_replays_its_recorded_launches(backend, name):
             "the strided q was not recorded anew"
     else:
         assert not rec.usable and rec is first
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_mla"])
+def test_graph_workspace_has_counters_only_where_the_merge_fuses(backend):
+    """A graph key's split workspace: (part, lse, counters) for the GQA kernels, which may merge
+    their own partials; (part, lse) for the MLA kernels, which never do (counters there would
+    be allocated for nothing)."""
+    if backend not in AVAILABLE:
+        pytest.skip(f"{backend} unavailable on {DEVICE}")
+    cfg, mem, be = _setup(backend, 16)
+    cap = materialize(named_batches()["decode_padded"](), mem, be.get_cuda_graph_seq_len_fill_value())
+    be.init_cuda_graph_state(8, 64)
+    be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
+    ws = be.forward_metadata.extra["workspace"]
+    assert be.forward_metadata.extra["num_kv_splits"] > 1 and ws is not None
+    assert len(ws) == (3 if backend == "triton" else 2), [tuple(t.shape) for t in ws]

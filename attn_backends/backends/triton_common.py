@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -69,6 +69,10 @@ class TritonBackendBase(LayoutBackend):
     the tensors differ in a fact the compiled kernels are specialized on. Graph metadata records
     once per key when called outside a capture (the breakable runner's attention) and launches
     directly inside one."""
+
+    # Whether the kernels may merge split partials themselves (``merge_if_last``), which needs the
+    # workspace's tile counters; kernels that never do get a (part, lse) workspace.
+    fuses_merge: ClassVar[bool] = True
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -155,7 +159,7 @@ class TritonBackendBase(LayoutBackend):
         ws = None
         if key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
-                                  self.memory.device)
+                                  self.memory.device, num_counters=None if self.fuses_merge else 0)
         return {"num_kv_splits": splits, "workspace": ws}
 
     def _extra_graph_buffers(self) -> dict:

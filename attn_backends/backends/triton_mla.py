@@ -28,6 +28,7 @@ class TritonMLABackend(TritonBackendBase):
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
+    fuses_merge: ClassVar[bool] = False       # the MLA kernels merge in a separate pass
 
     def _programs(self, bs: int, width: int) -> int:
         w_pad = 1 << (max(width, 1) - 1).bit_length()
