@@ -46,9 +46,11 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
     assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
     assert first["wgmma"] >= 3 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
     # Every barrier costs this kernel (one program an SM, nothing else to switch to): 23 -> 13
-    # (8 a tile) took MLA16 verify4 bs 128 kv 8192 from 399.0 to 375.5 us on an H200. A layout
-    # conversion or a reduction across the warp groups added to the loop shows here.
-    assert first["barriers"] <= WGMMA_MAX_BARRIERS, f"barriers: {first}"
+    # (8 a tile) took MLA16 verify4 bs 128 kv 8192 from 398.8 to 375.5 us on an H200. A layout
+    # conversion or a reduction across the warp groups added to the loop shows here (a compiler
+    # that adds one fails it too: look, then move the bound). None counted: the PTX spells them
+    # otherwise and the count would check nothing.
+    assert 0 < first["barriers"] <= WGMMA_MAX_BARRIERS, f"barriers: {first}"
     assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
 
 
