@@ -11,8 +11,8 @@ row max across the two through shared memory, the row sums kept as per-thread pa
 the last tile), P goes through shared memory to both warp groups, and each accumulates 256 of
 the 512 output columns. The loop is software-pipelined: the next tile's scores run on the
 tensor cores behind this tile's P . V. Every barrier counts here (a program holds 225 KiB of
-shared memory, one per SM): 13 -> 8 barriers a tile took MLA16 verify4 bs 128 kv 8192 from
-398.8 to 375.5 us on an H200 (401.5 before the pipelining). Same interface, masks and split-KV
+shared memory, one per SM): 12 -> 6 barriers a tile, with the pipelining, took MLA16 verify4
+bs 128 kv 8192 from 401.5 to 375.5 us on an H200. Same interface, masks and split-KV
 outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
 ``mla_attention_fwd`` picks it where ``wgmma_refusal`` finds nothing against it.
 """
