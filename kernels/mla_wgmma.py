@@ -94,13 +94,13 @@ def _visible(s_layout: gl.constexpr, n0, end, j, row_ok, prefix, draft_prefix, q
 
 @gluon.jit
 def _scores(q_lat, q_pe, lat_t, rope_t, s_zero, WAIT: gl.constexpr):
-    """Wait for a tile's copies (all but the WAIT latest groups), then its scores (q . K^T)."""
+    """Wait for a tile's copies (all but the WAIT latest groups), then issue its scores
+    (q . K^T, two wgmma groups): the caller waits for them."""
     async_copy.wait_group(WAIT)
     fence_async_shared()
     gl.thread_barrier()
     s = warpgroup_mma(q_lat, lat_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_pe, rope_t.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(0, deps=(s,))
+    return warpgroup_mma(q_pe, rope_t.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -203,7 +203,7 @@ def _mla_wgmma_kernel(
     l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     s = s_zero
     if num_tiles > 0:
-        s = _scores(q_lat, q_pe, lat.index(0), rope.index(0), s_zero, 1)
+        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat.index(0), rope.index(0), s_zero, 1),))
     for t in range(num_tiles):
         stage = t % 2
         n0 = start + t * BLOCK_N
@@ -215,13 +215,8 @@ def _mla_wgmma_kernel(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         pv = warpgroup_mma(p_smem, lat.index(stage), acc, is_async=True)
         if t + 1 < num_tiles:
-            nxt = 1 - stage
-            async_copy.wait_group(0)              # tile t + 1 is in
-            fence_async_shared()
-            gl.thread_barrier()
-            sc = warpgroup_mma(q_lat, lat.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            sc = warpgroup_mma(q_pe, rope.index(nxt).permute((1, 0)), sc, is_async=True)
+            nxt = 1 - stage                       # tile t + 1 is in (no later copies issued yet)
+            sc = _scores(q_lat, q_pe, lat.index(nxt), rope.index(nxt), s_zero, 0)
             acc = warpgroup_mma_wait(2, deps=(pv,))   # P . V done, the scores may still run
             gl.thread_barrier()                   # both warp groups are done with this stage and P
             _load_kv_tile(lat.index(stage), rope.index(stage), kv_ptr, pt_row, n0 + 2 * BLOCK_N,
