@@ -150,9 +150,9 @@ def pick_block_q(max_q_len, group_pad, max_rows=64):
 
 def wide_verify_tile(max_q_len, rows):
     """Whether a tile of ``rows`` rows (query rows x padded KV-group heads) over requests of at
-    most ``max_q_len`` rows is a verify tile of >= 32 rows, which takes 32-token KV tiles here
-    (H100, GQA 64/8 verify4: 1-6 %), and 2 warps and 3 stages over at most 4 splits."""
-    return max_q_len <= 4 and rows >= 32
+    most ``max_q_len`` rows is the 32-row verify tile (GQA 64/8 verify4), which runs 2 warps
+    (16 rows a warp, as the 16-row tiles run with 4) and 3 stages of 64-token KV tiles."""
+    return max_q_len <= 4 and rows == 32
 
 
 def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
@@ -215,17 +215,16 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     group_pad = triton.next_power_of_2(group)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     wide = wide_verify_tile(max_q_len, block_q * group_pad)
-    # A wide verify tile of 32-token KV tiles over long splits (<= 4: bs >= 16 with GQA 64/8)
-    # runs 2 warps and 3 stages: H200 graph replay, GQA 64/8 verify4 bs 16 kv 8192 177.9 ->
-    # 168.3 us, bs 64 627.9 -> 599.1, bs 128 kv 2048 322.5 -> 312.4. With 64 splits (bs 1) it
-    # lost up to 8.5 %; with 16 (bs 4) it went from 3 % slower to 5 % faster.
-    long_splits = wide and num_kv_splits <= 4 and block_n in (None, 32)
-    if block_n is None:
-        block_n = 32 if wide else 64
-    if num_warps is None:
-        num_warps = 2 if long_splits else 4
-    if num_stages is None:
-        num_stages = 3 if long_splits else 2
+    # The 32-row verify tile on 2 warps, 64-token KV tiles and 3 stages at every split count:
+    # H200 graph replay, GQA 64/8 verify4, against the 32-token tiles it ran before (2 warps and
+    # 3 stages over <= 4 splits, else 4 warps and 2; 2026-11-27): bs 16 kv 8192 170.4 -> 150.0 us,
+    # bs 64 605.6 -> 528.0, bs 128 1197 -> 1042, kv 2048 bs 128 316.5 -> 277.7, bs 4 24.8 -> 24.4,
+    # kv 32768 bs 1 59.0 -> 55.2, bs 4 178.0 -> 148.7. 2 stages were within 1.5 % of 3, 128-token
+    # tiles 47-80 % slower, 4 warps 15-41 % slower, half or twice the splits 4-60 % slower; the
+    # 16-row tiles (GQA 32/8 verify4) were 0-2 % slower on 2 warps and 31-66 % on 1.
+    block_n = block_n or 64
+    num_warps = num_warps or (2 if wide else 4)
+    num_stages = num_stages or (3 if wide else 2)
     num_qb = triton.cdiv(max_q_len, block_q)
     fused = fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)

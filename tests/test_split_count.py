@@ -47,12 +47,13 @@ def test_interpreter_takes_two_splits():
 @pytest.mark.parametrize("width,bs,want", [
     (1, 1, 64), (1, 4, 32), (1, 16, 8), (1, 64, 2), (1, 128, 2),     # decode: 8 per SM, >= 2 splits
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
-    (8, 1, 32), (8, 16, 16),                                          # the 8-row tree: 16
+    (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 4),       # the 8-row tree: 2, >= 4
 ])
 def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     """The ``triton`` backend's counts for GQA 32/8 and 64/8 (H200 probe of 2026-11-27: fewer
     splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
-    keeps 2 at bs 128, where 1 lost 23-43 % in the sweep)."""
+    keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
+    and 16 4x fewer, 32 at bs 1)."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.testing.scenarios import make_memory
 
