@@ -219,12 +219,16 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     # H200 graph replay, GQA 64/8 verify4, against the 32-token tiles it ran before (2 warps and
     # 3 stages over <= 4 splits, else 4 warps and 2; 2026-11-27): bs 16 kv 8192 170.4 -> 150.0 us,
     # bs 64 605.6 -> 528.0, bs 128 1197 -> 1042, kv 2048 bs 128 316.5 -> 277.7, bs 4 24.8 -> 24.4,
-    # kv 32768 bs 1 59.0 -> 55.2, bs 4 178.0 -> 148.7. 2 stages were within 1.5 % of 3, 128-token
-    # tiles 47-80 % slower, 4 warps 15-41 % slower, half or twice the splits 4-60 % slower; the
+    # kv 32768 bs 1 59.0 -> 55.2, bs 4 178.0 -> 148.7. It lost at bs 1 kv 2048 (sweep: 16.9 ->
+    # 19.2): 64 splits of 32 tokens there, and a split is whole KV tiles, so half of them idle.
+    # 2 stages were within 1.5 % of 3, 128-token tiles 43-82 % slower, 4 warps 15-41 %; the
     # 16-row tiles (GQA 32/8 verify4) were 0-2 % slower on 2 warps and 31-66 % on 1.
-    block_n = block_n or 64
-    num_warps = num_warps or (2 if wide else 4)
-    num_stages = num_stages or (3 if wide else 2)
+    if block_n is None:
+        block_n = 64
+    if num_warps is None:
+        num_warps = 2 if wide else 4
+    if num_stages is None:
+        num_stages = 3 if wide else 2
     num_qb = triton.cdiv(max_q_len, block_q)
     fused = fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)

@@ -32,11 +32,15 @@ def test_split_count(h200, programs, per_sm, width, max_pages, want):
 
 
 def test_floor(h200):
-    """``floor`` raises a count the programs would take to 1, never past the pages or the cap."""
+    """``floor`` raises a count the programs would take to 1, never past the pages or the cap, nor
+    past ``floor_per_sm`` programs an SM where that is given."""
     assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 8, 1) == 1
     assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 8, 1, floor=2) == 2
     assert tc.choose_num_kv_splits(1024, CUDA0, 1, 8, 1, floor=2) == 1
     assert tc.choose_num_kv_splits(8, CUDA0, 2048, 8, 1, floor=2) == 64
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 2   # 16 x 132 // 1024
+    assert tc.choose_num_kv_splits(512, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 4
+    assert tc.choose_num_kv_splits(4096, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 1
 
 
 def test_interpreter_takes_two_splits():
@@ -47,18 +51,20 @@ def test_interpreter_takes_two_splits():
 @pytest.mark.parametrize("width,bs,want", [
     (1, 1, 64), (1, 4, 32), (1, 16, 8), (1, 64, 2), (1, 128, 2),     # decode: 8 per SM, >= 2 splits
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
-    (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 4),       # the 8-row tree: 2, >= 4
+    (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
+    (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM, as before
 ])
 def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     """The ``triton`` backend's counts for GQA 32/8 and 64/8 (H200 probe of 2026-11-27: fewer
     splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
     keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
-    and 16 4x fewer, 32 at bs 1)."""
+    and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged)."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.testing.scenarios import make_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
     be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=64))
-    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, be._per_sm(width), width, be._min_splits(width))
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, be._per_sm(width), width,
+                                  be._min_splits(width), be._floor_per_sm(width))
     assert got == want

@@ -37,16 +37,19 @@ def sm_count(device_index: int) -> int:
 
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
-                         width: int = 1, floor: int = 1) -> int:
+                         width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
     the GraphKey. ``per_sm`` comes from H200 sweeps (GQA decode at bs 64: 2 splits; GQA chain verify
-    at bs 64: 1; MLA decode: 4; MLA verify: 2)."""
+    at bs 64: 1; MLA decode: 4; MLA verify: 2). ``floor``: the fewest splits, lowered (to 1 at
+    least) to keep at most ``floor_per_sm`` programs an SM where that is given."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(device.index or 0)
     programs = max(programs, 1)
+    if floor_per_sm is not None:
+        floor = max(1, min(floor, floor_per_sm * sms // programs))
     cap = WIDE_MAX_KV_SPLITS if width <= 4 and programs * WIDE_MAX_KV_SPLITS <= 4 * sms else MAX_KV_SPLITS
     want = max(per_sm * sms // programs, floor)
     return 1 << max(0, min(want, cap, max_pages).bit_length() - 1)
@@ -94,6 +97,10 @@ class TritonBackendBase(LayoutBackend):
         """The fewest splits whatever the batch (the pages permitting)."""
         return 1
 
+    def _floor_per_sm(self, width: int) -> Optional[int]:
+        """Programs an SM up to which ``_min_splits`` holds (None: always)."""
+        return None
+
     def _out_dim(self) -> int:
         return self.config.out_dim
 
@@ -104,7 +111,7 @@ class TritonBackendBase(LayoutBackend):
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
                                                           max_pages, self._per_sm(width), width,
-                                                          self._min_splits(width))
+                                                          self._min_splits(width), self._floor_per_sm(width))
         return cache[(lay.bs, width)]
 
     def _kv_buffers(self, layer) -> tuple:

@@ -70,12 +70,13 @@ def test_verify_cpu(mask, page_size, W, splits):
     assert_close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("W,group,want", [
-    (4, 8, dict(BLOCK_Q=4, BLOCK_N=64, num_warps=2, num_stages=3)),   # the 32-row tile (GQA 64/8)
-    (4, 4, dict(BLOCK_Q=4, BLOCK_N=64, num_warps=4, num_stages=2)),   # 16 rows (GQA 32/8)
-    (8, 8, dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)),   # a 64-row tree tile
+@pytest.mark.parametrize("W,group,splits,want", [
+    (4, 8, 2, dict(BLOCK_Q=4, BLOCK_N=64, num_warps=2, num_stages=3)),   # the 32-row tile (GQA 64/8)
+    (4, 8, 8, dict(BLOCK_Q=4, BLOCK_N=64, num_warps=2, num_stages=3)),   # ... at any split count
+    (4, 4, 2, dict(BLOCK_Q=4, BLOCK_N=64, num_warps=4, num_stages=2)),   # 16 rows (GQA 32/8)
+    (8, 8, 2, dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)),   # a 64-row tree tile
 ])
-def test_verify_tile_launch_cpu(monkeypatch, W, group, want):
+def test_verify_tile_launch_cpu(monkeypatch, W, group, splits, want):
     """The verify tiles' launch parameters (H200 sweeps, kernels/extend_attention.py): a 32-row
     chain-verify tile runs 2 warps and 3 stages of 64-token KV tiles, other tiles 4 warps and
     2 stages; the result still matches the reference over lengths that end inside a tile."""
@@ -89,7 +90,7 @@ def test_verify_tile_launch_cpu(monkeypatch, W, group, want):
 
     monkeypatch.setattr(ea, "launch", spy)
     out, ref = run_extend([W] * 2, [W + 100, W + 37], 16, group, 1, 16, torch.float32, "cpu",
-                          splits=2, pad_rows=1)
+                          splits=splits, pad_rows=1)
     assert_close(out, ref, 1e-5)
     assert {k: seen[0][k] for k in want} == want
 
