@@ -16,7 +16,9 @@ workspace alive while it replays) and replayed with the L2 flushed (``Clock.gpu_
 ``--rounds`` interleaved rounds, every variant and every FlashInfer configuration that can run
 the row (``--no-flashinfer`` leaves them out) in each round; the least round is kept. ``err`` is
 each output (after its replays) against variant 0's and against the fastest FlashInfer
-configuration's: max abs diff / max abs. The table goes to stdout and ``--out`` (markdown).
+configuration's: max abs diff / max abs (variant 0's output is the first variant that ran). A
+variant or a FlashInfer configuration that fails is printed (``!!``) and left out. Each point's
+rows go to stdout, and the whole table to ``--out`` (markdown) after every point.
 
 On the CPU (``BENCH_DEVICE=cpu``: the interpreter, the row's smoke shape, no FlashInfer) each
 variant runs eagerly, timed by one perf_counter span: a check of the tool, not a measurement.
@@ -102,13 +104,16 @@ def _peers(fi, row, ws, cuda: bool) -> dict:
     runs the row (graph form, captured and replayed once)."""
     if fi is None or not cuda:
         return {}
-    inp, sm = fi_inputs(row, Ours(row).layout()), torch.cuda.get_device_capability()[0] * 10
-    out = {}
+    major, minor = torch.cuda.get_device_capability()
+    inp, out = fi_inputs(row, Ours(row).layout()), {}
     for config in candidates(row.wl):
-        if refusal(config, row.wl, sm) is None:
-            peer = Peer(fi, config, inp, ws, graph=True)
-            g, o = capture(peer.fn())
-            out[config] = (g.replay, o, (peer, g))
+        if refusal(config, row.wl, major * 10 + minor) is None:
+            try:
+                peer = Peer(fi, config, inp, ws, graph=True)
+                g, o = capture(peer.fn())
+                out[config] = (g.replay, o, (peer, g))
+            except Exception as e:  # printed, and the configuration left out of the row
+                print(f"!! {row.wl.name} bs {row.bs} kv {row.kv} {config}: {type(e).__name__}: {e}"[:300], flush=True)
     return out
 
 
@@ -119,15 +124,22 @@ def probe_point(args, wl, bs: int, kv: int, clock: Clock, inj: Injector, fi, ws)
     for kwargs in args.variant:
         for splits in args.splits:
             inj.kwargs, inj.splits = kwargs, splits
-            ours = Ours(row)
-            if cuda:
-                g, o = ours.graph()
-                runs.append((kwargs, splits, g.replay, lambda o=o: o, (ours, g), inj.last))
-            else:
-                fn, got = ours.eager(), {}
-                call = lambda fn=fn, got=got, kw=kwargs: (inj.kwargs.clear(), inj.kwargs.update(kw),  # noqa: E731
-                                                          got.__setitem__("o", fn()))
-                runs.append((kwargs, splits, call, lambda got=got: got["o"], ours, inj.last))
+            try:
+                ours = Ours(row)
+                if cuda:
+                    g, o = ours.graph()
+                    runs.append((kwargs, splits, g.replay, lambda o=o: o, (ours, g), inj.last))
+                else:
+                    fn, got = ours.eager(), {}
+                    call = lambda fn=fn, got=got, kw=kwargs: (setattr(inj, "kwargs", kw),  # noqa: E731
+                                                              got.__setitem__("o", fn()))
+                    call()                   # fails here, as a capture would on the GPU
+                    runs.append((kwargs, splits, call, lambda got=got: got["o"], ours, inj.last))
+            except Exception as e:  # a keyword the wrapper refuses, a tile that does not fit: printed
+                print(f"!! {wl.name} bs {bs} kv {kv} {kwargs} splits {splits}: {type(e).__name__}: {e}"[:300],
+                      flush=True)
+    if not runs:
+        return []
     inj.kwargs, inj.splits = {}, None
     peers = _peers(fi, row, ws, cuda)
     times = {i: [] for i in range(len(runs))} | {c: [] for c in peers}
@@ -172,14 +184,14 @@ def main(argv=None) -> int:
     ws = new_workspace(device) if fi is not None else None
     with inj.active():
         for bs, kv in args.points:
-            rows += probe_point(args, wl, bs, kv, clock, inj, fi, ws)
+            new = probe_point(args, wl, bs, kv, clock, inj, fi, ws)
+            rows += new
+            print(table(new), flush=True)
+            if args.out:                     # after every point: a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    f.write(table(rows))
             if device == "cuda":
                 torch.cuda.empty_cache()
-    text = table(rows)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
     return 0
 
 

@@ -36,7 +36,8 @@ def test_probe_smoke(tmp_path):
     env = dict(os.environ, BENCH_DEVICE="cpu", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "probe.md"
     run = subprocess.run([sys.executable, str(BENCH / "probe_launch.py"), "gqa64_verify4", "--points", "2x40",
-                          "--variant", "block_n=32,num_warps=2", "--splits", "1", "--out", str(out)],
+                          "--variant", "block_n=32,num_warps=2", "--variant", "no_such_keyword=1", "--splits", "1",
+                          "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines()[2:]]
@@ -44,3 +45,4 @@ def test_probe_smoke(tmp_path):
                                             ("{'block_n': 32, 'num_warps': 2}", "2"),
                                             ("{'block_n': 32, 'num_warps': 2}", "1 (1)")]
     assert all(float(r[10]) < 1e-2 for r in rows)                   # each output against variant 0's
+    assert run.stdout.count("!! ") == 2 and "no_such_keyword" in run.stdout   # refused (both splits): left out
