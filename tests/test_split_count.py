@@ -65,6 +65,6 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
     be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=64))
-    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, be._per_sm(width), width,
-                                  be._min_splits(width), be._floor_per_sm(width))
+    per_sm, floor, floor_per_sm = be._split_rule(width)
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, per_sm, width, floor, floor_per_sm)
     assert got == want

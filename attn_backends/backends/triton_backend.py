@@ -7,7 +7,7 @@ layout's host ints, which in graph mode come from the GraphKey alone.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -38,7 +38,7 @@ class TritonBackend(TritonBackendBase):
     def _programs(self, bs: int, width: int) -> int:
         return bs * self.config.num_kv_heads
 
-    def _per_sm(self, width: int) -> int:
+    def _split_rule(self, width: int) -> tuple:
         # H200, graph replay, the split count halved and doubled around the rule (2026-11-27):
         # decode bs 16 kv 8192: 16 splits 144.5 us -> 8: 140.6; bs 64: 4 -> 2 510 / 508.
         # A chain verify of <= 4 rows wants fewer splits still: GQA 32/8 verify4 kv 8192 bs 4
@@ -48,7 +48,7 @@ class TritonBackend(TritonBackendBase):
         # Trees (8 rows; up to 8, a 64-row tile for GQA 64/8) write 64 x 128 float32 partials a
         # split and tile, as many bytes as a 64-token KV tile: at bs 4 kv 2048 the old 16 per SM
         # (32 splits) moved as many partial bytes as KV. Now 2 per SM with at least 4 splits where
-        # that keeps <= 16 programs an SM (``_min_splits``, ``_floor_per_sm``). H200 graph replay,
+        # that keeps <= 16 programs an SM (the floor and ``floor_per_sm`` below). H200 graph replay,
         # 2026-11-27, splits 4 / 8 / 16 / 32 where measured, us: GQA 64/8 tree8 bs 4 kv 2048
         # 37.3 / 28.7 / 34.4 / 48.6 (was 32, now 8), kv 8192 101.8 / 69.2 / 75.7 / 87.9 (32 -> 8);
         # bs 16 kv 2048 75.9 / 86.2 / 112.9 (16 -> 4); bs 64 kv 2048 269.5 / 309.8 / 401.2 (4,
@@ -56,23 +56,14 @@ class TritonBackend(TritonBackendBase):
         # (32, the cap, kept). GQA 32/8 alike: bs 4 kv 2048 33.4 / 26.8 / 30.8 / 40.5, bs 16
         # 70.3 / 75.3 / 89.0. Bs 128 keeps 2: 4 there (sweeps at 62c0d91 -> 0036fd0) was 4-8 %
         # slower at kv 2048, 2-3 % faster at kv 32768. Wider batches (extend) keep 16 per SM.
+        # Decode keeps at least 2: at bs 128 (1024 programs) it took 1 by its 8 per SM and lost
+        # 23-43 % to 2 (H200 sweep at e3b0779: GQA 32/8 kv 8192 997 -> 1224 us, 64/8 kv 32768
+        # 3916 -> 5595).
         if width <= 1:
-            return 8
+            return 8, 2, None
         if width <= 4:
-            return 4
-        return 2 if width <= 8 else 16
-
-    def _min_splits(self, width: int) -> int:
-        # decode at bs 128 (1024 programs) took 1 split by the rule above and lost 23-43 % to 2
-        # (H200 sweep at e3b0779: GQA 32/8 kv 8192 997 -> 1224 us, 64/8 kv 32768 3916 -> 5595);
-        # trees: 4 while that is at most 16 programs an SM (bs 64 kv 2048: 4 splits 269.5 us,
-        # 8 309.8, fewer not measured), the 16-per-SM count beyond (bs 128: 2)
-        if width <= 1:
-            return 2
-        return 4 if 4 < width <= 8 else 1
-
-    def _floor_per_sm(self, width: int) -> Optional[int]:
-        return 16 if 4 < width <= 8 else None
+            return 4, 1, None
+        return (2, 4, 16) if width <= 8 else (16, 1, None)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool

@@ -90,16 +90,11 @@ class TritonBackendBase(LayoutBackend):
     def _programs(self, bs: int, width: int) -> int:
         raise NotImplementedError
 
-    def _per_sm(self, width: int) -> int:
+    def _split_rule(self, width: int) -> tuple:
+        """``(per_sm, floor, floor_per_sm)`` of :func:`choose_num_kv_splits` for batches of
+        ``width`` query rows a request: programs an SM wanted, the fewest splits (the pages
+        permitting), and the programs an SM up to which that floor holds (None: always)."""
         raise NotImplementedError
-
-    def _min_splits(self, width: int) -> int:
-        """The fewest splits whatever the batch (the pages permitting)."""
-        return 1
-
-    def _floor_per_sm(self, width: int) -> Optional[int]:
-        """Programs an SM up to which ``_min_splits`` holds (None: always)."""
-        return None
 
     def _out_dim(self) -> int:
         return self.config.out_dim
@@ -109,9 +104,9 @@ class TritonBackendBase(LayoutBackend):
         cache = self._split_cache                              # a function of (bs, W) alone
         if (lay.bs, width) not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
+            per_sm, floor, floor_per_sm = self._split_rule(width)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
-                                                          max_pages, self._per_sm(width), width,
-                                                          self._min_splits(width), self._floor_per_sm(width))
+                                                          max_pages, per_sm, width, floor, floor_per_sm)
         return cache[(lay.bs, width)]
 
     def _kv_buffers(self, layer) -> tuple:

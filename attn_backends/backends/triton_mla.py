@@ -35,9 +35,9 @@ class TritonMLABackend(TritonBackendBase):
         block_h = max(min(self.config.num_q_heads, max(1, 64 // w_pad)), 16 // min(w_pad, 16))
         return bs * -(-self.config.num_q_heads // block_h)
 
-    def _per_sm(self, width: int) -> int:
+    def _split_rule(self, width: int) -> tuple:
         # decode: two 16-head programs per SM, one 64-head program (>= 64 heads); verify: one
-        return 2 if width <= 1 and self.config.num_q_heads < 64 else 1
+        return (2 if width <= 1 and self.config.num_q_heads < 64 else 1), 1, None
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank
