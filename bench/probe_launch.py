@@ -16,9 +16,10 @@ workspace alive while it replays) and replayed with the L2 flushed (``Clock.gpu_
 ``--rounds`` interleaved rounds, every variant and every FlashInfer configuration that can run
 the row (``--no-flashinfer`` leaves them out) in each round; the least round is kept. ``err`` is
 each output (after its replays) against variant 0's and against the fastest FlashInfer
-configuration's: max abs diff / max abs (variant 0's output is the first variant that ran). A
-variant or a FlashInfer configuration that fails is printed (``!!``) and left out. Each point's
-rows go to stdout, and the whole table to ``--out`` (markdown) after every point.
+configuration's (``sweep.rel_err``: max abs diff / max abs, inf for a non-finite output;
+variant 0 is the first variant that ran). A variant or a FlashInfer configuration that fails is
+printed (``!!``) and left out. Each point's rows go to stdout, and the whole table to ``--out``
+(markdown) after every point.
 
 On the CPU (``BENCH_DEVICE=cpu``: the interpreter, the row's smoke shape, no FlashInfer) each
 variant runs eagerly, timed by one perf_counter span: a check of the tool, not a measurement.
@@ -34,6 +35,7 @@ if os.environ.get("BENCH_DEVICE") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
 
 import torch  # noqa: E402
+from sweep import import_flashinfer, rel_err  # noqa: E402
 from sweep_flashinfer import Peer, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
 from sweep_ours import Ours  # noqa: E402
 from sweep_rows import BY_NAME, build_group, build_row, smoke_workload  # noqa: E402
@@ -94,11 +96,6 @@ def parse_args(argv=None):
     return a
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 def _peers(fi, row, ws, cuda: bool) -> dict:
     """``{config: (replay, static output, keep-alive)}`` for every FlashInfer configuration that
     runs the row (graph form, captured and replayed once)."""
@@ -156,8 +153,8 @@ def probe_point(args, wl, bs: int, kv: int, clock: Clock, inj: Injector, fi, ws)
         fi_us = min(times[best_fi]) if best_fi else None
         rows.append(dict(workload=wl.name, bs=bs, kv=kv, variant=kwargs, splits=splits, count=count, us=us,
                          rounds=times[i], x_default=min(times[0]) / us, fi=best_fi, fi_us=fi_us,
-                         x_fi=fi_us / us if fi_us else None, err=_rel(get(), base),
-                         err_fi=_rel(get(), peers[best_fi][1]) if best_fi else None))
+                         x_fi=fi_us / us if fi_us else None, err=rel_err(get(), base),
+                         err_fi=rel_err(get(), peers[best_fi][1]) if best_fi else None))
     return rows
 
 
@@ -179,7 +176,9 @@ def main(argv=None) -> int:
     wl = BY_NAME[args.workload] if device == "cuda" else smoke_workload(BY_NAME[args.workload])
     fi = None
     if device == "cuda" and not args.no_flashinfer:
-        import flashinfer as fi
+        fi, error = import_flashinfer()
+        if fi is None:
+            print(f"!! flashinfer: {error}; ours alone", flush=True)
     clock, inj, rows = Clock(device), Injector(), []
     ws = new_workspace(device) if fi is not None else None
     with inj.active():
