@@ -5,10 +5,10 @@ kernel wrappers and split counts injected, beside FlashInfer's configurations, i
         --variant num_warps=2,block_n=64,num_stages=3 --variant num_warps=4 --splits x0.5 x2 16
 
 Variant 0 is the backend as it stands (no keyword, its own split count). Each ``--variant`` is a
-set of keywords (``k=v``, ints; ``block_q``, ``block_n``, ``num_warps``, ``num_stages``, ...)
+set of keywords (``k=v``, ints or words; ``block_q``, ``block_n``, ``num_warps``, ``num_stages``, ...)
 passed to the kernel wrapper the backend calls (``extend_attention_fwd``, ``decode_attention_fwd``,
-``mla_attention_fwd``); ``--splits`` adds, to variant 0 and to each keyword set, split counts:
-``xF`` scales the backend's count (at least 1), ``N`` sets it. Rows come from
+``mla_attention_fwd``; ``kernel=seesaw`` picks an MLA kernel); ``--splits`` adds, to variant 0
+and to each keyword set, split counts: ``xF`` scales the backend's count (at least 1), ``N`` sets it. Rows come from
 ``sweep_rows.build_row`` (shuffled pages, the sweep's data).
 
 Timing: each variant's call is captured in a CUDA graph once (its backend, static buffers and
@@ -91,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="markdown file for the table")
     a = p.parse_args(argv)
     a.points = [tuple(int(v) for v in pt.split("x")) for pt in a.points.split(",")]
-    a.variant = [{}] + [{k: int(v) for k, v in (kv.split("=") for kv in s.split(","))} for s in a.variant]
+    a.variant = [{}] + [{k: int(v) if v.lstrip("-").isdigit() else v
+                         for k, v in (kv.split("=") for kv in s.split(","))} for s in a.variant]
     a.splits = [None] + [s if s.startswith("x") else int(s) for s in a.splits]
     return a
 

@@ -27,7 +27,11 @@ import triton.language as tl
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
+from .mla_seesaw import DEFAULT_WARPS, MAXNREG, _mla_seesaw_kernel, seesaw_refusal
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
+
+KERNELS = (None, "triton", "wgmma", "seesaw")
+HOPPER_DEFAULT = "wgmma"   # what kernel=None runs where both Gluon kernels serve a launch
 
 
 @triton.jit
@@ -189,12 +193,13 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     kernel : None picks ``mla_wgmma``'s Gluon kernel where it serves the launch (an sm_90 GPU,
         16-bit, 64-row tiles of 64 tokens, uniform rows, 16-byte aligned q and cache rows; by
         default verify with W >= 3 at 16 heads and decode with >= 64 heads) and the Triton
-        kernel elsewhere; "triton" or "wgmma" asks for one (ValueError, with the reason, where
-        "wgmma" cannot serve)
+        kernel elsewhere; "triton", "wgmma" or "seesaw" (``mla_seesaw``'s warp-specialized Gluon
+        kernel: what "wgmma" serves, with pages of a multiple of 64 tokens) asks for one
+        (ValueError, with the reason, where it cannot serve)
     """
     name = "mla_attention_fwd"
-    if kernel not in (None, "triton", "wgmma"):
-        raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton', 'wgmma')")
+    if kernel not in KERNELS:
+        raise ValueError(f"{name}: kernel={kernel!r} not in {KERNELS}")
     ragged = cu_seqlens_q is not None
     W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k,
                                                page_size, num_kv_splits, out, q_per_req, mask,
@@ -204,10 +209,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     Dv = out.shape[-1]
     block_w, block_h, block_n_, num_warps_, num_stages_ = _tile_config(
         q, W, H, D, block_w, block_h, block_n, num_warps, num_stages)
-    refusal = None if kernel == "triton" else wgmma_refusal(
-        q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n, num_warps, num_stages, ragged)
-    if kernel == "wgmma" and refusal:
-        raise ValueError(f"{name}: the wgmma kernel {refusal}")
+    use = _pick_kernel(name, kernel, q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n,
+                       num_warps, num_stages, ragged, page_size)
     if bs == 0:
         return out
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
@@ -216,7 +219,10 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
               page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
     tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
                  PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask])
-    if kernel != "triton" and not refusal:
+    if use == "seesaw":
+        launch(_mla_seesaw_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg,
+               draft_arg, o, lse, *common, **tiles, num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)
+    elif use == "wgmma":
         launch(_mla_wgmma_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg,
                draft_arg, o, lse, *common, **tiles, num_warps=WARPS)
     else:
@@ -228,6 +234,28 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     if num_kv_splits > 1:
         merge_splits(o, lse, out)
     return out
+
+
+def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
+                 ragged, page_size) -> str:
+    """Which kernel runs the launch: the one asked for (ValueError, with the reason, where it
+    cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULT`` first)
+    and the Triton kernel elsewhere."""
+    if kernel == "triton":
+        return "triton"
+    refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
+                            ragged)
+    if kernel == "seesaw" and refusal is None:
+        refusal = seesaw_refusal(page_size)
+    if kernel is not None and refusal:
+        raise ValueError(f"{name}: the {kernel} kernel {refusal}")
+    if kernel is not None:
+        return kernel
+    if refusal:
+        return "triton"
+    if HOPPER_DEFAULT == "seesaw" and seesaw_refusal(page_size) is None:
+        return "seesaw"
+    return "wgmma"
 
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,

@@ -124,6 +124,27 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("H,W,mask,tuning", [
+    (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
+    (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
+    (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
+    (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
+    (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
+    (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
+])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_mla_seesaw_gpu(dtype, page_size, H, W, mask, tuning, splits):
+    """The warp-specialized Gluon kernel against the float64 reference, as the wgmma kernel's
+    test: odd and even tile counts per split (tile B absent on the last pass), empty splits,
+    partial last tiles whose tails hold NaN, every mask, with and without the merge."""
+    _need_hopper()
+    out, ref = run_mla([W, 33, 1000, 4166, 32768], W, page_size, H, dtype, "cuda", mask=mask,
+                       splits=splits, pad_rows=2, poison_unused=True, kernel="seesaw", **tuning)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("H,W,rows_64", [(16, 4, True), (128, 1, True), (16, 1, False), (16, 2, False)])
 def test_mla_default_kernel_gpu(H, W, rows_64):
     """On Hopper the wrapper's default launches the wgmma kernel exactly for 64-row tiles."""
@@ -174,6 +195,8 @@ def test_mla_kernel_choice_errors():
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="wgmma")
     with pytest.raises(ValueError, match="wgmma kernel needs an sm_90"):
         run_mla([8, 4], 4, 16, 16, torch.float16, "cpu", kernel="wgmma")
+    with pytest.raises(ValueError, match="seesaw kernel needs an sm_90"):
+        run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="seesaw")
     with pytest.raises(ValueError, match="kernel="):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")
     empty = torch.zeros(0, 16, 576)
@@ -181,6 +204,24 @@ def test_mla_kernel_choice_errors():
         mla_attention_fwd(empty, torch.zeros(64, 1, 576), torch.zeros(0, 1, dtype=torch.int32),
                           torch.zeros(0, dtype=torch.int32), 64, 0.1, 1, torch.zeros(0, 16, 512),
                           q_per_req=4, kernel="cutlass")
+
+
+def test_seesaw_kernel_choice(monkeypatch):
+    """On a stand-in sm_90 device the seesaw kernel is refused, with its reason, for pages that
+    do not hold whole 64-token tiles; ``kernel=None`` takes it only as ``HOPPER_DEFAULT``."""
+    from attn_backends_kernels import mla_attention as mla
+    monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
+    q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+    pick = lambda kernel, page: mla._pick_kernel("f", kernel, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
+                                                 False, page)
+    with pytest.raises(ValueError, match="seesaw kernel needs pages of a multiple of 64"):
+        pick("seesaw", 16)
+    assert pick("seesaw", 128) == "seesaw" and pick("wgmma", 16) == "wgmma"
+    for default in ("wgmma", "seesaw"):
+        monkeypatch.setattr(mla, "HOPPER_DEFAULT", default)
+        assert pick(None, 64) == default and pick(None, 16) == "wgmma"
+    assert mla._pick_kernel("f", None, q.float(), kv.float(), 512, 64, 64, None, None, None,
+                            False, 64) == "triton"
 
 
 @pytest.mark.parametrize("change,reason", [

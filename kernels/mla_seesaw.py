@@ -1,0 +1,384 @@
+"""Absorbed MLA attention on Hopper in Gluon, warp-specialized: the "seesaw" schedule of
+FlashMLA's deep dive (docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA), written
+anew for our interface.
+
+One program holds a 64-row tile (query rows x heads) and walks its split's KV two 64-token tiles
+at a time, A (stage 0) and B (stage 1). Three partitions:
+
+- the left warp group (the default partition) owns output columns 0..255: it computes the
+  scores of A (q . A^T, N = 64), A's softmax, and P_A . V_A[:, :256] with P_A from registers;
+  then P_B . V_B[:, :256] with P_B from shared memory;
+- the right warp group owns columns 256..511: the scores of B and B's softmax, P_A . V_A[:, 256:]
+  with P_A from shared memory, then P_B . V_B[:, 256:] from registers;
+- one loader warp copies q once and each KV tile by cp.async (masked: tokens past the split's
+  end are zero-filled, never read), signalling an mbarrier as each tile lands.
+
+The running max passes between the warp groups through shared memory (m after A, left to right;
+m after B, right to left), so each group's softmax runs on the CUDA cores while the other's
+products run on the tensor cores. P_A and P_B go through the rope columns of their own stage,
+which nothing reads after that tile's scores. Each group keeps the row sums of its own tiles;
+they are added once at the end. Compared with ``mla_wgmma`` (both warp groups in lock step, each
+computing half of every tile's scores at N = 32 with q re-read from shared memory for both), q is
+read once per tile and the two groups' CUDA-core and tensor-core work overlap.
+
+Serves what ``mla_wgmma`` serves where pages hold whole 64-token tiles (``PAGE_SIZE % 64 ==
+0``): ``seesaw_refusal`` says why not elsewhere. Same arguments, masks and split outputs.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mla_wgmma import _tile_rows, _visible
+
+BLOCK_M = gl.constexpr(64)   # query rows x heads of one tile
+BLOCK_N = gl.constexpr(64)   # KV tokens of one tile
+HALF = gl.constexpr(256)     # output columns of one warp group
+DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
+GROUP_WARPS = gl.constexpr(4)   # the right group
+LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
+GROUP_REGS = gl.constexpr(232)
+LOADER_REGS = gl.constexpr(32)
+MAXNREG = 168                  # at launch: 12 warps (the loader's rounded up to a warp group) x 168
+
+
+@gluon.jit
+def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
+             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
+    """This program's request, row block, head block, KV range [start, end) and tile count."""
+    NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = gl.program_id(0)
+    hb = pid % NUM_HB
+    wb = pid // NUM_HB
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    prefix = seq_len - W
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = gl.load(draft_prefix_ptr + b)
+    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if MASK == 0:  # causal: nothing past the block's last row is visible
+        end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
+    num_tiles = gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
+    return hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles
+
+
+@gluon.jit
+def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
+    """Row pointers of q and their validity for tile rows ``offs_m`` (as ``_tile_rows``)."""
+    j = wb * BLOCK_W + offs_m // BLOCK_H
+    heads = hb * BLOCK_H + offs_m % BLOCK_H
+    ok = (j < W) & (heads < NUM_HEADS)
+    return q_ptr + (row0 + j) * stride_qt + heads * stride_qh, ok
+
+
+@gluon.jit
+def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """One warp: q, then each KV tile into stage t % 2 once both groups have freed it."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
+    # [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread: a warp copies 256 latent
+    # columns of a row (or 64 rope columns of 4 rows)
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
+    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
+    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    pt_row = page_table_ptr + b * stride_pb
+    row0 = b.to(gl.int64) * W
+    # q first: its copies are tracked by the first tile's arrival
+    for r in gl.static_range(0, BLOCK_M, 8):
+        q_row, ok_q = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh,
+                              NUM_HEADS, BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(
+            q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :], mask=ok_q[:, None])
+    for r in gl.static_range(0, BLOCK_M, 16):
+        q_row_r, ok_r = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh,
+                                NUM_HEADS, BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(
+            q_pe.slice(r, 16, dim=0), q_row_r[:, None] + LATENT + c_r[None, :],
+            mask=ok_r[:, None])
+    for t in range(num_tiles):
+        stage = t % 2
+        n0 = start + t * BLOCK_N
+        page = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int64)
+        base = kv_ptr + (page * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+        mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
+        for r in gl.static_range(0, BLOCK_N, 8):
+            ok = (n0 + r + r_d) < end
+            src = base + (r + r_d[:, None]).to(gl.int64) * stride_kvs + c_d[None, :]
+            async_copy.async_copy_global_to_shared(lat.index(stage).slice(r, 8, dim=0), src,
+                                                   mask=ok[:, None])
+        for r in gl.static_range(0, BLOCK_N, 16):
+            ok_r = (n0 + r + r_r) < end
+            src_r = base + (r + r_r[:, None]).to(gl.int64) * stride_kvs + LATENT + c_r[None, :]
+            async_copy.async_copy_global_to_shared(rope.index(stage).slice(r, 16, dim=0), src_r,
+                                                   mask=ok_r[:, None])
+        async_copy.mbarrier_arrive(ready.index(stage))   # completes as this group's copies land
+        mbarrier.arrive(ready.index(stage))
+
+
+@gluon.jit
+def _scores(q_lat, q_pe, lat_t, rope_t, S_L: gl.constexpr):
+    """q . K^T of one tile over all 576 columns, for this warp group's 64 rows (N = 64)."""
+    s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+    s = warpgroup_mma(q_lat, lat_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_pe, rope_t.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+             scale_log2, S_L: gl.constexpr, MASK: gl.constexpr):
+    """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
+    P's row sums)."""
+    vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+                   MASK)
+    s = gl.where(vis, s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
+    p = gl.exp2(s - m_safe[:, None])
+    return p, m_new, gl.exp2(m_prev - m_safe), gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _rescale(m_old, m_new):
+    """exp2(m_old - m_new), 0 while m_new is -inf (nothing visible yet: all sums are 0)."""
+    return gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
+
+
+@gluon.jit
+def _pv(p, v, acc, O_L: gl.constexpr):
+    """acc + P . V (P in registers, converted to the wgmma A-operand layout, or in shared memory)."""
+    if isinstance(p, gl.shared_memory_descriptor):
+        a = p
+    else:
+        a = gl.convert_layout(p.to(v.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+    out = warpgroup_mma(a, v, acc, is_async=True)
+    return warpgroup_mma_wait(0, deps=(out,))
+
+
+@gluon.jit
+def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
+            split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
+            NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            WRITE_LSE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+    """Add the two groups' row sums (through shared memory), normalize and store this group's
+    256 columns; the left group also stores the log-sum-exp."""
+    ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
+    l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
+    mbarrier.arrive(bar_l)
+    mbarrier.wait(bar_l, 0)
+    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
+    nonempty = l_i > 0
+    if GROUP == 0:
+        if WRITE_LSE:
+            lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+            gl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+    inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, O_L))
+    keep = gl.convert_layout(nonempty, gl.SliceLayout(1, O_L))
+    out = gl.where(keep[:, None], acc * inv[:, None], 0.0)   # empty rows: zeros
+    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                            gl.SliceLayout(1, O_L))
+    _ = j_o
+    cols = GROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    gl.store(o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
+             + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+
+
+@gluon.jit
+def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+          LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 0..255: tile A's scores and softmax, P_A . V_A and P_B . V_B."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+    row0 = b.to(gl.int64) * W
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
+    mask_base = b.to(gl.int64) * W * W
+    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    for i in range((num_tiles + 1) // 2):
+        ph = i & 1
+        n0 = start + 2 * i * BLOCK_N
+        mbarrier.wait(ready.index(0), ph)
+        fence_async_shared()
+        s = _scores(q_lat, q_pe, lat.index(0), rope.index(0), S_L)
+        p, m, alpha, psum = _softmax(s, m, n0, end, j, row_ok, prefix, draft_prefix, W, mask_ptr,
+                                     mask_base, scale_log2, S_L, MASK)
+        l_i = l_i * alpha + psum
+        p16 = p.to(q_ptr.dtype.element_ty)
+        rope.index(0).store(p16)              # P_A for the right group (A's rope is read)
+        m_a.store(m)
+        fence_async_shared()
+        mbarrier.arrive(bar_a)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = _pv(p16, lat.index(0).slice(0, HALF, dim=1), acc, O_L)
+        mbarrier.arrive(empty.index(0))
+        has_b = 2 * i + 1 < num_tiles
+        mbarrier.wait(bar_b, ph, pred=has_b)
+        fence_async_shared()
+        m_new = gl.where(has_b, m_b.load(ROW), m)
+        beta = _rescale(m, m_new)
+        m = m_new
+        l_i = l_i * beta
+        acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+        if has_b:
+            acc = _pv(rope.index(1), lat.index(1).slice(0, HALF, dim=1), acc, O_L)
+            mbarrier.arrive(empty.index(1))
+    _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
+            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
+            BLOCK_W, WRITE_LSE, S_L, O_L)
+
+
+@gluon.jit
+def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 256..511: tile B's scores and softmax, P_A . V_A (behind which B's softmax runs)
+    and P_B . V_B."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+    row0 = b.to(gl.int64) * W
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
+    mask_base = b.to(gl.int64) * W * W
+    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    for i in range((num_tiles + 1) // 2):
+        ph = i & 1
+        n0 = start + 2 * i * BLOCK_N
+        has_b = 2 * i + 1 < num_tiles
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
+        if has_b:
+            mbarrier.wait(ready.index(1), ph)
+            fence_async_shared()
+            s = _scores(q_lat, q_pe, lat.index(1), rope.index(1), S_L)
+        mbarrier.wait(bar_a, ph)
+        fence_async_shared()
+        m_new = m_a.load(ROW)
+        alpha = _rescale(m, m_new)
+        m = m_new
+        l_i = l_i * alpha
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), acc,
+                           is_async=True)
+        p, m, beta, psum = _softmax(s, m, n0 + BLOCK_N, end, j, row_ok, prefix, draft_prefix, W,
+                                    mask_ptr, mask_base, scale_log2, S_L, MASK)
+        l_i = l_i * beta + psum
+        p16 = p.to(q_ptr.dtype.element_ty)
+        if has_b:
+            rope.index(1).store(p16)          # P_B for the left group
+            m_b.store(m)
+            fence_async_shared()
+            mbarrier.arrive(bar_b)
+        acc = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(empty.index(0))
+        acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+        if has_b:
+            acc = _pv(p16, lat.index(1).slice(HALF, HALF, dim=1), acc, O_L)
+            mbarrier.arrive(empty.index(1))
+    _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
+            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
+            BLOCK_W, WRITE_LSE, S_L, O_L)
+
+
+@gluon.jit
+def _mla_seesaw_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvs,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    W, NUM_SPLITS,
+    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+):
+    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
+    gl.static_assert(LATENT == 2 * HALF)
+    gl.static_assert(PAGE_SIZE % BLOCK_N == 0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT], SH)
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], SH)
+    lat = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], SH)
+    m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
+    m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
+    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_l = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    mbarrier.init(bar_a, count=1)
+    mbarrier.init(bar_b, count=1)
+    mbarrier.init(bar_l, count=2)
+    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
+    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
+            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
+    smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
+    bars = (ready, empty, bar_a, bar_b, bar_l)
+    gl.warp_specialize([
+        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
+
+
+def seesaw_refusal(page_size: int):
+    """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    can): its loader reads a tile's 64 tokens from one page."""
+    if page_size % TILE_TOKENS:
+        return f"needs pages of a multiple of {TILE_TOKENS} tokens (page_size={page_size})"
+    return None
+
+
+TILE_TOKENS = 64
