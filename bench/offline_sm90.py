@@ -102,13 +102,14 @@ def offline():
 
 
 def mla_configs() -> dict:
-    """``{label: thunk}``: the MLA wrapper at the sweep's shapes (bf16, page 64), and the wgmma
-    kernel's other masks, dtypes and page sizes."""
+    """``{label: thunk}``: the MLA wrapper at the sweep's shapes (bf16, page 64) with each Gluon
+    kernel asked for and with the default, and the Gluon kernels' other masks, dtypes and page
+    sizes."""
     import torch
 
     from attn_backends_kernels.mla_attention import mla_attention_fwd
 
-    def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64):
+    def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None):
         bs, kv = 2, 256
         q = torch.zeros(bs * W, H, 576, dtype=dtype)
         buf = torch.zeros(bs * kv + 64, 1, 576, dtype=dtype)
@@ -118,11 +119,21 @@ def mla_configs() -> dict:
         cm = torch.ones(bs * W * W, dtype=torch.bool) if mask == "tree" else None
         draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
         return lambda: mla_attention_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W,
-                                         mask=mask, custom_mask=cm, draft_prefix_lens=draft)
-    return {"mla16 decode": call(16, 1, 2), "mla16 verify4": call(16, 4, 2),
-            "mla128 decode": call(128, 1, 1), "mla128 verify4": call(128, 4, 2),
-            "mla16 tree8 fp16 page 16": call(16, 8, 8, "tree", torch.float16, 16),
-            "mla16 draft4 page 1": call(16, 4, 1, "draft", page=1)}
+                                         mask=mask, custom_mask=cm, draft_prefix_lens=draft,
+                                         kernel=kernel)
+    configs = {"mla16 decode": call(16, 1, 2)}
+    for kernel in ("wgmma", "seesaw"):
+        configs.update({f"{kernel} mla16 verify4": call(16, 4, 2, kernel=kernel),
+                        f"{kernel} mla128 decode": call(128, 1, 1, kernel=kernel),
+                        f"{kernel} mla128 verify4": call(128, 4, 2, kernel=kernel),
+                        f"{kernel} mla16 draft4": call(16, 4, 1, "draft", kernel=kernel)})
+    configs.update({"wgmma mla16 tree8 fp16 page 16": call(16, 8, 8, "tree", torch.float16, 16, "wgmma"),
+                    "wgmma mla16 draft4 page 1": call(16, 4, 1, "draft", page=1, kernel="wgmma"),
+                    "seesaw mla16 tree8 fp16 page 128": call(16, 8, 8, "tree", torch.float16, 128,
+                                                             "seesaw"),
+                    "default mla16 verify4": call(16, 4, 2),
+                    "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
+    return configs
 
 
 def gqa_configs() -> dict:

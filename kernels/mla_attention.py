@@ -31,7 +31,7 @@ from .mla_seesaw import DEFAULT_WARPS, MAXNREG, _mla_seesaw_kernel, seesaw_refus
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw")
-HOPPER_DEFAULT = "wgmma"   # what kernel=None runs where both Gluon kernels serve a launch
+HOPPER_DEFAULT = "seesaw"  # what kernel=None runs where both Gluon kernels serve a launch
 
 
 @triton.jit

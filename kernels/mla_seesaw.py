@@ -38,13 +38,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .mla_wgmma import _tile_rows, _visible
 
 BLOCK_M = gl.constexpr(64)   # query rows x heads of one tile
-BLOCK_N = gl.constexpr(64)   # KV tokens of one tile
+BLOCK_N = gl.constexpr(32)   # KV tokens of one tile
+NUM_STAGES = gl.constexpr(4) # tiles in shared memory: a pass's A and B, and the next pass's
 HALF = gl.constexpr(256)     # output columns of one warp group
 DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
 GROUP_WARPS = gl.constexpr(4)   # the right group
 LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
 GROUP_REGS = gl.constexpr(232)
-LOADER_REGS = gl.constexpr(32)
+LOADER_REGS = gl.constexpr(40)
 MAXNREG = 168                  # at launch: 12 warps (the loader's rounded up to a warp group) x 168
 
 
@@ -117,11 +118,11 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
             q_pe.slice(r, 16, dim=0), q_row_r[:, None] + LATENT + c_r[None, :],
             mask=ok_r[:, None])
     for t in range(num_tiles):
-        stage = t % 2
+        stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
         page = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int64)
         base = kv_ptr + (page * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
-        mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
         for r in gl.static_range(0, BLOCK_N, 8):
             ok = (n0 + r + r_d) < end
             src = base + (r + r_d[:, None]).to(gl.int64) * stride_kvs + c_d[None, :]
@@ -137,12 +138,20 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
 
 
 @gluon.jit
-def _scores(q_lat, q_pe, lat_t, rope_t, S_L: gl.constexpr):
-    """q . K^T of one tile over all 576 columns, for this warp group's 64 rows (N = 64)."""
+def _wait_tile(ready, t):
+    """Wait until KV tile t (stage t % NUM_STAGES) has landed."""
+    mbarrier.wait(ready.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
+    fence_async_shared()
+
+
+@gluon.jit
+def _scores(q_lat, q_pe, lat, rope, t, S_L: gl.constexpr):
+    """Issue q . K^T of tile t over all 576 columns for this warp group's 64 rows (N = BLOCK_N):
+    two wgmma groups, waited for by the caller."""
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-    s = warpgroup_mma(q_lat, lat_t.permute((1, 0)), s0, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_pe, rope_t.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(0, deps=(s,))
+    st = t % NUM_STAGES
+    s = warpgroup_mma(q_lat, lat.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+    return warpgroup_mma(q_pe, rope.index(st).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -151,7 +160,7 @@ def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_pt
     """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
     P's row sums)."""
     vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-                   MASK)
+                   MASK, BLOCK_N)
     s = gl.where(vis, s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_prev, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
@@ -166,14 +175,18 @@ def _rescale(m_old, m_new):
 
 
 @gluon.jit
-def _pv(p, v, acc, O_L: gl.constexpr):
-    """acc + P . V (P in registers, converted to the wgmma A-operand layout, or in shared memory)."""
-    if isinstance(p, gl.shared_memory_descriptor):
-        a = p
-    else:
-        a = gl.convert_layout(p.to(v.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-    out = warpgroup_mma(a, v, acc, is_async=True)
-    return warpgroup_mma_wait(0, deps=(out,))
+def _p_view(rope_t):
+    """A stage's rope columns ([BLOCK_N, ROPE], free once that tile's scores are done) as the
+    [BLOCK_M, BLOCK_N] P of that tile: same bytes, the swizzle of a BLOCK_N-wide row."""
+    P_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16,
+                                              rank=2)
+    return rope_t._reinterpret(rope_t.dtype, [BLOCK_M, BLOCK_N], P_SH)
+
+
+@gluon.jit
+def _dot_a(p16, O_L: gl.constexpr):
+    """P in registers as the A operand of the P . V wgmma."""
+    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
 
 
 @gluon.jit
@@ -227,34 +240,47 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    # Software-pipelined: the next tile A's scores are issued behind P_B . V_B.
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+    if num_tiles > 0:
+        _wait_tile(ready, 0)
+        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 0, S_L),))
     for i in range((num_tiles + 1) // 2):
-        ph = i & 1
         n0 = start + 2 * i * BLOCK_N
-        mbarrier.wait(ready.index(0), ph)
-        fence_async_shared()
-        s = _scores(q_lat, q_pe, lat.index(0), rope.index(0), S_L)
+        sa = (2 * i) % NUM_STAGES                 # tile A's stage; B's is the next
+        has_b = 2 * i + 1 < num_tiles
         p, m, alpha, psum = _softmax(s, m, n0, end, j, row_ok, prefix, draft_prefix, W, mask_ptr,
                                      mask_base, scale_log2, S_L, MASK)
         l_i = l_i * alpha + psum
         p16 = p.to(q_ptr.dtype.element_ty)
-        rope.index(0).store(p16)              # P_A for the right group (A's rope is read)
+        _p_view(rope.index(sa)).store(p16)     # P_A for the right group (A's rope is read)
         m_a.store(m)
         fence_async_shared()
         mbarrier.arrive(bar_a)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = _pv(p16, lat.index(0).slice(0, HALF, dim=1), acc, O_L)
-        mbarrier.arrive(empty.index(0))
-        has_b = 2 * i + 1 < num_tiles
-        mbarrier.wait(bar_b, ph, pred=has_b)
+        pv = warpgroup_mma(_dot_a(p16, O_L), lat.index(sa).slice(0, HALF, dim=1), acc,
+                           is_async=True)
+        mbarrier.wait(bar_b, i & 1, pred=has_b)   # P_B and the max after B
         fence_async_shared()
         m_new = gl.where(has_b, m_b.load(ROW), m)
         beta = _rescale(m, m_new)
         m = m_new
         l_i = l_i * beta
+        acc = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(empty.index(sa))
         acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
         if has_b:
-            acc = _pv(rope.index(1), lat.index(1).slice(0, HALF, dim=1), acc, O_L)
-            mbarrier.arrive(empty.index(1))
+            pv = warpgroup_mma(_p_view(rope.index(sa + 1)), lat.index(sa + 1).slice(0, HALF, dim=1),
+                               acc, is_async=True)
+            if 2 * i + 2 < num_tiles:
+                _wait_tile(ready, 2 * i + 2)
+                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 2, S_L)
+                acc = warpgroup_mma_wait(2, deps=(pv,))   # P_B . V_B done, the scores may run
+                mbarrier.arrive(empty.index(sa + 1))
+                s = warpgroup_mma_wait(0, deps=(sc,))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(pv,))
+                mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
             BLOCK_W, WRITE_LSE, S_L, O_L)
@@ -284,39 +310,48 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
     acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    # Software-pipelined: the next tile B's scores are issued behind P_B . V_B.
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
+    if num_tiles > 1:
+        _wait_tile(ready, 1)
+        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 1, S_L),))
     for i in range((num_tiles + 1) // 2):
-        ph = i & 1
         n0 = start + 2 * i * BLOCK_N
+        sa = (2 * i) % NUM_STAGES
         has_b = 2 * i + 1 < num_tiles
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
-        if has_b:
-            mbarrier.wait(ready.index(1), ph)
-            fence_async_shared()
-            s = _scores(q_lat, q_pe, lat.index(1), rope.index(1), S_L)
-        mbarrier.wait(bar_a, ph)
+        mbarrier.wait(bar_a, i & 1)                # P_A and the max after A
         fence_async_shared()
         m_new = m_a.load(ROW)
         alpha = _rescale(m, m_new)
         m = m_new
         l_i = l_i * alpha
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), acc,
+        pv = warpgroup_mma(_p_view(rope.index(sa)), lat.index(sa).slice(HALF, HALF, dim=1), acc,
                            is_async=True)
         p, m, beta, psum = _softmax(s, m, n0 + BLOCK_N, end, j, row_ok, prefix, draft_prefix, W,
                                     mask_ptr, mask_base, scale_log2, S_L, MASK)
         l_i = l_i * beta + psum
         p16 = p.to(q_ptr.dtype.element_ty)
         if has_b:
-            rope.index(1).store(p16)          # P_B for the left group
+            _p_view(rope.index(sa + 1)).store(p16)   # P_B for the left group
             m_b.store(m)
             fence_async_shared()
             mbarrier.arrive(bar_b)
         acc = warpgroup_mma_wait(0, deps=(pv,))
-        mbarrier.arrive(empty.index(0))
+        mbarrier.arrive(empty.index(sa))
         acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
         if has_b:
-            acc = _pv(p16, lat.index(1).slice(HALF, HALF, dim=1), acc, O_L)
-            mbarrier.arrive(empty.index(1))
+            pv = warpgroup_mma(_dot_a(p16, O_L), lat.index(sa + 1).slice(HALF, HALF, dim=1), acc,
+                               is_async=True)
+            if 2 * i + 3 < num_tiles:
+                _wait_tile(ready, 2 * i + 3)
+                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 3, S_L)
+                acc = warpgroup_mma_wait(2, deps=(pv,))
+                mbarrier.arrive(empty.index(sa + 1))
+                s = warpgroup_mma_wait(0, deps=(sc,))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(pv,))
+                mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
             BLOCK_W, WRITE_LSE, S_L, O_L)
@@ -344,17 +379,17 @@ def _mla_seesaw_kernel(
     ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT], SH)
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], SH)
-    lat = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], SH)
+    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
     m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
     m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
     l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     bar_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bar_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bar_l = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2):
+    for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     mbarrier.init(bar_a, count=1)
@@ -381,4 +416,4 @@ def seesaw_refusal(page_size: int):
     return None
 
 
-TILE_TOKENS = 64
+TILE_TOKENS = 32

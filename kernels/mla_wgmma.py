@@ -75,9 +75,9 @@ def _tile_rows(wb, hb, row0, q_len, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constex
 
 @gluon.jit
 def _visible(s_layout: gl.constexpr, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr,
-             mask_base, MASK: gl.constexpr):
-    """[BLOCK_M, BLOCK_N] visibility of tokens n0.. for the tile's rows (as ``visible_mask``)."""
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+             mask_base, MASK: gl.constexpr, N: gl.constexpr = BLOCK_N):
+    """[BLOCK_M, N] visibility of tokens n0 .. n0+N for the tile's rows (as ``visible_mask``)."""
+    offs_n = n0 + gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))
     vis = (offs_n[None, :] < end) & row_ok[:, None]
     if MASK == 0:
         vis = vis & (offs_n[None, :] <= prefix + j[:, None])

@@ -5,7 +5,8 @@ from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref
 from attn_backends_kernels import mla_wgmma
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
-from attn_backends_kernels.mla_attention import mla_attention_fwd, mla_decode_fwd
+from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd
+from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
@@ -145,13 +146,17 @@ def test_mla_seesaw_gpu(dtype, page_size, H, W, mask, tuning, splits):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("H,W,rows_64", [(16, 4, True), (128, 1, True), (16, 1, False), (16, 2, False)])
-def test_mla_default_kernel_gpu(H, W, rows_64):
-    """On Hopper the wrapper's default launches the wgmma kernel exactly for 64-row tiles."""
+@pytest.mark.parametrize("H,W,page_size,expect", [
+    (16, 4, 64, _mla_seesaw_kernel), (128, 1, 128, _mla_seesaw_kernel),
+    (16, 4, 16, _mla_wgmma_kernel), (128, 1, 16, _mla_wgmma_kernel),
+    (16, 1, 64, _mla_split_kernel), (16, 2, 64, _mla_split_kernel)])
+def test_mla_default_kernel_gpu(H, W, page_size, expect):
+    """On Hopper the wrapper's default launches a Gluon kernel exactly for 64-row tiles: the
+    seesaw kernel where pages hold whole 32-token tiles, the wgmma kernel elsewhere."""
     _need_hopper()
     with recording() as launches:
-        run_mla([W, 300], W, 64, H, torch.bfloat16, "cuda", splits=2)
-    assert (launches[0][0] is _mla_wgmma_kernel) == rows_64
+        run_mla([W, 300], W, page_size, H, torch.bfloat16, "cuda", splits=2)
+    assert launches[0][0] is expect
 
 
 def _need_hopper():
@@ -160,8 +165,9 @@ def _need_hopper():
 
 
 @pytest.mark.cuda
-def test_mla_wgmma_recorded_replay_gpu():
-    """The eager path's recorded launches (launch_record) replay the wgmma kernel and its merge
+@pytest.mark.parametrize("kernel", ["wgmma", "seesaw"])
+def test_mla_gluon_recorded_replay_gpu(kernel):
+    """The eager path's recorded launches (launch_record) replay each Gluon kernel and its merge
     with another call's q, KV buffer and output: bitwise what the wrapper gives for that call."""
     _need_hopper()
     W, H, splits = 4, 16, 8
@@ -173,10 +179,11 @@ def test_mla_wgmma_recorded_replay_gpu():
     out = [torch.empty(bs * W, H, LATENT, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     ws = decode_workspace(bs * W, H, LATENT, splits, "cuda")
     call = lambda i, o: mla_attention_fwd(q[i], kv[i], page_table, lens, 64, 0.1, splits, o,  # noqa: E731
-                                          q_per_req=W, workspace=ws)
+                                          q_per_req=W, workspace=ws, kernel=kernel)
     with recording() as launches:
         call(0, out[0])
-    assert [k for k, *_ in launches] == [_mla_wgmma_kernel, merge_kernel()]
+    gluon = _mla_wgmma_kernel if kernel == "wgmma" else _mla_seesaw_kernel
+    assert [k for k, *_ in launches] == [gluon, merge_kernel()]
     rec = Recorded(launches, (q[0], kv[0], out[0]))
     assert rec.usable and rec.replay((q[1], kv[1], out[1]))
     call(1, out[2])

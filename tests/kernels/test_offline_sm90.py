@@ -20,8 +20,15 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 import offline_sm90  # noqa: E402
 
-WGMMA_CONFIGS = ["mla16 verify4", "mla128 decode", "mla128 verify4", "mla16 tree8 fp16 page 16",
-                 "mla16 draft4 page 1"]
+WGMMA_CONFIGS = ["wgmma mla16 verify4", "wgmma mla128 decode", "wgmma mla128 verify4",
+                 "wgmma mla16 draft4", "wgmma mla16 tree8 fp16 page 16", "wgmma mla16 draft4 page 1"]
+SEESAW_CONFIGS = ["seesaw mla16 verify4", "seesaw mla128 decode", "seesaw mla128 verify4",
+                  "seesaw mla16 draft4", "seesaw mla16 tree8 fp16 page 128"]
+# Spill stack of the seesaw kernel (sm_90, triton 3.6: 48-64 bytes, 112 with the tree mask):
+# ptxas spills a few values of the warp groups and the loader at their register counts (232,
+# 232 and 40 a thread); the bound catches a change that spills the accumulator or the scores
+# (hundreds of bytes).
+SEESAW_MAX_STACK = 128
 WGMMA_MAX_BARRIERS = 12        # bar.sync in the wgmma kernel's PTX (sm_90, triton 3.6): 6 in its loop
 
 pytestmark = pytest.mark.skipif(not offline_sm90.available(),
@@ -53,6 +60,25 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
     # otherwise and the count would check nothing.
     assert 0 < first["barriers"] <= WGMMA_MAX_BARRIERS, f"barriers: {first}"
     assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
+
+
+@pytest.mark.parametrize("label", SEESAW_CONFIGS)
+def test_seesaw_kernel_compiles_for_sm90(compiled, label):
+    """The warp-specialized kernel: 12 warps (two groups and the loader's), one program's
+    shared memory, wgmma dots and cp.async copies, and at most a few spilled values."""
+    first, *rest = compiled[label]
+    assert first["kernel"] == "_mla_seesaw_kernel" and first["warps"] == 12, first
+    assert first["stack"] <= SEESAW_MAX_STACK, f"spills: {first}"
+    assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
+    assert first["wgmma"] >= 6 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
+    assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
+
+
+def test_default_gluon_kernel(compiled):
+    """kernel=None on sm_90: the seesaw kernel where pages hold whole 32-token tiles, the wgmma
+    kernel where they do not."""
+    assert compiled["default mla16 verify4"][0]["kernel"] == "_mla_seesaw_kernel"
+    assert compiled["default mla16 verify4 page 16"][0]["kernel"] == "_mla_wgmma_kernel"
 
 
 def test_sixteen_head_decode_stays_on_triton(compiled):
