@@ -15,9 +15,10 @@ graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as i
 ``extend_attention``.
 
 This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an
-sm_90 GPU, 16-bit 64-row tiles go to the Gluon wgmma kernel of ``mla_wgmma`` instead (same
-arguments, masks and split outputs): Triton gives this kernel's 64-row tile a score layout in
-which both warp groups compute the whole score tile.
+sm_90 GPU, 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split
+outputs): ``mla_seesaw``'s warp-specialized kernel where pages hold whole 32-token tiles,
+``mla_wgmma``'s elsewhere. Triton gives this kernel's 64-row tile a score layout in which both
+warp groups compute the whole score tile.
 """
 
 import torch

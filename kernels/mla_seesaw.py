@@ -1,28 +1,36 @@
 """Absorbed MLA attention on Hopper in Gluon, warp-specialized: the "seesaw" schedule of
 FlashMLA's deep dive (docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA), written
-anew for our interface.
+anew for our interface, with 32-token tiles.
 
-One program holds a 64-row tile (query rows x heads) and walks its split's KV two 64-token tiles
-at a time, A (stage 0) and B (stage 1). Three partitions:
+One program holds a 64-row tile (query rows x heads) and walks its split's KV two 32-token tiles
+a pass, A and B. Three partitions:
 
 - the left warp group (the default partition) owns output columns 0..255: it computes the
-  scores of A (q . A^T, N = 64), A's softmax, and P_A . V_A[:, :256] with P_A from registers;
-  then P_B . V_B[:, :256] with P_B from shared memory;
+  scores of A (q . A^T), A's softmax, P_A . V_A[:, :256] with P_A from registers, then
+  P_B . V_B[:, :256] with P_B from shared memory;
 - the right warp group owns columns 256..511: the scores of B and B's softmax, P_A . V_A[:, 256:]
-  with P_A from shared memory, then P_B . V_B[:, 256:] from registers;
-- one loader warp copies q once and each KV tile by cp.async (masked: tokens past the split's
-  end are zero-filled, never read), signalling an mbarrier as each tile lands.
+  with P_A from shared memory (B's softmax runs behind it), then P_B . V_B[:, 256:] from
+  registers;
+- a loader warp group copies q once and each KV tile by cp.async into stage t % 4 once both
+  groups have freed it (masked: tokens past the split's end are zero-filled, never read: NaN in
+  unused slots stays out), signalling an mbarrier as the tile lands.
 
-The running max passes between the warp groups through shared memory (m after A, left to right;
-m after B, right to left), so each group's softmax runs on the CUDA cores while the other's
-products run on the tensor cores. P_A and P_B go through the rope columns of their own stage,
-which nothing reads after that tile's scores. Each group keeps the row sums of its own tiles;
-they are added once at the end. Compared with ``mla_wgmma`` (both warp groups in lock step, each
-computing half of every tile's scores at N = 32 with q re-read from shared memory for both), q is
-read once per tile and the two groups' CUDA-core and tensor-core work overlap.
+The running max passes between the groups through shared memory (m after A, left to right; m
+after B, right to left): one group's softmax runs on the CUDA cores while the other's products
+run on the tensor cores. P_A and P_B go through their stage's rope columns (unread after that
+tile's scores); each group keeps its tiles' row sums, added at the end, and issues its next
+tile's scores behind its P_B . V_B.
 
-Serves what ``mla_wgmma`` serves where pages hold whole 64-token tiles (``PAGE_SIZE % 64 ==
-0``): ``seesaw_refusal`` says why not elsewhere. Same arguments, masks and split outputs.
+Why 32-token tiles in 4 stages: q (72 KiB) and the stages share one program's 227 KiB. With
+64-token tiles only 2 stages fit, both in use by a pass, so the loader waits for the pass to end
+and the loads do not overlap the products (H200, graph-free launch, MLA128 decode bs 128 kv
+8192: 1795 us; loads alone 493, products alone 628). With 32-token tiles the loader fills the
+next pass's two stages during this one: 712 us there (the lock-step ``mla_wgmma`` 765), MLA16
+verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359 (432). The cost: each
+group's scores run at N = 32, q read from shared memory per 32 tokens (as in ``mla_wgmma``).
+
+Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles (``seesaw_refusal``
+says why not elsewhere), with the same arguments, masks and split outputs.
 """
 
 from triton.experimental import gluon
@@ -35,10 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_wgmma import _tile_rows, _visible
+from .mla_wgmma import _program, _tile_rows, _visible
 
 BLOCK_M = gl.constexpr(64)   # query rows x heads of one tile
-BLOCK_N = gl.constexpr(32)   # KV tokens of one tile
+TILE_TOKENS = 32
+BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
 NUM_STAGES = gl.constexpr(4) # tiles in shared memory: a pass's A and B, and the next pass's
 HALF = gl.constexpr(256)     # output columns of one warp group
 DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
@@ -47,30 +56,12 @@ LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are hand
 GROUP_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
 MAXNREG = 168                  # at launch: 12 warps (the loader's rounded up to a warp group) x 168
-
-
-@gluon.jit
-def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
-             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
-    """This program's request, row block, head block, KV range [start, end) and tile count."""
-    NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    pid = gl.program_id(0)
-    hb = pid % NUM_HB
-    wb = pid // NUM_HB
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b)
-    prefix = seq_len - W
-    draft_prefix = 0
-    if MASK == 2:
-        draft_prefix = gl.load(draft_prefix_ptr + b)
-    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    if MASK == 0:  # causal: nothing past the block's last row is visible
-        end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
-    num_tiles = gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
-    return hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles
+# A warp group's scores [64, BLOCK_N] and output half [64, 256], on wgmma (4 warps).
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, BLOCK_N.value, 16]))
+O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, HALF.value, 16]))
+ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))
 
 
 @gluon.jit
@@ -87,14 +78,15 @@ def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
-    """One warp: q, then each KV tile into stage t % 2 once both groups have freed it."""
+    """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups have
+    freed it."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
     # [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread: a warp copies 256 latent
     # columns of a row (or 64 rope columns of 4 rows)
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -107,16 +99,12 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     row0 = b.to(gl.int64) * W
     # q first: its copies are tracked by the first tile's arrival
     for r in gl.static_range(0, BLOCK_M, 8):
-        q_row, ok_q = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh,
-                              NUM_HEADS, BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(
-            q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :], mask=ok_q[:, None])
+        q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :], q_ok[:, None])
     for r in gl.static_range(0, BLOCK_M, 16):
-        q_row_r, ok_r = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh,
-                                NUM_HEADS, BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(
-            q_pe.slice(r, 16, dim=0), q_row_r[:, None] + LATENT + c_r[None, :],
-            mask=ok_r[:, None])
+        q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0), q_row[:, None] + LATENT + c_r[None, :],
+                                               q_ok[:, None])
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
@@ -145,7 +133,7 @@ def _wait_tile(ready, t):
 
 
 @gluon.jit
-def _scores(q_lat, q_pe, lat, rope, t, S_L: gl.constexpr):
+def _scores(q_lat, q_pe, lat, rope, t):
     """Issue q . K^T of tile t over all 576 columns for this warp group's 64 rows (N = BLOCK_N):
     two wgmma groups, waited for by the caller."""
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
@@ -156,7 +144,7 @@ def _scores(q_lat, q_pe, lat, rope, t, S_L: gl.constexpr):
 
 @gluon.jit
 def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-             scale_log2, S_L: gl.constexpr, MASK: gl.constexpr):
+             scale_log2, MASK: gl.constexpr):
     """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
     P's row sums)."""
     vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
@@ -184,7 +172,13 @@ def _p_view(rope_t):
 
 
 @gluon.jit
-def _dot_a(p16, O_L: gl.constexpr):
+def _scale(acc, f):
+    """The output half's rows times ``f`` (a per-row factor in the scores' row layout)."""
+    return acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
+
+
+@gluon.jit
+def _dot_a(p16):
     """P in registers as the A operand of the P . V wgmma."""
     return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
 
@@ -193,14 +187,13 @@ def _dot_a(p16, O_L: gl.constexpr):
 def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
             split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-            WRITE_LSE: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+            WRITE_LSE: gl.constexpr):
     """Add the two groups' row sums (through shared memory), normalize and store this group's
     256 columns; the left group also stores the log-sum-exp."""
-    ROW_L: gl.constexpr = gl.SliceLayout(1, S_L)
     l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
     mbarrier.arrive(bar_l)
     mbarrier.wait(bar_l, 0)
-    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
+    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW)
     nonempty = l_i > 0
     if GROUP == 0:
         if WRITE_LSE:
@@ -228,12 +221,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, HALF, 16])
-    ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
     row0 = b.to(gl.int64) * W
     j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
     mask_base = b.to(gl.int64) * W * W
@@ -244,21 +232,21 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     if num_tiles > 0:
         _wait_tile(ready, 0)
-        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 0, S_L),))
+        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 0),))
     for i in range((num_tiles + 1) // 2):
         n0 = start + 2 * i * BLOCK_N
         sa = (2 * i) % NUM_STAGES                 # tile A's stage; B's is the next
         has_b = 2 * i + 1 < num_tiles
         p, m, alpha, psum = _softmax(s, m, n0, end, j, row_ok, prefix, draft_prefix, W, mask_ptr,
-                                     mask_base, scale_log2, S_L, MASK)
+                                     mask_base, scale_log2, MASK)
         l_i = l_i * alpha + psum
         p16 = p.to(q_ptr.dtype.element_ty)
         _p_view(rope.index(sa)).store(p16)     # P_A for the right group (A's rope is read)
         m_a.store(m)
         fence_async_shared()
         mbarrier.arrive(bar_a)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        pv = warpgroup_mma(_dot_a(p16, O_L), lat.index(sa).slice(0, HALF, dim=1), acc,
+        acc = _scale(acc, alpha)
+        pv = warpgroup_mma(_dot_a(p16), lat.index(sa).slice(0, HALF, dim=1), acc,
                            is_async=True)
         mbarrier.wait(bar_b, i & 1, pred=has_b)   # P_B and the max after B
         fence_async_shared()
@@ -268,13 +256,13 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
         l_i = l_i * beta
         acc = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(empty.index(sa))
-        acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+        acc = _scale(acc, beta)
         if has_b:
             pv = warpgroup_mma(_p_view(rope.index(sa + 1)), lat.index(sa + 1).slice(0, HALF, dim=1),
                                acc, is_async=True)
             if 2 * i + 2 < num_tiles:
                 _wait_tile(ready, 2 * i + 2)
-                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 2, S_L)
+                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 2)
                 acc = warpgroup_mma_wait(2, deps=(pv,))   # P_B . V_B done, the scores may run
                 mbarrier.arrive(empty.index(sa + 1))
                 s = warpgroup_mma_wait(0, deps=(sc,))
@@ -283,7 +271,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
                 mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, S_L, O_L)
+            BLOCK_W, WRITE_LSE)
 
 
 @gluon.jit
@@ -298,12 +286,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, HALF, 16])
-    ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
     row0 = b.to(gl.int64) * W
     j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
     mask_base = b.to(gl.int64) * W * W
@@ -314,7 +297,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
     if num_tiles > 1:
         _wait_tile(ready, 1)
-        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 1, S_L),))
+        s = warpgroup_mma_wait(0, deps=(_scores(q_lat, q_pe, lat, rope, 1),))
     for i in range((num_tiles + 1) // 2):
         n0 = start + 2 * i * BLOCK_N
         sa = (2 * i) % NUM_STAGES
@@ -325,11 +308,11 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
         alpha = _rescale(m, m_new)
         m = m_new
         l_i = l_i * alpha
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = _scale(acc, alpha)
         pv = warpgroup_mma(_p_view(rope.index(sa)), lat.index(sa).slice(HALF, HALF, dim=1), acc,
                            is_async=True)
         p, m, beta, psum = _softmax(s, m, n0 + BLOCK_N, end, j, row_ok, prefix, draft_prefix, W,
-                                    mask_ptr, mask_base, scale_log2, S_L, MASK)
+                                    mask_ptr, mask_base, scale_log2, MASK)
         l_i = l_i * beta + psum
         p16 = p.to(q_ptr.dtype.element_ty)
         if has_b:
@@ -339,13 +322,13 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
             mbarrier.arrive(bar_b)
         acc = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(empty.index(sa))
-        acc = acc * gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+        acc = _scale(acc, beta)
         if has_b:
-            pv = warpgroup_mma(_dot_a(p16, O_L), lat.index(sa + 1).slice(HALF, HALF, dim=1), acc,
+            pv = warpgroup_mma(_dot_a(p16), lat.index(sa + 1).slice(HALF, HALF, dim=1), acc,
                                is_async=True)
             if 2 * i + 3 < num_tiles:
                 _wait_tile(ready, 2 * i + 3)
-                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 3, S_L)
+                sc = _scores(q_lat, q_pe, lat, rope, 2 * i + 3)
                 acc = warpgroup_mma_wait(2, deps=(pv,))
                 mbarrier.arrive(empty.index(sa + 1))
                 s = warpgroup_mma_wait(0, deps=(sc,))
@@ -354,7 +337,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
                 mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, S_L, O_L)
+            BLOCK_W, WRITE_LSE)
 
 
 @gluon.jit
@@ -410,10 +393,7 @@ def _mla_seesaw_kernel(
 
 def seesaw_refusal(page_size: int):
     """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
-    can): its loader reads a tile's 64 tokens from one page."""
+    can): its loader reads each tile's tokens from one page."""
     if page_size % TILE_TOKENS:
         return f"needs pages of a multiple of {TILE_TOKENS} tokens (page_size={page_size})"
     return None
-
-
-TILE_TOKENS = 32

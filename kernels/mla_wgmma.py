@@ -64,6 +64,32 @@ def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
 
 
 @gluon.jit
+def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
+             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+             N: gl.constexpr):
+    """This program's head block, row block, request, split, the request's prefix and draft
+    prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count."""
+    NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = gl.program_id(0)
+    hb = pid % NUM_HB
+    wb = pid // NUM_HB
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    prefix = seq_len - W
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = gl.load(draft_prefix_ptr + b)
+    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + N - 1) // N) * N
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    if MASK == 0:  # causal: nothing past the block's last row is visible
+        end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
+    num_tiles = gl.maximum(end - start + N - 1, 0) // N
+    return hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles
+
+
+@gluon.jit
 def _tile_rows(wb, hb, row0, q_len, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_W: gl.constexpr, layout: gl.constexpr):
     """Query index j, head, flat row and validity of each of the tile's rows, in ``layout``."""
@@ -137,7 +163,6 @@ def _mla_wgmma_kernel(
 ):
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     # Scores [64, 64]: warp groups side by side over the tokens (n = 32 each); output
     # [64, 512]: side by side over the columns (n = 256 each).
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -149,25 +174,11 @@ def _mla_wgmma_kernel(
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    pid = gl.program_id(0)
-    hb = pid % NUM_HB
-    wb = pid // NUM_HB
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b)
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
     row0 = b.to(gl.int64) * W
     q_len = W
-    prefix = seq_len - q_len
-    draft_prefix = 0
-    if MASK == 2:
-        draft_prefix = gl.load(draft_prefix_ptr + b)
     mask_base = b.to(gl.int64) * W * W
-    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    if MASK == 0:  # causal: nothing past the block's last row is visible
-        end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
-    num_tiles = gl.maximum(end - start + BLOCK_N - 1, 0) // BLOCK_N
 
     q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT], SH)
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], SH)

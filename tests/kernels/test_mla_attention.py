@@ -215,13 +215,13 @@ def test_mla_kernel_choice_errors():
 
 def test_seesaw_kernel_choice(monkeypatch):
     """On a stand-in sm_90 device the seesaw kernel is refused, with its reason, for pages that
-    do not hold whole 64-token tiles; ``kernel=None`` takes it only as ``HOPPER_DEFAULT``."""
+    do not hold whole 32-token tiles; ``kernel=None`` takes it only as ``HOPPER_DEFAULT``."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     pick = lambda kernel, page: mla._pick_kernel("f", kernel, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
                                                  False, page)
-    with pytest.raises(ValueError, match="seesaw kernel needs pages of a multiple of 64"):
+    with pytest.raises(ValueError, match="seesaw kernel needs pages of a multiple of 32"):
         pick("seesaw", 16)
     assert pick("seesaw", 128) == "seesaw" and pick("wgmma", 16) == "wgmma"
     for default in ("wgmma", "seesaw"):
