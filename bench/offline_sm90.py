@@ -6,7 +6,7 @@ Triton's compiler and the ptxas it bundles need no GPU. Inside ``with offline() 
 every launch a wrapper makes through ``launch_record.launch`` is specialized exactly as
 Triton's runtime would specialize it on that call (argument types, 16-byte alignment,
 divisibility by 16, values of 1) and compiled for sm_90 instead of launched; the wrapper acts
-as if its tensors were on an sm_90 GPU (the MLA wrapper then picks the Gluon wgmma kernel for
+as if its tensors were on an sm_90 GPU (the MLA wrapper then picks a Gluon kernel for
 a 64-row tile). Nothing is computed: outputs are left as they were.
 
 ``python bench/offline_sm90.py [--json]`` prints the table for the MLA launch configurations
@@ -15,7 +15,7 @@ also with the merge separate (a few seconds each, cached by Triton afterwards; n
 under ``TRITON_INTERPRET=1``, whose kernels are the interpreter's). A
 kernel that spills (``stack`` > 0) or outgrows the 227 KiB of shared memory one sm_90 program
 may use is visible here before any device time is spent; tests/kernels/test_offline_sm90.py
-asserts it for the wgmma kernel.
+asserts it for the Gluon kernels.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ from .mla_seesaw import DEFAULT_WARPS, MAXNREG, _mla_seesaw_kernel, seesaw_refus
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw")
+GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
+                "seesaw": (_mla_seesaw_kernel, dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG))}
 HOPPER_DEFAULT = "seesaw"  # what kernel=None runs where both Gluon kernels serve a launch
 
 
@@ -191,12 +193,11 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
-    kernel : None picks ``mla_wgmma``'s Gluon kernel where it serves the launch (an sm_90 GPU,
-        16-bit, 64-row tiles of 64 tokens, uniform rows, 16-byte aligned q and cache rows; by
-        default verify with W >= 3 at 16 heads and decode with >= 64 heads) and the Triton
-        kernel elsewhere; "triton", "wgmma" or "seesaw" (``mla_seesaw``'s warp-specialized Gluon
-        kernel: what "wgmma" serves, with pages of a multiple of 64 tokens) asks for one
-        (ValueError, with the reason, where it cannot serve)
+    kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
+        16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads),
+        ``mla_seesaw``'s where pages hold whole 32-token tiles and no block_n / num_warps /
+        num_stages is given, else ``mla_wgmma``'s; the Triton kernel elsewhere. "triton",
+        "wgmma" or "seesaw" asks for one (ValueError, with the reason, where it cannot serve)
     """
     name = "mla_attention_fwd"
     if kernel not in KERNELS:
@@ -216,22 +217,18 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         return out
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
-    common = (sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0),
-              page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
+    tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1),
+            kv_buffer.stride(0), page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
     tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
                  PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask])
-    if use == "seesaw":
-        launch(_mla_seesaw_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg,
-               draft_arg, o, lse, *common, **tiles, num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)
-    elif use == "wgmma":
-        launch(_mla_wgmma_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg,
-               draft_arg, o, lse, *common, **tiles, num_warps=WARPS)
-    else:
+    if use == "triton":
         launch(_mla_split_kernel, grid, q, kv_buffer, page_table, seq_lens_k,
-               cu_seqlens_q if ragged else seq_lens_k, mask_arg, draft_arg, o, lse, *common,
-               **tiles, BLOCK_N=block_n_, RAGGED=ragged,
-               INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+               cu_seqlens_q if ragged else seq_lens_k, *tail, **tiles, BLOCK_N=block_n_,
+               RAGGED=ragged, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                num_warps=num_warps_, num_stages=num_stages_)
+    else:
+        gluon_kernel, warps = GLUON_LAUNCH[use]
+        launch(gluon_kernel, grid, q, kv_buffer, page_table, seq_lens_k, *tail, **tiles, **warps)
     if num_kv_splits > 1:
         merge_splits(o, lse, out)
     return out
@@ -240,21 +237,23 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
 def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
                  ragged, page_size) -> str:
     """Which kernel runs the launch: the one asked for (ValueError, with the reason, where it
-    cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULT`` first)
-    and the Triton kernel elsewhere."""
+    cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULT`` first;
+    explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the seesaw kernel
+    takes none) and the Triton kernel elsewhere."""
     if kernel == "triton":
         return "triton"
-    refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
-                            ragged)
+    knobs = (block_n, num_warps, num_stages)
+    refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows,
+                            *((None,) * 3 if kernel == "seesaw" else knobs), ragged)
     if kernel == "seesaw" and refusal is None:
-        refusal = seesaw_refusal(page_size)
-    if kernel is not None and refusal:
-        raise ValueError(f"{name}: the {kernel} kernel {refusal}")
+        refusal = seesaw_refusal(page_size, *knobs)
     if kernel is not None:
+        if refusal:
+            raise ValueError(f"{name}: the {kernel} kernel {refusal}")
         return kernel
     if refusal:
         return "triton"
-    if HOPPER_DEFAULT == "seesaw" and seesaw_refusal(page_size) is None:
+    if HOPPER_DEFAULT == "seesaw" and seesaw_refusal(page_size, *knobs) is None:
         return "seesaw"
     return "wgmma"
 
@@ -309,7 +308,7 @@ def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_
 
 def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> tuple:
     """(block_w, block_h, block_n, num_warps, num_stages): the caller's, None filled with the
-    defaults. The launch knobs are the Triton kernel's; the wgmma kernel has its own."""
+    defaults. The launch knobs are the Triton kernel's; the Gluon kernels have their own."""
     # Up to 4 query rows x 16 heads per tile (H200 sweeps of bench/tune.py); a 64-row tile
     # needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two output halves
     # over two programs and TMA tile loads were measured slower on an H200, decode 101 -> 188

@@ -11,9 +11,8 @@ a pass, A and B. Three partitions:
 - the right warp group owns columns 256..511: the scores of B and B's softmax, P_A . V_A[:, 256:]
   with P_A from shared memory (B's softmax runs behind it), then P_B . V_B[:, 256:] from
   registers;
-- a loader warp group copies q once and each KV tile by cp.async into stage t % 4 once both
-  groups have freed it (masked: tokens past the split's end are zero-filled, never read: NaN in
-  unused slots stays out), signalling an mbarrier as the tile lands.
+- a loader warp group copies q, then each KV tile by masked cp.async (tokens past the split's end
+  zero-filled: NaN in unused slots stays out) into a stage both groups have freed.
 
 The running max passes between the groups through shared memory (m after A, left to right; m
 after B, right to left): one group's softmax runs on the CUDA cores while the other's products
@@ -29,8 +28,8 @@ next pass's two stages during this one: 712 us there (the lock-step ``mla_wgmma`
 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359 (432). The cost: each
 group's scores run at N = 32, q read from shared memory per 32 tokens (as in ``mla_wgmma``).
 
-Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles (``seesaw_refusal``
-says why not elsewhere), with the same arguments, masks and split outputs.
+Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles, with the same arguments,
+masks and split outputs (``seesaw_refusal`` says why not elsewhere).
 """
 
 from triton.experimental import gluon
@@ -45,9 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .mla_wgmma import _program, _tile_rows, _visible
 
-BLOCK_M = gl.constexpr(64)   # query rows x heads of one tile
 TILE_TOKENS = 32
-BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
+BLOCK_M, BLOCK_N = gl.constexpr(64), gl.constexpr(TILE_TOKENS)  # tile rows (queries x heads), KV tokens
 NUM_STAGES = gl.constexpr(4) # tiles in shared memory: a pass's A and B, and the next pass's
 HALF = gl.constexpr(256)     # output columns of one warp group
 DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
@@ -55,7 +53,7 @@ GROUP_WARPS = gl.constexpr(4)   # the right group
 LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
 GROUP_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
-MAXNREG = 168                  # at launch: 12 warps (the loader's rounded up to a warp group) x 168
+MAXNREG = 168                  # at launch: 12 warps x 168 registers, then handed out by group
 # A warp group's scores [64, BLOCK_N] and output half [64, 256], on wgmma (4 warps).
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, BLOCK_N.value, 16]))
@@ -356,7 +354,7 @@ def _mla_seesaw_kernel(
 ):
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     gl.static_assert(LATENT == 2 * HALF)
-    gl.static_assert(PAGE_SIZE % BLOCK_N == 0)
+    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (ROPE == BLOCK_M))   # _p_view: P in the rope
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -391,9 +389,12 @@ def _mla_seesaw_kernel(
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
-def seesaw_refusal(page_size: int):
+def seesaw_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
     """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
-    can): its loader reads each tile's tokens from one page."""
+    can): its loader reads each tile's tokens from one page, and its launch is its own."""
     if page_size % TILE_TOKENS:
         return f"needs pages of a multiple of {TILE_TOKENS} tokens (page_size={page_size})"
+    if (block_n, num_warps, num_stages) != (None, None, None):
+        return (f"runs {TILE_TOKENS}-token tiles in {NUM_STAGES.value} stages on 12 warps, no knobs "
+                f"(got block_n={block_n}, num_warps={num_warps}, num_stages={num_stages})")
     return None

@@ -125,13 +125,15 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128),
+                                             (torch.bfloat16, 32)])   # a tile per page
 @pytest.mark.parametrize("H,W,mask,tuning", [
     (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
     (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
     (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
     (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
     (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
+    (16, 6, TREE, {}),                     # a second row block partly past W
     (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
 ])
 @pytest.mark.parametrize("splits", [1, 8])
@@ -215,18 +217,22 @@ def test_mla_kernel_choice_errors():
 
 def test_seesaw_kernel_choice(monkeypatch):
     """On a stand-in sm_90 device the seesaw kernel is refused, with its reason, for pages that
-    do not hold whole 32-token tiles; ``kernel=None`` takes it only as ``HOPPER_DEFAULT``."""
+    do not hold whole 32-token tiles and for launch knobs (its launch is its own);
+    ``kernel=None`` takes it only as ``HOPPER_DEFAULT`` and without the wgmma kernel's knobs."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
-    pick = lambda kernel, page: mla._pick_kernel("f", kernel, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
-                                                 False, page)
+    pick = lambda kernel, page, knobs=(None, None, None): mla._pick_kernel(  # noqa: E731
+        "f", kernel, q, kv, 512, 64, 64, *knobs, False, page)
     with pytest.raises(ValueError, match="seesaw kernel needs pages of a multiple of 32"):
         pick("seesaw", 16)
+    with pytest.raises(ValueError, match="seesaw kernel runs 32-token tiles in 4 stages"):
+        pick("seesaw", 64, (64, None, None))
     assert pick("seesaw", 128) == "seesaw" and pick("wgmma", 16) == "wgmma"
     for default in ("wgmma", "seesaw"):
         monkeypatch.setattr(mla, "HOPPER_DEFAULT", default)
         assert pick(None, 64) == default and pick(None, 16) == "wgmma"
+        assert pick(None, 64, (64, 8, 2)) == "wgmma"   # the wgmma kernel's knobs pick it
     assert mla._pick_kernel("f", None, q.float(), kv.float(), 512, 64, 64, None, None, None,
                             False, 64) == "triton"
 
