@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_wgmma import _program, _tile_rows, _visible
+from .mla_wgmma import _program, _rows_of, _tile_rows, _visible
 
 TILE_TOKENS = 32
 BLOCK_M, BLOCK_N = gl.constexpr(64), gl.constexpr(TILE_TOKENS)  # tile rows (queries x heads), KV tokens
@@ -65,11 +65,9 @@ ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))
 @gluon.jit
 def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
             BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
-    """Row pointers of q and their validity for tile rows ``offs_m`` (as ``_tile_rows``)."""
-    j = wb * BLOCK_W + offs_m // BLOCK_H
-    heads = hb * BLOCK_H + offs_m % BLOCK_H
-    ok = (j < W) & (heads < NUM_HEADS)
-    return q_ptr + (row0 + j) * stride_qt + heads * stride_qh, ok
+    """Row pointers of q and their validity for tile rows ``offs_m``."""
+    j, heads, rows, ok = _rows_of(offs_m, wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W)
+    return q_ptr + rows * stride_qt + heads * stride_qh, ok
 
 
 @gluon.jit

@@ -94,7 +94,15 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
 def _tile_rows(wb, hb, row0, q_len, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
                BLOCK_W: gl.constexpr, layout: gl.constexpr):
     """Query index j, head, flat row and validity of each of the tile's rows, in ``layout``."""
-    offs_m = gl.arange(0, BLOCK_M, layout=layout)
+    return _rows_of(gl.arange(0, BLOCK_M, layout=layout), wb, hb, row0, q_len, NUM_HEADS,
+                    BLOCK_H, BLOCK_W)
+
+
+@gluon.jit
+def _rows_of(offs_m, wb, hb, row0, q_len, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr,
+             BLOCK_W: gl.constexpr):
+    """``_tile_rows`` for tile rows ``offs_m``: row r is query j = wb*BLOCK_W + r // BLOCK_H of
+    head hb*BLOCK_H + r % BLOCK_H."""
     j = wb * BLOCK_W + offs_m // BLOCK_H
     heads = hb * BLOCK_H + offs_m % BLOCK_H
     return j, heads, row0 + j, (j < q_len) & (heads < NUM_HEADS)

@@ -10,6 +10,16 @@ from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
+# The Gluon kernels' GPU cases (64-row tiles): heads, rows per request, mask, tuning knobs.
+GLUON_CASES = [
+    (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
+    (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
+    (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
+    (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
+    (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
+    (16, 6, TREE, {}),                     # a second row block partly past W
+    (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
+]
 
 
 def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
@@ -104,15 +114,7 @@ def test_mla_in_page_tiles_gpu(mask, W, block_n, warps):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.bfloat16, 1), (torch.float16, 16)])
-@pytest.mark.parametrize("H,W,mask,tuning", [
-    (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
-    (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
-    (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
-    (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
-    (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
-    (16, 6, TREE, {}),                     # a second row block partly past W
-    (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
-])
+@pytest.mark.parametrize("H,W,mask,tuning", GLUON_CASES)
 @pytest.mark.parametrize("splits", [1, 8])
 def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
     """The Gluon wgmma kernel against the float64 reference: shuffled pages, ragged lengths (a
@@ -127,15 +129,7 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128),
                                              (torch.bfloat16, 32)])   # a tile per page
-@pytest.mark.parametrize("H,W,mask,tuning", [
-    (16, 4, CAUSAL, {}), (16, 8, TREE, {}), (16, 4, DRAFT, {}),
-    (128, 1, CAUSAL, {}), (128, 4, TREE, {}),
-    (16, 1, CAUSAL, {"block_h": 64}),      # 16 heads in a 64-row tile, 48 rows masked
-    (80, 1, CAUSAL, {}),                   # 64-head tiles, the second one partly past H
-    (16, 3, CAUSAL, {}),                   # 3 rows in a 4-row block
-    (16, 6, TREE, {}),                     # a second row block partly past W
-    (20, 4, DRAFT, {}),                    # 16-head blocks, the second one partly past H
-])
+@pytest.mark.parametrize("H,W,mask,tuning", GLUON_CASES)
 @pytest.mark.parametrize("splits", [1, 8])
 def test_mla_seesaw_gpu(dtype, page_size, H, W, mask, tuning, splits):
     """The warp-specialized Gluon kernel against the float64 reference, as the wgmma kernel's
