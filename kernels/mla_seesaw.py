@@ -71,6 +71,29 @@ def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.
 
 
 @gluon.jit
+def _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr):
+    """Issue the cp.async copies of the tile's q rows (rows past W or H zero-filled) by the
+    loader warp group: [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread."""
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
+    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
+    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    for r in gl.static_range(0, BLOCK_M, 8):
+        q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
+                              BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0),
+                                               q_row[:, None] + c_d[None, :], q_ok[:, None])
+    for r in gl.static_range(0, BLOCK_M, 16):
+        q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
+                              BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0),
+                                               q_row[:, None] + LATENT + c_r[None, :], q_ok[:, None])
+
+
+@gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
@@ -93,14 +116,9 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
-    # q first: its copies are tracked by the first tile's arrival
-    for r in gl.static_range(0, BLOCK_M, 8):
-        q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :], q_ok[:, None])
-    for r in gl.static_range(0, BLOCK_M, 16):
-        q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0), q_row[:, None] + LATENT + c_r[None, :],
-                                               q_ok[:, None])
+    if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
+        _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
+                BLOCK_W, LATENT, ROPE)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
@@ -117,8 +135,8 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
             src_r = base + (r + r_r[:, None]).to(gl.int64) * stride_kvs + LATENT + c_r[None, :]
             async_copy.async_copy_global_to_shared(rope.index(stage).slice(r, 16, dim=0), src_r,
                                                    mask=ok_r[:, None])
-        async_copy.mbarrier_arrive(ready.index(stage))   # completes as this group's copies land
-        mbarrier.arrive(ready.index(stage))
+        # each loader thread arrives as its copies land (``ready`` counts the loader's threads)
+        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
 @gluon.jit
@@ -140,11 +158,11 @@ def _scores(q_lat, q_pe, lat, rope, t):
 
 @gluon.jit
 def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-             scale_log2, MASK: gl.constexpr):
-    """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
-    P's row sums)."""
-    vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-                   MASK, BLOCK_N)
+             scale_log2, MASK: gl.constexpr, SL: gl.constexpr = S_L, N: gl.constexpr = BLOCK_N):
+    """P of one N-token tile (scores in layout SL) against the running max: (P, the new max,
+    the rescale of earlier sums, P's row sums)."""
+    vis = _visible(SL, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+                   MASK, N)
     s = gl.where(vis, s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_prev, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
@@ -183,13 +201,13 @@ def _dot_a(p16):
 def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
             split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-            WRITE_LSE: gl.constexpr):
-    """Add the two groups' row sums (through shared memory), normalize and store this group's
-    256 columns; the left group also stores the log-sum-exp."""
+            WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr = ROW):
+    """Add the two groups' row sums (through shared memory; ``ROW_L`` their layout), normalize
+    and store this group's 256 columns; the left group also stores the log-sum-exp."""
     l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
     mbarrier.arrive(bar_l)
     mbarrier.wait(bar_l, 0)
-    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW)
+    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
     nonempty = l_i > 0
     if GROUP == 0:
         if WRITE_LSE:
@@ -369,7 +387,7 @@ def _mla_seesaw_kernel(
     bar_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bar_l = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=LOADER_WARPS * 32)
         mbarrier.init(empty.index(s), count=2)
     mbarrier.init(bar_a, count=1)
     mbarrier.init(bar_b, count=1)
