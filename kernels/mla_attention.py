@@ -28,17 +28,12 @@ import triton.language as tl
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
-from .mla_chunked import _mla_chunked_kernel, chunked_refusal
 from .mla_seesaw import DEFAULT_WARPS, MAXNREG, _mla_seesaw_kernel, seesaw_refusal
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
-KERNELS = (None, "triton", "wgmma", "seesaw", "chunked")
-SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches
+KERNELS = (None, "triton", "wgmma", "seesaw")
 GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
-                "seesaw": (_mla_seesaw_kernel, SPECIALIZED),
-                "chunked": (_mla_chunked_kernel, SPECIALIZED)}
-# the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
-REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal}
+                "seesaw": (_mla_seesaw_kernel, dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG))}
 HOPPER_DEFAULT = "seesaw"  # what kernel=None runs where both Gluon kernels serve a launch
 
 
@@ -249,17 +244,17 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
         return "triton"
     knobs = (block_n, num_warps, num_stages)
     refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows,
-                            *((None,) * 3 if kernel in REFUSALS else knobs), ragged)
-    if kernel in REFUSALS and refusal is None:
-        refusal = REFUSALS[kernel](page_size, *knobs)
+                            *((None,) * 3 if kernel == "seesaw" else knobs), ragged)
+    if kernel == "seesaw" and refusal is None:
+        refusal = seesaw_refusal(page_size, *knobs)
     if kernel is not None:
         if refusal:
             raise ValueError(f"{name}: the {kernel} kernel {refusal}")
         return kernel
     if refusal:
         return "triton"
-    if HOPPER_DEFAULT in REFUSALS and REFUSALS[HOPPER_DEFAULT](page_size, *knobs) is None:
-        return HOPPER_DEFAULT
+    if HOPPER_DEFAULT == "seesaw" and seesaw_refusal(page_size, *knobs) is None:
+        return "seesaw"
     return "wgmma"
 
 

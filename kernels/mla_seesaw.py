@@ -71,34 +71,10 @@ def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.
 
 
 @gluon.jit
-def _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
-            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr):
-    """Issue the cp.async copies of the tile's q rows (rows past W or H zero-filled) by the
-    loader warp group: [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread."""
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
-    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
-    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
-    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
-    for r in gl.static_range(0, BLOCK_M, 8):
-        q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
-                              BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0),
-                                               q_row[:, None] + c_d[None, :], q_ok[:, None])
-    for r in gl.static_range(0, BLOCK_M, 16):
-        q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
-                              BLOCK_H, BLOCK_W)
-        async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0),
-                                               q_row[:, None] + LATENT + c_r[None, :], q_ok[:, None])
-
-
-@gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
-    """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups have
-    freed it."""
+    """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups free it."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -117,8 +93,14 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
-        _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
-                BLOCK_W, LATENT, ROPE)
+        for r in gl.static_range(0, BLOCK_M, 8):
+            q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
+            async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :],
+                                                   q_ok[:, None])
+        for r in gl.static_range(0, BLOCK_M, 16):
+            q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
+            async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0), q_row[:, None] + LATENT + c_r[None, :],
+                                                   q_ok[:, None])
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
@@ -158,11 +140,11 @@ def _scores(q_lat, q_pe, lat, rope, t):
 
 @gluon.jit
 def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-             scale_log2, MASK: gl.constexpr, SL: gl.constexpr = S_L, N: gl.constexpr = BLOCK_N):
-    """P of one N-token tile (scores in layout SL) against the running max: (P, the new max,
-    the rescale of earlier sums, P's row sums)."""
-    vis = _visible(SL, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-                   MASK, N)
+             scale_log2, MASK: gl.constexpr):
+    """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
+    P's row sums)."""
+    vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+                   MASK, BLOCK_N)
     s = gl.where(vis, s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_prev, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
@@ -201,13 +183,13 @@ def _dot_a(p16):
 def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
             split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
             NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-            WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr = ROW):
-    """Add the two groups' row sums (through shared memory; ``ROW_L`` their layout), normalize
-    and store this group's 256 columns; the left group also stores the log-sum-exp."""
+            WRITE_LSE: gl.constexpr):
+    """Add the two groups' row sums (through shared memory), normalize and store this group's
+    256 columns; the left group also stores the log-sum-exp."""
     l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
     mbarrier.arrive(bar_l)
     mbarrier.wait(bar_l, 0)
-    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
+    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW)
     nonempty = l_i > 0
     if GROUP == 0:
         if WRITE_LSE:
