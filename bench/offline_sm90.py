@@ -122,7 +122,7 @@ def mla_configs() -> dict:
                                          mask=mask, custom_mask=cm, draft_prefix_lens=draft,
                                          kernel=kernel)
     configs = {"mla16 decode": call(16, 1, 2)}
-    for kernel in ("wgmma", "seesaw"):
+    for kernel in ("wgmma", "seesaw", "chunked"):
         configs.update({f"{kernel} mla16 verify4": call(16, 4, 2, kernel=kernel),
                         f"{kernel} mla128 decode": call(128, 1, 1, kernel=kernel),
                         f"{kernel} mla128 verify4": call(128, 4, 2, kernel=kernel),
@@ -131,7 +131,10 @@ def mla_configs() -> dict:
                     "wgmma mla16 draft4 page 1": call(16, 4, 1, "draft", page=1, kernel="wgmma"),
                     "seesaw mla16 tree8 fp16 page 128": call(16, 8, 8, "tree", torch.float16, 128,
                                                              "seesaw"),
+                    "chunked mla16 tree8 fp16 page 128": call(16, 8, 8, "tree", torch.float16, 128,
+                                                              "chunked"),
                     "default mla16 verify4": call(16, 4, 2),
+                    "default mla16 verify4 page 32": call(16, 4, 2, page=32),
                     "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
     return configs
 

@@ -7,7 +7,7 @@ kernel wrappers and split counts injected, beside FlashInfer's configurations, i
 Variant 0 is the backend as it stands (no keyword, its own split count). Each ``--variant`` is a
 set of keywords (``k=v``, ints or words; ``block_q``, ``block_n``, ``num_warps``, ``num_stages``, ...)
 passed to the kernel wrapper the backend calls (``extend_attention_fwd``, ``decode_attention_fwd``,
-``mla_attention_fwd``; ``kernel=seesaw`` picks an MLA kernel); ``--splits`` adds, to variant 0
+``mla_attention_fwd``; ``kernel=chunked`` picks an MLA kernel); ``--splits`` adds, to variant 0
 and to each keyword set, split counts: ``xF`` scales the backend's count (at least 1), ``N`` sets it. Rows come from
 ``sweep_rows.build_row`` (shuffled pages, the sweep's data).
 

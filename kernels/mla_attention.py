@@ -16,9 +16,9 @@ graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as i
 
 This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an
 sm_90 GPU, 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split
-outputs): ``mla_seesaw``'s warp-specialized kernel where pages hold whole 32-token tiles,
-``mla_wgmma``'s elsewhere. Triton gives this kernel's 64-row tile a score layout in which both
-warp groups compute the whole score tile.
+outputs): a warp-specialized kernel, ``mla_chunked``'s where pages hold whole 64-token tiles and
+``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere. Triton gives
+this kernel's 64-row tile a score layout in which both warp groups compute the whole score tile.
 """
 
 import torch
@@ -28,13 +28,20 @@ import triton.language as tl
 from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
-from .mla_seesaw import DEFAULT_WARPS, MAXNREG, _mla_seesaw_kernel, seesaw_refusal
+from .mla_chunked import _mla_chunked_kernel, chunked_refusal
+from .mla_seesaw import _mla_seesaw_kernel, seesaw_refusal
+from .mla_warpspec import DEFAULT_WARPS, MAXNREG
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
-KERNELS = (None, "triton", "wgmma", "seesaw")
+KERNELS = (None, "triton", "wgmma", "seesaw", "chunked")
+SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches
 GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
-                "seesaw": (_mla_seesaw_kernel, dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG))}
-HOPPER_DEFAULT = "seesaw"  # what kernel=None runs where both Gluon kernels serve a launch
+                "seesaw": (_mla_seesaw_kernel, SPECIALIZED),
+                "chunked": (_mla_chunked_kernel, SPECIALIZED)}
+# the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
+REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal}
+# what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma)
+HOPPER_DEFAULTS = ("chunked", "seesaw")
 
 
 @triton.jit
@@ -195,9 +202,10 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
         16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads),
-        ``mla_seesaw``'s where pages hold whole 32-token tiles and no block_n / num_warps /
-        num_stages is given, else ``mla_wgmma``'s; the Triton kernel elsewhere. "triton",
-        "wgmma" or "seesaw" asks for one (ValueError, with the reason, where it cannot serve)
+        where no block_n / num_warps / num_stages is given ``mla_chunked``'s where pages hold
+        whole 64-token tiles, else ``mla_seesaw``'s where they hold whole 32-token tiles, else
+        ``mla_wgmma``'s; the Triton kernel elsewhere. "triton", "wgmma", "seesaw" or "chunked"
+        asks for one (ValueError, with the reason, where it cannot serve)
     """
     name = "mla_attention_fwd"
     if kernel not in KERNELS:
@@ -237,25 +245,23 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
 def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
                  ragged, page_size) -> str:
     """Which kernel runs the launch: the one asked for (ValueError, with the reason, where it
-    cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULT`` first;
-    explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the seesaw kernel
-    takes none) and the Triton kernel elsewhere."""
+    cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
+    explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
+    kernels take none) and the Triton kernel elsewhere."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)
     refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows,
-                            *((None,) * 3 if kernel == "seesaw" else knobs), ragged)
-    if kernel == "seesaw" and refusal is None:
-        refusal = seesaw_refusal(page_size, *knobs)
+                            *((None,) * 3 if kernel in REFUSALS else knobs), ragged)
+    if kernel in REFUSALS and refusal is None:
+        refusal = REFUSALS[kernel](page_size, *knobs)
     if kernel is not None:
         if refusal:
             raise ValueError(f"{name}: the {kernel} kernel {refusal}")
         return kernel
     if refusal:
         return "triton"
-    if HOPPER_DEFAULT == "seesaw" and seesaw_refusal(page_size, *knobs) is None:
-        return "seesaw"
-    return "wgmma"
+    return next((k for k in HOPPER_DEFAULTS if REFUSALS[k](page_size, *knobs) is None), "wgmma")
 
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,

@@ -42,39 +42,39 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_wgmma import _program, _rows_of, _tile_rows, _visible
+from .mla_warpspec import (
+    BLOCK_M,
+    GROUP_REGS,
+    GROUP_WARPS,
+    HALF,
+    LOADER_REGS,
+    LOADER_WARPS,
+    O_L,
+    _copy_q,
+    _dot_a,
+    _finish,
+    _rescale,
+    _scale,
+    _softmax,
+    warp_specialized_refusal,
+)
+from .mla_wgmma import _program, _tile_rows
 
 TILE_TOKENS = 32
-BLOCK_M, BLOCK_N = gl.constexpr(64), gl.constexpr(TILE_TOKENS)  # tile rows (queries x heads), KV tokens
-NUM_STAGES = gl.constexpr(4) # tiles in shared memory: a pass's A and B, and the next pass's
-HALF = gl.constexpr(256)     # output columns of one warp group
-DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
-GROUP_WARPS = gl.constexpr(4)   # the right group
-LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
-GROUP_REGS = gl.constexpr(232)
-LOADER_REGS = gl.constexpr(40)
-MAXNREG = 168                  # at launch: 12 warps x 168 registers, then handed out by group
-# A warp group's scores [64, BLOCK_N] and output half [64, 256], on wgmma (4 warps).
+BLOCK_N = gl.constexpr(TILE_TOKENS)   # KV tokens of a tile
+NUM_STAGES = gl.constexpr(4)          # tiles in shared memory: a pass's A and B, and the next pass's
+# A warp group's scores [64, BLOCK_N] on wgmma (4 warps).
 S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, BLOCK_N.value, 16]))
-O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                             instr_shape=[16, HALF.value, 16]))
 ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))
-
-
-@gluon.jit
-def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
-            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
-    """Row pointers of q and their validity for tile rows ``offs_m``."""
-    j, heads, rows, ok = _rows_of(offs_m, wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W)
-    return q_ptr + rows * stride_qt + heads * stride_qh, ok
 
 
 @gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
-    """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups free it."""
+    """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups have
+    freed it."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -93,14 +93,8 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
-        for r in gl.static_range(0, BLOCK_M, 8):
-            q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
-            async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0), q_row[:, None] + c_d[None, :],
-                                                   q_ok[:, None])
-        for r in gl.static_range(0, BLOCK_M, 16):
-            q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H, BLOCK_W)
-            async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0), q_row[:, None] + LATENT + c_r[None, :],
-                                                   q_ok[:, None])
+        _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
+                BLOCK_W, LATENT, ROPE)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
@@ -139,71 +133,12 @@ def _scores(q_lat, q_pe, lat, rope, t):
 
 
 @gluon.jit
-def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-             scale_log2, MASK: gl.constexpr):
-    """P of one tile against the running max: (P, the new max, the rescale of earlier sums,
-    P's row sums)."""
-    vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
-                   MASK, BLOCK_N)
-    s = gl.where(vis, s * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
-    p = gl.exp2(s - m_safe[:, None])
-    return p, m_new, gl.exp2(m_prev - m_safe), gl.sum(p, axis=1)
-
-
-@gluon.jit
-def _rescale(m_old, m_new):
-    """exp2(m_old - m_new), 0 while m_new is -inf (nothing visible yet: all sums are 0)."""
-    return gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
-
-
-@gluon.jit
 def _p_view(rope_t):
     """A stage's rope columns ([BLOCK_N, ROPE], free once that tile's scores are done) as the
     [BLOCK_M, BLOCK_N] P of that tile: same bytes, the swizzle of a BLOCK_N-wide row."""
     P_SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16,
                                               rank=2)
     return rope_t._reinterpret(rope_t.dtype, [BLOCK_M, BLOCK_N], P_SH)
-
-
-@gluon.jit
-def _scale(acc, f):
-    """The output half's rows times ``f`` (a per-row factor in the scores' row layout)."""
-    return acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
-
-
-@gluon.jit
-def _dot_a(p16):
-    """P in registers as the A operand of the P . V wgmma."""
-    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-
-
-@gluon.jit
-def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
-            split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
-            NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-            WRITE_LSE: gl.constexpr):
-    """Add the two groups' row sums (through shared memory), normalize and store this group's
-    256 columns; the left group also stores the log-sum-exp."""
-    l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
-    mbarrier.arrive(bar_l)
-    mbarrier.wait(bar_l, 0)
-    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW)
-    nonempty = l_i > 0
-    if GROUP == 0:
-        if WRITE_LSE:
-            lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
-            gl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
-    inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, O_L))
-    keep = gl.convert_layout(nonempty, gl.SliceLayout(1, O_L))
-    out = gl.where(keep[:, None], acc * inv[:, None], 0.0)   # empty rows: zeros
-    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W,
-                                            gl.SliceLayout(1, O_L))
-    _ = j_o
-    cols = GROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    gl.store(o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
-             + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
 
 
 @gluon.jit
@@ -234,7 +169,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
         sa = (2 * i) % NUM_STAGES                 # tile A's stage; B's is the next
         has_b = 2 * i + 1 < num_tiles
         p, m, alpha, psum = _softmax(s, m, n0, end, j, row_ok, prefix, draft_prefix, W, mask_ptr,
-                                     mask_base, scale_log2, MASK)
+                                     mask_base, scale_log2, MASK, S_L, BLOCK_N)
         l_i = l_i * alpha + psum
         p16 = p.to(q_ptr.dtype.element_ty)
         _p_view(rope.index(sa)).store(p16)     # P_A for the right group (A's rope is read)
@@ -267,7 +202,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
                 mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE)
+            BLOCK_W, WRITE_LSE, ROW)
 
 
 @gluon.jit
@@ -308,7 +243,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
         pv = warpgroup_mma(_p_view(rope.index(sa)), lat.index(sa).slice(HALF, HALF, dim=1), acc,
                            is_async=True)
         p, m, beta, psum = _softmax(s, m, n0 + BLOCK_N, end, j, row_ok, prefix, draft_prefix, W,
-                                    mask_ptr, mask_base, scale_log2, MASK)
+                                    mask_ptr, mask_base, scale_log2, MASK, S_L, BLOCK_N)
         l_i = l_i * beta + psum
         p16 = p.to(q_ptr.dtype.element_ty)
         if has_b:
@@ -333,7 +268,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
                 mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
             stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE)
+            BLOCK_W, WRITE_LSE, ROW)
 
 
 @gluon.jit
@@ -389,10 +324,6 @@ def _mla_seesaw_kernel(
 
 def seesaw_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
     """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
-    can): its loader reads each tile's tokens from one page, and its launch is its own."""
-    if page_size % TILE_TOKENS:
-        return f"needs pages of a multiple of {TILE_TOKENS} tokens (page_size={page_size})"
-    if (block_n, num_warps, num_stages) != (None, None, None):
-        return (f"runs {TILE_TOKENS}-token tiles in {NUM_STAGES.value} stages on 12 warps, no knobs "
-                f"(got block_n={block_n}, num_warps={num_warps}, num_stages={num_stages})")
-    return None
+    can)."""
+    return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps,
+                                    num_stages)

@@ -6,6 +6,7 @@ from attn_backends_kernels import mla_wgmma
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd
+from attn_backends_kernels.mla_chunked import _mla_chunked_kernel
 from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
@@ -127,28 +128,32 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128),
-                                             (torch.bfloat16, 32)])   # a tile per page
+@pytest.mark.parametrize("kernel,dtype,page_size", [
+    ("seesaw", torch.bfloat16, 64), ("seesaw", torch.float16, 128),
+    ("seesaw", torch.bfloat16, 32),                                  # a tile per page
+    ("chunked", torch.bfloat16, 64), ("chunked", torch.float16, 128)])
 @pytest.mark.parametrize("H,W,mask,tuning", GLUON_CASES)
 @pytest.mark.parametrize("splits", [1, 8])
-def test_mla_seesaw_gpu(dtype, page_size, H, W, mask, tuning, splits):
-    """The warp-specialized Gluon kernel against the float64 reference, as the wgmma kernel's
+def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, splits):
+    """The warp-specialized Gluon kernels against the float64 reference, as the wgmma kernel's
     test: odd and even tile counts per split (tile B absent on the last pass), empty splits,
     partial last tiles whose tails hold NaN, every mask, with and without the merge."""
     _need_hopper()
     out, ref = run_mla([W, 33, 1000, 4166, 32768], W, page_size, H, dtype, "cuda", mask=mask,
-                       splits=splits, pad_rows=2, poison_unused=True, kernel="seesaw", **tuning)
+                       splits=splits, pad_rows=2, poison_unused=True, kernel=kernel, **tuning)
     assert_close(out, ref, 1e-2)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("H,W,page_size,expect", [
-    (16, 4, 64, _mla_seesaw_kernel), (128, 1, 128, _mla_seesaw_kernel),
+    (16, 4, 64, _mla_chunked_kernel), (128, 1, 128, _mla_chunked_kernel),
+    (16, 4, 32, _mla_seesaw_kernel), (128, 1, 96, _mla_seesaw_kernel),
     (16, 4, 16, _mla_wgmma_kernel), (128, 1, 16, _mla_wgmma_kernel),
     (16, 1, 64, _mla_split_kernel), (16, 2, 64, _mla_split_kernel)])
 def test_mla_default_kernel_gpu(H, W, page_size, expect):
     """On Hopper the wrapper's default launches a Gluon kernel exactly for 64-row tiles: the
-    seesaw kernel where pages hold whole 32-token tiles, the wgmma kernel elsewhere."""
+    chunked kernel where pages hold whole 64-token tiles, the seesaw kernel where they hold whole
+    32-token tiles, the wgmma kernel elsewhere."""
     _need_hopper()
     with recording() as launches:
         run_mla([W, 300], W, page_size, H, torch.bfloat16, "cuda", splits=2)
@@ -161,7 +166,7 @@ def _need_hopper():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["wgmma", "seesaw"])
+@pytest.mark.parametrize("kernel", ["wgmma", "seesaw", "chunked"])
 def test_mla_gluon_recorded_replay_gpu(kernel):
     """The eager path's recorded launches (launch_record) replay each Gluon kernel and its merge
     with another call's q, KV buffer and output: bitwise what the wrapper gives for that call."""
@@ -178,7 +183,8 @@ def test_mla_gluon_recorded_replay_gpu(kernel):
                                           q_per_req=W, workspace=ws, kernel=kernel)
     with recording() as launches:
         call(0, out[0])
-    gluon = _mla_wgmma_kernel if kernel == "wgmma" else _mla_seesaw_kernel
+    gluon = {"wgmma": _mla_wgmma_kernel, "seesaw": _mla_seesaw_kernel,
+             "chunked": _mla_chunked_kernel}[kernel]
     assert [k for k, *_ in launches] == [gluon, merge_kernel()]
     rec = Recorded(launches, (q[0], kv[0], out[0]))
     assert rec.usable and rec.replay((q[1], kv[1], out[1]))
@@ -209,10 +215,11 @@ def test_mla_kernel_choice_errors():
                           q_per_req=4, kernel="cutlass")
 
 
-def test_seesaw_kernel_choice(monkeypatch):
-    """On a stand-in sm_90 device the seesaw kernel is refused, with its reason, for pages that
-    do not hold whole 32-token tiles and for launch knobs (its launch is its own);
-    ``kernel=None`` takes it only as ``HOPPER_DEFAULT`` and without the wgmma kernel's knobs."""
+def test_warp_specialized_kernel_choice(monkeypatch):
+    """On a stand-in sm_90 device each warp-specialized kernel is refused, with its reason, for
+    pages that do not hold whole tiles (32 tokens: seesaw, 64: chunked) and for launch knobs
+    (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that serves,
+    and the wgmma kernel with the wgmma kernel's knobs."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
@@ -223,8 +230,14 @@ def test_seesaw_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="seesaw kernel runs 32-token tiles in 4 stages"):
         pick("seesaw", 64, (64, None, None))
     assert pick("seesaw", 128) == "seesaw" and pick("wgmma", 16) == "wgmma"
-    for default in ("wgmma", "seesaw"):
-        monkeypatch.setattr(mla, "HOPPER_DEFAULT", default)
+    with pytest.raises(ValueError, match="chunked kernel needs pages of a multiple of 64"):
+        pick("chunked", 32)
+    with pytest.raises(ValueError, match="chunked kernel runs 64-token tiles in 2 stages"):
+        pick("chunked", 64, (None, 8, None))
+    assert pick("chunked", 128) == "chunked"
+    assert pick(None, 64) == "chunked" and pick(None, 96) == "seesaw" and pick(None, 16) == "wgmma"
+    for default in ("seesaw", "chunked"):
+        monkeypatch.setattr(mla, "HOPPER_DEFAULTS", (default,))
         assert pick(None, 64) == default and pick(None, 16) == "wgmma"
         assert pick(None, 64, (64, 8, 2)) == "wgmma"   # the wgmma kernel's knobs pick it
     assert mla._pick_kernel("f", None, q.float(), kv.float(), 512, 64, 64, None, None, None,

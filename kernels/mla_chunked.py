@@ -1,0 +1,352 @@
+"""Absorbed MLA attention on Hopper in Gluon, warp-specialized, on 64-token tiles in 2 stages,
+each tile loaded and freed in 64-column chunks: the seesaw schedule and fine-grained copy-GEMM
+pipelining of FlashMLA's deep dive (docs/20250422-new-kernel-deep-dive.md in
+deepseek-ai/FlashMLA and its sm90 dense decode kernel), written anew for our interface, with
+cp.async by a loader warp group in place of TMA.
+
+Why: ``mla_seesaw``'s 32-token tiles run the scores at N = 32, where each wgmma reads as many
+bytes of q from shared memory as of K; at N = 64 the scores read half the shared memory per
+flop. q (72 KiB) and two 64-token tiles (144 KiB) fill one program's shared memory, so a stage
+is refilled part by part as each part is done with. A stage is nine 64-column chunks, each with
+its own "landed" barrier, freed in three parts by the group that reads each last:
+
+- tile A (stage 0, the left group's scores): latent 0..255 after the left group's P_A . V_A;
+  latent 256..511 and the rope (then holding P_A) after the right group's P_A . V_A;
+- tile B (stage 1, the right group's scores): latent 256..511 after the right group's
+  P_B . V_B; latent 0..255 and the rope (then holding P_B) after the left group's P_B . V_B.
+
+A pass (FlashMLA's order): the left group scores A and publishes the max after A; the right
+group takes it, scores B against it and publishes the max after B and P_B; the left group
+rescales P_A to the max after B and publishes it; the right group runs its own P_B . V_B before
+P_A . V_A, so B's latent 256..511 is freed mid-pass. The loader refills the parts in the order
+they are freed (A 0..255; B 256..511; A rope, 256..511; B 0..255, rope) and each group's scores
+wait chunk by chunk in that order (A: 0..255, rope, 256..511; B: 256..511, 0..255, rope), so the
+next tile's scores start on the chunks already landed.
+
+The stage and q descriptors are indexed at run time (by a zero the compiler cannot fold): as
+constants, ptxas hoisted all 36 of them out of the loop and spilled them (496 bytes of stack),
+and with 222 KiB of shared memory the spills missed L1: on an H200 (CUDA graph replay, L2
+flushed) MLA128 decode bs 128 kv 8192 took 829 us, against 537 without the spills (seesaw 666);
+MLA16 verify4 bs 128 kv 8192 575 -> 315 (349); MLA128 verify4 bs 16 kv 8192 379 -> 262 (327).
+
+Same interface, masks and split outputs as ``mla_wgmma`` where pages hold whole 64-token tiles
+(``chunked_refusal`` says why not elsewhere).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mla_warpspec import (
+    BLOCK_M,
+    GROUP_REGS,
+    GROUP_WARPS,
+    HALF,
+    LOADER_REGS,
+    LOADER_WARPS,
+    O_L,
+    _copy_q,
+    _dot_a,
+    _finish,
+    _rescale,
+    _scale,
+    _softmax,
+    warp_specialized_refusal,
+)
+from .mla_wgmma import _program, _tile_rows
+
+TILE_TOKENS = 64
+BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
+CHUNK = gl.constexpr(64)      # columns of one copy-and-barrier chunk (one 128-byte swizzle row)
+LO_CHUNKS = gl.constexpr(4)   # latent 0..255: chunks 0..3; latent 256..511: 4..7; rope: 8
+RING = gl.constexpr(9)        # "landed" barriers of a stage
+S64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, TILE_TOKENS, 16]))
+ROW64 = gl.constexpr(gl.SliceLayout(1, S64.value))
+# the parts a stage is freed in: empty.index(3 * stage + part)
+LO, ROPE_PART, HI = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+
+
+@gluon.jit
+def _copy_part(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, STAGE: gl.constexpr,
+               PART: gl.constexpr, ph, LATENT: gl.constexpr):
+    """Wait for ``PART`` of the stage to be freed, then copy its chunks of 64 tokens (those at or
+    past ``end`` zero-filled), each arriving on its own barrier as its copies land."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 4 rows x 16 bytes a thread
+    r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LC))
+    c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
+    ok = ((n0 + r_c) < end)[:, None]
+    src = base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :]
+    mbarrier.wait(empty.index(3 * STAGE + PART), ph)
+    if PART == ROPE_PART:
+        async_copy.async_copy_global_to_shared(rope_t, src + LATENT, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(RING * STAGE + 2 * LO_CHUNKS), increment_count=False)
+    else:
+        for c in gl.static_range(PART // 2 * LO_CHUNKS, (PART // 2 + 1) * LO_CHUNKS):
+            async_copy.async_copy_global_to_shared(lat_t.slice(c * CHUNK, CHUNK, dim=1),
+                                                   src + c * CHUNK, mask=ok)
+            async_copy.mbarrier_arrive(ready.index(RING * STAGE + c), increment_count=False)
+
+
+@gluon.jit
+def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """The loader warp group: q (tracked by the first chunks' barriers), then per pass the parts
+    of tiles A (stage 0) and B (stage 1) in the order they are freed: A's latent 0..255 (left
+    group), B's 256..511 (right group's own P_B . V_B), A's rope and 256..511 (right group's
+    P_A . V_A), B's 0..255 and rope (left group's P_B . V_B)."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+    pt_row = page_table_ptr + b * stride_pb
+    row0 = b.to(gl.int64) * W
+    if num_tiles > 0:   # q first (an empty split reads nothing)
+        _copy_q(q_ptr, q_lat.index(0), q_pe.index(0), wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
+                BLOCK_W, LATENT, ROPE)
+    for i in range((num_tiles + 1) // 2):
+        ph = (i & 1) ^ 1
+        n0 = start + 2 * i * BLOCK_N
+        has_b = 2 * i + 1 < num_tiles
+        page_a = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int64)
+        base_a = kv_ptr + (page_a * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+        page_b = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=has_b, other=0).to(gl.int64)
+        base_b = kv_ptr + (page_b * PAGE_SIZE + (n0 + BLOCK_N) % PAGE_SIZE) * stride_kvs
+        lat_a, rope_a, lat_b, rope_b = lat.index(0), rope.index(0), lat.index(1), rope.index(1)
+        _copy_part(lat_a, rope_a, base_a, n0, end, stride_kvs, ready, empty, 0, LO, ph, LATENT)
+        if has_b:
+            _copy_part(lat_b, rope_b, base_b, n0 + BLOCK_N, end, stride_kvs, ready, empty, 1, HI,
+                       ph, LATENT)
+        _copy_part(lat_a, rope_a, base_a, n0, end, stride_kvs, ready, empty, 0, ROPE_PART, ph,
+                   LATENT)
+        _copy_part(lat_a, rope_a, base_a, n0, end, stride_kvs, ready, empty, 0, HI, ph, LATENT)
+        if has_b:
+            _copy_part(lat_b, rope_b, base_b, n0 + BLOCK_N, end, stride_kvs, ready, empty, 1, LO,
+                       ph, LATENT)
+            _copy_part(lat_b, rope_b, base_b, n0 + BLOCK_N, end, stride_kvs, ready, empty, 1,
+                       ROPE_PART, ph, LATENT)
+
+
+@gluon.jit
+def _score_part(s, q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, PART: gl.constexpr, ph,
+                FIRST: gl.constexpr, zero):
+    """Issue q . K^T over one part of the tile in ``STAGE``, each chunk's wgmma group as soon
+    as that chunk has landed (``FIRST``: the scores' first part, overwriting ``s``)."""
+    if PART == ROPE_PART:
+        mbarrier.wait(ready.index(RING * STAGE + 2 * LO_CHUNKS), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_pe.index(zero), rope.index(STAGE + zero).permute((1, 0)), s, use_acc=not FIRST,
+                          is_async=True)
+    else:
+        for c in gl.static_range(PART // 2 * LO_CHUNKS, (PART // 2 + 1) * LO_CHUNKS):
+            mbarrier.wait(ready.index(RING * STAGE + c), ph)
+            fence_async_shared()
+            s = warpgroup_mma(q_lat.index(zero).slice(c * CHUNK, CHUNK, dim=1),
+                              lat.index(STAGE + zero).slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)), s,
+                              use_acc=(not FIRST) or (c % LO_CHUNKS > 0), is_async=True)
+    return s
+
+
+@gluon.jit
+def _scores(q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, ph, zero):
+    """q . K^T of the tile in ``STAGE`` in the order its parts land (A: latent 0..255, rope,
+    256..511; B: 256..511, 0..255, rope), waited for."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
+    if STAGE == 0:
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 0, LO, ph, True, zero)
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 0, ROPE_PART, ph, False, zero)
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 0, HI, ph, False, zero)
+    else:
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 1, HI, ph, True, zero)
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 1, LO, ph, False, zero)
+        s = _score_part(s, q_lat, q_pe, lat, rope, ready, 1, ROPE_PART, ph, False, zero)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+          LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 0..255: tile A's scores and softmax (the max after A to the right group), P_A .
+    V_A; then, with the max after B, P_A rescaled to it for the right group, and P_B . V_B."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+    row0 = b.to(gl.int64) * W
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW64)
+    mask_base = b.to(gl.int64) * W * W
+    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW64)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW64)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
+    if num_tiles > 0:
+        s = _scores(q_lat, q_pe, lat, rope, ready, 0, 0, num_tiles // (num_tiles + 2))
+    for i in range((num_tiles + 1) // 2):
+        has_b = 2 * i + 1 < num_tiles
+        p, m, alpha, psum = _softmax(s, m, start + 2 * i * BLOCK_N, end, j, row_ok, prefix,
+                                     draft_prefix, W, mask_ptr, mask_base, scale_log2, MASK,
+                                     S64, BLOCK_N)
+        m_a.store(m)
+        mbarrier.arrive(bar_a.index(0))           # the max after A
+        l_i = l_i * alpha + psum
+        p16 = p.to(q_ptr.dtype.element_ty)
+        acc = _scale(acc, alpha)
+        acc = warpgroup_mma(_dot_a(p16), lat.index(0).slice(0, HALF, dim=1), acc, is_async=True)
+        mbarrier.wait(bar_b.index(0), i & 1, pred=has_b)   # the max after B
+        m_new = gl.where(has_b, m_b.load(ROW64), m)
+        beta = _rescale(m, m_new)
+        m = m_new
+        l_i = l_i * beta
+        rope.index(0).store((p * beta[:, None]).to(q_ptr.dtype.element_ty))   # P_A at the max after B
+        fence_async_shared()
+        mbarrier.arrive(bar_a.index(1))           # P_A for the right group
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(3 * 0 + LO))  # A's latent 0..255 read
+        acc = _scale(acc, beta)
+        if has_b:
+            mbarrier.wait(bar_b.index(1), i & 1)  # P_B
+            acc = warpgroup_mma(rope.index(1), lat.index(1).slice(0, HALF, dim=1), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(3 * 1 + LO))
+            mbarrier.arrive(empty.index(3 * 1 + ROPE_PART))
+        if 2 * i + 2 < num_tiles:
+            s = _scores(q_lat, q_pe, lat, rope, ready, 0, (i + 1) & 1, i // (num_tiles + 2))
+    _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
+            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
+            BLOCK_W, WRITE_LSE, ROW64)
+
+
+@gluon.jit
+def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 256..511: tile B's scores and, with the max after A, its softmax (the max after B
+    and P_B to the left group); P_B . V_B from registers, then P_A . V_A with P_A from the left
+    group."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
+    ready, empty, bar_a, bar_b, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+    row0 = b.to(gl.int64) * W
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW64)
+    mask_base = b.to(gl.int64) * W * W
+    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW64)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW64)
+    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)   # no tile B: all masked
+    if num_tiles > 1:
+        s = _scores(q_lat, q_pe, lat, rope, ready, 1, 0, num_tiles // (num_tiles + 2))
+    for i in range((num_tiles + 1) // 2):
+        has_b = 2 * i + 1 < num_tiles
+        mbarrier.wait(bar_a.index(0), i & 1)      # the max after A
+        m_new = m_a.load(ROW64)
+        alpha = _rescale(m, m_new)
+        m = m_new
+        p, m, beta, psum = _softmax(s, m, start + (2 * i + 1) * BLOCK_N, end, j, row_ok, prefix,
+                                    draft_prefix, W, mask_ptr, mask_base, scale_log2, MASK,
+                                    S64, BLOCK_N)
+        l_i = l_i * (alpha * beta) + psum
+        acc = _scale(acc, alpha * beta)
+        if has_b:
+            m_b.store(m)
+            mbarrier.arrive(bar_b.index(0))
+            p16 = p.to(q_ptr.dtype.element_ty)
+            rope.index(1).store(p16)              # P_B for the left group (B's rope is read)
+            fence_async_shared()
+            mbarrier.arrive(bar_b.index(1))
+            p_b = _dot_a(p16)
+            pv = warpgroup_mma(p_b, lat.index(1).slice(HALF, HALF, dim=1), acc, is_async=True)
+            mbarrier.wait(bar_a.index(1), i & 1)  # P_A, at the max after B
+            pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), pv,
+                               is_async=True)
+            warpgroup_mma_wait(1, deps=(p_b,))
+            mbarrier.arrive(empty.index(3 * 1 + HI))   # B's latent 256..511 read
+        else:
+            mbarrier.wait(bar_a.index(1), i & 1)
+            pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), acc,
+                               is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(empty.index(3 * 0 + HI))
+        mbarrier.arrive(empty.index(3 * 0 + ROPE_PART))
+        if 2 * i + 3 < num_tiles:
+            s = _scores(q_lat, q_pe, lat, rope, ready, 1, (i + 1) & 1, i // (num_tiles + 2))
+    _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
+            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
+            BLOCK_W, WRITE_LSE, ROW64)
+
+
+@gluon.jit
+def _mla_chunked_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvs,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    W, NUM_SPLITS,
+    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+):
+    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
+    gl.static_assert((LATENT == 2 * HALF) & (HALF == LO_CHUNKS * CHUNK) & (ROPE == CHUNK))
+    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (ROPE == BLOCK_N))   # P in the rope columns
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    BAR: gl.constexpr = mbarrier.MBarrierLayout()
+    q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
+    q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
+    lat = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], SH)
+    m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
+    m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
+    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * RING, 1], BAR)
+    empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], BAR)
+    bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # left -> right: the max, P_A
+    bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # right -> left: the max, P_B
+    bar_l = gl.allocate_shared_memory(gl.int64, [1], BAR)
+    for c in gl.static_range(2 * RING):
+        mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
+    for c in gl.static_range(2 * 3):
+        mbarrier.init(empty.index(c), count=1)                   # one group frees each part
+    for k in gl.static_range(2):
+        mbarrier.init(bar_a.index(k), count=1)
+        mbarrier.init(bar_b.index(k), count=1)
+    mbarrier.init(bar_l, count=2)
+    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
+    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
+            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
+    smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
+    bars = (ready, empty, bar_a, bar_b, bar_l)
+    gl.warp_specialize([
+        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
+
+
+def chunked_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
+    """Why ``_mla_chunked_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    can)."""
+    return warp_specialized_refusal(TILE_TOKENS, 2, page_size, block_n, num_warps, num_stages)

@@ -1,0 +1,129 @@
+"""What the two warp-specialized Gluon MLA kernels share (``mla_seesaw``: 32-token tiles in 4
+stages; ``mla_chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks): the
+partitions and their registers, the output half of a warp group, the q copy of the loader, the
+softmax step against the running max, and the end (row sums of both groups added, normalized,
+stored). One program: a 64-row tile (query rows x heads); a left warp group (the default
+partition) owning output columns 0..255, a right one owning 256..511, a loader warp group.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from .mla_wgmma import _rows_of, _tile_rows, _visible
+
+BLOCK_M = gl.constexpr(64)      # tile rows (queries x heads): one wgmma M per warp group
+HALF = gl.constexpr(256)        # output columns of one warp group
+DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
+GROUP_WARPS = gl.constexpr(4)   # the right group
+LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
+GROUP_REGS = gl.constexpr(232)
+LOADER_REGS = gl.constexpr(40)
+MAXNREG = 168                   # at launch: 12 warps x 168 registers, then handed out by group
+# A warp group's output half [64, 256] on wgmma (4 warps).
+O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, HALF.value, 16]))
+
+
+@gluon.jit
+def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr):
+    """Row pointers of q and their validity for tile rows ``offs_m``."""
+    j, heads, rows, ok = _rows_of(offs_m, wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W)
+    return q_ptr + rows * stride_qt + heads * stride_qh, ok
+
+
+@gluon.jit
+def _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr):
+    """Issue the cp.async copies of the tile's q rows (rows past W or H zero-filled) by the
+    loader warp group: [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread."""
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
+    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
+    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    for r in gl.static_range(0, BLOCK_M, 8):
+        q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
+                              BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_lat.slice(r, 8, dim=0),
+                                               q_row[:, None] + c_d[None, :], q_ok[:, None])
+    for r in gl.static_range(0, BLOCK_M, 16):
+        q_row, q_ok = _q_slab(q_ptr, r + r_r, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
+                              BLOCK_H, BLOCK_W)
+        async_copy.async_copy_global_to_shared(q_pe.slice(r, 16, dim=0),
+                                               q_row[:, None] + LATENT + c_r[None, :], q_ok[:, None])
+
+
+@gluon.jit
+def _softmax(s, m_prev, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+             scale_log2, MASK: gl.constexpr, SL: gl.constexpr, N: gl.constexpr):
+    """P of one N-token tile (scores in layout SL) against the running max: (P, the new max,
+    the rescale of earlier sums, P's row sums)."""
+    vis = _visible(SL, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
+                   MASK, N)
+    s = gl.where(vis, s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
+    p = gl.exp2(s - m_safe[:, None])
+    return p, m_new, gl.exp2(m_prev - m_safe), gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _rescale(m_old, m_new):
+    """exp2(m_old - m_new), 0 while m_new is -inf (nothing visible yet: all sums are 0)."""
+    return gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
+
+
+@gluon.jit
+def _scale(acc, f):
+    """The output half's rows times ``f`` (a per-row factor in the scores' row layout)."""
+    return acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
+
+
+@gluon.jit
+def _dot_a(p16):
+    """P in registers as the A operand of the P . V wgmma."""
+    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+
+
+@gluon.jit
+def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
+            split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
+            NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr):
+    """Add the two groups' row sums (through shared memory; ``ROW_L`` their layout), normalize
+    and store this group's 256 columns; the left group also stores the log-sum-exp."""
+    l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
+    mbarrier.arrive(bar_l)
+    mbarrier.wait(bar_l, 0)
+    l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
+    nonempty = l_i > 0
+    if GROUP == 0:
+        if WRITE_LSE:
+            lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
+            gl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
+    inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, O_L))
+    keep = gl.convert_layout(nonempty, gl.SliceLayout(1, O_L))
+    out = gl.where(keep[:, None], acc * inv[:, None], 0.0)   # empty rows: zeros
+    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W,
+                                            gl.SliceLayout(1, O_L))
+    _ = j_o
+    cols = GROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    gl.store(o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
+             + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+
+
+def warp_specialized_refusal(tile_tokens: int, stages: int, page_size: int, block_n=None,
+                             num_warps=None, num_stages=None):
+    """Why a warp-specialized kernel on ``tile_tokens``-token tiles in ``stages`` stages cannot
+    serve a launch that ``mla_wgmma`` serves (None where it can): its loader reads each tile's
+    tokens from one page, and its launch is its own."""
+    if page_size % tile_tokens:
+        return f"needs pages of a multiple of {tile_tokens} tokens (page_size={page_size})"
+    if (block_n, num_warps, num_stages) != (None, None, None):
+        return (f"runs {tile_tokens}-token tiles in {stages} stages on 12 warps, no knobs "
+                f"(got block_n={block_n}, num_warps={num_warps}, num_stages={num_stages})")
+    return None
