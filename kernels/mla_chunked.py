@@ -1,12 +1,12 @@
 """Absorbed MLA attention on Hopper in Gluon, warp-specialized, on 64-token tiles in 2 stages,
-each tile loaded and freed in 64-column chunks: the seesaw schedule and fine-grained copy-GEMM
-pipelining of FlashMLA's deep dive (docs/20250422-new-kernel-deep-dive.md in
+each tile landing in 64-column chunks (a barrier each) and freed in three parts: the seesaw
+schedule and fine-grained copy-GEMM pipelining of FlashMLA's deep dive (docs/20250422-new-kernel-deep-dive.md in
 deepseek-ai/FlashMLA and its sm90 dense decode kernel), written anew for our interface, with
 cp.async by a loader warp group in place of TMA.
 
-Why: ``mla_seesaw``'s 32-token tiles run the scores at N = 32, where each wgmma reads as many
-bytes of q from shared memory as of K; at N = 64 the scores read half the shared memory per
-flop. q (72 KiB) and two 64-token tiles (144 KiB) fill one program's shared memory, so a stage
+Why: ``mla_seesaw``'s 32-token tiles run the scores at N = 32, where each wgmma reads twice
+as many bytes of q from shared memory as of K; at N = 64 the scores read a third fewer
+shared-memory bytes per flop. q (72 KiB) and two 64-token tiles (144 KiB) fill one program's shared memory, so a stage
 is refilled part by part as each part is done with. A stage is nine 64-column chunks, each with
 its own "landed" barrier, freed in three parts by the group that reads each last:
 
@@ -24,8 +24,8 @@ wait chunk by chunk in that order (A: 0..255, rope, 256..511; B: 256..511, 0..25
 next tile's scores start on the chunks already landed.
 
 The stage and q descriptors are indexed at run time (by a zero the compiler cannot fold): as
-constants, ptxas hoisted all 36 of them out of the loop and spilled them (496 bytes of stack),
-and with 222 KiB of shared memory the spills missed L1: on an H200 (CUDA graph replay, L2
+constants, the compiler hoisted all 36 of them out of the loop and ptxas spilled them (496
+bytes of stack), and beside 217.5 KiB of shared memory the reloads mostly missed L1: on an H200 (CUDA graph replay, L2
 flushed) MLA128 decode bs 128 kv 8192 took 829 us, against 537 without the spills (seesaw 666);
 MLA16 verify4 bs 128 kv 8192 575 -> 315 (349); MLA128 verify4 bs 16 kv 8192 379 -> 262 (327).
 
@@ -65,10 +65,11 @@ BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
 CHUNK = gl.constexpr(64)      # columns of one copy-and-barrier chunk (one 128-byte swizzle row)
 LO_CHUNKS = gl.constexpr(4)   # latent 0..255: chunks 0..3; latent 256..511: 4..7; rope: 8
 RING = gl.constexpr(9)        # "landed" barriers of a stage
+NUM_STAGES = gl.constexpr(2)  # tile A in stage 0, tile B in stage 1
+PARTS = gl.constexpr(3)       # parts a stage is freed in: empty.index(PARTS * stage + part)
 S64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, TILE_TOKENS, 16]))
 ROW64 = gl.constexpr(gl.SliceLayout(1, S64.value))
-# the parts a stage is freed in: empty.index(3 * stage + part)
 LO, ROPE_PART, HI = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 
 
@@ -82,7 +83,7 @@ def _copy_part(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, STAGE: gl
     c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
     ok = ((n0 + r_c) < end)[:, None]
     src = base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :]
-    mbarrier.wait(empty.index(3 * STAGE + PART), ph)
+    mbarrier.wait(empty.index(PARTS * STAGE + PART), ph)
     if PART == ROPE_PART:
         async_copy.async_copy_global_to_shared(rope_t, src + LATENT, mask=ok)
         async_copy.mbarrier_arrive(ready.index(RING * STAGE + 2 * LO_CHUNKS), increment_count=False)
@@ -139,8 +140,11 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
 @gluon.jit
 def _score_part(s, q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, PART: gl.constexpr, ph,
                 FIRST: gl.constexpr, zero):
-    """Issue q . K^T over one part of the tile in ``STAGE``, each chunk's wgmma group as soon
-    as that chunk has landed (``FIRST``: the scores' first part, overwriting ``s``)."""
+    """Issue q . K^T over one part of the tile in ``STAGE`` (LO: chunks 0..3, HI: 4..7, or the
+    rope), each chunk's wgmma group as soon as that chunk has landed (``FIRST``: the scores'
+    first part, overwriting ``s``). ``zero`` is a run-time 0 that indexes q and the stage: with
+    constant indices the compiler hoists the 36 descriptors out of the loop and ptxas spills
+    them (tests/kernels/test_offline_sm90.py bounds the stack)."""
     if PART == ROPE_PART:
         mbarrier.wait(ready.index(RING * STAGE + 2 * LO_CHUNKS), ph)
         fence_async_shared()
@@ -159,7 +163,7 @@ def _score_part(s, q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, PART: gl.
 @gluon.jit
 def _scores(q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, ph, zero):
     """q . K^T of the tile in ``STAGE`` in the order its parts land (A: latent 0..255, rope,
-    256..511; B: 256..511, 0..255, rope), waited for."""
+    256..511; B: 256..511, 0..255, rope), waited for; ``zero``: a run-time 0 (``_score_part``)."""
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
     if STAGE == 0:
         s = _score_part(s, q_lat, q_pe, lat, rope, ready, 0, LO, ph, True, zero)
@@ -214,15 +218,15 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
         fence_async_shared()
         mbarrier.arrive(bar_a.index(1))           # P_A for the right group
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(3 * 0 + LO))  # A's latent 0..255 read
+        mbarrier.arrive(empty.index(PARTS * 0 + LO))  # A's latent 0..255 read
         acc = _scale(acc, beta)
         if has_b:
             mbarrier.wait(bar_b.index(1), i & 1)  # P_B
             acc = warpgroup_mma(rope.index(1), lat.index(1).slice(0, HALF, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(3 * 1 + LO))
-            mbarrier.arrive(empty.index(3 * 1 + ROPE_PART))
+            mbarrier.arrive(empty.index(PARTS * 1 + LO))
+            mbarrier.arrive(empty.index(PARTS * 1 + ROPE_PART))
         if 2 * i + 2 < num_tiles:
             s = _scores(q_lat, q_pe, lat, rope, ready, 0, (i + 1) & 1, i // (num_tiles + 2))
     _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
@@ -277,14 +281,14 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
             pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), pv,
                                is_async=True)
             warpgroup_mma_wait(1, deps=(p_b,))
-            mbarrier.arrive(empty.index(3 * 1 + HI))   # B's latent 256..511 read
+            mbarrier.arrive(empty.index(PARTS * 1 + HI))   # B's latent 256..511 read
         else:
             mbarrier.wait(bar_a.index(1), i & 1)
             pv = warpgroup_mma(rope.index(0), lat.index(0).slice(HALF, HALF, dim=1), acc,
                                is_async=True)
         acc = warpgroup_mma_wait(0, deps=(pv,))
-        mbarrier.arrive(empty.index(3 * 0 + HI))
-        mbarrier.arrive(empty.index(3 * 0 + ROPE_PART))
+        mbarrier.arrive(empty.index(PARTS * 0 + HI))
+        mbarrier.arrive(empty.index(PARTS * 0 + ROPE_PART))
         if 2 * i + 3 < num_tiles:
             s = _scores(q_lat, q_pe, lat, rope, ready, 1, (i + 1) & 1, i // (num_tiles + 2))
     _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
@@ -308,26 +312,26 @@ def _mla_chunked_kernel(
 ):
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     gl.static_assert((LATENT == 2 * HALF) & (HALF == LO_CHUNKS * CHUNK) & (ROPE == CHUNK))
-    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (ROPE == BLOCK_N))   # P in the rope columns
+    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     BAR: gl.constexpr = mbarrier.MBarrierLayout()
     q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
     q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
-    lat = gl.allocate_shared_memory(dtype, [2, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], SH)
+    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
     m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
     m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
     l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * RING, 1], BAR)
-    empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], BAR)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * RING, 1], BAR)
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * PARTS, 1], BAR)
     bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # left -> right: the max, P_A
     bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # right -> left: the max, P_B
     bar_l = gl.allocate_shared_memory(gl.int64, [1], BAR)
-    for c in gl.static_range(2 * RING):
+    for c in gl.static_range(NUM_STAGES * RING):
         mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
-    for c in gl.static_range(2 * 3):
+    for c in gl.static_range(NUM_STAGES * PARTS):
         mbarrier.init(empty.index(c), count=1)                   # one group frees each part
     for k in gl.static_range(2):
         mbarrier.init(bar_a.index(k), count=1)
@@ -349,4 +353,4 @@ def _mla_chunked_kernel(
 def chunked_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
     """Why ``_mla_chunked_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
     can)."""
-    return warp_specialized_refusal(TILE_TOKENS, 2, page_size, block_n, num_warps, num_stages)
+    return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps, num_stages)

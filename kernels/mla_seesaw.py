@@ -21,12 +21,15 @@ tile's scores); each group keeps its tiles' row sums, added at the end, and issu
 tile's scores behind its P_B . V_B.
 
 Why 32-token tiles in 4 stages: q (72 KiB) and the stages share one program's 227 KiB. With
-64-token tiles only 2 stages fit, both in use by a pass, so the loader waits for the pass to end
-and the loads do not overlap the products (H200, graph-free launch, MLA128 decode bs 128 kv
-8192: 1795 us; loads alone 493, products alone 628). With 32-token tiles the loader fills the
-next pass's two stages during this one: 712 us there (the lock-step ``mla_wgmma`` 765), MLA16
-verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359 (432). The cost: each
-group's scores run at N = 32, q read from shared memory per 32 tokens (as in ``mla_wgmma``).
+64-token tiles only 2 stages fit, both in use by a pass; released whole, a stage is refilled only
+after the pass, and the loads do not overlap the products (H200, graph-free launch, MLA128
+decode bs 128 kv 8192: 1795 us; loads alone 493, products alone 628). With 32-token tiles the
+loader fills the next pass's two stages during this one: 712 us there (the lock-step
+``mla_wgmma`` 765), MLA16 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359
+(432). The cost: each group's scores run at N = 32, q read from shared memory per 32 tokens (as
+in ``mla_wgmma``). ``mla_chunked`` keeps 64-token tiles and refills each stage part by part, and
+is faster (it is the default where pages hold whole 64-token tiles); this kernel serves pages
+of an odd multiple of 32 tokens.
 
 Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles, with the same arguments,
 masks and split outputs (``seesaw_refusal`` says why not elsewhere).
@@ -55,6 +58,7 @@ from .mla_warpspec import (
     _finish,
     _rescale,
     _scale,
+    _slabs,
     _softmax,
     warp_specialized_refusal,
 )
@@ -82,14 +86,7 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     ready, empty, bar_a, bar_b, bar_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
         seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    # [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread: a warp copies 256 latent
-    # columns of a row (or 64 rope columns of 4 rows)
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
-    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
-    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
-    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    r_d, r_r, c_d, c_r = _slabs(LATENT, ROPE)   # KV tiles in the slabs of q
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)

@@ -35,16 +35,22 @@ def _q_slab(q_ptr, offs_m, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.
 
 
 @gluon.jit
+def _slabs(LATENT: gl.constexpr, ROPE: gl.constexpr):
+    """Row and column offsets of the loader's cp.async slabs, 16 bytes a thread: [8, LATENT]
+    latent slabs (a warp copies 256 columns of a row) and [16, ROPE] rope slabs (a warp copies 64
+    columns of 4 rows): (latent rows, rope rows, latent columns, rope columns)."""
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    return (gl.arange(0, 8, layout=gl.SliceLayout(1, LD)), gl.arange(0, 16, layout=gl.SliceLayout(1, LR)),
+            gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD)), gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR)))
+
+
+@gluon.jit
 def _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
             BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr):
     """Issue the cp.async copies of the tile's q rows (rows past W or H zero-filled) by the
-    loader warp group: [8, 512] latent and [16, 64] rope slabs, 16 bytes a thread."""
-    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r_d = gl.arange(0, 8, layout=gl.SliceLayout(1, LD))
-    r_r = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
-    c_d = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
-    c_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LR))
+    loader warp group, in ``_slabs``."""
+    r_d, r_r, c_d, c_r = _slabs(LATENT, ROPE)
     for r in gl.static_range(0, BLOCK_M, 8):
         q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
                               BLOCK_H, BLOCK_W)

@@ -206,6 +206,8 @@ def test_mla_kernel_choice_errors():
         run_mla([8, 4], 4, 16, 16, torch.float16, "cpu", kernel="wgmma")
     with pytest.raises(ValueError, match="seesaw kernel needs an sm_90"):
         run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="seesaw")
+    with pytest.raises(ValueError, match="chunked kernel needs an sm_90"):
+        run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="chunked")
     with pytest.raises(ValueError, match="kernel="):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")
     empty = torch.zeros(0, 16, 576)
@@ -232,8 +234,9 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     assert pick("seesaw", 128) == "seesaw" and pick("wgmma", 16) == "wgmma"
     with pytest.raises(ValueError, match="chunked kernel needs pages of a multiple of 64"):
         pick("chunked", 32)
-    with pytest.raises(ValueError, match="chunked kernel runs 64-token tiles in 2 stages"):
-        pick("chunked", 64, (None, 8, None))
+    for knobs in ((None, 8, None), (32, None, None)):   # (32, ...): refused by the wgmma kernel too
+        with pytest.raises(ValueError, match="chunked kernel runs 64-token tiles in 2 stages"):
+            pick("chunked", 64, knobs)
     assert pick("chunked", 128) == "chunked"
     assert pick(None, 64) == "chunked" and pick(None, 96) == "seesaw" and pick(None, 16) == "wgmma"
     for default in ("seesaw", "chunked"):

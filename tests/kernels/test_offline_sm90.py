@@ -1,5 +1,6 @@
-"""The Gluon wgmma MLA kernel as compiled for sm_90 on this machine (no GPU needed): the wrapper
-must pick it, and it must not spill and must fit one program's shared memory. The GQA kernels
+"""The Gluon MLA kernels as compiled for sm_90 on this machine (no GPU needed): the wrapper must
+pick the right one, each must fit one program's shared memory, the wgmma kernel must not spill
+and the warp-specialized ones spill at most a few values (bounds below). The GQA kernels
 with their split merge fused: one launch, no spill, at most 16 registers a thread more than the
 same kernel with the merge separate (a fused merge that held a [rows, splits, Dv] tile took the
 extend kernel from 103 to 163). A change that
@@ -32,7 +33,7 @@ SEESAW_MAX_STACK = 128
 CHUNKED_CONFIGS = ["chunked mla16 verify4", "chunked mla128 decode", "chunked mla128 verify4",
                    "chunked mla16 draft4", "chunked mla16 tree8 fp16 page 128"]
 # The chunked kernel's (8-24 bytes): with its 36 wgmma descriptors hoisted as constants ptxas
-# spilled them (496 bytes), and the reloads missed L1 (a program holds 222 KiB of shared memory):
+# spilled them (496 bytes), and the reloads missed L1 (a program holds 217.5 KiB of shared memory):
 # MLA128 decode bs 128 kv 8192 took 829 us on an H200, 537 without.
 CHUNKED_MAX_STACK = 32
 WGMMA_MAX_BARRIERS = 12        # bar.sync in the wgmma kernel's PTX (sm_90, triton 3.6): 6 in its loop
