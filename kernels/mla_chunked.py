@@ -49,16 +49,16 @@ from .mla_warpspec import (
     HALF,
     LOADER_REGS,
     LOADER_WARPS,
-    O_L,
     _copy_q,
     _dot_a,
     _finish,
+    _group_start,
     _rescale,
     _scale,
     _softmax,
     warp_specialized_refusal,
 )
-from .mla_wgmma import _program, _tile_rows
+from .mla_wgmma import _program
 
 TILE_TOKENS = 64
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
@@ -187,14 +187,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    row0 = b.to(gl.int64) * W
-    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW64)
-    mask_base = b.to(gl.int64) * W * W
-    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW64)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW64)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
     if num_tiles > 0:
         s = _scores(q_lat, q_pe, lat, rope, ready, 0, 0, num_tiles // (num_tiles + 2))
@@ -229,9 +223,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
             mbarrier.arrive(empty.index(PARTS * 1 + ROPE_PART))
         if 2 * i + 2 < num_tiles:
             s = _scores(q_lat, q_pe, lat, rope, ready, 0, (i + 1) & 1, i // (num_tiles + 2))
-    _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
-            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, ROW64)
+    _finish(acc, l_i, m, l_x, bar_l, 0, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
 
 
 @gluon.jit
@@ -246,14 +239,8 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    row0 = b.to(gl.int64) * W
-    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW64)
-    mask_base = b.to(gl.int64) * W * W
-    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW64)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW64)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)   # no tile B: all masked
     if num_tiles > 1:
         s = _scores(q_lat, q_pe, lat, rope, ready, 1, 0, num_tiles // (num_tiles + 2))
@@ -291,9 +278,8 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
         mbarrier.arrive(empty.index(PARTS * 0 + ROPE_PART))
         if 2 * i + 3 < num_tiles:
             s = _scores(q_lat, q_pe, lat, rope, ready, 1, (i + 1) & 1, i // (num_tiles + 2))
-    _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
-            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, ROW64)
+    _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
 
 
 @gluon.jit

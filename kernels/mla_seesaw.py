@@ -52,17 +52,17 @@ from .mla_warpspec import (
     HALF,
     LOADER_REGS,
     LOADER_WARPS,
-    O_L,
     _copy_q,
     _dot_a,
     _finish,
+    _group_start,
     _rescale,
     _scale,
     _slabs,
     _softmax,
     warp_specialized_refusal,
 )
-from .mla_wgmma import _program, _tile_rows
+from .mla_wgmma import _program
 
 TILE_TOKENS = 32
 BLOCK_N = gl.constexpr(TILE_TOKENS)   # KV tokens of a tile
@@ -148,14 +148,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    row0 = b.to(gl.int64) * W
-    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
-    mask_base = b.to(gl.int64) * W * W
-    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW)
     # Software-pipelined: the next tile A's scores are issued behind P_B . V_B.
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     if num_tiles > 0:
@@ -197,9 +191,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
             else:
                 acc = warpgroup_mma_wait(0, deps=(pv,))
                 mbarrier.arrive(empty.index(sa + 1))
-    _finish(acc, l_i, m, l_x, bar_l, 0, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
-            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, ROW)
+    _finish(acc, l_i, m, l_x, bar_l, 0, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW)
 
 
 @gluon.jit
@@ -213,14 +206,8 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    row0 = b.to(gl.int64) * W
-    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW)
-    mask_base = b.to(gl.int64) * W * W
-    m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW)
-    acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW)
     # Software-pipelined: the next tile B's scores are issued behind P_B . V_B.
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
     if num_tiles > 1:
@@ -263,9 +250,8 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
             else:
                 acc = warpgroup_mma_wait(0, deps=(pv,))
                 mbarrier.arrive(empty.index(sa + 1))
-    _finish(acc, l_i, m, l_x, bar_l, 1, o_ptr, lse_ptr, rows, heads, row_ok, split, stride_ot,
-            stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W, NUM_HEADS, BLOCK_H,
-            BLOCK_W, WRITE_LSE, ROW)
+    _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW)
 
 
 @gluon.jit

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .mla_wgmma import _rows_of, _tile_rows, _visible
+from .mla_wgmma import _program, _rows_of, _tile_rows, _visible
 
 BLOCK_M = gl.constexpr(64)      # tile rows (queries x heads): one wgmma M per warp group
 HALF = gl.constexpr(256)        # output columns of one warp group
@@ -96,12 +96,32 @@ def _dot_a(p16):
 
 
 @gluon.jit
-def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, o_ptr, lse_ptr, rows, heads, row_ok,
-            split, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, wb, hb, row0, W,
-            NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+                 MASK: gl.constexpr, N: gl.constexpr, ROW_L: gl.constexpr):
+    """A warp group's start: its program (``_program`` on N-token tiles), its tile's rows (in
+    ``ROW_L``), and the running max, row sums and output half it carries: (hb, wb, split, prefix,
+    draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok, mask_base, m, l_i, acc)."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N)
+    row0 = b.to(gl.int64) * W
+    j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW_L)
+    return (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+            b.to(gl.int64) * W * W, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_L),
+            gl.zeros([BLOCK_M], gl.float32, layout=ROW_L), gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L))
+
+
+@gluon.jit
+def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, ptrs, rows, heads, row_ok, split, wb,
+            hb, row0, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr):
     """Add the two groups' row sums (through shared memory; ``ROW_L`` their layout), normalize
     and store this group's 256 columns; the left group also stores the log-sum-exp."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     l_x.slice(GROUP * BLOCK_M, BLOCK_M).store(l_own)
     mbarrier.arrive(bar_l)
     mbarrier.wait(bar_l, 0)
