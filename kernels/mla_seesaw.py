@@ -92,11 +92,13 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
         _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
                 BLOCK_W, LATENT, ROPE)
+    page = gl.load(pt_row + start // PAGE_SIZE, mask=num_tiles > 0, other=0)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         n0 = start + t * BLOCK_N
-        page = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int64)
-        base = kv_ptr + (page * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+        base = kv_ptr + (page.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+        # the next tile's page, a tile ahead (loaded here, its latency stalled every tile)
+        page = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)
         mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
         for r in gl.static_range(0, BLOCK_N, 8):
             ok = (n0 + r + r_d) < end
