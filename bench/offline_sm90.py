@@ -109,7 +109,7 @@ def mla_configs() -> dict:
 
     from attn_backends_kernels.mla_attention import mla_attention_fwd
 
-    def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None):
+    def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None, block_h=None):
         bs, kv = 2, 256
         q = torch.zeros(bs * W, H, 576, dtype=dtype)
         buf = torch.zeros(bs * kv + 64, 1, 576, dtype=dtype)
@@ -120,9 +120,9 @@ def mla_configs() -> dict:
         draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
         return lambda: mla_attention_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W,
                                          mask=mask, custom_mask=cm, draft_prefix_lens=draft,
-                                         kernel=kernel)
+                                         kernel=kernel, block_h=block_h)
     configs = {"mla16 decode": call(16, 1, 2)}
-    for kernel in ("wgmma", "seesaw", "chunked"):
+    for kernel in ("wgmma", "seesaw", "chunked", "dbuf"):
         configs.update({f"{kernel} mla16 verify4": call(16, 4, 2, kernel=kernel),
                         f"{kernel} mla128 decode": call(128, 1, 1, kernel=kernel),
                         f"{kernel} mla128 verify4": call(128, 4, 2, kernel=kernel),
@@ -133,7 +133,11 @@ def mla_configs() -> dict:
                                                              "seesaw"),
                     "chunked mla16 tree8 fp16 page 128": call(16, 8, 8, "tree", torch.float16, 128,
                                                               "chunked"),
+                    "dbuf mla16 tree8 fp16 page 128": call(16, 8, 8, "tree", torch.float16, 128, "dbuf"),
+                    "dbuf mla16 decode": call(16, 1, 2, kernel="dbuf", block_h=64),
                     "default mla16 verify4": call(16, 4, 2),
+                    "default mla16 verify4 one split": call(16, 4, 1),
+                    "default mla128 decode": call(128, 1, 2),
                     "default mla16 verify4 page 32": call(16, 4, 2, page=32),
                     "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
     return configs

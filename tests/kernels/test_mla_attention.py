@@ -7,6 +7,7 @@ from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd
 from attn_backends_kernels.mla_chunked import _mla_chunked_kernel
+from attn_backends_kernels.mla_dbuf import _mla_dbuf_kernel
 from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
@@ -131,7 +132,8 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 @pytest.mark.parametrize("kernel,dtype,page_size", [
     ("seesaw", torch.bfloat16, 64), ("seesaw", torch.float16, 128),
     ("seesaw", torch.bfloat16, 32),                                  # a tile per page
-    ("chunked", torch.bfloat16, 64), ("chunked", torch.float16, 128)])
+    ("chunked", torch.bfloat16, 64), ("chunked", torch.float16, 128),
+    ("dbuf", torch.bfloat16, 64), ("dbuf", torch.float16, 128)])
 @pytest.mark.parametrize("H,W,mask,tuning", GLUON_CASES)
 @pytest.mark.parametrize("splits", [1, 8])
 def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, splits):
@@ -145,18 +147,20 @@ def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("H,W,page_size,expect", [
-    (16, 4, 64, _mla_chunked_kernel), (128, 1, 128, _mla_chunked_kernel),
-    (16, 4, 32, _mla_seesaw_kernel), (128, 1, 96, _mla_seesaw_kernel),
-    (16, 4, 16, _mla_wgmma_kernel), (128, 1, 16, _mla_wgmma_kernel),
-    (16, 1, 64, _mla_split_kernel), (16, 2, 64, _mla_split_kernel)])
-def test_mla_default_kernel_gpu(H, W, page_size, expect):
-    """On Hopper the wrapper's default launches a Gluon kernel exactly for 64-row tiles: the
-    chunked kernel where pages hold whole 64-token tiles, the seesaw kernel where they hold whole
-    32-token tiles, the wgmma kernel elsewhere."""
+@pytest.mark.parametrize("H,W,page_size,splits,expect", [
+    (16, 4, 64, 2, _mla_dbuf_kernel), (16, 4, 64, 1, _mla_chunked_kernel),
+    (128, 1, 128, 2, _mla_chunked_kernel),
+    (16, 4, 32, 2, _mla_seesaw_kernel), (128, 1, 96, 2, _mla_seesaw_kernel),
+    (16, 4, 16, 2, _mla_wgmma_kernel), (128, 1, 16, 2, _mla_wgmma_kernel),
+    (16, 1, 64, 2, _mla_split_kernel), (16, 2, 64, 2, _mla_split_kernel)])
+def test_mla_default_kernel_gpu(H, W, page_size, splits, expect):
+    """On Hopper the wrapper's default launches a Gluon kernel exactly for 64-row tiles: where
+    pages hold whole 64-token tiles the double-buffered kernel when one program reads each
+    request's KV and the KV is split, the chunked kernel otherwise; the seesaw kernel where they
+    hold whole 32-token tiles, the wgmma kernel elsewhere."""
     _need_hopper()
     with recording() as launches:
-        run_mla([W, 300], W, page_size, H, torch.bfloat16, "cuda", splits=2)
+        run_mla([W, 300], W, page_size, H, torch.bfloat16, "cuda", splits=splits)
     assert launches[0][0] is expect
 
 
@@ -166,7 +170,7 @@ def _need_hopper():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["wgmma", "seesaw", "chunked"])
+@pytest.mark.parametrize("kernel", ["wgmma", "seesaw", "chunked", "dbuf"])
 def test_mla_gluon_recorded_replay_gpu(kernel):
     """The eager path's recorded launches (launch_record) replay each Gluon kernel and its merge
     with another call's q, KV buffer and output: bitwise what the wrapper gives for that call."""
@@ -184,7 +188,7 @@ def test_mla_gluon_recorded_replay_gpu(kernel):
     with recording() as launches:
         call(0, out[0])
     gluon = {"wgmma": _mla_wgmma_kernel, "seesaw": _mla_seesaw_kernel,
-             "chunked": _mla_chunked_kernel}[kernel]
+             "chunked": _mla_chunked_kernel, "dbuf": _mla_dbuf_kernel}[kernel]
     assert [k for k, *_ in launches] == [gluon, merge_kernel()]
     rec = Recorded(launches, (q[0], kv[0], out[0]))
     assert rec.usable and rec.replay((q[1], kv[1], out[1]))
@@ -208,6 +212,8 @@ def test_mla_kernel_choice_errors():
         run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="seesaw")
     with pytest.raises(ValueError, match="chunked kernel needs an sm_90"):
         run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="chunked")
+    with pytest.raises(ValueError, match="dbuf kernel needs an sm_90"):
+        run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="dbuf")
     with pytest.raises(ValueError, match="kernel="):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")
     empty = torch.zeros(0, 16, 576)
@@ -238,7 +244,15 @@ def test_warp_specialized_kernel_choice(monkeypatch):
         with pytest.raises(ValueError, match="chunked kernel runs 64-token tiles in 2 stages"):
             pick("chunked", 64, knobs)
     assert pick("chunked", 128) == "chunked"
+    with pytest.raises(ValueError, match="dbuf kernel needs pages of a multiple of 64"):
+        pick("dbuf", 32)
+    with pytest.raises(ValueError, match="dbuf kernel runs 64-token tiles in 2 stages"):
+        pick("dbuf", 64, (None, 8, None))
+    assert pick("dbuf", 128) == "dbuf"
     assert pick(None, 64) == "chunked" and pick(None, 96) == "seesaw" and pick(None, 16) == "wgmma"
+    streaming = lambda page: mla._pick_kernel("f", None, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
+                                              False, page, streaming=True)
+    assert streaming(64) == "dbuf" and streaming(96) == "seesaw" and streaming(16) == "wgmma"
     for default in ("seesaw", "chunked"):
         monkeypatch.setattr(mla, "HOPPER_DEFAULTS", (default,))
         assert pick(None, 64) == default and pick(None, 16) == "wgmma"

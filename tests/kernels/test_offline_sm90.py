@@ -36,6 +36,9 @@ CHUNKED_CONFIGS = ["chunked mla16 verify4", "chunked mla128 decode", "chunked ml
 # spilled them (496 bytes), and the reloads missed L1 (a program holds 217.5 KiB of shared memory):
 # MLA128 decode bs 128 kv 8192 took 829 us on an H200, 537 without.
 CHUNKED_MAX_STACK = 32
+DBUF_CONFIGS = ["dbuf mla16 verify4", "dbuf mla128 decode", "dbuf mla128 verify4", "dbuf mla16 draft4",
+                "dbuf mla16 tree8 fp16 page 128", "dbuf mla16 decode"]
+DBUF_MAX_STACK = 32            # the double-buffered kernel's: 0 bytes (its q indexed as the chunked kernel's)
 WGMMA_MAX_BARRIERS = 12        # bar.sync in the wgmma kernel's PTX (sm_90, triton 3.6): 6 in its loop
 
 pytestmark = pytest.mark.skipif(not offline_sm90.available(),
@@ -71,7 +74,8 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
 
 @pytest.mark.parametrize("label,kernel,max_stack",
                          [(c, "_mla_seesaw_kernel", SEESAW_MAX_STACK) for c in SEESAW_CONFIGS]
-                         + [(c, "_mla_chunked_kernel", CHUNKED_MAX_STACK) for c in CHUNKED_CONFIGS])
+                         + [(c, "_mla_chunked_kernel", CHUNKED_MAX_STACK) for c in CHUNKED_CONFIGS]
+                         + [(c, "_mla_dbuf_kernel", DBUF_MAX_STACK) for c in DBUF_CONFIGS])
 def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_stack):
     """The warp-specialized kernels: 12 warps (two groups and the loader's), one program's
     shared memory, wgmma dots and cp.async copies, and at most a few spilled values."""
@@ -84,9 +88,12 @@ def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_
 
 
 def test_default_gluon_kernel(compiled):
-    """kernel=None on sm_90: the chunked kernel where pages hold whole 64-token tiles, the seesaw
-    kernel where they hold whole 32-token tiles, the wgmma kernel elsewhere."""
-    assert compiled["default mla16 verify4"][0]["kernel"] == "_mla_chunked_kernel"
+    """kernel=None on sm_90, where pages hold whole 64-token tiles: the double-buffered kernel
+    when one program reads each request's KV and the KV is split, else the chunked kernel; the
+    seesaw kernel where they hold whole 32-token tiles, the wgmma kernel elsewhere."""
+    assert compiled["default mla16 verify4"][0]["kernel"] == "_mla_dbuf_kernel"
+    assert compiled["default mla16 verify4 one split"][0]["kernel"] == "_mla_chunked_kernel"
+    assert compiled["default mla128 decode"][0]["kernel"] == "_mla_chunked_kernel"
     assert compiled["default mla16 verify4 page 32"][0]["kernel"] == "_mla_seesaw_kernel"
     assert compiled["default mla16 verify4 page 16"][0]["kernel"] == "_mla_wgmma_kernel"
 

@@ -1,0 +1,240 @@
+"""Absorbed MLA attention on Hopper in Gluon, warp-specialized and double-buffered: one 64-token
+KV tile at a time in each of 2 stages, for the memory-bound launches (few query rows per KV
+byte: MLA with 16 heads).
+
+Why: ``mla_chunked`` runs FlashMLA's seesaw, whose two groups each score their own tile, so both
+stages are read at once through a pass and a stage is refilled only as parts of it are freed:
+on an H200 (ncu, MLA16 verify4 bs 132 kv 8192) it moves the same 1.2557 GB as FlashInfer's
+Hopper MLA kernel at 71 % of the DRAM peak against that kernel's 78 %. Here both groups work on
+the same tile while the loader fills the other stage, so a whole tile is in flight while one is
+in use.
+
+- The left warp group (the default partition, output columns 0..255) waits for the tile chunk
+  by chunk (nine 64-column chunks, a barrier each), computes all the scores (N = 64), the
+  softmax, stores P into the tile's rope columns (read only by the scores) with the rescale of
+  the running sums beside it, then runs P . V[:, :256] from registers.
+- The right warp group (columns 256..511) takes P and the rescale, and runs P . V[:, 256:] from
+  shared memory.
+- The loader warp group copies q, then each tile by masked cp.async (tokens past the split's
+  end zero-filled: NaN in unused slots stays out) into a stage both groups have freed, its page
+  indices loaded a tile ahead.
+
+The left group carries the scores and the row sums; the right group's rows sums are zero and
+its max unused at the end (``_finish``). Compute-bound launches (128 heads) keep the seesaw
+kernels: here the left group's scores are the critical path.
+
+Same interface, masks and split outputs as ``mla_wgmma`` where pages hold whole 64-token tiles
+(``dbuf_refusal`` says why not elsewhere).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mla_chunked import CHUNK, S64
+from .mla_warpspec import (
+    BLOCK_M,
+    GROUP_REGS,
+    GROUP_WARPS,
+    HALF,
+    LOADER_REGS,
+    LOADER_WARPS,
+    _copy_q,
+    _dot_a,
+    _finish,
+    _group_start,
+    _scale,
+    _softmax,
+    warp_specialized_refusal,
+)
+from .mla_wgmma import _program
+
+TILE_TOKENS = 64
+BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
+NUM_STAGES = gl.constexpr(2)
+RING = gl.constexpr(9)               # "landed" barriers of a stage: latent chunks 0..7, rope 8
+ROW64 = gl.constexpr(gl.SliceLayout(1, S64.value))
+
+
+@gluon.jit
+def _copy_tile(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, stage, ph,
+               LATENT: gl.constexpr):
+    """Wait for ``stage`` to be freed by both groups, then copy its tile in nine 64-column
+    chunks (tokens at or past ``end`` zero-filled), each arriving on its own barrier as its
+    copies land."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 4 rows x 16 bytes a thread
+    r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LC))
+    c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
+    ok = ((n0 + r_c) < end)[:, None]
+    src = base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :]
+    mbarrier.wait(empty.index(stage), ph)
+    for c in gl.static_range(LATENT // CHUNK):
+        async_copy.async_copy_global_to_shared(lat_t.slice(c * CHUNK, CHUNK, dim=1), src + c * CHUNK, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(RING * stage + c), increment_count=False)
+    async_copy.async_copy_global_to_shared(rope_t, src + LATENT, mask=ok)
+    async_copy.mbarrier_arrive(ready.index(RING * stage + RING - 1), increment_count=False)
+
+
+@gluon.jit
+def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """The loader warp group: q (tracked by tile 0's first chunk barrier), then tile t into
+    stage t % 2 once both groups have freed it."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, alpha_x, l_x = smem
+    ready, empty, p_ready, bar_l = bars
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+    pt_row = page_table_ptr + b * stride_pb
+    row0 = b.to(gl.int64) * W
+    if num_tiles > 0:   # q first (an empty split reads nothing)
+        _copy_q(q_ptr, q_lat.index(0), q_pe.index(0), wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
+                BLOCK_W, LATENT, ROPE)
+    page = gl.load(pt_row + start // PAGE_SIZE, mask=num_tiles > 0, other=0)
+    for t in range(num_tiles):
+        stage = t % NUM_STAGES
+        n0 = start + t * BLOCK_N
+        base = kv_ptr + (page.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+        page = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)   # the next tile's
+        _copy_tile(lat.index(stage), rope.index(stage), base, n0, end, stride_kvs, ready, empty,
+                   stage, ((t // NUM_STAGES) & 1) ^ 1, LATENT)
+
+
+@gluon.jit
+def _tile_scores(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.constexpr):
+    """q . K^T of the tile in ``stage``, each chunk's wgmma issued as soon as it has landed;
+    ``zero`` is a run-time 0 indexing q (``mla_chunked._score_part`` says why)."""
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
+    for c in gl.static_range(LATENT // CHUNK):
+        mbarrier.wait(ready.index(RING * stage + c), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_lat.index(zero).slice(c * CHUNK, CHUNK, dim=1),
+                          lat.index(stage).slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)), s,
+                          use_acc=c > 0, is_async=True)
+    mbarrier.wait(ready.index(RING * stage + RING - 1), ph)
+    fence_async_shared()
+    s = warpgroup_mma(q_pe.index(zero), rope.index(stage).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+          LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 0..255: each tile's scores and softmax, P and the rescale to the right group,
+    P . V[:, :256]; the stage freed after it."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, alpha_x, l_x = smem
+    ready, empty, p_ready, bar_l = bars
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
+    for t in range(num_tiles):
+        stage = t % NUM_STAGES
+        s = _tile_scores(q_lat, q_pe, lat, rope, ready, stage, (t // NUM_STAGES) & 1,
+                         t // (num_tiles + 2), LATENT)
+        p, m, alpha, psum = _softmax(s, m, start + t * BLOCK_N, end, j, row_ok, prefix, draft_prefix,
+                                     W, mask_ptr, mask_base, scale_log2, MASK, S64, BLOCK_N)
+        l_i = l_i * alpha + psum
+        p16 = p.to(q_ptr.dtype.element_ty)
+        rope.index(stage).store(p16)                       # P, where the scores read the rope
+        alpha_x.index(stage).store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready.index(stage))
+        acc = _scale(acc, alpha)
+        acc = warpgroup_mma(_dot_a(p16), lat.index(stage).slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage))
+    _finish(acc, l_i, m, l_x, bar_l, 0, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
+
+
+@gluon.jit
+def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """Columns 256..511: with each tile's P and rescale from the left group, P . V[:, 256:];
+    the stage freed after it."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_lat, q_pe, lat, rope, alpha_x, l_x = smem
+    ready, empty, p_ready, bar_l = bars
+    (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
+    for t in range(num_tiles):
+        stage = t % NUM_STAGES
+        mbarrier.wait(p_ready.index(stage), (t // NUM_STAGES) & 1)
+        acc = _scale(acc, alpha_x.index(stage).load(ROW64))
+        acc = warpgroup_mma(rope.index(stage), lat.index(stage).slice(HALF, HALF, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage))
+    _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
+            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
+
+
+@gluon.jit
+def _mla_dbuf_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvs,
+    stride_pb,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    W, NUM_SPLITS,
+    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+):
+    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
+    gl.static_assert((LATENT == 2 * HALF) & (LATENT % CHUNK == 0) & (ROPE == CHUNK))
+    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
+    gl.static_assert(LATENT // CHUNK + 1 == RING)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    BAR: gl.constexpr = mbarrier.MBarrierLayout()
+    q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
+    q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
+    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
+    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
+    alpha_x = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], ROW_SH)
+    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * RING, 1], BAR)
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BAR)
+    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BAR)
+    bar_l = gl.allocate_shared_memory(gl.int64, [1], BAR)
+    for c in gl.static_range(NUM_STAGES * RING):
+        mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
+    for k in gl.static_range(NUM_STAGES):
+        mbarrier.init(empty.index(k), count=2)                   # both groups free a stage
+        mbarrier.init(p_ready.index(k), count=1)
+    mbarrier.init(bar_l, count=2)
+    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
+    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
+            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
+    smem = (q_lat, q_pe, lat, rope, alpha_x, l_x)
+    bars = (ready, empty, p_ready, bar_l)
+    gl.warp_specialize([
+        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
+
+
+def dbuf_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
+    """Why ``_mla_dbuf_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    can)."""
+    return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps, num_stages)
