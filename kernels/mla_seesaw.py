@@ -28,7 +28,7 @@ loader fills the next pass's two stages during this one: 712 us there (the lock-
 ``mla_wgmma`` 765), MLA16 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359
 (432). The cost: each group's scores run at N = 32, q read from shared memory per 32 tokens (as
 in ``mla_wgmma``). ``mla_chunked`` keeps 64-token tiles and refills each stage part by part, and
-is faster (it is the default where pages hold whole 64-token tiles); this kernel serves pages
+is faster (it and ``mla_dbuf`` are the defaults where pages hold whole 64-token tiles); this kernel serves pages
 of an odd multiple of 32 tokens.
 
 Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles, with the same arguments,
