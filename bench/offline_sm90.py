@@ -138,6 +138,7 @@ def mla_configs() -> dict:
                     "default mla16 verify4": call(16, 4, 2),
                     "default mla16 verify4 one split": call(16, 4, 1),
                     "default mla128 decode": call(128, 1, 2),
+                    "default mla64 decode": call(64, 1, 2),
                     "default mla16 verify4 page 32": call(16, 4, 2, page=32),
                     "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
     return configs

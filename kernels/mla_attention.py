@@ -254,8 +254,10 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
-    request's KV and the KV is split; there ``mla_dbuf`` replaces ``mla_chunked`` (H200, MLA16
-    verify4 kv 2048-8192 at bs 4-64: 3-10 % faster; with one split at bs 128 kv 8192, 2 % slower)."""
+    request's KV and the KV is split (MLA16 verify, or decode with 64 heads: the same work a
+    program); there ``mla_dbuf`` replaces ``mla_chunked``. H200, MLA16 verify4: 5-10 % faster at
+    bs 4-64 with kv 2048-8192 (bs 64 kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one
+    split (bs 128 kv 8192) chunked is 2 % faster (``mla_dbuf``'s docstring has the figures)."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)

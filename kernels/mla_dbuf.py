@@ -23,13 +23,14 @@ The left group carries the scores and the row sums; the right group's row sums a
 its max unused at the end (``_finish``).
 
 Where it runs (``mla_attention._pick_kernel``): where one program reads each request's KV and
-the KV is split. On an H200 (MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16
-kv 2048 33.3 -> 30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1,
-kv 8192 33.1 -> 30.4, kv 32768 63.1 -> 60.1; bs 64 kv 2048 64.4 -> 61.2, kv 8192 172.9 -> 173.7,
-kv 32768 628.5 -> 621.6; bs 1 kv 8192 20.5 -> 19.6. It gains where a program has few tiles
-(the pipeline fills sooner); with one split it is no faster (bs 128 kv 8192 311.6 -> 317.7,
-kv 2048 99.0 -> 98.8). Not measured where several programs share a request's KV (128 heads):
-those launches are compute-bound, and keep the chunked kernel, whose two groups both score.
+the KV is split (MLA16 verify; decode with 64 heads, the same work a program, not measured). On
+an H200 (MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
+30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1, kv 8192 33.1 ->
+30.4, kv 32768 63.1 -> 60.1; bs 64 kv 2048 64.4 -> 61.2, kv 8192 172.9 -> 173.7, kv 32768 628.5
+-> 621.6; bs 1 kv 8192 20.5 -> 19.6. It gains where a program has few tiles (the pipeline fills
+sooner); with one split it is no faster (bs 128 kv 8192 311.6 -> 317.7, kv 2048 99.0 -> 98.8).
+Not measured where several programs share a request's KV (128 heads): those launches are
+compute-bound, and keep the chunked kernel, whose two groups both score.
 
 Same interface, masks and split outputs as ``mla_wgmma`` where pages hold whole 64-token tiles
 (``dbuf_refusal`` says why not elsewhere).

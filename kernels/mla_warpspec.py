@@ -1,5 +1,6 @@
-"""What the two warp-specialized Gluon MLA kernels share (``mla_seesaw``: 32-token tiles in 4
-stages; ``mla_chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks): the
+"""What the warp-specialized Gluon MLA kernels share (``mla_seesaw``: 32-token tiles in 4
+stages; ``mla_chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks;
+``mla_dbuf``: 64-token tiles double-buffered, both groups on one tile): the
 partitions and their registers, the output half of a warp group, the q copy of the loader, the
 softmax step against the running max, and the end (row sums of both groups added, normalized,
 stored). One program: a 64-row tile (query rows x heads); a left warp group (the default

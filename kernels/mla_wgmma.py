@@ -15,7 +15,8 @@ shared memory, one per SM): 12 -> 6 barriers a tile, with the pipelining, took M
 bs 128 kv 8192 from 401.5 to 375.5 us on an H200. Same interface, masks and split-KV
 outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
 ``mla_attention_fwd`` picks it where ``wgmma_refusal`` finds nothing against it and the
-warp-specialized kernels (``mla_chunked``, ``mla_seesaw``: the defaults on sm_90) do not serve.
+warp-specialized kernels (``mla_chunked``, ``mla_dbuf``, ``mla_seesaw``: the defaults on sm_90) do not
+serve.
 """
 
 import functools

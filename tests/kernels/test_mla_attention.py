@@ -138,7 +138,8 @@ def test_mla_wgmma_gpu(dtype, page_size, H, W, mask, tuning, splits):
 @pytest.mark.parametrize("splits", [1, 8])
 def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, splits):
     """The warp-specialized Gluon kernels against the float64 reference, as the wgmma kernel's
-    test: odd and even tile counts per split (tile B absent on the last pass), empty splits,
+    test: odd and even tile counts per split (the seesaw kernels: tile B absent on the last pass;
+    the double-buffered one: each stage's barriers through several phases), empty splits,
     partial last tiles whose tails hold NaN, every mask, with and without the merge."""
     _need_hopper()
     out, ref = run_mla([W, 33, 1000, 4166, 32768], W, page_size, H, dtype, "cuda", mask=mask,
@@ -149,7 +150,7 @@ def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, 
 @pytest.mark.cuda
 @pytest.mark.parametrize("H,W,page_size,splits,expect", [
     (16, 4, 64, 2, _mla_dbuf_kernel), (16, 4, 64, 1, _mla_chunked_kernel),
-    (128, 1, 128, 2, _mla_chunked_kernel),
+    (128, 1, 128, 2, _mla_chunked_kernel), (64, 1, 64, 2, _mla_dbuf_kernel),
     (16, 4, 32, 2, _mla_seesaw_kernel), (128, 1, 96, 2, _mla_seesaw_kernel),
     (16, 4, 16, 2, _mla_wgmma_kernel), (128, 1, 16, 2, _mla_wgmma_kernel),
     (16, 1, 64, 2, _mla_split_kernel), (16, 2, 64, 2, _mla_split_kernel)])
@@ -225,9 +226,10 @@ def test_mla_kernel_choice_errors():
 
 def test_warp_specialized_kernel_choice(monkeypatch):
     """On a stand-in sm_90 device each warp-specialized kernel is refused, with its reason, for
-    pages that do not hold whole tiles (32 tokens: seesaw, 64: chunked) and for launch knobs
-    (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that serves,
-    and the wgmma kernel with the wgmma kernel's knobs."""
+    pages that do not hold whole tiles (32 tokens: seesaw, 64: chunked and dbuf) and for launch
+    knobs (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that
+    serves (dbuf in the chunked kernel's place for a streaming launch: one program a request's
+    KV, the KV split), and the wgmma kernel with the wgmma kernel's knobs."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
