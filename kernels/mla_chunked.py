@@ -74,15 +74,22 @@ LO, ROPE_PART, HI = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 
 
 @gluon.jit
+def _chunk_src(base, n0, end, stride_kvs):
+    """Addresses of a 64-token tile's first 64 columns in the loader's copy layout (4 rows x 16
+    bytes a thread; a chunk c adds c * CHUNK) and which rows are before ``end``."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LC))
+    c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
+    ok = ((n0 + r_c) < end)[:, None]
+    return base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :], ok
+
+
+@gluon.jit
 def _copy_part(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, STAGE: gl.constexpr,
                PART: gl.constexpr, ph, LATENT: gl.constexpr):
     """Wait for ``PART`` of the stage to be freed, then copy its chunks of 64 tokens (those at or
     past ``end`` zero-filled), each arriving on its own barrier as its copies land."""
-    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 4 rows x 16 bytes a thread
-    r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LC))
-    c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
-    ok = ((n0 + r_c) < end)[:, None]
-    src = base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :]
+    src, ok = _chunk_src(base, n0, end, stride_kvs)
     mbarrier.wait(empty.index(PARTS * STAGE + PART), ph)
     if PART == ROPE_PART:
         async_copy.async_copy_global_to_shared(rope_t, src + LATENT, mask=ok)

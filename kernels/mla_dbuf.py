@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_chunked import CHUNK, S64
+from .mla_chunked import BLOCK_N, CHUNK, RING, ROW64, S64, TILE_TOKENS, _chunk_src
 from .mla_warpspec import (
     BLOCK_M,
     GROUP_REGS,
@@ -63,11 +63,7 @@ from .mla_warpspec import (
 )
 from .mla_wgmma import _program
 
-TILE_TOKENS = 64
-BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
-NUM_STAGES = gl.constexpr(2)
-RING = gl.constexpr(9)               # "landed" barriers of a stage: latent chunks 0..7, rope 8
-ROW64 = gl.constexpr(gl.SliceLayout(1, S64.value))
+NUM_STAGES = gl.constexpr(2)   # tile t in stage t % 2 (tiles, chunks, barriers: the chunked kernel's)
 
 
 @gluon.jit
@@ -76,11 +72,7 @@ def _copy_tile(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, stage, ph
     """Wait for ``stage`` to be freed by both groups, then copy its tile in nine 64-column
     chunks (tokens at or past ``end`` zero-filled), each arriving on its own barrier as its
     copies land."""
-    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # 4 rows x 16 bytes a thread
-    r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LC))
-    c_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LC))
-    ok = ((n0 + r_c) < end)[:, None]
-    src = base + r_c[:, None].to(gl.int64) * stride_kvs + c_c[None, :]
+    src, ok = _chunk_src(base, n0, end, stride_kvs)
     mbarrier.wait(empty.index(stage), ph)
     for c in gl.static_range(LATENT // CHUNK):
         async_copy.async_copy_global_to_shared(lat_t.slice(c * CHUNK, CHUNK, dim=1), src + c * CHUNK, mask=ok)
