@@ -43,8 +43,10 @@ GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
                 "dbuf": (_mla_dbuf_kernel, SPECIALIZED)}
 # the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
 REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal, "dbuf": dbuf_refusal}
-# what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma)
+# what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma);
+# a streaming launch (one program reads each request's KV, the KV split) has its own order
 HOPPER_DEFAULTS = ("chunked", "seesaw")
+STREAMING_DEFAULTS = ("dbuf", "seesaw")
 
 
 @triton.jit
@@ -255,9 +257,10 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
     request's KV and the KV is split (MLA16 verify, or decode with 64 heads: the same work a
-    program); there ``mla_dbuf`` replaces ``mla_chunked``. H200, MLA16 verify4: 5-10 % faster at
-    bs 4-64 with kv 2048-8192 (bs 64 kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one
-    split (bs 128 kv 8192) chunked is 2 % faster (``mla_dbuf``'s docstring has the figures)."""
+    program); ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s
+    place. H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192
+    (bs 64 kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128 kv 8192)
+    chunked is 2 % faster (``mla_dbuf``'s docstring has the figures)."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)
@@ -271,8 +274,8 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
         return kernel
     if refusal:
         return "triton"
-    use = next((k for k in HOPPER_DEFAULTS if REFUSALS[k](page_size, *knobs) is None), "wgmma")
-    return "dbuf" if use == "chunked" and streaming else use
+    order = STREAMING_DEFAULTS if streaming else HOPPER_DEFAULTS
+    return next((k for k in order if REFUSALS[k](page_size, *knobs) is None), "wgmma")
 
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,

@@ -228,8 +228,8 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     """On a stand-in sm_90 device each warp-specialized kernel is refused, with its reason, for
     pages that do not hold whole tiles (32 tokens: seesaw, 64: chunked and dbuf) and for launch
     knobs (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that
-    serves (dbuf in the chunked kernel's place for a streaming launch: one program a request's
-    KV, the KV split), and the wgmma kernel with the wgmma kernel's knobs."""
+    serves (of ``STREAMING_DEFAULTS`` for a streaming launch: one program a request's KV, the
+    KV split), and the wgmma kernel with the wgmma kernel's knobs."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
@@ -255,9 +255,11 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     streaming = lambda page: mla._pick_kernel("f", None, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
                                               False, page, streaming=True)
     assert streaming(64) == "dbuf" and streaming(96) == "seesaw" and streaming(16) == "wgmma"
-    for default in ("seesaw", "chunked"):
+    for default in ("seesaw", "chunked", "dbuf"):
         monkeypatch.setattr(mla, "HOPPER_DEFAULTS", (default,))
+        monkeypatch.setattr(mla, "STREAMING_DEFAULTS", (default,))
         assert pick(None, 64) == default and pick(None, 16) == "wgmma"
+        assert streaming(64) == default and streaming(16) == "wgmma"
         assert pick(None, 64, (64, 8, 2)) == "wgmma"   # the wgmma kernel's knobs pick it
     assert mla._pick_kernel("f", None, q.float(), kv.float(), 512, 64, 64, None, None, None,
                             False, 64) == "triton"
