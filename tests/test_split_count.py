@@ -68,3 +68,36 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     per_sm, floor, floor_per_sm = be._split_rule(width)
     got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, per_sm, width, floor, floor_per_sm)
     assert got == want
+
+
+def test_split_pages(h200):
+    """``split_pages``: a split spans that many pages at least where the splits left give a
+    quarter of the SMs (33) a program; otherwise a page."""
+    assert tc.choose_num_kv_splits(4, CUDA0, 32, 1, 4) == 32                   # a page a split
+    assert tc.choose_num_kv_splits(4, CUDA0, 32, 1, 4, split_pages=2) == 16    # 4 x 16 programs
+    assert tc.choose_num_kv_splits(1, CUDA0, 32, 1, 4, split_pages=2) == 32    # 16 programs: too few
+    assert tc.choose_num_kv_splits(4, CUDA0, 128, 1, 4, split_pages=2) == 32   # below the pages anyway
+
+
+@pytest.mark.parametrize("heads,width,bs,max_context,want", [
+    (16, 4, 4, 2048, 16), (16, 4, 1, 2048, 32), (16, 4, 4, 8192, 32), (16, 4, 16, 2048, 8),
+    (16, 1, 4, 2048, 32),                         # decode: a page a split (64 tokens) as before
+    (128, 4, 1, 2048, 16), (128, 4, 4, 2048, 4),  # MLA128 verify4: 8 programs a request
+])
+def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_context, want):
+    """The ``triton_mla`` backend's counts at the sweep's MLA rows (page 64): verify takes two
+    64-token tiles a split where 33 programs or more remain (H200: MLA16 verify4 bs 4 kv 2048
+    22.2 -> 19.3 us), bs 1 keeps a tile a split."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.testing.scenarios import make_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True,
+                      kv_lora_rank=512, qk_rope_head_dim=64, page_size=64)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context)
+    be = get_backend("triton_mla", cfg, mem)
+    max_pages = max_context // 64
+    per_sm, floor, floor_per_sm = be._split_rule(width)
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_pages, per_sm, width, floor, floor_per_sm,
+                                  be._split_pages(width))
+    assert got == want

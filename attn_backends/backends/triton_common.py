@@ -37,13 +37,16 @@ def sm_count(device_index: int) -> int:
 
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
-                         width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None) -> int:
+                         width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None,
+                         split_pages: int = 1) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
     the GraphKey. ``per_sm`` comes from H200 sweeps (GQA decode at bs 64: 2 splits; GQA chain verify
     at bs 64: 1; MLA decode: 4; MLA verify: 2). ``floor``: the fewest splits, lowered (to 1 at
-    least) to keep at most ``floor_per_sm`` programs an SM where that is given."""
+    least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
+    the fewest pages a split spans, where the splits that leaves still give a quarter of the SMs
+    a program (``_split_pages`` of the MLA backend)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(device.index or 0)
@@ -52,7 +55,10 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
         floor = max(1, min(floor, floor_per_sm * sms // programs))
     cap = WIDE_MAX_KV_SPLITS if width <= 4 and programs * WIDE_MAX_KV_SPLITS <= 4 * sms else MAX_KV_SPLITS
     want = max(per_sm * sms // programs, floor)
-    return 1 << max(0, min(want, cap, max_pages).bit_length() - 1)
+    most = max_pages
+    if split_pages > 1 and programs * (max_pages // split_pages) >= sms // 4:
+        most = max_pages // split_pages
+    return 1 << max(0, min(want, cap, most).bit_length() - 1)
 
 
 def _book_in_meta(meta: ForwardMetadata) -> bool:
@@ -96,6 +102,11 @@ class TritonBackendBase(LayoutBackend):
         permitting), and the programs an SM up to which that floor holds (None: always)."""
         raise NotImplementedError
 
+    def _split_pages(self, width: int) -> int:
+        """The fewest pages a split spans where enough programs remain (``split_pages`` of
+        :func:`choose_num_kv_splits`); 1: a page."""
+        return 1
+
     def _out_dim(self) -> int:
         return self.config.out_dim
 
@@ -106,7 +117,8 @@ class TritonBackendBase(LayoutBackend):
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             per_sm, floor, floor_per_sm = self._split_rule(width)
             cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
-                                                          max_pages, per_sm, width, floor, floor_per_sm)
+                                                          max_pages, per_sm, width, floor, floor_per_sm,
+                                                          self._split_pages(width))
         return cache[(lay.bs, width)]
 
     def _kv_buffers(self, layer) -> tuple:

@@ -39,6 +39,13 @@ class TritonMLABackend(TritonBackendBase):
         # decode: two 16-head programs per SM, one 64-head program (>= 64 heads); verify: one
         return (2 if width <= 1 and self.config.num_q_heads < 64 else 1), 1, None
 
+    def _split_pages(self, width: int) -> int:
+        # Verify: two 64-token tiles a split (128 tokens in pages) where that leaves a quarter of
+        # the SMs a program. H200, graph replay, MLA16 verify4 kv 2048 (32 pages of 64): bs 4
+        # 32 splits (a tile each) 22.2 us -> 16 19.3; bs 1 keeps 32 (16 programs at 16: 15.6 ->
+        # 16.7); at kv 8192 and 32768, and at bs >= 16, the count is below the pages anyway.
+        return 1 if width <= 1 else -(-128 // self.memory.page_size)
+
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank
         store_mla_kv(k[..., :r], k[..., r:], self.memory.pool.kv[layer.layer_id], loc)
