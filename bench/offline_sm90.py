@@ -121,7 +121,9 @@ def mla_configs() -> dict:
         return lambda: mla_attention_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W,
                                          mask=mask, custom_mask=cm, draft_prefix_lens=draft,
                                          kernel=kernel, block_h=block_h)
-    configs = {"mla16 decode": call(16, 1, 2)}
+    configs = {"mla16 decode": call(16, 1, 2), "mla16 decode page 16": call(16, 1, 2, page=16),
+               "swap mla16 decode": call(16, 1, 2, kernel="swap"),
+               "swap mla20 decode fp16 page 128": call(20, 1, 1, dtype=torch.float16, page=128, kernel="swap")}
     for kernel in ("wgmma", "seesaw", "chunked", "dbuf"):
         configs.update({f"{kernel} mla16 verify4": call(16, 4, 2, kernel=kernel),
                         f"{kernel} mla128 decode": call(128, 1, 1, kernel=kernel),

@@ -18,8 +18,10 @@ This module's kernel is plain Triton and runs everywhere (the CPU interpreter in
 sm_90 GPU, 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split
 outputs): a warp-specialized kernel, ``mla_chunked``'s where pages hold whole 64-token tiles
 (``mla_dbuf``'s there when one program reads each request's KV and the KV is split),
-``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere. Triton gives
-this kernel's 64-row tile a score layout in which both warp groups compute the whole score tile.
+``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere; and decode
+tiles of 16 heads go to ``mla_swap``'s (scores and output transposed) where pages hold whole
+64-token tiles. Triton gives this kernel's 64-row tile a score layout in which both warp groups
+compute the whole score tile.
 """
 
 import torch
@@ -32,15 +34,18 @@ from .launch_record import launch
 from .mla_chunked import _mla_chunked_kernel, chunked_refusal
 from .mla_dbuf import _mla_dbuf_kernel, dbuf_refusal
 from .mla_seesaw import _mla_seesaw_kernel, seesaw_refusal
+from .mla_swap import HEADS as SWAP_ROWS
+from .mla_swap import _mla_swap_kernel, swap_refusal
 from .mla_warpspec import DEFAULT_WARPS, MAXNREG
-from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
+from .mla_wgmma import WARPS, _capability, _mla_wgmma_kernel, wgmma_refusal
 
-KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf")
+KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf", "swap")
 SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches
 GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
                 "seesaw": (_mla_seesaw_kernel, SPECIALIZED),
                 "chunked": (_mla_chunked_kernel, SPECIALIZED),
-                "dbuf": (_mla_dbuf_kernel, SPECIALIZED)}
+                "dbuf": (_mla_dbuf_kernel, SPECIALIZED),
+                "swap": (_mla_swap_kernel, dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG))}
 # the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
 REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal, "dbuf": dbuf_refusal}
 # what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma);
@@ -206,12 +211,15 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
-        16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads),
+        16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads;
+        or 16-row decode tiles),
         where no block_n / num_warps / num_stages is given ``mla_chunked``'s where pages hold
         whole 64-token tiles (``mla_dbuf``'s when one program reads each request's KV and
         num_kv_splits > 1), else ``mla_seesaw``'s where they hold whole 32-token tiles, else
-        ``mla_wgmma``'s; the Triton kernel elsewhere. "triton", "wgmma", "seesaw", "chunked" or
-        "dbuf" asks for one (ValueError, with the reason, where it cannot serve)
+        ``mla_wgmma``'s; decode tiles of 16 heads on ``mla_swap``'s where pages hold whole
+        64-token tiles (``decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
+        "seesaw", "chunked", "dbuf" or "swap" asks for one (ValueError, with the reason, where
+        it cannot serve)
     """
     name = "mla_attention_fwd"
     if kernel not in KERNELS:
@@ -228,7 +236,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     per_request = triton.cdiv(W, block_w) * triton.cdiv(H, block_h)   # programs reading one request's KV
     use = _pick_kernel(name, kernel, q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n,
                        num_warps, num_stages, ragged, page_size,
-                       streaming=per_request == 1 and num_kv_splits > 1)
+                       streaming=per_request == 1 and num_kv_splits > 1, width=W, mask=mask)
     if bs == 0:
         return out
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
@@ -251,7 +259,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
 
 
 def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
-                 ragged, page_size, streaming=False) -> str:
+                 ragged, page_size, streaming=False, width=1, mask="causal") -> str:
     """Which kernel runs the launch: the one asked for (ValueError, with the reason, where it
     cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
@@ -260,10 +268,19 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     program); ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s
     place. H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192
     (bs 64 kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128 kv 8192)
-    chunked is 2 % faster (``mla_dbuf``'s docstring has the figures)."""
+    chunked is 2 % faster (``mla_dbuf``'s docstring has the figures). 16-row tiles (decode of
+    16 heads; ``width`` and ``mask`` say decode) take ``mla_swap`` where it serves."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)
+    if kernel == "swap" or (kernel is None and rows == SWAP_ROWS.value):
+        # 16-row decode tiles: the wgmma kernel's input checks, the swap kernel's own shape
+        refusal = (wgmma_refusal(q, kv_buffer, latent, rope, 64, None, None, None, ragged)
+                   or swap_refusal(page_size, rows, width, mask, *knobs))
+        if refusal is None:
+            return "swap"
+        if kernel == "swap":
+            raise ValueError(f"{name}: the swap kernel {refusal}")
     refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows,
                             *((None,) * 3 if kernel in REFUSALS else knobs), ragged)
     if kernel in REFUSALS and refusal is None:
@@ -277,6 +294,14 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     order = STREAMING_DEFAULTS if streaming else HOPPER_DEFAULTS
     return next((k for k in order if REFUSALS[k](page_size, *knobs) is None), "wgmma")
 
+
+
+def decodes_transposed(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
+    """Whether ``kernel=None`` runs decode launches of 16-head tiles (MLA with fewer than 64
+    heads) on ``mla_swap`` here (q and cache rows aligned as a contiguous q and the cache pool
+    are): an sm_90 GPU, 16-bit, pages of whole 64-token tiles. The backend's split rule asks."""
+    return (device.type == "cuda" and torch.version.hip is None and dtype in (torch.float16, torch.bfloat16)
+            and page_size % 64 == 0 and _capability(device.index or 0)[0] == 9)
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,
                   q_per_req, mask, custom_mask, cu_seqlens_q, max_q_len, draft_prefix_lens):

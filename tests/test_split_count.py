@@ -83,11 +83,17 @@ def test_split_pages(h200):
     (16, 4, 4, 2048, 16), (16, 4, 1, 2048, 32), (16, 4, 4, 8192, 32), (16, 4, 16, 2048, 8),
     (16, 1, 4, 2048, 32),                         # decode: a page a split (64 tokens) as before
     (128, 4, 1, 2048, 16), (128, 4, 4, 2048, 4),  # MLA128 verify4: 8 programs a request
+    (16, 1, 16, 8192, 16), (16, 1, 128, 8192, 2),  # Triton decode: two programs an SM
+    ("swap", 1, 16, 8192, 8), ("swap", 1, 64, 2048, 2), ("swap", 1, 128, 8192, 1),   # transposed: one
+    ("swap", 1, 1, 8192, 64), ("swap", 1, 4, 2048, 32),   # the cap and the pages, as on Triton
 ])
 def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_context, want):
     """The ``triton_mla`` backend's counts at the sweep's MLA rows (page 64): verify takes two
     64-token tiles a split where 33 programs or more remain (H200: MLA16 verify4 bs 4 kv 2048
-    22.2 -> 19.3 us), bs 1 keeps a tile a split."""
+    22.2 -> 19.3 us), bs 1 keeps a tile a split; 16-head decode wants two programs an SM on the
+    Triton kernel, one on the transposed kernel ("swap": 16 heads where ``decodes_transposed``)."""
+    swap = heads == "swap"
+    heads = 16 if swap else heads
     from attn_backends import ModelConfig, get_backend
     from attn_backends.testing.scenarios import make_memory
 
@@ -96,6 +102,7 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
                       kv_lora_rank=512, qk_rope_head_dim=64, page_size=64)
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context)
     be = get_backend("triton_mla", cfg, mem)
+    monkeypatch.setattr(be, "_decodes_transposed", lambda: swap)
     max_pages = max_context // 64
     per_sm, floor, floor_per_sm = be._split_rule(width)
     got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_pages, per_sm, width, floor, floor_per_sm,

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from attn_backends_kernels.kv_store import store_mla_kv
-from attn_backends_kernels.mla_attention import mla_attention_fwd
+from attn_backends_kernels.mla_attention import decodes_transposed, mla_attention_fwd
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode
@@ -36,8 +36,17 @@ class TritonMLABackend(TritonBackendBase):
         return bs * -(-self.config.num_q_heads // block_h)
 
     def _split_rule(self, width: int) -> tuple:
-        # decode: two 16-head programs per SM, one 64-head program (>= 64 heads); verify: one
-        return (2 if width <= 1 and self.config.num_q_heads < 64 else 1), 1, None
+        # decode: one 16-head program per SM on the transposed kernel (sm_90, ``mla_swap``), two on
+        # the Triton kernel; one 64-head program (>= 64 heads); verify: one. H200, graph replay,
+        # MLA16 decode on the transposed kernel, 2 per SM -> 1: bs 16 kv 8192 61.0 -> 55.7 us,
+        # bs 64 62.4 -> 55.7 (kv 2048) and 164.0 -> 159.3, bs 128 99.2 -> 87.4 and 299.0 ->
+        # 291.3; bs <= 4 as many splits either way (the 64 cap, the pages).
+        if width <= 1 and self.config.num_q_heads < 64:
+            return (1 if self._decodes_transposed() else 2), 1, None
+        return 1, 1, None
+
+    def _decodes_transposed(self) -> bool:
+        return decodes_transposed(self.memory.device, self.memory.pool.kv[0].dtype, self.memory.page_size)
 
     def _split_pages(self, width: int) -> int:
         # Verify: two 64-token tiles a split (128 tokens in pages) where that leaves a quarter of

@@ -9,6 +9,7 @@ from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention
 from attn_backends_kernels.mla_chunked import _mla_chunked_kernel
 from attn_backends_kernels.mla_dbuf import _mla_dbuf_kernel
 from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
+from attn_backends_kernels.mla_swap import _mla_swap_kernel
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
@@ -148,17 +149,33 @@ def test_mla_warp_specialized_gpu(kernel, dtype, page_size, H, W, mask, tuning, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("H", [16, 8, 20, 32])   # a block; 8 heads in it; a second one partly past H; two
+@pytest.mark.parametrize("splits", [1, 8])
+def test_mla_swap_gpu(dtype, page_size, H, splits):
+    """The transposed decode kernel against the float64 reference: 16-head blocks (heads past H
+    masked), shuffled pages, ragged lengths (a one-token request, partial last tiles whose tails
+    hold NaN, empty splits), padded rows, with and without the merge."""
+    _need_hopper()
+    out, ref = run_mla([1, 33, 1000, 4166, 32768], 1, page_size, H, dtype, "cuda", splits=splits,
+                       pad_rows=2, poison_unused=True, kernel="swap")
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("H,W,page_size,splits,expect", [
     (16, 4, 64, 2, _mla_dbuf_kernel), (16, 4, 64, 1, _mla_chunked_kernel),
     (128, 1, 128, 2, _mla_chunked_kernel), (64, 1, 64, 2, _mla_dbuf_kernel),
     (16, 4, 32, 2, _mla_seesaw_kernel), (128, 1, 96, 2, _mla_seesaw_kernel),
     (16, 4, 16, 2, _mla_wgmma_kernel), (128, 1, 16, 2, _mla_wgmma_kernel),
-    (16, 1, 64, 2, _mla_split_kernel), (16, 2, 64, 2, _mla_split_kernel)])
+    (16, 1, 64, 2, _mla_swap_kernel), (32, 1, 128, 1, _mla_swap_kernel),
+    (16, 1, 16, 2, _mla_split_kernel), (16, 2, 64, 2, _mla_split_kernel)])
 def test_mla_default_kernel_gpu(H, W, page_size, splits, expect):
-    """On Hopper the wrapper's default launches a Gluon kernel exactly for 64-row tiles: where
-    pages hold whole 64-token tiles the double-buffered kernel when one program reads each
-    request's KV and the KV is split, the chunked kernel otherwise; the seesaw kernel where they
-    hold whole 32-token tiles, the wgmma kernel elsewhere."""
+    """On Hopper the wrapper's default launches a Gluon kernel for 64-row tiles: where pages hold
+    whole 64-token tiles the double-buffered kernel when one program reads each request's KV and
+    the KV is split, the chunked kernel otherwise; the seesaw kernel where they hold whole
+    32-token tiles, the wgmma kernel elsewhere; and the transposed kernel for 16-head decode
+    tiles where pages hold whole 64-token tiles (the Triton kernel at page 16, and for W = 2)."""
     _need_hopper()
     with recording() as launches:
         run_mla([W, 300], W, page_size, H, torch.bfloat16, "cuda", splits=splits)
@@ -215,6 +232,8 @@ def test_mla_kernel_choice_errors():
         run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="chunked")
     with pytest.raises(ValueError, match="dbuf kernel needs an sm_90"):
         run_mla([8, 4], 4, 64, 16, torch.bfloat16, "cpu", kernel="dbuf")
+    with pytest.raises(ValueError, match="swap kernel needs an sm_90"):
+        run_mla([8, 4], 1, 64, 16, torch.bfloat16, "cpu", kernel="swap")
     with pytest.raises(ValueError, match="kernel="):
         run_mla([8, 4], 4, 16, 16, torch.float32, "cpu", kernel="cutlass")
     empty = torch.zeros(0, 16, 576)
@@ -251,6 +270,17 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="dbuf kernel runs 64-token tiles in 2 stages"):
         pick("dbuf", 64, (None, 8, None))
     assert pick("dbuf", 128) == "dbuf"
+    swap = lambda page, rows=16, width=1, mask="causal", knobs=(None, None, None): mla._pick_kernel(  # noqa: E731
+        "f", "swap", q, kv, 512, 64, rows, *knobs, False, page, width=width, mask=mask)
+    assert swap(64) == "swap" and swap(128) == "swap"
+    default16 = lambda page, width=1: mla._pick_kernel("f", None, q, kv, 512, 64, 16, None, None,  # noqa: E731
+                                                       None, False, page, width=width)
+    assert default16(64) == "swap" and default16(16) == "triton" and default16(64, 2) == "triton"
+    for args, reason in [((32,), "pages of a multiple of 64"), ((64, 64), "16-head tiles"),
+                         ((64, 16, 4), "decode only"), ((64, 16, 1, "tree"), "decode only"),
+                         ((64, 16, 1, "causal", (None, 8, None)), "no knobs")]:
+        with pytest.raises(ValueError, match=f"swap kernel .*{reason}"):
+            swap(*args)
     assert pick(None, 64) == "chunked" and pick(None, 96) == "seesaw" and pick(None, 16) == "wgmma"
     streaming = lambda page: mla._pick_kernel("f", None, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
                                               False, page, streaming=True)

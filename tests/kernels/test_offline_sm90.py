@@ -101,9 +101,23 @@ def test_default_gluon_kernel(compiled):
     assert compiled["default mla16 verify4 page 16"][0]["kernel"] == "_mla_wgmma_kernel"
 
 
-def test_sixteen_head_decode_stays_on_triton(compiled):
-    """A 16-row decode tile is the Triton kernel's (the wgmma kernel padded to 64 rows lost)."""
-    assert compiled["mla16 decode"][0]["kernel"] == "_mla_split_kernel"
+def test_sixteen_head_decode_takes_the_transposed_kernel(compiled):
+    """A 16-row decode tile is the transposed kernel's where pages hold whole 64-token tiles (the
+    wgmma kernel padded to 64 rows lost to the Triton kernel), the Triton kernel's elsewhere."""
+    assert compiled["mla16 decode"][0]["kernel"] == "_mla_swap_kernel"
+    assert compiled["mla16 decode page 16"][0]["kernel"] == "_mla_split_kernel"
+
+
+@pytest.mark.parametrize("label", ["swap mla16 decode", "swap mla20 decode fp16 page 128"])
+def test_transposed_kernel_compiles_for_sm90(compiled, label):
+    """The transposed decode kernel: 8 warps (the consumer group and the loader's), one program's
+    shared memory, no spill, wgmma dots and cp.async copies."""
+    first, *rest = compiled[label]
+    assert first["kernel"] == "_mla_swap_kernel" and first["warps"] == 8, first
+    assert first["stack"] == 0, f"spills: {first}"
+    assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
+    assert first["wgmma"] >= 2 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
+    assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
 
 
 @pytest.mark.parametrize("label", ["gqa32 decode S64", "gqa64 decode S32", "gqa32 verify4 S8", "gqa32 verify4 S4"])
