@@ -108,3 +108,24 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_pages, per_sm, width, floor, floor_per_sm,
                                   be._split_pages(width))
     assert got == want
+
+
+@pytest.mark.parametrize("heads,width,bs,max_context,want", [
+    (64, 4, 1, 2048, 32), (32, 4, 1, 2048, 32),   # 64 splits would be 32 tokens: a tile (64) each
+    (64, 4, 1, 8192, 64), (64, 4, 4, 2048, 16),   # at or below the tiles anyway
+    (64, 1, 1, 2048, 64), (32, 8, 1, 2048, 32),   # decode: a page a split; the tree's cap
+])
+def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width, bs, max_context, want):
+    """The ``triton`` backend (GQA x/8, page 16): verify and extend splits span a 64-token kernel
+    tile at least where 33 programs or more remain (H200: GQA 64/8 verify4 bs 1 kv 2048 64 splits
+    19.0 us -> 32 16.5, 32/8 16.8 -> 14.6)."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.testing.scenarios import make_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
+    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context))
+    per_sm, floor, floor_per_sm = be._split_rule(width)
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_context // 16, per_sm, width, floor,
+                                  floor_per_sm, be._split_pages(width))
+    assert got == want

@@ -38,6 +38,12 @@ class TritonBackend(TritonBackendBase):
     def _programs(self, bs: int, width: int) -> int:
         return bs * self.config.num_kv_heads
 
+    # Verify and extend: a 64-token kernel tile a split at least, where that leaves a quarter of
+    # the SMs a program. H200, graph replay, verify4 bs 1 kv 2048 (128 pages of 16; 64 splits
+    # of 32 tokens -> 32 of 64): GQA 64/8 19.0 -> 16.5 us, 32/8 16.8 -> 14.6; 16 splits 17.2 /
+    # 14.8; at kv 8192 (64 splits of 128 tokens) and at bs 4 unchanged.
+    SPLIT_TOKENS: ClassVar[int] = 64
+
     def _split_rule(self, width: int) -> tuple:
         # H200, graph replay, the split count halved and doubled around the rule (2026-11-27):
         # decode bs 16 kv 8192: 16 splits 144.5 us -> 8: 140.6; bs 64: 4 -> 2 510 / 508.

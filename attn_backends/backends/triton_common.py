@@ -82,6 +82,8 @@ class TritonBackendBase(LayoutBackend):
     # Whether the kernels may merge split partials themselves (``merge_if_last``), which needs the
     # workspace's tile counters; kernels that never do get a (part, lse) workspace.
     fuses_merge: ClassVar[bool] = True
+    # The fewest KV tokens a verify or extend split spans where enough programs remain (``_split_pages``).
+    SPLIT_TOKENS: ClassVar[int] = 1
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -103,9 +105,10 @@ class TritonBackendBase(LayoutBackend):
         raise NotImplementedError
 
     def _split_pages(self, width: int) -> int:
-        """The fewest pages a split spans where enough programs remain (``split_pages`` of
-        :func:`choose_num_kv_splits`); 1: a page."""
-        return 1
+        """The fewest pages a split of a batch of ``width`` rows a request spans where enough
+        programs remain (``split_pages`` of :func:`choose_num_kv_splits`): ``SPLIT_TOKENS``'
+        worth for verify and extend batches, a page for decode."""
+        return 1 if width <= 1 else max(1, -(-self.SPLIT_TOKENS // self.memory.page_size))
 
     def _out_dim(self) -> int:
         return self.config.out_dim

@@ -35,6 +35,12 @@ class TritonMLABackend(TritonBackendBase):
         block_h = max(min(self.config.num_q_heads, max(1, 64 // w_pad)), 16 // min(w_pad, 16))
         return bs * -(-self.config.num_q_heads // block_h)
 
+    # Verify: two 64-token tiles a split where that leaves a quarter of the SMs a program. H200,
+    # graph replay, MLA16 verify4 kv 2048 (32 pages of 64): bs 4 32 splits (a tile each) 22.2 us
+    # -> 16 19.3; bs 1 keeps 32 (16 programs at 16: 15.6 -> 16.7); at kv 8192 and 32768, and at
+    # bs >= 16, the count is below the pages anyway.
+    SPLIT_TOKENS: ClassVar[int] = 128
+
     def _split_rule(self, width: int) -> tuple:
         # decode: one 16-head program per SM on the transposed kernel (sm_90, ``mla_swap``), two on
         # the Triton kernel; one 64-head program (>= 64 heads); verify: one. H200, graph replay,
@@ -48,12 +54,6 @@ class TritonMLABackend(TritonBackendBase):
     def _decodes_transposed(self) -> bool:
         return decodes_transposed(self.memory.device, self.memory.pool.kv[0].dtype, self.memory.page_size)
 
-    def _split_pages(self, width: int) -> int:
-        # Verify: two 64-token tiles a split (128 tokens in pages) where that leaves a quarter of
-        # the SMs a program. H200, graph replay, MLA16 verify4 kv 2048 (32 pages of 64): bs 4
-        # 32 splits (a tile each) 22.2 us -> 16 19.3; bs 1 keeps 32 (16 programs at 16: 15.6 ->
-        # 16.7); at kv 8192 and 32768, and at bs >= 16, the count is below the pages anyway.
-        return 1 if width <= 1 else -(-128 // self.memory.page_size)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank
