@@ -45,7 +45,7 @@ GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
                 "seesaw": (_mla_seesaw_kernel, SPECIALIZED),
                 "chunked": (_mla_chunked_kernel, SPECIALIZED),
                 "dbuf": (_mla_dbuf_kernel, SPECIALIZED),
-                "swap": (_mla_swap_kernel, dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG))}
+                "swap": (_mla_swap_kernel, SPECIALIZED)}   # 8 warps: the consumer group and the loader
 # the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
 REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal, "dbuf": dbuf_refusal}
 # what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma);
@@ -236,7 +236,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     per_request = triton.cdiv(W, block_w) * triton.cdiv(H, block_h)   # programs reading one request's KV
     use = _pick_kernel(name, kernel, q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n,
                        num_warps, num_stages, ragged, page_size,
-                       streaming=per_request == 1 and num_kv_splits > 1, width=W, mask=mask)
+                       streaming=per_request == 1 and num_kv_splits > 1, width=W, mask=mask,
+                       block_w=block_w)
     if bs == 0:
         return out
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
@@ -259,7 +260,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
 
 
 def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stages,
-                 ragged, page_size, streaming=False, width=1, mask="causal") -> str:
+                 ragged, page_size, *, streaming=False, width, mask, block_w) -> str:
     """Which kernel runs the launch: the one asked for (ValueError, with the reason, where it
     cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
@@ -276,7 +277,7 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     if kernel == "swap" or (kernel is None and rows == SWAP_ROWS.value):
         # 16-row decode tiles: the wgmma kernel's input checks, the swap kernel's own shape
         refusal = (wgmma_refusal(q, kv_buffer, latent, rope, 64, None, None, None, ragged)
-                   or swap_refusal(page_size, rows, width, mask, *knobs))
+                   or swap_refusal(page_size, block_w, rows // block_w, width, mask, *knobs))
         if refusal is None:
             return "swap"
         if kernel == "swap":
@@ -295,13 +296,15 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     return next((k for k in order if REFUSALS[k](page_size, *knobs) is None), "wgmma")
 
 
-
 def decodes_transposed(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
     """Whether ``kernel=None`` runs decode launches of 16-head tiles (MLA with fewer than 64
     heads) on ``mla_swap`` here (q and cache rows aligned as a contiguous q and the cache pool
-    are): an sm_90 GPU, 16-bit, pages of whole 64-token tiles. The backend's split rule asks."""
+    are, 512 + 64 dims): an sm_90 GPU, 16-bit, pages of whole 64-token tiles. The
+    ``triton_mla`` backend asks before it sizes a decode batch's splits for it (one program an
+    SM) and then names the kernel it chose."""
     return (device.type == "cuda" and torch.version.hip is None and dtype in (torch.float16, torch.bfloat16)
             and page_size % 64 == 0 and _capability(device.index or 0)[0] == 9)
+
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,
                   q_per_req, mask, custom_mask, cu_seqlens_q, max_q_len, draft_prefix_lens):

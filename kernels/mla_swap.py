@@ -162,14 +162,14 @@ def _mla_swap_kernel(
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
-def swap_refusal(page_size: int, rows: int, W: int, mask: str, block_n=None, num_warps=None,
-                 num_stages=None):
+def swap_refusal(page_size: int, block_w: int, block_h: int, W: int, mask: str, block_n=None,
+                 num_warps=None, num_stages=None):
     """Why ``_mla_swap_kernel`` cannot serve a launch whose inputs ``mla_wgmma`` would take
     (16-bit, 512 + 64, aligned, sm_90, uniform rows; None where it can)."""
     if W != 1 or mask != "causal":
         return f"runs decode only (one query row a request, causal; got W={W}, mask={mask!r})"
-    if rows != HEADS.value:
-        return f"needs {HEADS.value}-head tiles (block_w x block_h = {rows})"
+    if (block_w, block_h) != (1, HEADS.value):
+        return f"needs 16-head tiles of one row (block_w={block_w}, block_h={block_h})"
     if page_size % BLOCK_N.value:
         return f"needs pages of a multiple of {BLOCK_N.value} tokens (page_size={page_size})"
     if (block_n, num_warps, num_stages) != (None, None, None):

@@ -2,6 +2,8 @@
 ``per_sm`` programs per SM, a power of two, never more than the pages, at most 32 splits, and 64
 for a batch of few programs with at most 4 query rows. Host logic: the SM count is patched and
 the CUDA device is only a ``torch.device`` object, so this runs without a GPU."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -86,15 +88,21 @@ def test_split_pages(h200):
     (16, 1, 16, 8192, 16), (16, 1, 128, 8192, 2),  # Triton decode: two programs an SM
     ("swap", 1, 16, 8192, 8), ("swap", 1, 64, 2048, 2), ("swap", 1, 128, 8192, 1),   # transposed: one
     ("swap", 1, 1, 8192, 64), ("swap", 1, 4, 2048, 32),   # the cap and the pages, as on Triton
+    ("swap", 1, 80, 8192, 2), ("swap", 1, 140, 8192, 1), ("swap", 1, 3, 8192, 64),   # Triton's: see below
+    ("swap32", 1, 64, 8192, 1), (32, 1, 64, 8192, 2),      # 32 heads: two 16-head programs a request
 ])
 def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_context, want):
-    """The ``triton_mla`` backend's counts at the sweep's MLA rows (page 64): verify takes two
-    64-token tiles a split where 33 programs or more remain (H200: MLA16 verify4 bs 4 kv 2048
-    22.2 -> 19.3 us), bs 1 keeps a tile a split; 16-head decode wants two programs an SM on the
-    Triton kernel, one on the transposed kernel ("swap": 16 heads where ``decodes_transposed``)."""
-    swap = heads == "swap"
-    heads = 16 if swap else heads
+    """The ``triton_mla`` backend's counts (``_splits``) at the sweep's MLA rows and others (page
+    64): verify takes two 64-token tiles a split where 33 programs or more remain (H200: MLA16
+    verify4 bs 4 kv 2048 22.2 -> 19.3 us), bs 1 keeps a tile a split; 16-head decode takes two
+    programs an SM on the Triton kernel, one on the transposed kernel ("swap": where
+    ``decodes_transposed``) where those fill 90 % of the SMs in one wave or the count is the
+    Triton kernel's anyway; else (bs 80: 80 programs, bs 140: two waves, bs 3: 96) the Triton
+    kernel and its count."""
+    swap = str(heads).startswith("swap")
+    heads = {"swap": 16, "swap32": 32}.get(heads, heads)
     from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
     from attn_backends.testing.scenarios import make_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -103,11 +111,12 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context)
     be = get_backend("triton_mla", cfg, mem)
     monkeypatch.setattr(be, "_decodes_transposed", lambda: swap)
-    max_pages = max_context // 64
-    per_sm, floor, floor_per_sm = be._split_rule(width)
-    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_pages, per_sm, width, floor, floor_per_sm,
-                                  be._split_pages(width))
-    assert got == want
+    monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode)
+    assert be._splits(lay) == want
+    on_swap = be._swap_splits(bs, width) is not None
+    assert on_swap == (swap and bs not in (80, 140, 3)), "the kernel the count is for"
 
 
 @pytest.mark.parametrize("heads,width,bs,max_context,want", [

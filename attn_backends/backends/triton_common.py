@@ -46,7 +46,7 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     at bs 64: 1; MLA decode: 4; MLA verify: 2). ``floor``: the fewest splits, lowered (to 1 at
     least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
     the fewest pages a split spans, where the splits that leaves still give a quarter of the SMs
-    a program (``_split_pages`` of the MLA backend)."""
+    a program (the backends' ``_split_pages``)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(device.index or 0)
@@ -107,7 +107,8 @@ class TritonBackendBase(LayoutBackend):
     def _split_pages(self, width: int) -> int:
         """The fewest pages a split of a batch of ``width`` rows a request spans where enough
         programs remain (``split_pages`` of :func:`choose_num_kv_splits`): ``SPLIT_TOKENS``'
-        worth for verify and extend batches, a page for decode."""
+        worth for batches of several rows a request (verify, draft extend, draft decode with
+        topk > 1, extend), a page for one row a request (decode)."""
         return 1 if width <= 1 else max(1, -(-self.SPLIT_TOKENS // self.memory.page_size))
 
     def _out_dim(self) -> int:

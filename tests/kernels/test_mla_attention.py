@@ -188,12 +188,13 @@ def _need_hopper():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["wgmma", "seesaw", "chunked", "dbuf"])
+@pytest.mark.parametrize("kernel", ["wgmma", "seesaw", "chunked", "dbuf", "swap"])
 def test_mla_gluon_recorded_replay_gpu(kernel):
     """The eager path's recorded launches (launch_record) replay each Gluon kernel and its merge
-    with another call's q, KV buffer and output: bitwise what the wrapper gives for that call."""
+    with another call's q, KV buffer and output: bitwise what the wrapper gives for that call
+    (the swap kernel's on decode)."""
     _need_hopper()
-    W, H, splits = 4, 16, 8
+    W, H, splits = (1 if kernel == "swap" else 4), 16, 8
     page_table, lens, num_pages = make_paged_batch([W, 700, 3000], 64, pad_rows=1, pad_len=W,
                                                    device="cuda")
     bs = lens.shape[0]
@@ -206,7 +207,7 @@ def test_mla_gluon_recorded_replay_gpu(kernel):
     with recording() as launches:
         call(0, out[0])
     gluon = {"wgmma": _mla_wgmma_kernel, "seesaw": _mla_seesaw_kernel,
-             "chunked": _mla_chunked_kernel, "dbuf": _mla_dbuf_kernel}[kernel]
+             "chunked": _mla_chunked_kernel, "dbuf": _mla_dbuf_kernel, "swap": _mla_swap_kernel}[kernel]
     assert [k for k, *_ in launches] == [gluon, merge_kernel()]
     rec = Recorded(launches, (q[0], kv[0], out[0]))
     assert rec.usable and rec.replay((q[1], kv[1], out[1]))
@@ -252,8 +253,9 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+    verify4 = dict(width=4, mask="causal", block_w=4)
     pick = lambda kernel, page, knobs=(None, None, None): mla._pick_kernel(  # noqa: E731
-        "f", kernel, q, kv, 512, 64, 64, *knobs, False, page)
+        "f", kernel, q, kv, 512, 64, 64, *knobs, False, page, **verify4)
     with pytest.raises(ValueError, match="seesaw kernel needs pages of a multiple of 32"):
         pick("seesaw", 16)
     with pytest.raises(ValueError, match="seesaw kernel runs 32-token tiles in 4 stages"):
@@ -270,20 +272,23 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="dbuf kernel runs 64-token tiles in 2 stages"):
         pick("dbuf", 64, (None, 8, None))
     assert pick("dbuf", 128) == "dbuf"
-    swap = lambda page, rows=16, width=1, mask="causal", knobs=(None, None, None): mla._pick_kernel(  # noqa: E731
-        "f", "swap", q, kv, 512, 64, rows, *knobs, False, page, width=width, mask=mask)
+    swap = lambda page, rows=16, width=1, mask="causal", knobs=(None, None, None), block_w=1: (  # noqa: E731
+        mla._pick_kernel("f", "swap", q, kv, 512, 64, rows, *knobs, False, page, width=width, mask=mask,
+                         block_w=block_w))
     assert swap(64) == "swap" and swap(128) == "swap"
-    default16 = lambda page, width=1: mla._pick_kernel("f", None, q, kv, 512, 64, 16, None, None,  # noqa: E731
-                                                       None, False, page, width=width)
+    default16 = lambda page, width=1, block_w=1: mla._pick_kernel(  # noqa: E731
+        "f", None, q, kv, 512, 64, 16, None, None, None, False, page, width=width, mask="causal", block_w=block_w)
     assert default16(64) == "swap" and default16(16) == "triton" and default16(64, 2) == "triton"
-    for args, reason in [((32,), "pages of a multiple of 64"), ((64, 64), "16-head tiles"),
+    assert default16(64, 2, 2) == "triton"     # 16 rows as 2 query rows x 8 heads: not a 16-head tile
+    for args, reason in [((32,), "pages of a multiple of 64"), ((64, 64, 1, "causal", (None,) * 3, 4), "16-head tiles"),
+                         ((64, 16, 1, "causal", (None,) * 3, 2), "16-head tiles"),
                          ((64, 16, 4), "decode only"), ((64, 16, 1, "tree"), "decode only"),
                          ((64, 16, 1, "causal", (None, 8, None)), "no knobs")]:
         with pytest.raises(ValueError, match=f"swap kernel .*{reason}"):
             swap(*args)
     assert pick(None, 64) == "chunked" and pick(None, 96) == "seesaw" and pick(None, 16) == "wgmma"
     streaming = lambda page: mla._pick_kernel("f", None, q, kv, 512, 64, 64, None, None, None,  # noqa: E731
-                                              False, page, streaming=True)
+                                              False, page, streaming=True, **verify4)
     assert streaming(64) == "dbuf" and streaming(96) == "seesaw" and streaming(16) == "wgmma"
     for default in ("seesaw", "chunked", "dbuf"):
         monkeypatch.setattr(mla, "HOPPER_DEFAULTS", (default,))
@@ -292,7 +297,7 @@ def test_warp_specialized_kernel_choice(monkeypatch):
         assert streaming(64) == default and streaming(16) == "wgmma"
         assert pick(None, 64, (64, 8, 2)) == "wgmma"   # the wgmma kernel's knobs pick it
     assert mla._pick_kernel("f", None, q.float(), kv.float(), 512, 64, 64, None, None, None,
-                            False, 64) == "triton"
+                            False, 64, **verify4) == "triton"
 
 
 @pytest.mark.parametrize("change,reason", [
