@@ -43,8 +43,6 @@ class TritonMLABackend(TritonBackendBase):
     # -> 16 19.3; bs 1 keeps 32 (16 programs at 16: 15.6 -> 16.7); at kv 8192 and 32768, and at
     # bs >= 16, the count is below the pages anyway.
     SPLIT_TOKENS: ClassVar[int] = 128
-    # The transposed decode kernel's programs (one an SM) must fill this much of the SMs in one wave.
-    SWAP_FILL: ClassVar[float] = 0.9
 
     def _split_rule(self, width: int) -> tuple:
         # decode on the Triton kernel: two 16-head programs per SM, one 64-head program (>= 64
@@ -57,27 +55,25 @@ class TritonMLABackend(TritonBackendBase):
 
     def _swap_splits(self, bs: int, width: int):
         """The split count of a decode batch of ``bs`` requests where it runs on the transposed
-        kernel (``mla_swap``), None where it runs on the Triton kernel. A function of (bs, W).
+        kernel (``mla_swap``: 16-head tiles, where ``decodes_transposed``), None where it runs
+        on the Triton kernel. A function of (bs, W).
 
-        The transposed kernel holds a whole SM's shared memory, so it takes one program an SM
-        (H200, graph replay, MLA16 decode, 2 an SM -> 1: bs 16 kv 8192 61.0 -> 55.7 us, bs 64
-        kv 2048 62.4 -> 55.7, kv 8192 164.0 -> 159.3, bs 128 99.2 -> 87.4 and 299.0 -> 291.3);
-        and runs where those programs fill at least ``SWAP_FILL`` of the SMs in one wave, or
-        where the Triton kernel's count is the same (the 64 cap or the pages: bs 1 kv 8192 18.0
-        -> 16.3 us, bs 4 kv 2048 15.5 -> 15.2). Elsewhere (bs 80: 80 programs; bs 140: two
-        waves) the Triton kernel, whose two resident programs an SM balance an uneven grid."""
+        The transposed kernel holds a whole SM's shared memory: it takes one program an SM. H200,
+        graph replay, MLA16 decode, us, the Triton kernel at two programs an SM -> this kernel at
+        one (FlashInfer fa3): bs 16 kv 8192 59.7 -> 55.7 (56.7), bs 64 kv 2048 60.2 -> 55.7
+        (55.9), bs 128 kv 8192 313.6 -> 291.3 (295.5); and where one an SM fills the SMs
+        unevenly: bs 80 kv 8192 286.8 -> 242.4 (275.8), bs 96 kv 2048 88.3 -> 73.5 (90.6), bs
+        140 kv 8192 (two waves) 793.3 -> 514.0 (524.2). Three splits there were faster still
+        (bs 80: 198.1, bs 140: 378.3; bs 96 kv 2048: 93.4, slower): not taken, measured at
+        these points only."""
         key = ("swap", bs, width)
         cache = self._split_cache
         if key not in cache:
             cache[key] = None
             if width <= 1 and self.config.num_q_heads < 64 and self._decodes_transposed():
-                device = self.memory.device
-                programs, max_pages = self._programs(bs, 1), -(-self.memory.max_context_len // self.memory.page_size)
-                choose = triton_common.choose_num_kv_splits      # (the module's: bench/probe_launch.py patches it)
-                one, two = choose(programs, device, max_pages, 1), choose(programs, device, max_pages, 2)
-                sms = triton_common.sm_count(device.index or 0)
-                if programs * one <= sms and (one == two or programs * one >= self.SWAP_FILL * sms):
-                    cache[key] = one
+                max_pages = -(-self.memory.max_context_len // self.memory.page_size)
+                cache[key] = triton_common.choose_num_kv_splits(   # (the module's: bench/probe_launch.py patches it)
+                    self._programs(bs, 1), self.memory.device, max_pages, 1)
         return cache[key]
 
     def _decodes_transposed(self) -> bool:
