@@ -102,6 +102,7 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     heads = {"swap": 16, "swap32": 32}.get(heads, heads)
     from attn_backends import ModelConfig, get_backend
     from attn_backends.batch import ForwardMode
+    from attn_backends.layout import MaskKind
     from attn_backends.testing.scenarios import make_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -112,10 +113,12 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     monkeypatch.setattr(be, "_decodes_transposed", lambda: swap)
     monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
     mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
-    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode)
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
     assert be._splits(lay) == want
     on_swap = be._swap_splits(bs, width) is not None
     assert on_swap == (swap and width == 1), "the kernel the count is for"
+    if on_swap:   # a tree or draft mask on one row a request (or ragged rows) is not the kernel's
+        assert be._splits(SimpleNamespace(**(vars(lay) | {"mask": MaskKind.TREE}))) == super(type(be), be)._splits(lay)
 
 
 @pytest.mark.parametrize("heads,width,bs,max_context,want", [

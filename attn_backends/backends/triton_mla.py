@@ -50,13 +50,16 @@ class TritonMLABackend(TritonBackendBase):
         return (2 if width <= 1 and self.config.num_q_heads < 64 else 1), 1, None
 
     def _splits(self, lay) -> int:
-        swap = None if lay.mode == ForwardMode.EXTEND else self._swap_splits(lay.bs, lay.width or 1)
+        # uniform causal decode rows: what the wrapper's default runs on the transposed kernel
+        decode = lay.mode != ForwardMode.EXTEND and (lay.width or 1) <= 1 and lay.mask.value == "causal"
+        swap = self._swap_splits(lay.bs, 1) if decode else None
         return swap if swap is not None else super()._splits(lay)
 
     def _swap_splits(self, bs: int, width: int):
         """The split count of a decode batch of ``bs`` requests where it runs on the transposed
-        kernel (``mla_swap``: 16-head tiles, where ``decodes_transposed``), None where it runs
-        on the Triton kernel. A function of (bs, W).
+        kernel (``mla_swap``: 16-head tiles, where ``decodes_transposed``; the wrapper's default
+        takes it there), None where it runs on the Triton kernel. A function of (bs, W). (A q
+        whose strides the kernel refuses runs on the Triton kernel at this count.)
 
         The transposed kernel holds a whole SM's shared memory: it takes one program an SM. H200,
         graph replay, MLA16 decode, us, the Triton kernel at two programs an SM -> this kernel at
@@ -91,12 +94,9 @@ class TritonMLABackend(TritonBackendBase):
         lay = meta.layout
         splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
         ragged = lay.mode == ForwardMode.EXTEND
-        kernel = None   # 16-head decode tiles: the kernel the split count was chosen for
-        if not ragged and (lay.width or 1) <= 1 and self.config.num_q_heads < 64:
-            kernel = "swap" if self._swap_splits(lay.bs, 1) is not None else "triton"
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
                           splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,
                           custom_mask=lay.custom_mask, workspace=ws,
                           cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
                           max_q_len=lay.max_seq_len_q if ragged else None,
-                          draft_prefix_lens=lay.draft_prefix_lens, kernel=kernel)
+                          draft_prefix_lens=lay.draft_prefix_lens)
