@@ -37,7 +37,7 @@ from .mla_seesaw import _mla_seesaw_kernel, seesaw_refusal
 from .mla_swap import HEADS as SWAP_ROWS
 from .mla_swap import _mla_swap_kernel, swap_refusal
 from .mla_warpspec import DEFAULT_WARPS, MAXNREG
-from .mla_wgmma import WARPS, _capability, _mla_wgmma_kernel, wgmma_refusal
+from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf", "swap")
 SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches
@@ -217,7 +217,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         whole 64-token tiles (``mla_dbuf``'s when one program reads each request's KV and
         num_kv_splits > 1), else ``mla_seesaw``'s where they hold whole 32-token tiles, else
         ``mla_wgmma``'s; decode tiles of 16 heads on ``mla_swap``'s where pages hold whole
-        64-token tiles (``decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
+        64-token tiles (``mla_swap.decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
         "seesaw", "chunked", "dbuf" or "swap" asks for one (ValueError, with the reason, where
         it cannot serve)
     """
@@ -282,6 +282,7 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
             return "swap"
         if kernel == "swap":
             raise ValueError(f"{name}: the swap kernel {refusal}")
+        return "triton"             # no other Gluon kernel takes a 16-row tile
     refusal = wgmma_refusal(q, kv_buffer, latent, rope, rows,
                             *((None,) * 3 if kernel in REFUSALS else knobs), ragged)
     if kernel in REFUSALS and refusal is None:
@@ -294,16 +295,6 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
         return "triton"
     order = STREAMING_DEFAULTS if streaming else HOPPER_DEFAULTS
     return next((k for k in order if REFUSALS[k](page_size, *knobs) is None), "wgmma")
-
-
-def decodes_transposed(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
-    """Whether ``kernel=None`` runs decode launches of 16-head tiles (MLA with fewer than 64
-    heads) on ``mla_swap`` here (q and cache rows aligned as a contiguous q and the cache pool
-    are, 512 + 64 dims): an sm_90 GPU, 16-bit, pages of whole 64-token tiles. The
-    ``triton_mla`` backend asks before it sizes a decode batch's splits for it (one program an
-    SM) and then names the kernel it chose."""
-    return (device.type == "cuda" and torch.version.hip is None and dtype in (torch.float16, torch.bfloat16)
-            and page_size % 64 == 0 and _capability(device.index or 0)[0] == 9)
 
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,
@@ -354,6 +345,19 @@ def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_
     return W, bs, mask_arg, draft_arg
 
 
+def tile_shape(W: int, H: int, block_w=None, block_h=None) -> tuple:
+    """(block_w, block_h): query rows and heads of a tile, the caller's or the defaults; a request
+    launches ``cdiv(W, block_w) * cdiv(H, block_h)`` programs a split (the backend's split rule
+    counts them here)."""
+    if block_w is None:
+        block_w = min(triton.next_power_of_2(W), 4)
+    if block_h is None:  # decode with >= 64 heads: one 64-head tile reads each latent tile for
+        # 64 heads (H200, 128 heads, kv 8192, Triton kernel: bs 16 301 -> 152 us, bs 128 2230
+        # -> 1025 us; the wgmma kernel, which serves it on sm_90, 116 and 789 us)
+        block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
+    return block_w, block_h
+
+
 def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> tuple:
     """(block_w, block_h, block_n, num_warps, num_stages): the caller's, None filled with the
     defaults. The launch knobs are the Triton kernel's; the Gluon kernels have their own."""
@@ -361,12 +365,7 @@ def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -
     # needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two output halves
     # over two programs and TMA tile loads were measured slower on an H200, decode 101 -> 188
     # / 300 us, and were removed.)
-    if block_w is None:
-        block_w = min(triton.next_power_of_2(W), 4)
-    if block_h is None:  # decode with >= 64 heads: one 64-head tile reads each latent tile for
-        # 64 heads (H200, 128 heads, kv 8192, Triton kernel: bs 16 301 -> 152 us, bs 128 2230
-        # -> 1025 us; the wgmma kernel, which serves it on sm_90, 116 and 789 us)
-        block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
+    block_w, block_h = tile_shape(W, H, block_w, block_h)
     rows = block_w * block_h
     if rows < 16:  # tl.dot needs M >= 16
         raise ValueError(f"mla_attention_fwd: block_w={block_w} x block_h={block_h} rows < 16")

@@ -27,6 +27,7 @@ an SM) it is slower at kv 2048 and at bs 16 kv 8192 (30.9, 62.4, 99.2, 61.0) and
 8192-32768 otherwise (bs 128 kv 8192 299.0): a program of this kernel holds a whole SM's shared
 memory, so the second program an SM waits for the first.
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -39,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .mla_chunked import BLOCK_N, CHUNK, RING
 from .mla_dbuf import NUM_STAGES, _loader
 from .mla_warpspec import BLOCK_M, LOADER_REGS, LOADER_WARPS
-from .mla_wgmma import _program
+from .mla_wgmma import _program, hopper_device
 
 HEADS = gl.constexpr(16)   # wgmma N: the heads of a program
 # S^T [64 tokens, 16 heads] and O^T [512, 16] on wgmma (4 warps, 16 rows of M each)
@@ -176,3 +177,13 @@ def swap_refusal(page_size: int, block_w: int, block_h: int, W: int, mask: str, 
         return (f"runs {BLOCK_N.value}-token tiles in 2 stages on 8 warps, no knobs (got block_n="
                 f"{block_n}, num_warps={num_warps}, num_stages={num_stages})")
     return None
+
+
+def decodes_transposed(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
+    """Whether ``mla_attention_fwd``'s default runs uniform causal decode tiles of 16 heads (MLA
+    with fewer than 64 heads) on this kernel here, for a q and cache its copies can read (16-byte
+    aligned rows, 512 + 64 dims: a contiguous q and the cache pool): an sm_90 GPU, 16-bit, pages
+    this kernel takes. The ``triton_mla`` backend asks before it sizes a decode batch's splits
+    (one program an SM)."""
+    return (dtype in (torch.float16, torch.bfloat16) and hopper_device(device)
+            and swap_refusal(page_size, 1, HEADS.value, 1, "causal") is None)

@@ -293,9 +293,14 @@ def wgmma_refusal(q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stag
 
 
 def on_hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on an sm_90 NVIDIA GPU (``bench/offline_sm90.py`` stands in for one;
-    a ROCm build reports gfx9 GPUs as capability 9 too)."""
-    return t.is_cuda and torch.version.hip is None and _capability(t.get_device())[0] == 9
+    """Whether ``t`` lives on an sm_90 NVIDIA GPU (``bench/offline_sm90.py`` stands in for one)."""
+    return hopper_device(t.device)
+
+
+def hopper_device(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 NVIDIA GPU (a ROCm build reports gfx9 GPUs as capability 9
+    too)."""
+    return device.type == "cuda" and torch.version.hip is None and _capability(device.index or 0)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)

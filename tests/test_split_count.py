@@ -115,10 +115,11 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
     lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
     assert be._splits(lay) == want
-    on_swap = be._swap_splits(bs, width) is not None
+    on_swap = be._split_rule(width, lay)[0] == 1 and width == 1 and heads < 64
     assert on_swap == (swap and width == 1), "the kernel the count is for"
-    if on_swap:   # a tree or draft mask on one row a request (or ragged rows) is not the kernel's
-        assert be._splits(SimpleNamespace(**(vars(lay) | {"mask": MaskKind.TREE}))) == super(type(be), be)._splits(lay)
+    if on_swap:   # a tree or draft mask on one row a request, or ragged rows, run on the Triton kernel
+        for other in ({"mask": MaskKind.TREE}, {"mask": MaskKind.DRAFT}, {"mode": ForwardMode.EXTEND, "width": 0}):
+            assert be._split_rule(1, SimpleNamespace(**(vars(lay) | other))) == (2, 1, None), other
 
 
 @pytest.mark.parametrize("heads,width,bs,max_context,want", [

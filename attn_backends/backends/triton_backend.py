@@ -44,7 +44,7 @@ class TritonBackend(TritonBackendBase):
     # 14.8; at kv 8192 (64 splits of 128 tokens) and at bs 4 unchanged.
     SPLIT_TOKENS: ClassVar[int] = 64
 
-    def _split_rule(self, width: int) -> tuple:
+    def _split_rule(self, width: int, lay=None) -> tuple:
         # H200, graph replay, the split count halved and doubled around the rule (2026-11-27):
         # decode bs 16 kv 8192: 16 splits 144.5 us -> 8: 140.6; bs 64: 4 -> 2 510 / 508.
         # A chain verify of <= 4 rows wants fewer splits still: GQA 32/8 verify4 kv 8192 bs 4

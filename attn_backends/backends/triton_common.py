@@ -98,10 +98,12 @@ class TritonBackendBase(LayoutBackend):
     def _programs(self, bs: int, width: int) -> int:
         raise NotImplementedError
 
-    def _split_rule(self, width: int) -> tuple:
+    def _split_rule(self, width: int, lay: Optional[Layout] = None) -> tuple:
         """``(per_sm, floor, floor_per_sm)`` of :func:`choose_num_kv_splits` for batches of
         ``width`` query rows a request: programs an SM wanted, the fewest splits (the pages
-        permitting), and the programs an SM up to which that floor holds (None: always)."""
+        permitting), and the programs an SM up to which that floor holds (None: always). ``lay``:
+        the batch's layout, for a rule that depends on its mode or mask (None: uniform causal
+        rows)."""
         raise NotImplementedError
 
     def _split_pages(self, width: int) -> int:
@@ -116,14 +118,14 @@ class TritonBackendBase(LayoutBackend):
 
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
-        cache = self._split_cache                              # a function of (bs, W) alone
-        if (lay.bs, width) not in cache:
+        key = (lay.bs, width, lay.mode, lay.mask)       # a function of the GraphKey alone
+        cache = self._split_cache
+        if key not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
-            per_sm, floor, floor_per_sm = self._split_rule(width)
-            cache[(lay.bs, width)] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device,
-                                                          max_pages, per_sm, width, floor, floor_per_sm,
-                                                          self._split_pages(width))
-        return cache[(lay.bs, width)]
+            per_sm, floor, floor_per_sm = self._split_rule(width, lay)
+            cache[key] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
+                                              per_sm, width, floor, floor_per_sm, self._split_pages(width))
+        return cache[key]
 
     def _kv_buffers(self, layer) -> tuple:
         """The layer's KV buffers, as the kernel wrapper takes them."""
