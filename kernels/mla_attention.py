@@ -17,7 +17,7 @@ graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as i
 This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an
 sm_90 GPU, 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split
 outputs): a warp-specialized kernel, ``mla_chunked``'s where pages hold whole 64-token tiles
-(``mla_dbuf``'s there when one program reads each request's KV and the KV is split),
+(``mla_dbuf``'s there when one program reads each request's KV),
 ``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere; and decode
 tiles of 16 heads go to ``mla_swap``'s (scores and output transposed) where pages hold whole
 64-token tiles. Triton gives this kernel's 64-row tile a score layout in which both warp groups
@@ -49,7 +49,7 @@ GLUON_LAUNCH = {"wgmma": (_mla_wgmma_kernel, dict(num_warps=WARPS)),
 # the warp-specialized kernels: why each cannot serve a launch the wgmma kernel serves
 REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal, "dbuf": dbuf_refusal}
 # what kernel=None runs on sm_90, in order of preference, where it serves the launch (else wgmma);
-# a streaming launch (one program reads each request's KV, the KV split) has its own order
+# a streaming launch (one program reads each request's KV) has its own order
 HOPPER_DEFAULTS = ("chunked", "seesaw")
 STREAMING_DEFAULTS = ("dbuf", "seesaw")
 
@@ -214,8 +214,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads;
         or 16-row decode tiles),
         where no block_n / num_warps / num_stages is given ``mla_chunked``'s where pages hold
-        whole 64-token tiles (``mla_dbuf``'s when one program reads each request's KV and
-        num_kv_splits > 1), else ``mla_seesaw``'s where they hold whole 32-token tiles, else
+        whole 64-token tiles (``mla_dbuf``'s when one program reads each request's KV),
+        else ``mla_seesaw``'s where they hold whole 32-token tiles, else
         ``mla_wgmma``'s; decode tiles of 16 heads on ``mla_swap``'s where pages hold whole
         64-token tiles (``mla_swap.decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
         "seesaw", "chunked", "dbuf" or "swap" asks for one (ValueError, with the reason, where
@@ -236,7 +236,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     per_request = triton.cdiv(W, block_w) * triton.cdiv(H, block_h)   # programs reading one request's KV
     use = _pick_kernel(name, kernel, q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n,
                        num_warps, num_stages, ragged, page_size,
-                       streaming=per_request == 1 and num_kv_splits > 1, width=W, mask=mask,
+                       streaming=per_request == 1, width=W, mask=mask,
                        block_w=block_w)
     if bs == 0:
         return out
@@ -265,11 +265,11 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
-    request's KV and the KV is split (MLA16 verify, or decode with 64 heads: the same work a
-    program); ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s
-    place. H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192
-    (bs 64 kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128 kv 8192)
-    chunked is 2 % faster (``mla_dbuf``'s docstring has the figures). 16-row tiles (decode of
+    request's KV (MLA16 verify, or decode with 64 heads: the same work a program);
+    ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s place.
+    H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192 (bs 64
+    kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128) 1-2 % faster since
+    its left group takes 128 output columns (``mla_dbuf``'s docstring has the figures). 16-row tiles (decode of
     16 heads; ``width`` and ``mask`` say decode) take ``mla_swap`` where it serves."""
     if kernel == "triton":
         return "triton"

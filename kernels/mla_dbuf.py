@@ -9,26 +9,27 @@ Hopper MLA kernel at 71 % of the DRAM peak against that kernel's 78 %. Here both
 the same tile while the loader fills the other stage, so a whole tile is in flight while one is
 in use.
 
-- The left warp group (the default partition, output columns 0..255) waits for the tile chunk
+- The left warp group (the default partition, output columns 0..127) waits for the tile chunk
   by chunk (nine 64-column chunks, a barrier each), computes all the scores (N = 64), the
   softmax, stores P into the tile's rope columns (read only by the scores) with the rescale of
-  the running sums beside it, then runs P . V[:, :256] from registers.
-- The right warp group (columns 256..511) takes P and the rescale, and runs P . V[:, 256:] from
-  shared memory.
+  the running sums beside it, then runs P . V[:, :128] from registers.
+- The right warp group (columns 128..511) takes P and the rescale, and runs P . V[:, 128:] from
+  shared memory. The split is uneven because the left group also scores (``LEFT``).
 - The loader warp group copies q, then each tile by masked cp.async (tokens past the split's
   end zero-filled: NaN in unused slots stays out) into a stage both groups have freed, its page
   indices loaded a tile ahead.
 
 The left group carries the scores and the row sums; the right group's row sums are zero and
-its max unused at the end (``_finish``).
+its max unused at the end (``_row_sums``).
 
-Where it runs (``mla_attention._pick_kernel``): where one program reads each request's KV and
-the KV is split (MLA16 verify; decode with 64 heads, the same work a program, not measured). On
-an H200 (MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
+Where it runs (``mla_attention._pick_kernel``): where one program reads each request's KV
+(MLA16 verify; decode with 64 heads, the same work a program, not measured). On an H200
+(MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
 30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1, kv 8192 33.1 ->
 30.4, kv 32768 63.1 -> 60.1; bs 64 kv 2048 64.4 -> 61.2, kv 8192 172.9 -> 173.7, kv 32768 628.5
 -> 621.6; bs 1 kv 8192 20.5 -> 19.6. It gains where a program has few tiles (the pipeline fills
-sooner); with one split it is no faster (bs 128 kv 8192 311.6 -> 317.7, kv 2048 99.0 -> 98.8).
+sooner); with one split it was no faster with 256 columns on each group (bs 128 kv 8192 311.6
+-> 317.7, kv 2048 99.0 -> 98.8), and is 1-2 % faster with the left group on 128 (``LEFT``).
 Not measured where several programs share a request's KV (128 heads): those launches are
 compute-bound, and keep the chunked kernel, whose two groups both score.
 
@@ -53,17 +54,30 @@ from .mla_warpspec import (
     HALF,
     LOADER_REGS,
     LOADER_WARPS,
+    O_L,
     _copy_q,
     _dot_a,
-    _finish,
     _group_start,
+    _row_sums,
     _scale,
     _softmax,
+    _store_out,
     warp_specialized_refusal,
 )
 from .mla_wgmma import _program
 
 NUM_STAGES = gl.constexpr(2)   # tile t in stage t % 2 (tiles, chunks, barriers: the chunked kernel's)
+# The left group's output columns: it also computes the scores and the softmax, so the right
+# group takes the other 384 (H200, MLA16 verify4, graph replay, one split, us, 256 -> 128 left
+# columns: bs 128 kv 2048 97.5 -> 95.2, kv 8192 318.3 -> 301.3; with splits within 1 %: bs 1-16
+# kv 2048-32768, bs 64 kv 8192 169.9 -> 168.1). The right group's [64, 384] is two accumulators
+# (shapes are powers of two), its half and the EXTRA columns beside the left group's.
+LEFT = gl.constexpr(128)
+EXTRA = gl.constexpr(HALF.value - LEFT.value)   # the right group's columns beyond its half
+OL_LEFT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, LEFT.value, 16]))
+OL_EXTRA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, EXTRA.value, 16]))
 
 
 @gluon.jit
@@ -138,7 +152,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64,
+                                            LEFT, OL_LEFT)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         s = _tile_scores(q_lat, q_pe, lat, rope, ready, stage, (t // NUM_STAGES) & 1,
@@ -151,12 +166,12 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
         alpha_x.index(stage).store(alpha)
         fence_async_shared()
         mbarrier.arrive(p_ready.index(stage))
-        acc = _scale(acc, alpha)
-        acc = warpgroup_mma(_dot_a(p16), lat.index(stage).slice(0, HALF, dim=1), acc, is_async=True)
+        acc = _scale(acc, alpha, OL_LEFT)
+        acc = warpgroup_mma(_dot_a(p16, OL_LEFT), lat.index(stage).slice(0, LEFT, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(stage))
-    _finish(acc, l_i, m, l_x, bar_l, 0, ptrs, rows, heads, row_ok, split, wb, hb, row0,
-            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
+    l_i = _row_sums(l_i, m, l_x, bar_l, 0, ptrs, rows, heads, row_ok, split, WRITE_LSE, ROW64)
+    _store_out(acc, l_i, ptrs, split, wb, hb, row0, 0, NUM_HEADS, BLOCK_H, BLOCK_W, LEFT, OL_LEFT)
 
 
 @gluon.jit
@@ -172,16 +187,22 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
      mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, ROW64)
+    acc_x = gl.zeros([BLOCK_M, EXTRA], gl.float32, layout=OL_EXTRA)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
         mbarrier.wait(p_ready.index(stage), (t // NUM_STAGES) & 1)
-        acc = _scale(acc, alpha_x.index(stage).load(ROW64))
+        alpha = alpha_x.index(stage).load(ROW64)
+        acc = _scale(acc, alpha)
         acc = warpgroup_mma(rope.index(stage), lat.index(stage).slice(HALF, HALF, dim=1), acc,
                             is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc_x = _scale(acc_x, alpha, OL_EXTRA)
+        acc_x = warpgroup_mma(rope.index(stage), lat.index(stage).slice(LEFT, EXTRA, dim=1), acc_x,
+                              is_async=True)
+        acc, acc_x = warpgroup_mma_wait(0, deps=(acc, acc_x))
         mbarrier.arrive(empty.index(stage))
-    _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
-            NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
+    l_i = _row_sums(l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, WRITE_LSE, ROW64)
+    _store_out(acc, l_i, ptrs, split, wb, hb, row0, HALF, NUM_HEADS, BLOCK_H, BLOCK_W, HALF, O_L)
+    _store_out(acc_x, l_i, ptrs, split, wb, hb, row0, LEFT, NUM_HEADS, BLOCK_H, BLOCK_W, EXTRA, OL_EXTRA)
 
 
 @gluon.jit
@@ -201,7 +222,7 @@ def _mla_dbuf_kernel(
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     gl.static_assert((LATENT == 2 * HALF) & (LATENT % CHUNK == 0) & (ROPE == CHUNK))
     gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
-    gl.static_assert(LATENT // CHUNK + 1 == RING)
+    gl.static_assert((LATENT // CHUNK + 1 == RING) & (LEFT + EXTRA == HALF) & (EXTRA > 0))
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])

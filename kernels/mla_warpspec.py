@@ -85,23 +85,26 @@ def _rescale(m_old, m_new):
 
 
 @gluon.jit
-def _scale(acc, f):
-    """The output half's rows times ``f`` (a per-row factor in the scores' row layout)."""
-    return acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
+def _scale(acc, f, OL: gl.constexpr = O_L):
+    """The output columns' rows (``acc`` in layout ``OL``) times ``f`` (a per-row factor in the
+    scores' row layout)."""
+    return acc * gl.convert_layout(f, gl.SliceLayout(1, OL))[:, None]
 
 
 @gluon.jit
-def _dot_a(p16):
-    """P in registers as the A operand of the P . V wgmma."""
-    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+def _dot_a(p16, OL: gl.constexpr = O_L):
+    """P in registers as the A operand of the P . V wgmma into an accumulator of layout ``OL``."""
+    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=OL, k_width=2))
 
 
 @gluon.jit
 def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-                 MASK: gl.constexpr, N: gl.constexpr, ROW_L: gl.constexpr):
+                 MASK: gl.constexpr, N: gl.constexpr, ROW_L: gl.constexpr,
+                 COLS: gl.constexpr = HALF, OL: gl.constexpr = O_L):
     """A warp group's start: its program (``_program`` on N-token tiles), its tile's rows (in
-    ``ROW_L``), and the running max, row sums and output half it carries: (hb, wb, split, prefix,
-    draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok, mask_base, m, l_i, acc)."""
+    ``ROW_L``), and the running max, row sums and output columns it carries (``COLS`` of them,
+    in ``OL``; half by default): (hb, wb, split, prefix, draft_prefix, start, end, num_tiles,
+    row0, j, heads, rows, row_ok, mask_base, m, l_i, acc)."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -111,7 +114,7 @@ def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: 
     j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW_L)
     return (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
             b.to(gl.int64) * W * W, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_L),
-            gl.zeros([BLOCK_M], gl.float32, layout=ROW_L), gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L))
+            gl.zeros([BLOCK_M], gl.float32, layout=ROW_L), gl.zeros([BLOCK_M, COLS], gl.float32, layout=OL))
 
 
 @gluon.jit
@@ -120,6 +123,15 @@ def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, ptrs, rows, heads, r
             WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr):
     """Add the two groups' row sums (through shared memory; ``ROW_L`` their layout), normalize
     and store this group's 256 columns; the left group also stores the log-sum-exp."""
+    l_i = _row_sums(l_own, m, l_x, bar_l, GROUP, ptrs, rows, heads, row_ok, split, WRITE_LSE, ROW_L)
+    _store_out(acc, l_i, ptrs, split, wb, hb, row0, GROUP * HALF, NUM_HEADS, BLOCK_H, BLOCK_W, HALF, O_L)
+
+
+@gluon.jit
+def _row_sums(l_own, m, l_x, bar_l, GROUP: gl.constexpr, ptrs, rows, heads, row_ok, split,
+              WRITE_LSE: gl.constexpr, ROW_L: gl.constexpr):
+    """The tile's row sums, this group's and the other's added through shared memory (``ROW_L``
+    their layout); the left group (0) stores the log-sum-exp."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -127,18 +139,30 @@ def _finish(acc, l_own, m, l_x, bar_l, GROUP: gl.constexpr, ptrs, rows, heads, r
     mbarrier.arrive(bar_l)
     mbarrier.wait(bar_l, 0)
     l_i = l_own + l_x.slice((1 - GROUP) * BLOCK_M, BLOCK_M).load(ROW_L)
-    nonempty = l_i > 0
     if GROUP == 0:
         if WRITE_LSE:
+            nonempty = l_i > 0
             lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l_i, 1.0)), float("-inf"))
             gl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse, mask=row_ok)
-    inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, O_L))
-    keep = gl.convert_layout(nonempty, gl.SliceLayout(1, O_L))
+    return l_i
+
+
+@gluon.jit
+def _store_out(acc, l_i, ptrs, split, wb, hb, row0, COL0: gl.constexpr, NUM_HEADS: gl.constexpr,
+               BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, COLS: gl.constexpr, OL: gl.constexpr):
+    """Output columns COL0 .. COL0 + COLS (``acc`` in ``OL``) normalized by the row sums ``l_i``
+    (empty rows: zeros) and stored."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    nonempty = l_i > 0
+    inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, OL))
+    keep = gl.convert_layout(nonempty, gl.SliceLayout(1, OL))
     out = gl.where(keep[:, None], acc * inv[:, None], 0.0)   # empty rows: zeros
     j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W,
-                                            gl.SliceLayout(1, O_L))
+                                            gl.SliceLayout(1, OL))
     _ = j_o
-    cols = GROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, OL))
     gl.store(o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
              + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
 

@@ -164,7 +164,7 @@ def test_mla_swap_gpu(dtype, page_size, H, splits):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("H,W,page_size,splits,expect", [
-    (16, 4, 64, 2, _mla_dbuf_kernel), (16, 4, 64, 1, _mla_chunked_kernel),
+    (16, 4, 64, 2, _mla_dbuf_kernel), (16, 4, 64, 1, _mla_dbuf_kernel), (16, 8, 64, 1, _mla_chunked_kernel),
     (128, 1, 128, 2, _mla_chunked_kernel), (64, 1, 64, 2, _mla_dbuf_kernel),
     (16, 4, 32, 2, _mla_seesaw_kernel), (128, 1, 96, 2, _mla_seesaw_kernel),
     (16, 4, 16, 2, _mla_wgmma_kernel), (128, 1, 16, 2, _mla_wgmma_kernel),
@@ -172,8 +172,8 @@ def test_mla_swap_gpu(dtype, page_size, H, splits):
     (16, 1, 16, 2, _mla_split_kernel), (16, 2, 64, 2, _mla_split_kernel)])
 def test_mla_default_kernel_gpu(H, W, page_size, splits, expect):
     """On Hopper the wrapper's default launches a Gluon kernel for 64-row tiles: where pages hold
-    whole 64-token tiles the double-buffered kernel when one program reads each request's KV and
-    the KV is split, the chunked kernel otherwise; the seesaw kernel where they hold whole
+    whole 64-token tiles the double-buffered kernel when one program reads each request's KV
+    (split or not), the chunked kernel otherwise (W = 8: two row blocks); the seesaw kernel where they hold whole
     32-token tiles, the wgmma kernel elsewhere; and the transposed kernel for 16-head decode
     tiles where pages hold whole 64-token tiles (the Triton kernel at page 16, and for W = 2)."""
     _need_hopper()
@@ -248,8 +248,8 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     """On a stand-in sm_90 device each warp-specialized kernel is refused, with its reason, for
     pages that do not hold whole tiles (32 tokens: seesaw, 64: chunked and dbuf) and for launch
     knobs (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that
-    serves (of ``STREAMING_DEFAULTS`` for a streaming launch: one program a request's KV, the
-    KV split), and the wgmma kernel with the wgmma kernel's knobs."""
+    serves (of ``STREAMING_DEFAULTS`` for a streaming launch: one program a request's KV), and
+    the wgmma kernel with the wgmma kernel's knobs."""
     from attn_backends_kernels import mla_attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)

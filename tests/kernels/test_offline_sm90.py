@@ -91,10 +91,10 @@ def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_
 
 def test_default_gluon_kernel(compiled):
     """kernel=None on sm_90, where pages hold whole 64-token tiles: the double-buffered kernel
-    when one program reads each request's KV and the KV is split, else the chunked kernel; the
+    when one program reads each request's KV (split or not), else the chunked kernel; the
     seesaw kernel where they hold whole 32-token tiles, the wgmma kernel elsewhere."""
     assert compiled["default mla16 verify4"][0]["kernel"] == "_mla_dbuf_kernel"
-    assert compiled["default mla16 verify4 one split"][0]["kernel"] == "_mla_chunked_kernel"
+    assert compiled["default mla16 verify4 one split"][0]["kernel"] == "_mla_dbuf_kernel"
     assert compiled["default mla128 decode"][0]["kernel"] == "_mla_chunked_kernel"
     assert compiled["default mla64 decode"][0]["kernel"] == "_mla_dbuf_kernel"   # 64 heads: one program
     assert compiled["default mla16 verify4 page 32"][0]["kernel"] == "_mla_seesaw_kernel"
