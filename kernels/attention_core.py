@@ -99,7 +99,7 @@ def _merge_splits_kernel(
 ):
     """One row's BLOCK_HM heads: every split of them in one load (a program per (row, head)
     made many tiny programs where rows x heads is large: verify bs 64 launched 16,384)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)   # row offsets in int64: a workspace may pass 2**31 values
     offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
