@@ -265,7 +265,7 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     cannot serve), or for None the Gluon kernels where they serve (``HOPPER_DEFAULTS`` first;
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
-    request's KV (MLA16 verify, or decode with 64 heads: the same work a program);
+    request's KV (MLA16 verify with W <= 4, or decode with 64 heads: the same work a program);
     ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s place.
     H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192 (bs 64
     kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128) 1-2 % faster since

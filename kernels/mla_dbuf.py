@@ -23,7 +23,7 @@ The left group carries the scores and the row sums; the right group's row sums a
 its max unused at the end (``_row_sums``).
 
 Where it runs (``mla_attention._pick_kernel``): where one program reads each request's KV
-(MLA16 verify; decode with 64 heads, the same work a program, not measured). On an H200
+(MLA16 verify with W <= 4; decode with 64 heads, the same work a program, not measured). On an H200
 (MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
 30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1, kv 8192 33.1 ->
 30.4, kv 32768 63.1 -> 60.1; bs 64 kv 2048 64.4 -> 61.2, kv 8192 172.9 -> 173.7, kv 32768 628.5
@@ -144,8 +144,8 @@ def _tile_scores(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.cons
 def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
-    """Columns 0..255: each tile's scores and softmax, P and the rescale to the right group,
-    P . V[:, :256]; the stage freed after it."""
+    """Columns 0..127: each tile's scores and softmax, P and the rescale to the right group,
+    P . V[:, :128]; the stage freed after it."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -178,8 +178,8 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
 def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
-    """Columns 256..511: with each tile's P and rescale from the left group, P . V[:, 256:];
-    the stage freed after it."""
+    """Columns 128..511 (two accumulators: 256..511 and 128..255): with each tile's P and
+    rescale from the left group, P . V[:, 128:]; the stage freed after it."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
@@ -222,7 +222,7 @@ def _mla_dbuf_kernel(
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     gl.static_assert((LATENT == 2 * HALF) & (LATENT % CHUNK == 0) & (ROPE == CHUNK))
     gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
-    gl.static_assert((LATENT // CHUNK + 1 == RING) & (LEFT + EXTRA == HALF) & (EXTRA > 0))
+    gl.static_assert((LATENT // CHUNK + 1 == RING) & (EXTRA > 0))
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])

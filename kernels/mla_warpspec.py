@@ -1,10 +1,11 @@
 """What the warp-specialized Gluon MLA kernels share (``mla_seesaw``: 32-token tiles in 4
 stages; ``mla_chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks;
 ``mla_dbuf``: 64-token tiles double-buffered, both groups on one tile): the
-partitions and their registers, the output half of a warp group, the q copy of the loader, the
+partitions and their registers, a warp group's output columns, the q copy of the loader, the
 softmax step against the running max, and the end (row sums of both groups added, normalized,
 stored). One program: a 64-row tile (query rows x heads); a left warp group (the default
-partition) owning output columns 0..255, a right one owning 256..511, a loader warp group.
+partition) owning output columns 0..255, a right one owning 256..511 (``mla_dbuf``: 0..127 and
+128..511), a loader warp group.
 """
 
 from triton.experimental import gluon
@@ -15,14 +16,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .mla_wgmma import _program, _rows_of, _tile_rows, _visible
 
 BLOCK_M = gl.constexpr(64)      # tile rows (queries x heads): one wgmma M per warp group
-HALF = gl.constexpr(256)        # output columns of one warp group
+HALF = gl.constexpr(256)        # output columns of one warp group (by default)
 DEFAULT_WARPS = 4               # the launch's num_warps: the left group, the default partition
 GROUP_WARPS = gl.constexpr(4)   # the right group
 LOADER_WARPS = gl.constexpr(4)  # the loader (one warp group: registers are handed out by groups)
 GROUP_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
 MAXNREG = 168                   # at launch: 12 warps x 168 registers, then handed out by group
-# A warp group's output half [64, 256] on wgmma (4 warps).
+# A warp group's output half [64, 256] on wgmma (4 warps): the default accumulator layout.
 O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, HALF.value, 16]))
 
