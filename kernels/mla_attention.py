@@ -269,8 +269,9 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s place.
     H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192 (bs 64
     kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128) 1-2 % faster since
-    its left group takes 128 output columns (``mla_dbuf``'s docstring has the figures). 16-row tiles (decode of
-    16 heads; ``width`` and ``mask`` say decode) take ``mla_swap`` where it serves."""
+    its left group takes 128 output columns (``mla_dbuf``'s docstring has the figures). 16-row
+    tiles (decode of 16 heads; ``width`` and ``mask`` say decode) take ``mla_swap`` where it
+    serves."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)
