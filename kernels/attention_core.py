@@ -201,6 +201,17 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
 # so it fuses up to half of this.
 FUSED_MERGE_BYTES = 128 << 10
 
+# From this many requests the GQA split passes put a request's KV heads on the fastest grid axis
+# (``heads_first``): a token's KV heads are one contiguous run of the paged cache, so the programs
+# that read it run side by side. H200, graph replay, us, batch first -> heads first, two machines
+# (2026-11-27): GQA 32/8 decode bs 128 kv 8192 990.8 -> 990.7 and 971.9 -> 968.1, kv 32768
+# 3905.6 -> 3892.9 and 3815.2 -> 3800.0, bs 64 kv 32768 1963.6 -> 1953.1 and 1922.9 -> 1916.1;
+# GQA 64/8 decode bs 128 kv 8192 995.7 -> 991.9 and 974.8 -> 971.1; GQA 32/8 verify4 bs 128 kv
+# 8192 992.2 -> 986.4 and 970.6 -> 965.1, bs 64 kv 32768 1960.3 -> 1945.3 and 1920.4 -> 1900.6;
+# tree8 bs 128 kv 8192 1593.9 -> 1523.7 and 1597.0 -> 1522.5. At bs 4-16 within +-0.8 % (tree8
+# bs 16 kv 8192 210.2 -> 211.9). Loads that evict first moved nothing (within 0.2 %).
+HEADS_FIRST_BS = 64
+
 
 def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, workspace=None,
                share: float = 1.0) -> bool:

@@ -4,7 +4,8 @@ One query row per request. Pass 1 runs one program per (request, KV head, split)
 it loads every KV page of its split once and scores all query heads of the KV head
 group against it (GQA), keeping an online softmax in float32. Split boundaries are
 computed in the kernel from ``seq_lens_k`` on the device, so the grid depends only on
-host ints (``bs``, ``Hkv``, ``num_kv_splits``) and the launch is CUDA-graph safe.
+host ints (``bs``, ``Hkv``, ``num_kv_splits``) and the launch is CUDA-graph safe. From
+``HEADS_FIRST_BS`` requests on, a request's KV heads are on the fastest grid axis.
 Pass 2 (``merge_splits``, shared with the extend and MLA kernels) merges the per-split
 partial outputs with their log-sum-exp; where a KV head's partials are small
 (``fuse_merge``) the split program that finishes last merges them itself (``merge_if_last``),
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import (
+    HEADS_FIRST_BS,
     LOG2E,
     check_paged_inputs,
     fuse_merge,
@@ -48,9 +50,16 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kvh = tl.num_programs(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -90,14 +99,14 @@ def _decode_split_kernel(
     if FUSED:  # out_ptr / sem_ptr: the output and this KV head's counter
         g = tl.arange(0, GROUP_PAD)
         hg = kvh * GROUP + g
-        merge_if_last(sem_ptr + b * tl.num_programs(1) + kvh, o_ptr + b * stride_ob + hg * stride_oh,
+        merge_if_last(sem_ptr + b * num_kvh + kvh, o_ptr + b * stride_ob + hg * stride_oh,
                       lse_ptr + b * stride_lb + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
                       g < GROUP, stride_os, offs_dv, mask_dv, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S)
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=32, num_warps=4,
-                         num_stages=2):
+                         num_stages=2, heads_first=None):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -109,6 +118,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     out : [bs, H, Dv], dtype of q
     workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32, counters)`` from
         ``decode_workspace``; allocated here when None (not inside a graph then).
+    heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
+        requests on, where it measured faster)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -132,7 +143,11 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
-    launch(_decode_split_kernel, (bs, Hkv, num_kv_splits),
+    if heads_first is None:
+        heads_first = bs >= HEADS_FIRST_BS
+    heads_first = bool(heads_first)
+    grid = (Hkv, bs, num_kv_splits) if heads_first else (bs, Hkv, num_kv_splits)
+    launch(_decode_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -146,7 +161,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s,
+        FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1 and not fused:

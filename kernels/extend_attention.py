@@ -11,7 +11,9 @@ partials are small: ``fuse_merge``) adds parallelism for short queries over long
 The grid is ``(cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs, Hkv)``, from host ints only
 (``max_q_len`` is a bound given by the caller, e.g. W), so the launch is graph safe;
 programs past a request's rows do no work. Query blocks of one request and KV head are
-adjacent on the fastest axis, so their repeated KV tile reads hit L2.
+adjacent on the fastest axis, so their repeated KV tile reads hit L2. From ``HEADS_FIRST_BS``
+requests on, the grid is ``(Hkv, cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs)``: a request's KV
+heads, which read the same tokens' contiguous runs of the cache, are adjacent instead.
 
 Masks (query row j of request i, KV position p, prefix = seq_lens_k[i] - q_len_i):
   causal: p <= prefix + j
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import (
+    HEADS_FIRST_BS,
     LOG2E,
     check_paged_inputs,
     fuse_merge,
@@ -73,14 +76,23 @@ def _extend_split_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_S: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    num_qb = tl.num_programs(0) // NUM_SPLITS
-    qb = tl.program_id(0) % num_qb
-    split = tl.program_id(0) // num_qb
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
+        kvh = tl.program_id(0)
+        qs = tl.program_id(1)
+        b = tl.program_id(2)
+        num_qb = tl.num_programs(1) // NUM_SPLITS
+        num_kvh = tl.num_programs(0)
+    else:
+        qs = tl.program_id(0)
+        b = tl.program_id(1)
+        kvh = tl.program_id(2)
+        num_qb = tl.num_programs(0) // NUM_SPLITS
+        num_kvh = tl.num_programs(2)
+    qb = qs % num_qb
+    split = qs // num_qb
 
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
@@ -134,7 +146,7 @@ def _extend_split_kernel(
     store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
                   lse_ptr + rows * stride_lt + heads * stride_lh + split, row_ok, NUM_SPLITS)
     if FUSED:  # out_ptr / sem_ptr: the output and this tile's counter
-        tile = (b * num_qb + qb) * tl.num_programs(2) + kvh
+        tile = (b * num_qb + qb) * num_kvh + kvh
         merge_if_last(sem_ptr + tile, o_ptr + rows * stride_ot + heads * stride_oh,
                       lse_ptr + rows * stride_lt + heads * stride_lh,
                       out_ptr + rows * stride_xt + heads * stride_xh, row_ok, stride_os, offs_dv,
@@ -158,7 +170,7 @@ def wide_verify_tile(max_q_len, rows):
 def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
-                         block_n=None, num_warps=None, num_stages=None):
+                         block_n=None, num_warps=None, num_stages=None, heads_first=None):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
@@ -173,6 +185,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         | "draft" (needs ``draft_prefix_lens`` [bs] int32, uniform W rows)
     workspace : ``decode_workspace(T, H, Dv, num_kv_splits)`` when num_kv_splits > 1 (its
         counters must number ``bs * cdiv(max_q_len, block_q) * Hkv`` where the merge is fused)
+    heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
+        requests on, where it measured faster)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -234,7 +248,12 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
-    launch(_extend_split_kernel, (num_qb * num_kv_splits, bs, Hkv),
+    if heads_first is None:
+        heads_first = bs >= HEADS_FIRST_BS
+    heads_first = bool(heads_first)
+    grid = ((Hkv, num_qb * num_kv_splits, bs) if heads_first
+            else (num_qb * num_kv_splits, bs, Hkv))
+    launch(_extend_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse, out, counters,
         sm_scale * LOG2E,
@@ -249,7 +268,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED=fused, BLOCK_S=block_s,
+        FUSED=fused, BLOCK_S=block_s, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1 and not fused:

@@ -3,7 +3,8 @@ merge a tile's split partials in the split program that finishes last, where the
 (``fuse_merge``), and launch ``merge_splits`` otherwise. Both paths against the float64
 reference; the tile counters left at zero by every launch (a second call over other data still
 right), stale counters caught, a workspace without counters refused; on the GPU, hundreds of
-graph replays bitwise equal (the counter's release / acquire order)."""
+graph replays bitwise equal (the counter's release / acquire order). Each in both grid orders
+(``heads_first``: a tile's counter index is its request and KV head whichever axis is fastest)."""
 import pytest
 import torch
 from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
@@ -55,6 +56,12 @@ class Case:
                                    q.shape[-1] ** -0.5, self.mask, self.custom)
 
 
+def _grid_order(monkeypatch, order: str) -> None:
+    """Batch or KV heads on the fastest grid axis, whatever the batch (``HEADS_FIRST_BS``)."""
+    for mod in (decode_attention, extend_attention):
+        monkeypatch.setattr(mod, "HEADS_FIRST_BS", 0 if order == "heads" else 1 << 30)
+
+
 def _separate_merges(monkeypatch) -> list:
     """Count the separate merge launches of the decode and extend wrappers."""
     seen = []
@@ -64,10 +71,13 @@ def _separate_merges(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.parametrize("order", ["batch", "heads"])
 @pytest.mark.parametrize("path", ["fused", "separate"])
 @pytest.mark.parametrize("W,mask,splits,H", [(1, CAUSAL, 3, 8), (1, CAUSAL, 8, 8), (4, CAUSAL, 4, 8), (3, TREE, 2, 8),
                                              (1, CAUSAL, 4, 2), (4, CAUSAL, 2, 4)])   # GQA groups 4, 1 and 2
-def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkeypatch, path, W, mask, splits, H):
+def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkeypatch, order, path, W, mask,
+                                                                         splits, H):
+    _grid_order(monkeypatch, order)
     if path == "separate":
         monkeypatch.setattr(attention_core, "FUSED_MERGE_BYTES", 0)
     seen = _separate_merges(monkeypatch)
@@ -112,11 +122,13 @@ def test_the_rule_bounds_what_one_program_reads_and_holds():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("order", ["batch", "heads"])
 @pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (1, 16, 1), (4, 8, 4), (4, 4, 2)])
-def test_graph_replays_are_bitwise_stable(monkeypatch, W, splits, group):
+def test_graph_replays_are_bitwise_stable(monkeypatch, order, W, splits, group):
     """Hundreds of replays of one captured launch, q alternating between two tensors and the
     partials set to NaN inside the graph before the kernel: a partial read before its writer's
     release (or a counter reset lost) would show as a replay that differs from the eager call."""
+    _grid_order(monkeypatch, order)
     seen = _separate_merges(monkeypatch)
     c = Case(W, splits, "cuda", dtype=torch.bfloat16, H=8 * group, Hkv=8, D=128,
              seq_lens=(4096, 33, 8000, 700))
