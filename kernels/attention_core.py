@@ -190,6 +190,12 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index ``device`` names; a bare ``torch.device("cuda")`` names the current
+    device (``torch.cuda.set_device``), not device 0."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 # Where a tile's split partials are at most this many bytes, the split pass merges them itself
 # (``merge_if_last``: one launch instead of two, 5-7 us of an eager call's host time on the
 # H200 machine); above it the separate merge pass, which spreads the reads over many programs

@@ -31,6 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .attention_core import cuda_index
+
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
 BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
@@ -300,7 +302,7 @@ def on_hopper(t: torch.Tensor) -> bool:
 def hopper_device(device: torch.device) -> bool:
     """Whether ``device`` is an sm_90 NVIDIA GPU (a ROCm build reports gfx9 GPUs as capability 9
     too)."""
-    return device.type == "cuda" and torch.version.hip is None and _capability(device.index or 0)[0] == 9
+    return device.type == "cuda" and torch.version.hip is None and _capability(cuda_index(device))[0] == 9
 
 
 @functools.lru_cache(maxsize=None)

@@ -141,3 +141,22 @@ def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width
     got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_context // 16, per_sm, width, floor,
                                   floor_per_sm, be._split_pages(width))
     assert got == want
+
+
+def test_a_bare_cuda_device_is_the_current_one(monkeypatch):
+    """``torch.device("cuda")`` names the current device (``torch.cuda.set_device``, one GPU a rank),
+    not device 0: the SM count and the sm_90 check read that device's properties."""
+    from attn_backends_kernels import mla_wgmma
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    sms = {0: 16, 1: 132}
+    monkeypatch.setattr(tc, "sm_count", lambda index: sms[index])
+    cuda = torch.device("cuda")
+    assert tc.choose_num_kv_splits(128, cuda, 2048, 16, 1) == tc.choose_num_kv_splits(
+        128, torch.device("cuda", 1), 2048, 16, 1) == 16
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 16, 1) == 2
+    capability = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(mla_wgmma, "_capability", lambda index: capability[index])
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert mla_wgmma.hopper_device(cuda) and mla_wgmma.hopper_device(torch.device("cuda", 1))
+    assert not mla_wgmma.hopper_device(CUDA0)

@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.attention_core import cuda_index, decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
 
 from ..base import ForwardMetadata, LayoutBackend
@@ -49,7 +49,7 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     a program (the backends' ``_split_pages``)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
-    sms = sm_count(device.index or 0)
+    sms = sm_count(cuda_index(device))
     programs = max(programs, 1)
     if floor_per_sm is not None:
         floor = max(1, min(floor, floor_per_sm * sms // programs))
