@@ -218,6 +218,22 @@ FUSED_MERGE_BYTES = 128 << 10
 # bs 16 kv 8192 210.2 -> 211.9). A third machine saw no change at bs 64 kv 32768 (1922.1 -> 1923.7,
 # within that probe's noise of 0.4 %). Loads that evict first moved nothing (within 0.2 %).
 HEADS_FIRST_BS = 64
+MAX_GRID_YZ = 65535     # CUDA's bound on a grid's y and z extents (x: 2**31 - 1)
+
+
+def heads_first_grid(name: str, heads_first, bs: int, query_blocks: int, second: int) -> bool:
+    """Whether a GQA split pass puts the KV heads on the fastest grid axis, which moves
+    ``second`` programs (decode: ``bs``; extend: query blocks x splits) onto grid axis y and the
+    rest onto z. None: from ``HEADS_FIRST_BS`` requests on for launches of one query block a
+    request (decode, verify and draft rows: what was measured), where the axes fit; True where
+    they do not fit is a ValueError."""
+    fits = second <= MAX_GRID_YZ and bs <= MAX_GRID_YZ
+    if heads_first is None:
+        return bs >= HEADS_FIRST_BS and query_blocks == 1 and fits
+    if heads_first and not fits:
+        raise ValueError(f"{name}: heads_first puts {second} programs on grid axis y and {bs} requests "
+                         f"on z; CUDA allows {MAX_GRID_YZ}")
+    return bool(heads_first)
 
 
 def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, workspace=None,

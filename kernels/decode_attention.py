@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from .attention_core import (
-    HEADS_FIRST_BS,
     LOG2E,
     check_paged_inputs,
     fuse_merge,
+    heads_first_grid,
     merge_if_last,
     merge_splits,
     paged_tile_update,
@@ -119,7 +119,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32, counters)`` from
         ``decode_workspace``; allocated here when None (not inside a graph then).
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
-        requests on, where it measured faster)
+        requests on, where it measured faster; ``attention_core.heads_first_grid``)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -143,9 +143,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
-    if heads_first is None:
-        heads_first = bs >= HEADS_FIRST_BS
-    heads_first = bool(heads_first)
+    heads_first = heads_first_grid("decode_attention_fwd", heads_first, bs, 1, bs)
     grid = (Hkv, bs, num_kv_splits) if heads_first else (bs, Hkv, num_kv_splits)
     launch(_decode_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,

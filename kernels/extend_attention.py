@@ -12,8 +12,9 @@ The grid is ``(cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs, Hkv)``, from host i
 (``max_q_len`` is a bound given by the caller, e.g. W), so the launch is graph safe;
 programs past a request's rows do no work. Query blocks of one request and KV head are
 adjacent on the fastest axis, so their repeated KV tile reads hit L2. From ``HEADS_FIRST_BS``
-requests on, the grid is ``(Hkv, cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs)``: a request's KV
-heads, which read the same tokens' contiguous runs of the cache, are adjacent instead.
+requests on, with one query block a request (``heads_first_grid``), the grid is
+``(Hkv, cdiv(max_q_len, BLOCK_Q) * num_kv_splits, bs)``: a request's KV heads, which read the
+same tokens' contiguous runs of the cache, are adjacent instead.
 
 Masks (query row j of request i, KV position p, prefix = seq_lens_k[i] - q_len_i):
   causal: p <= prefix + j
@@ -26,10 +27,10 @@ import triton
 import triton.language as tl
 
 from .attention_core import (
-    HEADS_FIRST_BS,
     LOG2E,
     check_paged_inputs,
     fuse_merge,
+    heads_first_grid,
     merge_if_last,
     merge_splits,
     paged_tile_update,
@@ -186,7 +187,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     workspace : ``decode_workspace(T, H, Dv, num_kv_splits)`` when num_kv_splits > 1 (its
         counters must number ``bs * cdiv(max_q_len, block_q) * Hkv`` where the merge is fused)
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
-        requests on, where it measured faster)
+        requests on, for one query block a request, where it measured faster;
+        ``attention_core.heads_first_grid``)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -248,9 +250,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
-    if heads_first is None:
-        heads_first = bs >= HEADS_FIRST_BS
-    heads_first = bool(heads_first)
+    heads_first = heads_first_grid(name, heads_first, bs, num_qb, num_qb * num_kv_splits)
     grid = ((Hkv, num_qb * num_kv_splits, bs) if heads_first
             else (num_qb * num_kv_splits, bs, Hkv))
     launch(_extend_split_kernel, grid,

@@ -3,16 +3,19 @@ merge a tile's split partials in the split program that finishes last, where the
 (``fuse_merge``), and launch ``merge_splits`` otherwise. Both paths against the float64
 reference; the tile counters left at zero by every launch (a second call over other data still
 right), stale counters caught, a workspace without counters refused; on the GPU, hundreds of
-graph replays bitwise equal (the counter's release / acquire order). Each in both grid orders
-(``heads_first``: a tile's counter index is its request and KV head whichever axis is fastest)."""
+graph replays bitwise equal (the counter's release / acquire order). The reference and replay
+tests run in both grid orders (``heads_first``: a tile's counter index is its request, query
+block and KV head whichever axis is fastest); the rule that picks the order, and its bound on the
+grid's y and z extents."""
 import pytest
 import torch
 from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels import attention_core, decode_attention, extend_attention
-from attn_backends_kernels.attention_core import decode_workspace, fuse_merge
+from attn_backends_kernels.attention_core import decode_workspace, fuse_merge, heads_first_grid
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.launch_record import recording
 
 
 class Case:
@@ -57,9 +60,23 @@ class Case:
 
 
 def _grid_order(monkeypatch, order: str) -> None:
-    """Batch or KV heads on the fastest grid axis, whatever the batch (``HEADS_FIRST_BS``)."""
+    """Batch or KV heads on the fastest grid axis, whatever the batch and query blocks (the rule's
+    bound on the grid kept)."""
     for mod in (decode_attention, extend_attention):
-        monkeypatch.setattr(mod, "HEADS_FIRST_BS", 0 if order == "heads" else 1 << 30)
+        monkeypatch.setattr(mod, "heads_first_grid",
+                            lambda name, _, *a: heads_first_grid(name, order == "heads", *a))
+
+
+def _run_in_order(c, q, order):
+    """``c.run(q)``, asserting the split pass ran on the grid ``order`` asks for."""
+    with recording() as launches:
+        out = c.run(q)
+    _, _, grid, _, consts = launches[0]
+    heads = order == "heads"
+    axes = (0, 1) if c.W == 1 else ((0, 2) if heads else (1, 2))     # where the KV heads and requests are
+    want = (c.k.shape[1], c.lens.shape[0]) if heads else (c.lens.shape[0], c.k.shape[1])   # (Hkv, bs)
+    assert consts["HEADS_FIRST"] == heads and tuple(grid[i] for i in axes) == want, (grid, order)
+    return out
 
 
 def _separate_merges(monkeypatch) -> list:
@@ -74,7 +91,8 @@ def _separate_merges(monkeypatch) -> list:
 @pytest.mark.parametrize("order", ["batch", "heads"])
 @pytest.mark.parametrize("path", ["fused", "separate"])
 @pytest.mark.parametrize("W,mask,splits,H", [(1, CAUSAL, 3, 8), (1, CAUSAL, 8, 8), (4, CAUSAL, 4, 8), (3, TREE, 2, 8),
-                                             (1, CAUSAL, 4, 2), (4, CAUSAL, 2, 4)])   # GQA groups 4, 1 and 2
+                                             (1, CAUSAL, 4, 2), (4, CAUSAL, 2, 4),   # GQA groups 4, 1 and 2
+                                             (40, CAUSAL, 2, 8)])    # three 16-row query blocks
 def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkeypatch, order, path, W, mask,
                                                                          splits, H):
     _grid_order(monkeypatch, order)
@@ -83,7 +101,7 @@ def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkey
     seen = _separate_merges(monkeypatch)
     c = Case(W, splits, "cpu", mask=mask, H=H)
     for q in c.qs:                          # the second call reads counters the first left behind
-        assert_close(c.run(q), c.ref(q), 1e-5)
+        assert_close(_run_in_order(c, q, order), c.ref(q), 1e-5)
     assert len(seen) == (0 if path == "fused" else 2), seen
     assert not c.ws[2].any(), "a launch left a tile counter nonzero"
 
@@ -111,6 +129,17 @@ def test_the_fused_merge_takes_the_workspace_counters(monkeypatch):
     assert len(seen) == 1
 
 
+def test_the_grid_order_rule_and_its_bound():
+    """Heads first from 64 requests on for one query block a request (what was measured), never
+    past CUDA's 65535 on grid axes y and z; asked for past it, a ValueError."""
+    assert heads_first_grid("k", None, 64, 1, 64) and not heads_first_grid("k", None, 63, 1, 63)
+    assert not heads_first_grid("k", None, 64, 3, 6)                # prefill: query blocks
+    assert not heads_first_grid("k", None, 1 << 16, 1, 1 << 16)     # bs past axis y's bound
+    assert heads_first_grid("k", True, 2, 4, 8) and not heads_first_grid("k", False, 128, 1, 128)
+    with pytest.raises(ValueError, match="65535"):
+        heads_first_grid("k", True, 64, 4096, 4096 * 32)            # 128K rows / 32 a block x 32 splits
+
+
 def test_the_rule_bounds_what_one_program_reads_and_holds():
     assert fuse_merge(4, 64, 128, 4) and not fuse_merge(4, 1, 128, 4)          # decode bs 1; no splits
     assert not fuse_merge(32, 64, 128, 4) and not fuse_merge(16, 64, 128, 4)   # 1 MiB, 512 KiB of partials
@@ -132,7 +161,7 @@ def test_graph_replays_are_bitwise_stable(monkeypatch, order, W, splits, group):
     seen = _separate_merges(monkeypatch)
     c = Case(W, splits, "cuda", dtype=torch.bfloat16, H=8 * group, Hkv=8, D=128,
              seq_lens=(4096, 33, 8000, 700))
-    eager = [c.run(q) for q in c.qs]
+    eager = [_run_in_order(c, q, order) for q in c.qs]
     assert not seen, "the fused path was not taken"
     for q, e in zip(c.qs, eager):
         assert_close(e, c.ref(q), 1e-2)
