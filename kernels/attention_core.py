@@ -215,8 +215,10 @@ FUSED_MERGE_BYTES = 128 << 10
 # GQA 64/8 decode bs 128 kv 8192 995.7 -> 991.9 and 974.8 -> 971.1; GQA 32/8 verify4 bs 128 kv
 # 8192 992.2 -> 986.4 and 970.6 -> 965.1, bs 64 kv 32768 1960.3 -> 1945.3 and 1920.4 -> 1900.6;
 # tree8 bs 128 kv 8192 1593.9 -> 1523.7 and 1597.0 -> 1522.5. At bs 4-16 within +-0.8 % (tree8
-# bs 16 kv 8192 210.2 -> 211.9). A third machine saw no change at bs 64 kv 32768 (1922.1 -> 1923.7,
-# within that probe's noise of 0.4 %). Loads that evict first moved nothing (within 0.2 %).
+# bs 16 kv 8192 210.2 -> 211.9). A later probe saw no change at bs 64 kv 32768
+# (1922.1 -> 1923.7, within that probe's noise of 0.4 %). Loads that evict first moved nothing
+# (within 0.2 %).
+# Prefill (several query blocks a request) was not measured, and keeps the batch-first grid.
 HEADS_FIRST_BS = 64
 MAX_GRID_YZ = 65535     # CUDA's bound on a grid's y and z extents (x: 2**31 - 1)
 
