@@ -76,6 +76,8 @@ def _run_in_order(c, q, order):
     axes = (0, 1) if c.W == 1 else ((0, 2) if heads else (1, 2))     # where the KV heads and requests are
     want = (c.k.shape[1], c.lens.shape[0]) if heads else (c.lens.shape[0], c.k.shape[1])   # (Hkv, bs)
     assert consts["HEADS_FIRST"] == heads and tuple(grid[i] for i in axes) == want, (grid, order)
+    if c.W == 40:                                   # three 16-row query blocks x the splits
+        assert grid[1 if heads else 0] == 3 * c.splits, grid
     return out
 
 
@@ -130,14 +132,21 @@ def test_the_fused_merge_takes_the_workspace_counters(monkeypatch):
 
 
 def test_the_grid_order_rule_and_its_bound():
-    """Heads first from 64 requests on for one query block a request (what was measured), never
-    past CUDA's 65535 on grid axes y and z; asked for past it, a ValueError."""
-    assert heads_first_grid("k", None, 64, 1, 64) and not heads_first_grid("k", None, 63, 1, 63)
-    assert not heads_first_grid("k", None, 64, 3, 6)                # prefill: query blocks
-    assert not heads_first_grid("k", None, 1 << 16, 1, 1 << 16)     # bs past axis y's bound
-    assert heads_first_grid("k", True, 2, 4, 8) and not heads_first_grid("k", False, 128, 1, 128)
+    """Heads first from 64 requests on for one query block a request (what was measured), where
+    CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one left, past it is
+    a ValueError. Extents: (y, z) of the heads-first grid, then of the batch-first one."""
+    def rule(heads_first, bs, blocks, heads_yz, batch_yz=(8, 1)):
+        return heads_first_grid("k", heads_first, bs, blocks, heads_yz, batch_yz)
+
+    assert rule(None, 64, 1, (64, 2)) and not rule(None, 63, 1, (63, 2))
+    assert not rule(None, 64, 3, (6, 64))                       # prefill: query blocks
+    assert rule(None, 65535, 1, (65535, 2)) and not rule(None, 65536, 1, (65536, 2))   # the bound
+    assert not rule(None, 64, 1, (2, 65536))                    # z past it
+    assert rule(True, 2, 4, (8, 2)) and not rule(False, 128, 1, (128, 1))
     with pytest.raises(ValueError, match="65535"):
-        heads_first_grid("k", True, 64, 4096, 4096 * 32)            # 128K rows / 32 a block x 32 splits
+        rule(True, 64, 4096, (4096 * 32, 64))                   # 128K rows / 32 a block x 32 splits
+    with pytest.raises(ValueError, match="batch-first"):
+        rule(None, 1 << 16, 1, (1, 1 << 16), (1 << 16, 8))      # neither order fits
 
 
 def test_the_rule_bounds_what_one_program_reads_and_holds():
