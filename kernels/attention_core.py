@@ -223,22 +223,21 @@ HEADS_FIRST_BS = 64
 MAX_GRID_YZ = 65535     # CUDA's bound on a grid's y and z extents (x: 2**31 - 1)
 
 
-def heads_first_grid(name: str, heads_first, bs: int, query_blocks: int, heads_yz: tuple,
-                     batch_yz: tuple) -> bool:
-    """Whether a GQA split pass puts the KV heads on the fastest grid axis. ``heads_yz`` /
-    ``batch_yz``: the y and z extents of its heads-first and batch-first grids, which CUDA bounds
-    at ``MAX_GRID_YZ``. None: heads first from ``HEADS_FIRST_BS`` requests on for launches of one
-    query block a request (decode, verify and draft rows: what was measured), where it fits. An
-    order asked for, or the only one left, that does not fit is a ValueError."""
-    fits = {True: max(heads_yz) <= MAX_GRID_YZ, False: max(batch_yz) <= MAX_GRID_YZ}
+def heads_first_grid(name: str, heads_first, bs: int, query_blocks: int, heads_grid: tuple,
+                     batch_grid: tuple) -> tuple:
+    """``(heads_first, grid)``: whether a GQA split pass puts the KV heads on the fastest grid
+    axis, and the grid that gives (``heads_grid`` or ``batch_grid``), whose y and z extents CUDA
+    bounds at ``MAX_GRID_YZ``. None: heads first from ``HEADS_FIRST_BS`` requests on for launches
+    of one query block a request (decode, verify and draft rows: what was measured), where it
+    fits. An order asked for, or the only one left, that does not fit is a ValueError."""
     if heads_first is None:
-        heads_first = bs >= HEADS_FIRST_BS and query_blocks == 1 and fits[True]
-    heads_first = bool(heads_first)
-    if not fits[heads_first]:
-        y, z = heads_yz if heads_first else batch_yz
-        raise ValueError(f"{name}: the {'heads' if heads_first else 'batch'}-first grid's y and z "
-                         f"extents are {y} and {z}; CUDA allows {MAX_GRID_YZ}")
-    return heads_first
+        heads_first = (bs >= HEADS_FIRST_BS and query_blocks == 1
+                       and max(heads_grid[1:]) <= MAX_GRID_YZ)
+    grid = heads_grid if heads_first else batch_grid
+    if max(grid[1:]) > MAX_GRID_YZ:
+        raise ValueError(f"{name}: the {'heads' if heads_first else 'batch'}-first grid {grid} "
+                         f"has y or z past CUDA's {MAX_GRID_YZ}")
+    return bool(heads_first), grid
 
 
 def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, workspace=None,

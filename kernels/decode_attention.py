@@ -143,9 +143,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
-    heads_first = heads_first_grid("decode_attention_fwd", heads_first, bs, 1, (bs, num_kv_splits),
-                                   (Hkv, num_kv_splits))
-    grid = (Hkv, bs, num_kv_splits) if heads_first else (bs, Hkv, num_kv_splits)
+    heads_first, grid = heads_first_grid("decode_attention_fwd", heads_first, bs, 1,
+                                         (Hkv, bs, num_kv_splits), (bs, Hkv, num_kv_splits))
     launch(_decode_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,
         sm_scale * LOG2E,

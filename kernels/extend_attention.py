@@ -250,9 +250,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
-    heads_first = heads_first_grid(name, heads_first, bs, num_qb, (num_qb * num_kv_splits, bs), (bs, Hkv))
-    grid = ((Hkv, num_qb * num_kv_splits, bs) if heads_first
-            else (num_qb * num_kv_splits, bs, Hkv))
+    heads_first, grid = heads_first_grid(name, heads_first, bs, num_qb, (Hkv, num_qb * num_kv_splits, bs),
+                                         (num_qb * num_kv_splits, bs, Hkv))
     launch(_extend_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse, out, counters,

@@ -134,19 +134,22 @@ def test_the_fused_merge_takes_the_workspace_counters(monkeypatch):
 def test_the_grid_order_rule_and_its_bound():
     """Heads first from 64 requests on for one query block a request (what was measured), where
     CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one left, past it is
-    a ValueError. Extents: (y, z) of the heads-first grid, then of the batch-first one."""
-    def rule(heads_first, bs, blocks, heads_yz, batch_yz=(8, 1)):
-        return heads_first_grid("k", heads_first, bs, blocks, heads_yz, batch_yz)
+    a ValueError. Grids: (x, y, z) of the heads-first grid, then of the batch-first one."""
+    def rule(heads_first, bs, blocks, heads_grid, batch_grid=(1, 8, 1)):
+        order, grid = heads_first_grid("k", heads_first, bs, blocks, heads_grid, batch_grid)
+        assert grid == (heads_grid if order else batch_grid)
+        return order
 
-    assert rule(None, 64, 1, (64, 2)) and not rule(None, 63, 1, (63, 2))
-    assert not rule(None, 64, 3, (6, 64))                       # prefill: query blocks
-    assert rule(None, 65535, 1, (65535, 2)) and not rule(None, 65536, 1, (65536, 2))   # the bound
-    assert not rule(None, 64, 1, (2, 65536))                    # z past it
-    assert rule(True, 2, 4, (8, 2)) and not rule(False, 128, 1, (128, 1))
+    assert rule(None, 64, 1, (8, 64, 2)) and not rule(None, 63, 1, (8, 63, 2))
+    assert not rule(None, 64, 3, (8, 6, 64))                      # prefill: query blocks
+    assert rule(None, 65535, 1, (8, 65535, 2)) and not rule(None, 65536, 1, (8, 65536, 2))   # the bound
+    assert not rule(None, 64, 1, (8, 2, 65536))                   # z past it
+    assert rule(None, 64, 1, (1 << 20, 64, 2))                    # x is not bounded there
+    assert rule(True, 2, 4, (8, 8, 2)) and not rule(False, 128, 1, (8, 128, 1))
     with pytest.raises(ValueError, match="65535"):
-        rule(True, 64, 4096, (4096 * 32, 64))                   # 128K rows / 32 a block x 32 splits
+        rule(True, 64, 4096, (1, 4096 * 32, 64))                  # 128K rows / 32 a block x 32 splits
     with pytest.raises(ValueError, match="batch-first"):
-        rule(None, 1 << 16, 1, (1, 1 << 16), (1 << 16, 8))      # neither order fits
+        rule(None, 1 << 16, 1, (8, 1, 1 << 16), (1, 1 << 16, 8))  # neither order fits
 
 
 def test_the_rule_bounds_what_one_program_reads_and_holds():
