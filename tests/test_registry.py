@@ -261,3 +261,24 @@ def test_load_class_names_the_error_inside_a_file(tmp_path):
     with pytest.raises(ValueError, match=r"ModuleNotFoundError: No module named 'no_such_dependency_xyz'"):
         registry.get_backend_class(f"{bad}:Backend")
     assert not [k for k in sys.modules if "broken_attn" in k]      # a failed load leaves no module behind
+
+
+def test_a_builtin_or_registered_name_resolves_without_reading_the_installed_metadata(
+        isolated_registry, third_party_dist, monkeypatch):
+    """Built-ins and run-time registrations settle a name before the entry points are read (each
+    read scans every installed distribution); the resolution is the one ``_entries`` gives."""
+    register("triton", "attn_backends.backends.torch_native:TorchNativeBackend")   # overrides a built-in
+    register("torch_native_again", "attn_backends.backends.torch_native:TorchNativeBackend")
+    entries = registry._entries()
+    reads = []
+    real = registry._installed
+    monkeypatch.setattr(registry, "_installed", lambda: reads.append(1) or real())
+    assert registry.get_backend_class("torch_native") is TorchNativeBackend
+    assert registry.get_backend_class("torch_native_again") is TorchNativeBackend
+    assert registry.get_backend_class("triton") is TorchNativeBackend
+    assert reads == []
+    assert registry.get_backend_class(third_party_dist).__name__ == "ThirdPartyBackend"
+    assert reads == [1]
+    assert entries[third_party_dist] == "thirdparty_attn.backend:ThirdPartyBackend"
+    for name, target in entries.items():
+        assert registry._target(name) == target
