@@ -3,12 +3,13 @@
 ``attn-backends list [--device cpu|cuda]``
     every registered backend, available here or not (and why), with its capabilities.
 ``attn-backends check [--backend NAME|all|module:Class|path.py:Class] [--device cpu|cuda]
-[--cases N] [--seed S] [--suite-cases M] [--suite NAME] [--mode MODE] [--verbose] [--json FILE]
-[--progress-every SECONDS]``
+[--cases N] [--seed S] [--suite-cases M] [--suite NAME] [--mode MODE] [--jobs N] [--verbose]
+[--json FILE] [--progress-every SECONDS]``
     runs the layout suite (backend x mode x invariant), then every suite registered in the
     entry-point group ``attn_backends.suites`` (this distribution registers the runner suite of
     ``runtime``: I7-I12, I14), prints a table per suite with a legend, the first failures per
     invariant, each with the one command that replays its case alone; exit 1 on any failure.
+    ``--jobs N`` runs the layout suite's cases in N processes (``cli_jobs``), with the same results.
 
 Every misuse (an unknown or unloadable backend, a bad count, a backend that cannot run here)
 is one line ``attn-backends: error: ...`` on stderr and exit status 2, before anything runs.
@@ -29,6 +30,7 @@ import traceback
 from typing import Optional, TextIO
 
 from . import registry
+from .cli_jobs import run_layout_jobs
 from .cli_list import cmd_list
 from .cli_progress import progress_for
 from .cli_report import BackendResult, as_json, print_result, write_json
@@ -139,14 +141,19 @@ def _check_json_path(path: Optional[str]) -> None:
 
 # --------------------------------------------------------------------------- check: running
 
-def _run_backend(name: str, plan: list, args, out: TextIO, err: TextIO) -> BackendResult:
+def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> BackendResult:
     modes = [args.mode] if args.mode else None
     report, t0, crashed = SuiteReport(), time.monotonic(), ""
     for suite, run, cases in plan:
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:
-            if suite == LAYOUT_SUITE:
+            if suite == LAYOUT_SUITE and args.jobs > 1:
+                total = cases * sum(modes is None or m in modes
+                                    for m in _load_suite_module().declared_modes(cls.capabilities))
+                run_layout_jobs(name, args.jobs, total, device=args.device, cases=cases, seed=args.seed,
+                                modes=modes, progress=progress, report=report)
+            elif suite == LAYOUT_SUITE:
                 run(name, device=args.device, cases=cases, seed=args.seed, modes=modes, progress=progress,
                     report=report)
             else:
@@ -176,12 +183,12 @@ def cmd_check(args, out: TextIO, err: TextIO) -> int:
               "`pip install -e .`)", file=err, flush=True)
     results, status = [], None
     try:
-        for name, _ in backends:
+        for name, cls in backends:
             runs = ", ".join(f"{suite} {cases} {'cases per mode' if suite == LAYOUT_SUITE else 'cases'}"
                              for suite, _, cases in plan)
             print(f"== {name} on {args.device}, seed {args.seed}: {runs}"
                   + (f", mode {args.mode}" if args.mode else ""), file=out, flush=True)
-            results.append(_run_backend(name, plan, args, out, err))
+            results.append(_run_backend(name, cls, plan, args, out, err))
             print_result(results[-1], out, args.verbose)
             print(file=out, flush=True)
         failed = [r.name for r in results if not r.ok]
@@ -275,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--mode", default=None,
                     help="run the layout suite in this mode only (decode, extend, verify_chain, verify_tree, "
                          "draft_extend, draft_decode)")
+    ck.add_argument("--jobs", type=_count(1), default=1,
+                    help="worker processes for the layout suite's cases (default: 1); the results are "
+                         "those of one process. On a GPU mostly Triton compiling kernels, which the "
+                         "workers do side by side")
     ck.add_argument("--verbose", action="store_true",
                     help="print every failure in full, and the traceback of a suite that crashed")
     ck.add_argument("--json", metavar="FILE", default=None,

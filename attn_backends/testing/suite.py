@@ -320,10 +320,12 @@ def _judge_layout(judge, lay: dict, eager: Optional[dict], m, mem, fill) -> None
 
 def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int = 0,
               modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
-              report: Optional[SuiteReport] = None) -> SuiteReport:
+              report: Optional[SuiteReport] = None, shard: tuple = (0, 1)) -> SuiteReport:
     """Run ``cases`` random cases per declared mode of ``backend`` (a name, ``module:Class``,
     ``file.py:Class``, or a class). The failures carry the seed that replays each case alone:
-    with ``cases=1`` the one case of each mode has the seed ``seed`` itself."""
+    with ``cases=1`` the one case of each mode has the seed ``seed`` itself. ``shard=(k, n)``:
+    only every n-th case of that order from the k-th on (the same seeds), so that n processes
+    together run the cases of one run (``attn-backends check --jobs n``)."""
     cls = backend if isinstance(backend, type) else get_backend_class(backend)
     name = backend if isinstance(backend, str) else getattr(cls, "name", cls.__name__)
     reason = unavailable_reason(cls, device)
@@ -332,10 +334,15 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
     caps = cls.capabilities
     report = report or SuiteReport()
     todo = [m for m in declared_modes(caps) if modes is None or m in modes]
-    total, done = len(todo) * cases, 0
+    part, parts = shard
+    if not 0 <= part < parts:
+        raise ValueError(f"shard {shard}: want (k, n) with 0 <= k < n")
+    total, done = len(range(part, len(todo) * cases, parts)), 0
     kinds = [k for k, ok in (("mha", caps.mha), ("mla", caps.mla)) if ok]
     for mi, mode in enumerate(todo):
         for i in range(cases):
+            if (mi * cases + i) % parts != part:
+                continue
             case_seed = seed + 1_000_003 * mi + i if cases > 1 else seed
             rng = random.Random(case_seed)
             c = random_case(rng, mode, caps, kinds[case_seed % len(kinds)] == "mla", case_seed)
