@@ -13,6 +13,8 @@
 #            bench/bench_flashinfer_backends.py and its table
 #   SWEEP_COMMIT the commit the sweep names (where the copied tree has no current git metadata)
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
+#   TEST_ARGS    more pytest arguments (default: "-n JOBS --dist load" where pytest-xdist imports)
+#   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -49,15 +51,20 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not importable"
 
+# Worker processes for the tests (pytest-xdist, where it imports: carry its wheel, it is not on the
+# lent machines) and for `check --jobs`: the cores but two. Each test goes to the next free worker
+# (--dist load): by file, the MLA kernel tests held one worker for most of a 10-minute call.
+jobs=${CHECK_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
-  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
+  xdist=$(python -c "import xdist" 2>/dev/null && echo "-n $jobs --dist load")
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-$xdist} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in triton triton_mla torch_native; do
-    timeout "${CHECK_TIMEOUT:-120}" python -m attn_backends.cli check --backend $b --device cuda \
+    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
 fi
@@ -107,7 +114,7 @@ fi
 if [[ $stages == *" ficheck "* ]]; then
   echo "== attn-backends check on cuda (FlashInfer family)"
   for b in ${FI_BACKENDS:-flashinfer flashinfer_mla trtllm_mla hybrid}; do
-    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda \
+    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${FI_CASES:-60}" --suite-cases "${FI_SUITE_CASES:-24}" 2>&1 | tee "$out/check_$b.log" | tail -12 \
         || status=1
   done
