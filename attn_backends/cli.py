@@ -148,9 +148,10 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:
-            if suite == LAYOUT_SUITE and args.jobs > 1:
-                total = cases * sum(modes is None or m in modes
-                                    for m in _load_suite_module().declared_modes(cls.capabilities))
+            total = cases * sum(modes is None or m in modes
+                                for m in _load_suite_module().declared_modes(cls.capabilities)) \
+                if suite == LAYOUT_SUITE and args.jobs > 1 else 0
+            if total > 1:                   # --jobs, and more than one case to spread
                 run_layout_jobs(name, args.jobs, total, device=args.device, cases=cases, seed=args.seed,
                                 modes=modes, progress=progress, report=report)
             elif suite == LAYOUT_SUITE:

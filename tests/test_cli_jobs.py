@@ -65,3 +65,14 @@ def test_merge_adds_the_shards_and_restores_the_serial_order():
     assert rep.counts == {("b", "decode", "I1"): [3, 3], ("b", "decode", "I3"): [0, 1]}
     assert rep.cases == {("b", "decode"): 3}
     assert [(f.seed, f.invariant) for f in rep.failures] == [(2, "I1"), (2, "I3"), (5, "I1"), (9, "I1")]
+
+
+
+def test_one_case_runs_in_the_one_process(capsys, monkeypatch):
+    """A failure's replay command (``--cases 1 --mode M``) with --jobs starts no worker."""
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers started for one case")
+    monkeypatch.setattr(cli, "run_layout_jobs", no_workers)
+    assert cli.main(["check", "--suite", "layout", "--mode", "decode", "--cases", "1", "--jobs", "4",
+                     "--progress-every", "0"]) == 0
+    assert "torch_native: ok" in capsys.readouterr().out
