@@ -29,8 +29,7 @@ import time
 import traceback
 from typing import Optional, TextIO
 
-from . import registry
-from .cli_jobs import run_layout_jobs
+from . import cli_jobs, registry
 from .cli_list import cmd_list
 from .cli_progress import progress_for
 from .cli_report import BackendResult, as_json, print_result, write_json
@@ -148,12 +147,11 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:
-            total = cases * sum(modes is None or m in modes
-                                for m in _load_suite_module().declared_modes(cls.capabilities)) \
-                if suite == LAYOUT_SUITE and args.jobs > 1 else 0
-            if total > 1:                   # --jobs, and more than one case to spread
-                run_layout_jobs(name, args.jobs, total, device=args.device, cases=cases, seed=args.seed,
-                                modes=modes, progress=progress, report=report)
+            spread = suite == LAYOUT_SUITE and args.jobs > 1 and cli_jobs.usable(name)
+            todo = _load_suite_module().layout_modes(cls.capabilities, modes) if spread else []
+            if cases * len(todo) > 1:       # --jobs, and more than one case: over worker processes
+                cli_jobs.run_layout_jobs(name, args.jobs, todo, device=args.device, cases=cases, seed=args.seed,
+                                         progress=progress, report=report)
             elif suite == LAYOUT_SUITE:
                 run(name, device=args.device, cases=cases, seed=args.seed, modes=modes, progress=progress,
                     report=report)

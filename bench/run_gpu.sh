@@ -13,8 +13,9 @@
 #            bench/bench_flashinfer_backends.py and its table
 #   SWEEP_COMMIT the commit the sweep names (where the copied tree has no current git metadata)
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
-#   TEST_ARGS    more pytest arguments (default: "-n JOBS --dist load" where pytest-xdist imports)
-#   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two)
+#   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports)
+#   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two);
+#                CHECK_TIMEOUT a backend's check (default 200 s: triton_mla took 157 s at 14 jobs, fresh H200)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -58,13 +59,13 @@ jobs=${CHECK_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
   xdist=$(python -c "import xdist" 2>/dev/null && echo "-n $jobs --dist load")
-  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider ${TEST_ARGS:-$xdist} 2>&1 \
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider $xdist ${TEST_ARGS:-} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in triton triton_mla torch_native; do
-    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
+    timeout "${CHECK_TIMEOUT:-200}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
 fi

@@ -318,6 +318,12 @@ def _judge_layout(judge, lay: dict, eager: Optional[dict], m, mem, fill) -> None
         judge(inv, res[inv])
 
 
+def layout_modes(caps, modes: Optional[list] = None) -> list:
+    """The modes a run of the layout suite covers, in running order: those ``caps`` declares,
+    narrowed to ``modes`` where given."""
+    return [m for m in declared_modes(caps) if modes is None or m in modes]
+
+
 def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int = 0,
               modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
               report: Optional[SuiteReport] = None, shard: tuple = (0, 1)) -> SuiteReport:
@@ -333,7 +339,7 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
         raise ValueError(f"backend {name!r} is not available on {device}: {reason}")
     caps = cls.capabilities
     report = report or SuiteReport()
-    todo = [m for m in declared_modes(caps) if modes is None or m in modes]
+    todo = layout_modes(caps, modes)
     part, parts = shard
     if not 0 <= part < parts:
         raise ValueError(f"shard {shard}: want (k, n) with 0 <= k < n")
@@ -353,4 +359,5 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
     return report
 
 
-__all__ = ["CaseSpec", "GuardedTensor", "declared_modes", "random_case", "run_case", "run_suite", "MODES"]
+__all__ = ["CaseSpec", "GuardedTensor", "declared_modes", "layout_modes", "random_case", "run_case", "run_suite",
+           "MODES"]
