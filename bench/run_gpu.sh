@@ -15,7 +15,7 @@
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports)
 #   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two);
-#                CHECK_TIMEOUT a backend's check (default 200 s: triton_mla took 157 s at 14 jobs, fresh H200)
+#                CHECK_TIMEOUT a backend's check (default 250 s: triton_mla took 157-164 s at 14 jobs, fresh H200)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
 set -u -o pipefail
@@ -65,7 +65,7 @@ fi
 if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in triton triton_mla torch_native; do
-    timeout "${CHECK_TIMEOUT:-200}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
+    timeout "${CHECK_TIMEOUT:-250}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
 fi

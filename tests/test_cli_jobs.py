@@ -30,6 +30,14 @@ class Raises(TorchNativeBackend):
     def init_cuda_graph_state(self, *args, **kwargs):
         raise RuntimeError("boom")
 
+class TwoArgError(Exception):        # its args are not its __init__'s: unpickling it fails
+    def __init__(self, what, where):
+        super().__init__(f"{what} at {where}")
+
+class RaisesTwoArg(TorchNativeBackend):
+    def init_cuda_graph_state(self, *args, **kwargs):
+        raise TwoArgError("bad", "here")
+
 class Sleeps(TorchNativeBackend):
     def init_cuda_graph_state(self, *args, **kwargs):
         Path(f"pid.{os.getpid()}").write_text("")
@@ -51,13 +59,16 @@ def _check_json(tmp_path, capsys, cases: int, jobs: int) -> tuple:
 
 
 @pytest.mark.parametrize("cases,jobs", [(1, 2), (3, 2), (2, 5), (3, 3)])
-def test_jobs_give_the_result_of_one_process(tmp_path, capsys, cases, jobs):
+def test_jobs_give_the_result_of_one_process(tmp_path, capsys, monkeypatch, cases, jobs):
     """Jobs that divide the cases or not, more jobs than a mode's cases, and one case a mode
     (every mode's case then has the same seed)."""
     if cases not in _one_process:
         _one_process[cases] = _check_json(tmp_path, capsys, cases, 1)
     status1, one = _one_process[cases]
+    spread, real = [], cli_jobs.run_layout_jobs
+    monkeypatch.setattr(cli_jobs, "run_layout_jobs", lambda *a, **k: spread.append(1) or real(*a, **k))
     status, res = _check_json(tmp_path, capsys, cases, jobs)
+    assert spread == [1]                  # the workers ran it
     assert status1 == status == 1
     fails = one["backends"][0]["failures"]
     assert len({f["mode"] for f in fails}) >= 3 and len({(f["mode"], f["seed"]) for f in fails}) >= 3
@@ -80,16 +91,21 @@ def backends_file(tmp_path, monkeypatch):
     return "jobs_backends.py"
 
 
-def test_a_worker_that_raises_is_the_crash_one_process_reports(backends_file, capsys):
-    argv = ["check", "--backend", f"{backends_file}:Raises", "--suite", "layout", "--mode", "decode", "--cases", "2",
+@pytest.mark.parametrize("cls,error", [("Raises", "RuntimeError: boom"),
+                                       ("RaisesTwoArg", "TwoArgError: bad at here")])
+def test_a_worker_that_raises_is_the_crash_one_process_reports(backends_file, capsys, cls, error):
+    argv = ["check", "--backend", f"{backends_file}:{cls}", "--suite", "layout", "--mode", "decode", "--cases", "2",
             "--progress-every", "0"]
     assert cli.main(argv) == 1
     one = capsys.readouterr().out
     assert cli.main(argv + ["--jobs", "2"]) == 1
     out = capsys.readouterr().out
-    line = f"FAIL {backends_file}:Raises: the layout suite: RuntimeError: boom"
-    assert line in one and line in out, out
+    line = f"FAIL {backends_file}:{cls}: the layout suite: {error}"
+    assert line in one and line in out, (one, out)
     assert "Traceback" not in out
+    assert cli.main(argv + ["--jobs", "2", "--verbose"]) == 1     # the worker's own frames, as the cause
+    out = capsys.readouterr().out
+    assert "in init_cuda_graph_state" in out and "RemoteTraceback" in out, out
 
 
 def test_a_worker_that_dies_is_a_crashed_suite(backends_file, capsys):
@@ -120,19 +136,26 @@ def test_no_worker_outlives_its_parent(backends_file, tmp_path, sig):
                                f"{backends_file}:Sleeps", "--suite", "layout", "--mode", "decode", "--cases", "2",
                                "--jobs", "2", "--progress-every", "0"], cwd=tmp_path, start_new_session=True,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(pids := [int(p.suffix[1:]) for p in tmp_path.glob("pid.*")]) < 2:
-        assert time.monotonic() < deadline and parent.poll() is None, parent.communicate()
-        time.sleep(0.1)
-    os.kill(parent.pid, sig)
-    out, err = parent.communicate(timeout=30)
-    if sig == signal.SIGINT:
-        assert parent.returncode == 130 and "interrupted" in err, (out, err)
-    deadline = time.monotonic() + 20
-    while any(map(_alive, pids)):
-        assert time.monotonic() < deadline, f"workers {pids} outlived the parent"
-        time.sleep(0.1)
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)       # shell ignores it
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := [int(p.suffix[1:]) for p in tmp_path.glob("pid.*")]) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, parent.communicate()
+            time.sleep(0.1)
+        os.kill(parent.pid, sig)
+        out, err = parent.communicate(timeout=30)
+        if sig == signal.SIGINT:
+            assert parent.returncode == 130 and "interrupted" in err, (out, err)
+        deadline = time.monotonic() + 20
+        while any(map(_alive, pids)):
+            assert time.monotonic() < deadline, f"workers {pids} outlived the parent"
+            time.sleep(0.1)
+    finally:                              # whatever failed: nothing of the test lingers
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_one_case_and_a_run_time_registration_stay_in_the_one_process(capsys, monkeypatch):
