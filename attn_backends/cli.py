@@ -147,7 +147,7 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:
-            spread = suite == LAYOUT_SUITE and args.jobs > 1 and cli_jobs.usable(name)
+            spread = suite == LAYOUT_SUITE and args.jobs > 1 and cli_jobs.usable()
             todo = _load_suite_module().layout_modes(cls.capabilities, modes) if spread else []
             if cases * len(todo) > 1:       # --jobs, and more than one case: over worker processes
                 cli_jobs.run_layout_jobs(name, args.jobs, todo, device=args.device, cases=cases, seed=args.seed,

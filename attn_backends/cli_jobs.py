@@ -38,7 +38,7 @@ from .testing.report import SuiteReport
 POLL_S = 0.5
 
 
-def usable(backend: str) -> bool:
+def usable() -> bool:
     """Whether spawned workers see the backends this process sees: no name registered at run
     time (a worker would not know it, and a registration may replace the reference)."""
     return not registry._extra
