@@ -14,6 +14,13 @@ from .launch_record import launch
 # exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
 # softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
 LOG2E = 1.4426950408889634
+# merge_splits' grid: about this many programs where rows x heads allow; the output columns of
+# 16-bit partials are cut into blocks (of at least MIN_MERGE_DV) where one head a program leaves
+# fewer. H100, graph replay, MLA16 bf16 partials, whole rows -> 64-column blocks: verify4 bs 1 kv
+# 8192 22.2 -> 20.4 us, kv 2048 17.0 -> 16.3, decode bs 1 kv 8192 20.2 -> 17.3; float32 partials
+# lost to it (decode bs 4 kv 2048 16.3 -> 17.5, verify4 bs 1 kv 8192 21.3 -> 22.4).
+MERGE_PROGRAMS = 256
+MIN_MERGE_DV = 64
 
 
 @triton.jit
@@ -97,12 +104,14 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One row's BLOCK_HM heads: every split of them in one load (a program per (row, head)
-    made many tiny programs where rows x heads is large: verify bs 64 launched 16,384)."""
+    """One row's BLOCK_HM heads, BLOCK_DV output columns of them (the grid's third axis): every
+    split of them in one load (a program per (row, head) made many tiny programs where rows x
+    heads is large: verify bs 64 launched 16,384). Partials are float32 or 16-bit, summed in
+    float32."""
     t = tl.program_id(0).to(tl.int64)   # row offsets in int64: a workspace may pass 2**31 values
     offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_h = offs_h < NUM_HEADS
     mask_hs = mask_h[:, None] & (offs_s < NUM_SPLITS)[None, :]
     mask_dv = offs_dv < HEAD_DIM_V
@@ -115,38 +124,48 @@ def _merge_splits_kernel(
     part = tl.load(part_ptr + t * stride_pt + offs_h[:, None, None] * stride_ph + offs_s[None, :, None] * stride_ps
                    + offs_dv[None, None, :], mask=mask_hs[:, :, None] & mask_dv[None, None, :], other=0.0)
     w_sum = tl.sum(w, 1)
-    out = tl.sum(w[:, :, None] * part, 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    out = tl.sum(w[:, :, None] * part.to(tl.float32), 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
              mask=mask_h[:, None] & mask_dv[None, :])
 
 
-def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Merge split-KV partials ``part [T, H, S, Dv]`` (float32, normalised per split)
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_dv=None) -> torch.Tensor:
+    """Merge split-KV partials ``part [T, H, S, Dv]`` (float32 or 16-bit, normalised per split)
     with ``lse [T, H, S]`` (float32, log2 units) into ``out [T, H, Dv]``. A program takes as
     many heads of one row as keep its tile at 8192 partial values and the grid at about 256
-    programs or more (at least one head)."""
+    programs or more (at least one head); where one head a program still leaves fewer than
+    ``MERGE_PROGRAMS``, 16-bit partials' output columns are cut into blocks of at least
+    ``MIN_MERGE_DV`` (``block_dv``, a power of two, forces a block width)."""
     T, H, S, Dv = part.shape
     if tuple(lse.shape) != (T, H, S) or tuple(out.shape) != (T, H, Dv):
         raise ValueError(f"merge_splits: part {tuple(part.shape)}, lse {tuple(lse.shape)} and "
                          f"out {tuple(out.shape)} disagree")
     if part.stride(-1) != 1 or lse.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("merge_splits: the last dimension of part, lse and out must be contiguous")
+    if block_dv is not None and (block_dv < 1 or triton.next_power_of_2(block_dv) != block_dv):
+        raise ValueError(f"merge_splits: block_dv={block_dv} must be a power of two")
     if T == 0:
         return out
-    block_s, block_dv = triton.next_power_of_2(S), triton.next_power_of_2(Dv)
+    block_s, full_dv = triton.next_power_of_2(S), triton.next_power_of_2(Dv)
     # Heads per program: up to 8192 partial values a program, while rows x heads leave about
     # 256 programs (H100, GQA verify bs 64: 16,384 one-head programs 259 -> 231 us; with one
     # row, two-head programs cost decode bs 1 a microsecond, 8.3 -> 9.4 us).
-    cap = max(1, 8192 // (block_s * block_dv))
-    block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // 256).bit_length() - 1))
-    launch(_merge_splits_kernel, (T, triton.cdiv(H, block_hm)),
+    cap = max(1, 8192 // (block_s * full_dv))
+    block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
+    heads_grid = triton.cdiv(H, block_hm)
+    if block_dv is None:   # 16-bit partials of few rows x heads: column blocks fill the grid
+        block_dv = full_dv
+        while (part.element_size() == 2 and block_dv > MIN_MERGE_DV
+               and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS):
+            block_dv //= 2
+    launch(_merge_splits_kernel, (T, heads_grid, triton.cdiv(Dv, block_dv)),
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_HEADS=H, BLOCK_HM=block_hm,
         NUM_SPLITS=S, BLOCK_S=block_s,
-        HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
+        HEAD_DIM_V=Dv, BLOCK_DV=min(block_dv, full_dv),
     )
     return out
 
@@ -253,23 +272,28 @@ def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, w
             and rows * head_dim_v <= 16 * 32 * num_warps)
 
 
-def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device, num_counters=None):
+def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device, num_counters=None,
+                     part_dtype=torch.float32):
     """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
-    ``(part [rows, H, S, Dv] float32, lse [rows, H, S] float32, counters [n] int32)``.
+    ``(part [rows, H, S, Dv] part_dtype, lse [rows, H, S] float32, counters [n] int32)``.
+    ``part_dtype``: float32, or the output's 16-bit dtype where the wrapper takes that (the MLA
+    kernels: ``mla_warpspec.partial_dtype``).
     The counters are the fused merge's tile counters: ``num_counters`` of them, by default as many
     as the tiles of a uniform batch of ``num_rows`` rows can have (rows x H); 0 leaves them out.
     They must be zeros before the first launch (every launch leaves them so; not checked, which
     would cost a host sync). A workspace of ``(part, lse)`` alone runs the separate merge pass."""
-    part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=torch.float32,
-                       device=device)
+    part = torch.empty(num_rows, num_heads, num_kv_splits, head_dim_v, dtype=part_dtype, device=device)
     lse = torch.empty(num_rows, num_heads, num_kv_splits, dtype=torch.float32, device=device)
     n = num_rows * num_heads if num_counters is None else num_counters
     return (part, lse) + ((torch.zeros(n, dtype=torch.int32, device=device),) if n else ())
 
 
-def split_targets(name, out, workspace, num_kv_splits, tiles=0):
+def split_targets(name, out, workspace, num_kv_splits, tiles=0, part_dtype=torch.float32,
+                  out_dtype_partials=False):
     """Where pass 1 writes: straight into ``out [T, H, Dv]`` for one split (no merge
-    pass), else into the workspace (allocated here when None, which a graph must avoid).
+    pass), else into the workspace (allocated here when None, which a graph must avoid, with
+    partials of ``part_dtype``). A given workspace's partials must be float32, or also of
+    ``out``'s dtype with ``out_dtype_partials`` (kernels whose stores cast to the target).
     ``tiles`` > 0: the split pass merges its own partials, with one counter per tile (the
     workspace's third tensor; the wrapper asks for it only where the workspace has one).
     Returns (o, lse, counters, (stride_t, stride_h, stride_split), (lse stride_t, stride_h));
@@ -278,18 +302,20 @@ def split_targets(name, out, workspace, num_kv_splits, tiles=0):
     if num_kv_splits == 1:
         return out, out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     if workspace is None:                 # counters (a memset) only for a fused merge
-        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device, num_counters=tiles)
+        workspace = decode_workspace(T, H, Dv, num_kv_splits, out.device, num_counters=tiles,
+                                     part_dtype=part_dtype)
     if len(workspace) not in (2, 3):
         raise ValueError(f"{name}: workspace must be (part, lse[, counters]) as decode_workspace "
                          f"returns, got {len(workspace)} tensors")
     o, lse = workspace[:2]
     if (o.shape[0] < T or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
             or lse.shape[0] < T or tuple(lse.shape[1:]) != (H, num_kv_splits)
-            or o.dtype != torch.float32 or lse.dtype != torch.float32
-            or o.stride(-1) != 1 or lse.stride(-1) != 1):
+            or o.dtype not in (torch.float32, part_dtype) + ((out.dtype,) if out_dtype_partials else ())
+            or lse.dtype != torch.float32 or o.stride(-1) != 1 or lse.stride(-1) != 1):
+        kinds = f"float32 or {out.dtype}" if out_dtype_partials else "float32"
         raise ValueError(f"{name}: workspace {tuple(o.shape)} {o.dtype} / {tuple(lse.shape)} "
                          f"{lse.dtype} does not fit rows={T}, H={H}, splits={num_kv_splits}, "
-                         f"Dv={Dv} (float32, contiguous last dim)")
+                         f"Dv={Dv} (partials {kinds}, lse float32, contiguous last dim)")
     counters = out
     if tiles:
         counters = workspace[2] if len(workspace) == 3 else None

@@ -180,9 +180,9 @@ def _mla_split_kernel(
     inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     out_a = tl.where(nonempty[:, None], acc_a * inv_l[:, None], 0.0)
-    tl.store(o_ptr + o_off + col_a + offs_c[None, :], out_a, mask=row_ok[:, None])
+    tl.store(o_ptr + o_off + col_a + offs_c[None, :], out_a.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)
-    tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b, mask=row_ok[:, None])
+    tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
@@ -207,7 +207,9 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         (``draft_prefix_lens`` int32 [bs]: row j sees p < draft_prefix or (p - draft_prefix) % W == j)
     cu_seqlens_q, max_q_len : ragged EXTEND (causal only): rows of request i are
         ``cu[i]:cu[i+1]``; ``max_q_len`` (host int) bounds them and sizes the grid
-    workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1
+    workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1, its
+        partials float32 or q's dtype (``mla_warpspec.partial_dtype`` says which is faster);
+        allocated here when None
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
@@ -240,7 +242,9 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
                        block_w=block_w)
     if bs == 0:
         return out
-    o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits)
+    part = out.dtype if use in REFUSALS else torch.float32   # mla_warpspec.partial_dtype's rule
+    o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
+                                                      out_dtype_partials=True)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
     tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1),
             kv_buffer.stride(0), page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)

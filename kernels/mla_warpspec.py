@@ -8,12 +8,13 @@ partition) owning output columns 0..255, a right one owning 256..511 (``mla_dbuf
 128..511), a loader warp group.
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .mla_wgmma import _program, _rows_of, _tile_rows, _visible
+from .mla_wgmma import _program, _rows_of, _tile_rows, _visible, hopper_device
 
 BLOCK_M = gl.constexpr(64)      # tile rows (queries x heads): one wgmma M per warp group
 HALF = gl.constexpr(256)        # output columns of one warp group (by default)
@@ -26,6 +27,22 @@ MAXNREG = 168                   # at launch: 12 warps x 168 registers, then hand
 # A warp group's output half [64, 256] on wgmma (4 warps): the default accumulator layout.
 O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                              instr_shape=[16, HALF.value, 16]))
+
+
+def _store_layout(cols: int) -> gl.DistributedLinearLayout:
+    """A [64, cols] 16-bit output's layout for its store: each thread's rows those of the wgmma
+    accumulator (lanes 4r..4r+3 hold rows r and r + 8 of their warp's 16), its values 8
+    consecutive columns (16 bytes) in each 32-column block (lane % 4 picks the block's quarter),
+    where the accumulator's hold 2 (4 bytes: a half sector a row of a warp's store). From the
+    accumulator it moves values between the 4 lanes of a quad only (shuffles, no shared memory)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, c] for c in (32, 64, 128, 256) if c < cols],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[64, cols])
+
+
+STORE_L = {c: gl.constexpr(_store_layout(c)) for c in (128, 256)}
+STORE_L128, STORE_L256 = STORE_L[128], STORE_L[256]
 
 
 @gluon.jit
@@ -159,13 +176,29 @@ def _store_out(acc, l_i, ptrs, split, wb, hb, row0, COL0: gl.constexpr, NUM_HEAD
     nonempty = l_i > 0
     inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, OL))
     keep = gl.convert_layout(nonempty, gl.SliceLayout(1, OL))
-    out = gl.where(keep[:, None], acc * inv[:, None], 0.0)   # empty rows: zeros
-    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W,
-                                            gl.SliceLayout(1, OL))
+    out = gl.where(keep[:, None], acc * inv[:, None], 0.0).to(o_ptr.dtype.element_ty)   # empty rows: zeros
+    if o_ptr.dtype.element_ty.primitive_bitwidth == 16 and COLS == 256:
+        _store_rows(gl.convert_layout(out, STORE_L256), ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H,
+                    BLOCK_W, COLS, STORE_L256)
+    elif o_ptr.dtype.element_ty.primitive_bitwidth == 16 and COLS == 128:
+        _store_rows(gl.convert_layout(out, STORE_L128), ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H,
+                    BLOCK_W, COLS, STORE_L128)
+    else:
+        _store_rows(out, ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H, BLOCK_W, COLS, OL)
+
+
+@gluon.jit
+def _store_rows(out, ptrs, split, wb, hb, row0, COL0: gl.constexpr, NUM_HEADS: gl.constexpr,
+                BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, COLS: gl.constexpr, L: gl.constexpr):
+    """``out`` (in ``L``) stored at its tile rows' output columns COL0 .. COL0 + COLS."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    j_o, heads_o, rows_o, ok_o = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, gl.SliceLayout(1, L))
     _ = j_o
-    cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, OL))
+    cols = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, L))
     gl.store(o_ptr + rows_o[:, None] * stride_ot + heads_o[:, None] * stride_oh + split * stride_os
-             + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+             + cols[None, :], out, mask=ok_o[:, None])
 
 
 def warp_specialized_refusal(tile_tokens: int, stages: int, page_size: int, block_n=None,
@@ -179,3 +212,19 @@ def warp_specialized_refusal(tile_tokens: int, stages: int, page_size: int, bloc
         return (f"runs {tile_tokens}-token tiles in {stages} stages on 12 warps, no knobs "
                 f"(got block_n={block_n}, num_warps={num_warps}, num_stages={num_stages})")
     return None
+
+
+def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows: int) -> torch.dtype:
+    """The faster dtype of the split partials of ``mla_attention_fwd``'s default launch of
+    ``rows``-row tiles (block_w x block_h) of ``dtype`` on ``device``: ``dtype`` where a
+    warp-specialized kernel runs it (16-bit, 64-row tiles, sm_90, pages of whole 32-token tiles),
+    whose 16-bit stores are 16 bytes a thread (``STORE_L``); float32 elsewhere (the other
+    kernels store 16-bit values 4 bytes a thread, slower than float32's 8). As FlashInfer's MLA
+    plan (partial_o at 2 bytes a value). A partial is normalized by its split's sum, so rounding
+    it costs what rounding the output does; the merge sums in float32. H100, graph replay, MLA16
+    verify4, float32 -> bf16 partials: bs 16 kv 2048 36.1 -> 32.5 us, kv 8192 77.3 -> 75.5, bs 64
+    kv 8192 229.3 -> 226.3; MLA16 decode on the transposed kernel, float32 -> bf16: bs 1 kv 2048
+    12.9 -> 13.3, bs 16 28.8 -> 30.9 (so float32 there). The wrapper allocates by the same rule."""
+    warp_specialized = (dtype in (torch.float16, torch.bfloat16) and rows == BLOCK_M.value
+                        and hopper_device(device) and warp_specialized_refusal(32, 4, page_size) is None)
+    return dtype if warp_specialized else torch.float32

@@ -116,6 +116,11 @@ class TritonBackendBase(LayoutBackend):
     def _out_dim(self) -> int:
         return self.config.out_dim
 
+    def _part_dtype(self, width: int) -> torch.dtype:
+        """The dtype of the split partials in a graph's workspace for batches of ``width`` query
+        rows a request (the kernel wrapper's own choice where it allocates one)."""
+        return torch.float32
+
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
         key = (lay.bs, width, lay.mode, lay.mask)       # a function of the GraphKey alone
@@ -179,7 +184,8 @@ class TritonBackendBase(LayoutBackend):
         ws = None
         if key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
-                                  self.memory.device, num_counters=None if self.fuses_merge else 0)
+                                  self.memory.device, num_counters=None if self.fuses_merge else 0,
+                                  part_dtype=self._part_dtype(key.width))
         return {"num_kv_splits": splits, "workspace": ws}
 
     def _extra_graph_buffers(self) -> dict:

@@ -14,6 +14,7 @@ import torch
 from attn_backends_kernels.kv_store import store_mla_kv
 from attn_backends_kernels.mla_attention import mla_attention_fwd, tile_shape
 from attn_backends_kernels.mla_swap import decodes_transposed
+from attn_backends_kernels.mla_warpspec import partial_dtype
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode
@@ -61,6 +62,11 @@ class TritonMLABackend(TritonBackendBase):
 
     def _decodes_transposed(self) -> bool:
         return decodes_transposed(self.memory.device, self.memory.pool.kv[0].dtype, self.memory.page_size)
+
+    def _part_dtype(self, width: int) -> torch.dtype:
+        block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
+        return partial_dtype(self.memory.pool.kv[0].dtype, self.memory.device, self.memory.page_size,
+                             block_w * block_h)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank

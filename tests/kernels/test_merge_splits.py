@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attn_backends_kernels.attention_core import merge_splits
+from attn_backends_kernels.launch_record import recording
 
 
 def reference(part, lse):
@@ -40,11 +41,35 @@ def test_merge_splits_cpu(T, H, S, Dv):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_dv", [None, 64, 128, 1024])
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.float16])
+def test_merge_splits_column_blocks_cpu(block_dv, part_dtype):
+    """Output columns cut into blocks (None: the default, 64 columns for 3 heads of one row of
+    16-bit partials, whole rows of float32 ones; 1024: wider than the 512 columns), float32 and
+    16-bit partials, against the float64 reference."""
+    part, lse = make(1, 3, 5, 512, "cpu", seed=1)
+    part = part.to(part_dtype)
+    out = torch.full((1, 3, 512), float("nan"))
+    with recording() as launches:
+        merge_splits(part, lse, out, block_dv=block_dv)
+    torch.testing.assert_close(out.double(), reference(part, lse), rtol=1e-5, atol=1e-5)
+    default = 64 if part_dtype == torch.float16 else 512           # blocks for 16-bit partials only
+    assert launches[0][2] == (1, 3, -(-512 // (block_dv or default)))    # (rows, head blocks, column blocks)
+
+
+def test_merge_splits_block_dv_error():
+    part, lse = make(1, 2, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="block_dv=48 must be a power of two"):
+        merge_splits(part, lse, torch.empty(1, 2, 64), block_dv=48)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("T,H,S,Dv", [(1, 32, 32, 128), (256, 64, 4, 128), (64, 16, 32, 512), (37, 80, 2, 512),
                                       (1, 16, 64, 512), (1, 32, 64, 128)])
-def test_merge_splits_gpu(T, H, S, Dv):
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
+def test_merge_splits_gpu(T, H, S, Dv, part_dtype):
     part, lse = make(T, H, S, Dv, "cuda")
+    part = part.to(part_dtype)
     out = torch.full((T, H, Dv), float("nan"), device="cuda", dtype=torch.bfloat16)
     merge_splits(part, lse, out)
     torch.testing.assert_close(out.double(), reference(part, lse), rtol=1e-2, atol=1e-2)

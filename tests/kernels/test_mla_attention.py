@@ -5,11 +5,12 @@ from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref
 from attn_backends_kernels import mla_wgmma
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
-from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd
+from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd, tile_shape
 from attn_backends_kernels.mla_chunked import _mla_chunked_kernel
 from attn_backends_kernels.mla_dbuf import _mla_dbuf_kernel
 from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
 from attn_backends_kernels.mla_swap import _mla_swap_kernel
+from attn_backends_kernels.mla_warpspec import partial_dtype
 from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
@@ -26,7 +27,9 @@ GLUON_CASES = [
 
 
 def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
-            seed=0, poison_unused=False, **tuning):
+            seed=0, poison_unused=False, part_dtype=None, **tuning):
+    """(out, float64 reference); with splits, a NaN-filled workspace whose partials are
+    ``part_dtype`` (None: the backend's, ``mla_warpspec.partial_dtype``)."""
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
                                                    pad_len=W, device=device, seed=seed)
@@ -48,7 +51,9 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
     out = torch.full((bs * W, H, LATENT), float("nan"), device=device, dtype=dtype)
     ws = None
     if splits > 1:
-        ws = decode_workspace(bs * W, H, LATENT, splits, device)
+        block_w, block_h = tile_shape(W, H, tuning.get("block_w"), tuning.get("block_h"))
+        ws = decode_workspace(bs * W, H, LATENT, splits, device,
+                              part_dtype=part_dtype or partial_dtype(dtype, kv.device, page_size, block_w * block_h))
         ws[0].fill_(float("nan"))
         ws[1].fill_(float("nan"))
     scale = 0.1
@@ -82,6 +87,66 @@ def test_mla_verify_cpu(mask, page_size, W, splits, block_w):
     out, ref = run_mla([W + 20, W], W, page_size, 16, torch.float32, "cpu", mask=mask,
                        splits=splits, pad_rows=1, block_w=block_w)
     assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("part_dtype", [torch.float16, torch.float32])
+def test_mla_partials_cpu(part_dtype):
+    """float16 q and cache: the split partials in float16 (the wrapper's) or float32 (taken too)
+    merge to the float64 reference within float16's tolerance; a workspace of another dtype is
+    refused."""
+    out, ref = run_mla([90, 4, 41], 4, 16, 16, torch.float16, "cpu", mask=TREE, splits=3,
+                       part_dtype=part_dtype)
+    assert_close(out, ref, 2e-3)
+    with pytest.raises(ValueError, match="partials float32 or torch.float16"):
+        run_mla([9, 4], 4, 16, 16, torch.float16, "cpu", splits=2, part_dtype=torch.bfloat16)
+
+
+def _own_workspace_launches(dtype, device, W, page_size, H=16):
+    """The launches of a split wrapper call given no workspace: (kernel, grid, args, kwargs)."""
+    page_table, lens, num_pages = make_paged_batch([40, W], page_size, device=device)
+    kv = torch.randn(num_pages * page_size, 1, LATENT + ROPE, device=device).to(dtype)
+    q = torch.randn(2 * W, H, LATENT + ROPE, device=device).to(dtype)
+    out = torch.empty(2 * W, H, LATENT, dtype=dtype, device=device)
+    with recording() as launches:
+        mla_attention_fwd(q, kv, page_table, lens, page_size, 0.1, 2, out, q_per_req=W)
+    return [(k, grid, args, kw) for k, _, grid, args, kw in launches]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_mla_own_workspace_partials_cpu(dtype):
+    """Without a workspace the wrapper allocates float32 partials for the Triton kernel (whose
+    16-bit stores are not the coalesced ones of the warp-specialized kernels), and the merge
+    reads them."""
+    launches = _own_workspace_launches(dtype, "cpu", 4, 16)
+    assert [k for k, *_ in launches] == [_mla_split_kernel, merge_kernel()]
+    assert launches[1][2][0].dtype == torch.float32 and launches[1][2][0].shape == (8, 16, 2, LATENT)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("W,page_size,expect", [(4, 64, _mla_dbuf_kernel), (8, 64, _mla_chunked_kernel),
+                                                (4, 32, _mla_seesaw_kernel), (4, 16, _mla_wgmma_kernel),
+                                                (1, 64, _mla_swap_kernel)])
+def test_mla_own_workspace_partials_gpu(W, page_size, expect):
+    """On Hopper the wrapper's own partials are bfloat16 for the warp-specialized kernels (16-byte
+    stores) and float32 for the others, as ``mla_warpspec.partial_dtype`` tells the backend."""
+    _need_hopper()
+    launches = _own_workspace_launches(torch.bfloat16, "cuda", W, page_size)
+    assert launches[0][0] is expect and launches[1][0] is merge_kernel()
+    part = launches[1][2][0]
+    want = torch.bfloat16 if expect in (_mla_dbuf_kernel, _mla_chunked_kernel, _mla_seesaw_kernel) else torch.float32
+    assert part.dtype == want
+    block_w, block_h = tile_shape(W, 16)
+    assert partial_dtype(torch.bfloat16, part.device, page_size, block_w * block_h) == want
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel,W", [("dbuf", 4), ("swap", 1), ("triton", 4)])
+def test_mla_float32_partials_gpu(kernel, W):
+    """A bfloat16 launch given a float32 workspace (the wrapper allocates bfloat16 partials)."""
+    _need_hopper()
+    out, ref = run_mla([W, 33, 1000, 4166, 32768], W, 64, 16, torch.bfloat16, "cuda", splits=8,
+                       pad_rows=2, poison_unused=True, kernel=kernel, part_dtype=torch.float32)
+    assert_close(out, ref, 1e-2)
 
 
 @pytest.mark.cuda
