@@ -58,7 +58,7 @@ def compile_sm90(kernel, args: tuple, kwargs: dict):
 def resources(compiled) -> dict:
     """Registers and spill stack per thread (from the cubin), shared memory, warps, and the
     counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR, and of
-    barriers (``bar.sync``) in its PTX."""
+    barriers (``bar.sync``) and 16-byte global stores (``st.global...v4``) in its PTX."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -69,7 +69,8 @@ def resources(compiled) -> dict:
     return dict(regs=int(found["REG"]), stack=int(found["STACK"]), smem=compiled.metadata.shared,
                 warps=compiled.metadata.num_warps, wgmma=ttgir.count("warp_group_dot "),
                 mma_sync=ttgir.count("tt.dot "), cp_async=ttgir.count("async_copy_global_to_local"),
-                barriers=compiled.asm["ptx"].count("bar.sync"))
+                barriers=compiled.asm["ptx"].count("bar.sync"),
+                v4_stores=len(re.findall(r"st\.global[.\w]*\.v4\.", compiled.asm["ptx"])))
 
 
 @contextlib.contextmanager
@@ -204,7 +205,7 @@ def main(argv) -> int:
     if "--json" in argv:
         print("\n".join(json.dumps(r) for r in rows))
         return 0
-    cols = ("regs", "stack", "smem", "warps", "wgmma", "mma_sync", "cp_async", "barriers")
+    cols = ("regs", "stack", "smem", "warps", "wgmma", "mma_sync", "cp_async", "barriers", "v4_stores")
     print("| config | kernel | grid | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---:|" * len(cols))
     for r in rows:

@@ -80,12 +80,16 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
                          + [(c, "_mla_dbuf_kernel", DBUF_MAX_STACK) for c in DBUF_CONFIGS])
 def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_stack):
     """The warp-specialized kernels: 12 warps (two groups and the loader's), one program's
-    shared memory, wgmma dots and cp.async copies, and at most a few spilled values."""
+    shared memory, wgmma dots and cp.async copies, at most a few spilled values, and their
+    16-bit outputs (and split partials) stored 16 bytes a thread (``mla_warpspec.STORE_L``: 32
+    such stores, 8 columns each, cover a thread's share of the 64 x 512 tile; the accumulator's
+    own layout stored 4 bytes a thread, and 16-bit partials then lost to float32 ones)."""
     first, *rest = compiled[label]
     assert first["kernel"] == kernel and first["warps"] == 12, first
     assert first["stack"] <= max_stack, f"spills: {first}"
     assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
     assert first["wgmma"] >= 6 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
+    assert first["v4_stores"] >= 32, f"16-byte stores: {first}"
     assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
 
 
