@@ -16,9 +16,9 @@ from .launch_record import launch
 LOG2E = 1.4426950408889634
 # merge_splits' grid: about this many programs where rows x heads allow; the output columns of
 # 16-bit partials are cut into blocks (of at least MIN_MERGE_DV) where one head a program leaves
-# fewer. H100, graph replay, MLA16 bf16 partials, whole rows -> 64-column blocks: verify4 bs 1 kv
-# 8192 22.2 -> 20.4 us, kv 2048 17.0 -> 16.3, decode bs 1 kv 8192 20.2 -> 17.3; float32 partials
-# lost to it (decode bs 4 kv 2048 16.3 -> 17.5, verify4 bs 1 kv 8192 21.3 -> 22.4).
+# fewer. H100, graph replay, MLA16 verify4 with bf16 partials, whole rows -> 64-column blocks:
+# bs 1 kv 8192 22.2 -> 20.4 us, kv 2048 17.0 -> 16.3; float32 partials lost to it (decode bs 4
+# kv 2048 16.3 -> 17.5, verify4 bs 1 kv 8192 21.3 -> 22.4).
 MERGE_PROGRAMS = 256
 MIN_MERGE_DV = 64
 
@@ -308,11 +308,11 @@ def split_targets(name, out, workspace, num_kv_splits, tiles=0, part_dtype=torch
         raise ValueError(f"{name}: workspace must be (part, lse[, counters]) as decode_workspace "
                          f"returns, got {len(workspace)} tensors")
     o, lse = workspace[:2]
+    kinds = dict.fromkeys((torch.float32, part_dtype) + ((out.dtype,) if out_dtype_partials else ()))
     if (o.shape[0] < T or tuple(o.shape[1:]) != (H, num_kv_splits, Dv)
             or lse.shape[0] < T or tuple(lse.shape[1:]) != (H, num_kv_splits)
-            or o.dtype not in (torch.float32, part_dtype) + ((out.dtype,) if out_dtype_partials else ())
-            or lse.dtype != torch.float32 or o.stride(-1) != 1 or lse.stride(-1) != 1):
-        kinds = f"float32 or {out.dtype}" if out_dtype_partials else "float32"
+            or o.dtype not in kinds or lse.dtype != torch.float32 or o.stride(-1) != 1 or lse.stride(-1) != 1):
+        kinds = " or ".join(str(k).replace("torch.", "") for k in kinds)
         raise ValueError(f"{name}: workspace {tuple(o.shape)} {o.dtype} / {tuple(lse.shape)} "
                          f"{lse.dtype} does not fit rows={T}, H={H}, splits={num_kv_splits}, "
                          f"Dv={Dv} (partials {kinds}, lse float32, contiguous last dim)")

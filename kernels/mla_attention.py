@@ -36,7 +36,7 @@ from .mla_dbuf import _mla_dbuf_kernel, dbuf_refusal
 from .mla_seesaw import _mla_seesaw_kernel, seesaw_refusal
 from .mla_swap import HEADS as SWAP_ROWS
 from .mla_swap import _mla_swap_kernel, swap_refusal
-from .mla_warpspec import DEFAULT_WARPS, MAXNREG
+from .mla_warpspec import DEFAULT_WARPS, MAXNREG, partial_dtype
 from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf", "swap")
@@ -208,8 +208,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     cu_seqlens_q, max_q_len : ragged EXTEND (causal only): rows of request i are
         ``cu[i]:cu[i+1]``; ``max_q_len`` (host int) bounds them and sizes the grid
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1, its
-        partials float32 or q's dtype (``mla_warpspec.partial_dtype`` says which is faster);
-        allocated here when None
+        partials float32 or q's dtype; allocated here when None, its partials'
+        ``mla_warpspec.partial_dtype``
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
@@ -242,7 +242,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
                        block_w=block_w)
     if bs == 0:
         return out
-    part = out.dtype if use in REFUSALS else torch.float32   # mla_warpspec.partial_dtype's rule
+    part = partial_dtype(out.dtype, out.device, page_size, block_w * block_h, Dv, D - Dv)   # the backend's
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)

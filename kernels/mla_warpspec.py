@@ -216,17 +216,21 @@ def warp_specialized_refusal(tile_tokens: int, stages: int, page_size: int, bloc
     return None
 
 
-def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows: int) -> torch.dtype:
-    """The faster dtype of the split partials of ``mla_attention_fwd``'s default launch of
-    ``rows``-row tiles (block_w x block_h) of ``dtype`` on ``device``: ``dtype`` where a
-    warp-specialized kernel runs it (16-bit, 64-row tiles, sm_90, pages of whole 32-token tiles),
-    whose 16-bit stores are 16 bytes a thread (``STORE_L``); float32 elsewhere (the other
-    kernels store 16-bit values 4 bytes a thread, slower than float32's 8). As FlashInfer's MLA
-    plan (partial_o at 2 bytes a value). A partial is normalized by its split's sum, so rounding
-    it costs what rounding the output does; the merge sums in float32. H100, graph replay, MLA16
-    verify4, float32 -> bf16 partials: bs 16 kv 2048 36.1 -> 32.5 us, kv 8192 77.3 -> 75.5, bs 64
-    kv 8192 229.3 -> 226.3; MLA16 decode on the transposed kernel, float32 -> bf16: bs 1 kv 2048
-    12.9 -> 13.3, bs 16 28.8 -> 30.9 (so float32 there). The wrapper allocates by the same rule."""
+def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows: int, latent: int,
+                  rope: int) -> torch.dtype:
+    """The dtype of the split partials of ``mla_attention_fwd``'s launches of ``rows``-row tiles
+    (block_w x block_h) of ``dtype`` on ``device``, ``latent`` + ``rope`` dims: ``dtype`` where
+    the default launch takes a warp-specialized kernel (16-bit, 64-row tiles, 512 + 64 dims,
+    sm_90, pages of whole 32-token tiles; q and cache rows 16-byte aligned, which is not asked
+    here), whose 16-bit stores are 16 bytes a thread (``STORE_L``); float32 elsewhere. The
+    backend sizes its graph workspaces by it and the wrapper its own, so that graph and eager
+    launches round alike. As FlashInfer's MLA plan (partial_o at 2 bytes a value); the merge sums
+    in float32. Measured (H100, graph replay; ``bench/RESULTS.md``), float32 -> bf16 partials:
+    MLA16 verify4 bs 16 kv 2048 36.1 -> 32.5 us, kv 8192 77.3 -> 75.5, bs 64 kv 8192 229.3 ->
+    226.3; MLA16 decode on the transposed kernel (4-byte 16-bit stores) bs 1 kv 2048 12.9 ->
+    13.3, bs 16 28.8 -> 30.9, so float32 there. The Triton kernel (off sm_90) keeps float32:
+    not measured with 16-bit partials."""
     warp_specialized = (dtype in (torch.float16, torch.bfloat16) and rows == BLOCK_M.value
-                        and hopper_device(device) and warp_specialized_refusal(32, 4, page_size) is None)
+                        and (latent, rope) == (512, 64) and hopper_device(device)
+                        and warp_specialized_refusal(32, 4, page_size) is None)
     return dtype if warp_specialized else torch.float32

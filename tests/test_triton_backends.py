@@ -122,18 +122,19 @@ def test_graph_workspace_has_counters_only_where_the_merge_fuses(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("name", ["verify_tree", "decode_padded"])
-def test_graph_workspace_partials_dtype(backend, dtype, page_size, name, monkeypatch):
+@pytest.mark.parametrize("latent,rope", [(512, 64), (32, 16)])
+def test_graph_workspace_partials_dtype(backend, dtype, page_size, name, latent, rope, monkeypatch):
     """A graph key's split partials, as if on an sm_90 GPU: the KV cache's 16-bit dtype where the
-    MLA wrapper runs a warp-specialized kernel (64-row tiles: verify of 16 heads; pages of whole
-    32-token tiles), float32 elsewhere (16-head decode tiles, page 16, float32, GQA); the lse
-    always float32."""
+    MLA wrapper's default runs a warp-specialized kernel (64-row tiles: verify of 16 heads; 512 +
+    64 dims; pages of whole 32-token tiles), float32 elsewhere (16-head decode tiles, other dims,
+    page 16, float32, GQA), as the wrapper allocates its own; the lse always float32."""
     if backend not in AVAILABLE:
         pytest.skip(f"{backend} unavailable on {DEVICE}")
     import attn_backends_kernels.mla_warpspec as warpspec
     monkeypatch.setattr(warpspec, "hopper_device", lambda device: True)
     mla = backend == "triton_mla"
     cfg = ModelConfig(num_layers=1, num_q_heads=16, num_kv_heads=1 if mla else 2, head_dim=16, is_mla=mla,
-                      kv_lora_rank=32, qk_rope_head_dim=16, page_size=page_size, dtype=dtype)
+                      kv_lora_rank=latent, qk_rope_head_dim=rope, page_size=page_size, dtype=dtype)
     mem = make_memory(cfg, num_pages=4096 // page_size, max_reqs=12, max_context_len=128, device=DEVICE,
                       fill=False)
     be = get_backend(backend, cfg, mem)
@@ -142,5 +143,5 @@ def test_graph_workspace_partials_dtype(backend, dtype, page_size, name, monkeyp
     be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
     part, lse = be.forward_metadata.extra["workspace"][:2]
     assert be.forward_metadata.extra["num_kv_splits"] > 1
-    half = mla and dtype != torch.float32 and page_size == 64 and name == "verify_tree"
+    half = mla and dtype != torch.float32 and page_size == 64 and name == "verify_tree" and latent == 512
     assert part.dtype == (dtype if half else torch.float32) and lse.dtype == torch.float32

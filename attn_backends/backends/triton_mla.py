@@ -66,7 +66,7 @@ class TritonMLABackend(TritonBackendBase):
     def _part_dtype(self, width: int) -> torch.dtype:
         block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
         return partial_dtype(self.memory.pool.kv[0].dtype, self.memory.device, self.memory.page_size,
-                             block_w * block_h)
+                             block_w * block_h, self.config.kv_lora_rank, self.config.qk_rope_head_dim)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank

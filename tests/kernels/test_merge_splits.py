@@ -41,20 +41,23 @@ def test_merge_splits_cpu(T, H, S, Dv):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("Dv", [512, 200, 96])
 @pytest.mark.parametrize("block_dv", [None, 64, 128, 1024])
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.float16])
-def test_merge_splits_column_blocks_cpu(block_dv, part_dtype):
+def test_merge_splits_column_blocks_cpu(Dv, block_dv, part_dtype):
     """Output columns cut into blocks (None: the default, 64 columns for 3 heads of one row of
-    16-bit partials, whole rows of float32 ones; 1024: wider than the 512 columns), float32 and
-    16-bit partials, against the float64 reference."""
-    part, lse = make(1, 3, 5, 512, "cpu", seed=1)
+    16-bit partials, whole rows of float32 ones; 1024: wider than the columns; 200 and 96: a last
+    block partly past them), float32 and 16-bit partials, against the float64 reference."""
+    part, lse = make(1, 3, 5, Dv, "cpu", seed=1)
     part = part.to(part_dtype)
-    out = torch.full((1, 3, 512), float("nan"))
+    wide = torch.full((1, 3, Dv + 8), float("nan"))
+    out = wide[..., :Dv]                                           # columns past Dv must stay NaN
     with recording() as launches:
         merge_splits(part, lse, out, block_dv=block_dv)
     torch.testing.assert_close(out.double(), reference(part, lse), rtol=1e-5, atol=1e-5)
-    default = 64 if part_dtype == torch.float16 else 512           # blocks for 16-bit partials only
-    assert launches[0][2] == (1, 3, -(-512 // (block_dv or default)))    # (rows, head blocks, column blocks)
+    assert wide[..., Dv:].isnan().all()
+    width = block_dv or (64 if part_dtype == torch.float16 else 1 << (Dv - 1).bit_length())
+    assert launches[0][2] == (1, 3, -(-Dv // width))    # (rows, head blocks, column blocks)
 
 
 def test_merge_splits_block_dv_error():

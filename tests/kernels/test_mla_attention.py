@@ -53,7 +53,8 @@ def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad
     if splits > 1:
         block_w, block_h = tile_shape(W, H, tuning.get("block_w"), tuning.get("block_h"))
         ws = decode_workspace(bs * W, H, LATENT, splits, device,
-                              part_dtype=part_dtype or partial_dtype(dtype, kv.device, page_size, block_w * block_h))
+                              part_dtype=part_dtype or partial_dtype(dtype, kv.device, page_size, block_w * block_h,
+                                                                     LATENT, ROPE))
         ws[0].fill_(float("nan"))
         ws[1].fill_(float("nan"))
     scale = 0.1
@@ -97,7 +98,7 @@ def test_mla_partials_cpu(part_dtype):
     out, ref = run_mla([90, 4, 41], 4, 16, 16, torch.float16, "cpu", mask=TREE, splits=3,
                        part_dtype=part_dtype)
     assert_close(out, ref, 2e-3)
-    with pytest.raises(ValueError, match="partials float32 or torch.float16"):
+    with pytest.raises(ValueError, match="partials float32 or float16"):
         run_mla([9, 4], 4, 16, 16, torch.float16, "cpu", splits=2, part_dtype=torch.bfloat16)
 
 
@@ -114,9 +115,8 @@ def _own_workspace_launches(dtype, device, W, page_size, H=16):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_mla_own_workspace_partials_cpu(dtype):
-    """Without a workspace the wrapper allocates float32 partials for the Triton kernel (whose
-    16-bit stores are not the coalesced ones of the warp-specialized kernels), and the merge
-    reads them."""
+    """Without a workspace the wrapper allocates float32 partials off sm_90 (where no
+    warp-specialized kernel runs: ``mla_warpspec.partial_dtype``), and the merge reads them."""
     launches = _own_workspace_launches(dtype, "cpu", 4, 16)
     assert [k for k, *_ in launches] == [_mla_split_kernel, merge_kernel()]
     assert launches[1][2][0].dtype == torch.float32 and launches[1][2][0].shape == (8, 16, 2, LATENT)
@@ -136,15 +136,17 @@ def test_mla_own_workspace_partials_gpu(W, page_size, expect):
     want = torch.bfloat16 if expect in (_mla_dbuf_kernel, _mla_chunked_kernel, _mla_seesaw_kernel) else torch.float32
     assert part.dtype == want
     block_w, block_h = tile_shape(W, 16)
-    assert partial_dtype(torch.bfloat16, part.device, page_size, block_w * block_h) == want
+    assert partial_dtype(torch.bfloat16, part.device, page_size, block_w * block_h, LATENT, ROPE) == want
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel,W", [("dbuf", 4), ("swap", 1), ("triton", 4)])
-def test_mla_float32_partials_gpu(kernel, W):
-    """A bfloat16 launch given a float32 workspace (the wrapper allocates bfloat16 partials)."""
+@pytest.mark.parametrize("kernel,W,page_size", [("dbuf", 4, 64), ("chunked", 8, 64), ("seesaw", 4, 32),
+                                                ("wgmma", 4, 64), ("swap", 1, 64), ("triton", 4, 64)])
+def test_mla_float32_partials_gpu(kernel, W, page_size):
+    """A bfloat16 launch given a float32 workspace (the backend gives the warp-specialized
+    kernels bfloat16 partials, which the other GPU tests use): every kernel takes both."""
     _need_hopper()
-    out, ref = run_mla([W, 33, 1000, 4166, 32768], W, 64, 16, torch.bfloat16, "cuda", splits=8,
+    out, ref = run_mla([W, 33, 1000, 4166, 32768], W, page_size, 16, torch.bfloat16, "cuda", splits=8,
                        pad_rows=2, poison_unused=True, kernel=kernel, part_dtype=torch.float32)
     assert_close(out, ref, 1e-2)
 
