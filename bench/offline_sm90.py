@@ -81,6 +81,7 @@ def offline():
     import attn_backends_kernels.decode_attention as decode
     import attn_backends_kernels.extend_attention as extend
     import attn_backends_kernels.mla_attention as mla
+    import attn_backends_kernels.mla_warpspec as warpspec
     import attn_backends_kernels.mla_wgmma as wgmma
     modules = (core, decode, extend, mla)
     launches: list = []
@@ -90,16 +91,17 @@ def offline():
         launches.append((kernel.__name__, tuple(grid), resources(compiled)))
         return compiled
 
-    saved = [m.launch for m in modules], wgmma.on_hopper
+    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device
     for m in modules:
         m.launch = compile_instead
     wgmma.on_hopper = lambda t: True
+    warpspec.hopper_device = lambda device: True        # the split partials' dtype, as on sm_90
     try:
         yield launches
     finally:
         for m, fn in zip(modules, saved[0]):
             m.launch = fn
-        wgmma.on_hopper = saved[1]
+        wgmma.on_hopper, warpspec.hopper_device = saved[1], saved[2]
 
 
 def mla_configs() -> dict:
