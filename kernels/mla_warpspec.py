@@ -43,8 +43,8 @@ def _store_layout(cols: int) -> gl.DistributedLinearLayout:
         shape=[64, cols])
 
 
-STORE_L = {c: gl.constexpr(_store_layout(c)) for c in (128, 256)}
-STORE_L128, STORE_L256 = STORE_L[128], STORE_L[256]
+STORE_L128 = gl.constexpr(_store_layout(128))     # the output column counts of a warp group
+STORE_L256 = gl.constexpr(_store_layout(256))
 
 
 @gluon.jit
@@ -179,12 +179,10 @@ def _store_out(acc, l_i, ptrs, split, wb, hb, row0, COL0: gl.constexpr, NUM_HEAD
     inv = gl.convert_layout(1.0 / gl.where(nonempty, l_i, 1.0), gl.SliceLayout(1, OL))
     keep = gl.convert_layout(nonempty, gl.SliceLayout(1, OL))
     out = gl.where(keep[:, None], acc * inv[:, None], 0.0).to(o_ptr.dtype.element_ty)   # empty rows: zeros
-    if o_ptr.dtype.element_ty.primitive_bitwidth == 16 and COLS == 256:
-        _store_rows(gl.convert_layout(out, STORE_L256), ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H,
-                    BLOCK_W, COLS, STORE_L256)
-    elif o_ptr.dtype.element_ty.primitive_bitwidth == 16 and COLS == 128:
-        _store_rows(gl.convert_layout(out, STORE_L128), ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H,
-                    BLOCK_W, COLS, STORE_L128)
+    if o_ptr.dtype.element_ty.primitive_bitwidth == 16 and (COLS == 128 or COLS == 256):
+        SL: gl.constexpr = STORE_L256 if COLS == 256 else STORE_L128
+        _store_rows(gl.convert_layout(out, SL), ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H, BLOCK_W,
+                    COLS, SL)
     else:
         _store_rows(out, ptrs, split, wb, hb, row0, COL0, NUM_HEADS, BLOCK_H, BLOCK_W, COLS, OL)
 
@@ -222,7 +220,7 @@ def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows
     (block_w x block_h) of ``dtype`` on ``device``, ``latent`` + ``rope`` dims: ``dtype`` where
     the default launch takes a warp-specialized kernel (16-bit, 64-row tiles, 512 + 64 dims,
     sm_90, pages of whole 32-token tiles; q and cache rows 16-byte aligned, which is not asked
-    here), whose 16-bit stores are 16 bytes a thread (``STORE_L``); float32 elsewhere. The
+    here), whose 16-bit stores are 16 bytes a thread (``STORE_L128``, ``STORE_L256``); float32 elsewhere. The
     backend sizes its graph workspaces by it and the wrapper its own, so that graph and eager
     launches round alike. As FlashInfer's MLA plan (partial_o at 2 bytes a value); the merge sums
     in float32. Measured (H100, graph replay; ``bench/RESULTS.md``), float32 -> bf16 partials:
