@@ -22,8 +22,8 @@ Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flash
 ``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an
 idle GPU, host launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and
 ``host_us`` (host time of one eager call), all medians with L2 flushed (``sweep_timing``);
-``host_us`` and ``eager_us`` the least of interleaved rounds over ours and every configuration
-(``interleaved_times``);
+``graph_us``, ``host_us`` and ``eager_us`` the least of interleaved rounds over ours and every
+configuration (``interleaved_times``; graph and eager: with their first timing);
 output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every
 JIT module and Triton kernel is built in parallel processes (``sweep_prewarm``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload, ours eager only, and each
@@ -174,9 +174,9 @@ def finish(ctx: Ctx, row, rec: dict) -> dict:
     return rec
 
 
-def time_ours(ctx: Ctx, row) -> tuple:
-    """``(record, reference output, layout, eager call)``; the host time and the eager time's
-    interleaved rounds come later (``interleaved_times``)."""
+def time_ours(ctx: Ctx, row, graphs: dict) -> tuple:
+    """``(record, reference output, layout, eager call)``; the graph (kept in ``graphs`` for its
+    rounds), host and eager times' interleaved rounds come later (``interleaved_times``)."""
     ours = Ours(row)
     fn, c = ours.eager(), ctx.clock
     t0 = time.perf_counter()
@@ -191,7 +191,7 @@ def time_ours(ctx: Ctx, row) -> tuple:
     torch.cuda.synchronize()
     rec["err_graph"] = rel_err(out, ref)
     rec["graph_us"] = c.gpu_us(g.replay)
-    del g
+    graphs["ours"] = (g, ours)
     return finish(ctx, row, rec), ref, ours.layout(), fn
 
 
@@ -204,7 +204,7 @@ def _drain() -> None:
         print(f"!! CUDA error after a failure: {e}", file=sys.stderr, flush=True)
 
 
-def time_peer(ctx: Ctx, row, config: str, inp, ref) -> dict:
+def time_peer(ctx: Ctx, row, config: str, inp, ref, graphs: dict) -> dict:
     rec = base_record(row, config, status="ok")
     c, stage = ctx.clock, "plan"
     try:
@@ -220,7 +220,7 @@ def time_peer(ctx: Ctx, row, config: str, inp, ref) -> dict:
         torch.cuda.synchronize()
         rec["err_graph"] = rel_err(out, ref)
         rec["graph_us"] = c.gpu_us(g.replay)
-        del g, out, gpeer
+        graphs[config] = (g, gpeer)                              # replayed again in the rounds
     except Exception as e:  # recorded in the row and the footer, never hidden
         _drain()
         rec.update(status="error", reason=f"{stage}: {type(e).__name__}: {e}"[:500])
@@ -246,8 +246,9 @@ def measure_row(ctx: Ctx, row) -> list:
 
 
 def _measure_row(ctx: Ctx, row) -> list:
+    graphs: dict = {}                      # {impl: (graph, what it replays)}, alive for the rounds
     try:
-        ours, ref, layout, ours_fn = time_ours(ctx, row)
+        ours, ref, layout, ours_fn = time_ours(ctx, row, graphs)
     except Exception as e:  # no reference and no layout: the peers of this row are skipped
         _drain()
         reason = f"ours: {type(e).__name__}: {e}"[:500]
@@ -256,8 +257,7 @@ def _measure_row(ctx: Ctx, row) -> list:
         return [finish(ctx, row, base_record(row, "ours", status="error", reason=reason))]
     recs = [ours]
     if ctx.fi is None and not ctx.env["smoke"]:
-        interleaved_times(ctx, recs, ours_fn, None)
-        return recs
+        return interleaved_times(ctx, row, recs, ours_fn, None, graphs)
     inp = fi_inputs(row, layout)
     sm = ctx.env["sm"] if not ctx.env["smoke"] else 90      # smoke: check the SM90 set
     for config in candidates(row.wl):
@@ -267,23 +267,25 @@ def _measure_row(ctx: Ctx, row) -> list:
         elif ctx.env["smoke"]:
             recs.append(emulated_peer(ctx, row, config, inp, ref))
         else:
-            recs.append(time_peer(ctx, row, config, inp, ref))
-    interleaved_times(ctx, recs, ours_fn, inp)
-    return recs
+            recs.append(time_peer(ctx, row, config, inp, ref, graphs))
+    return interleaved_times(ctx, row, recs, ours_fn, inp, graphs)
 
 
-def interleaved_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
-    """``host_us`` / ``eager_us`` of ours and every configuration that ran, in interleaved rounds
-    (``Clock.interleaved_us``, all kept in ``*_rounds_us``): the least round (eager: or its first
-    timing). One that fails gets ``host_error`` / ``eager_error``; the others are still written."""
+def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> list:
+    """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours and every
+    configuration that ran, in interleaved rounds (``Clock.interleaved_us``, kept in ``*_rounds_us``):
+    the least of the first timing and the rounds; rates from that graph time. One that fails gets
+    ``graph_error`` / ``host_error`` / ``eager_error``; the others are still written."""
     if ctx.device != "cuda":
-        return
+        return recs
     makers = {"ours": lambda: ours_fn}
     for rec in recs[1:]:
         if rec["status"] == "ok":
             makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
-    for kind, timer in (("host", ctx.clock.host_us), ("eager", ctx.clock.eager_us)):
-        rounds, errors = ctx.clock.interleaved_us(makers, timer)
+    replays = {impl: lambda g=g: g.replay for impl, (g, _) in graphs.items()}
+    for kind, made, timer in (("graph", replays, ctx.clock.gpu_us), ("host", makers, ctx.clock.host_us),
+                              ("eager", makers, ctx.clock.eager_us)):
+        rounds, errors = ctx.clock.interleaved_us(made, timer)
         for rec in recs:
             got = rounds.get(rec["impl"])
             if got:
@@ -293,23 +295,12 @@ def interleaved_times(ctx: Ctx, recs: list, ours_fn, inp) -> None:
                 rec[f"{kind}_error"] = errors[rec["impl"]]
                 ctx.errors.append(f"{kind} time of {rec['impl']}: {errors[rec['impl']][:160]}")
                 _drain()
-
-
-def summary(recs: list) -> str:
-    ours = recs[0]
-    if ours["status"] != "ok":
-        return f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours {ours['status']}"
-    us = lambda r, k: f"{r[k]:.1f}" if r.get(k) is not None else "-"  # noqa: E731
-    peers = [r for r in recs[1:] if r.get("graph_us")]
-    best = min(peers, key=lambda r: r["graph_us"], default=None)
-    fi = "FI -"
-    if best and ours.get("graph_us"):
-        fi = (f"FI best {best['impl']} {us(best, 'graph_us')}/{us(best, 'eager_us')} us "
-              f"({best['graph_us'] / ours['graph_us']:.2f}x)")
-    checks = ",".join(sorted({r["check"] for r in recs if r.get("check")}))
-    return (f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours graph/eager "
-            f"{us(ours, 'graph_us')}/{us(ours, 'eager_us')} us host {us(ours, 'host_us')} | {fi} "
-            f"| check {checks or '-'}")
+        if kind == "graph":
+            graphs.clear()
+    for rec in recs:
+        if rec["status"] == "ok":
+            rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
+    return recs
 
 
 def skip_rows(ctx: Ctx, wls, bs: int, kv: int, reason: str, status: str = "skipped") -> None:
@@ -336,7 +327,7 @@ def measure_group(ctx: Ctx, key) -> None:
     for wl in wls:
         try:
             row = build_row(group, wl)
-            print(summary(measure_row(ctx, row)), flush=True)
+            print(sweep_report.row_summary(measure_row(ctx, row)), flush=True)
         except Exception as e:  # a failure outside the timed calls: recorded, never hidden
             _drain()
             skip_rows(ctx, [wl], bs, kv, f"{type(e).__name__}: {e}"[:400], status="error")

@@ -20,15 +20,33 @@ row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
 METHOD = """Method: `graph` = replay of the call captured in a CUDA graph (GPU time, events, L2
 flushed before each call); `eager` = one eager call from an idle GPU, host launch included
 (L2 flushed, device drained, events around the call); `host` = host time of one eager call
-(perf_counter, no synchronize inside). Medians of 8-30 calls; host: the least of 3 rounds,
-each the median of 25 calls, every round timing ours and each FlashInfer configuration in
-turn; eager: the least of its first median and 3 such rounds. Ours eager: `forward()` after
+(perf_counter, no synchronize inside). Medians of 8-30 calls; every round times ours and
+each FlashInfer configuration in turn; graph and eager: the least of the first median and 3
+such rounds; host: the least of 3 rounds, each the median of 25 calls. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
 compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory
 otherwise. check: our output against the fastest FlashInfer configuration's
 (max abs diff / max abs < 2e-2; `!` marks a mismatch of any configuration)."""
+
+
+def row_summary(recs: list) -> str:
+    """One console line of a measured row (``sweep.measure_row``'s records, ours first)."""
+    ours = recs[0]
+    if ours["status"] != "ok":
+        return f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours {ours['status']}"
+    us = lambda r, k: f"{r[k]:.1f}" if r.get(k) is not None else "-"  # noqa: E731
+    peers = [r for r in recs[1:] if r.get("graph_us")]
+    best = min(peers, key=lambda r: r["graph_us"], default=None)
+    fi = "FI -"
+    if best and ours.get("graph_us"):
+        fi = (f"FI best {best['impl']} {us(best, 'graph_us')}/{us(best, 'eager_us')} us "
+              f"({best['graph_us'] / ours['graph_us']:.2f}x)")
+    checks = ",".join(sorted({r["check"] for r in recs if r.get("check")}))
+    return (f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours graph/eager "
+            f"{us(ours, 'graph_us')}/{us(ours, 'eager_us')} us host {us(ours, 'host_us')} | {fi} "
+            f"| check {checks or '-'}")
 
 
 def load(path) -> tuple:

@@ -9,7 +9,7 @@
   included (what a runner that launches attention outside its graphs waits for).
 * ``host_us(fn)``: ``perf_counter`` around the call, no synchronize inside the timed span
   (the device is drained before each call so the launch queue never fills).
-* ``interleaved_us(makers, timer)``: ``timer`` (``host_us`` or ``eager_us``) of several
+* ``interleaved_us(makers, timer)``: ``timer`` (``gpu_us``, ``host_us`` or ``eager_us``) of several
   implementations of one row in rounds, each round timing every implementation in turn. The
   device machines have spells in which Python runs 1.5-1.8x slower for seconds at a time
   (bench/RESULTS.md); timed one after the other, two implementations could each land in a

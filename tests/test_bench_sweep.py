@@ -110,11 +110,13 @@ def test_flashinfer_calls_bind_to_the_wheel():
     assert n > 0
 
 
-def test_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
-    """Every round times ours and each FlashInfer configuration that ran, in turn (a peer planned
-    anew each round), host time and then eager time; each keeps its least round (eager: with its
-    first timing); one that fails gets ``host_error`` / ``eager_error``, is timed no further in
-    those rounds, and the row's other records keep their times."""
+def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
+    """Every round times ours and each FlashInfer configuration that ran, in turn: graph replays
+    first (the graphs kept from their first timing, released after their rounds), then host time
+    (a peer planned anew each round), then eager time; each keeps the least of its first timing
+    and its rounds (host: its least round), and the rates follow the graph time kept; one that
+    fails gets ``*_error``, is timed no further in those rounds, and the row's other records keep
+    their times."""
     from types import SimpleNamespace
 
     monkeypatch.syspath_prepend(str(BENCH))
@@ -132,20 +134,41 @@ def test_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monk
         def fn(self):
             return lambda: order.append(self.config)
 
+    class _Graph:
+        def __init__(self, name) -> None:
+            self.name = name
+
+        def replay(self):
+            if self.name == "broken":
+                raise RuntimeError("replay failed")
+            order.append("graph " + self.name)
+
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
-    ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[])
+    rates = []
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: rates.append(us) or {"gbs": us})
+    ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[], env={})
+    row = SimpleNamespace(wl=None, bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
     recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager timings
-    sweep.interleaved_times(ctx, recs, lambda: order.append("ours"), None)
-    assert order == ["ours", "fa2"] * sweep_timing.HOST_ROUNDS * 2          # host rounds, then eager rounds
+    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1e-6     # and graph timings
+    graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
+    got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
+    assert got is recs and graphs == {}, "the graphs are released after their rounds"
+    rounds = sweep_timing.HOST_ROUNDS
+    assert order == (["graph ours", "graph fa2"] * rounds + ["ours", "fa2"] * rounds * 2)
     for rec in recs[:2]:
-        for kind in ("host", "eager"):
-            assert len(rec[f"{kind}_rounds_us"]) == sweep_timing.HOST_ROUNDS
+        for kind in ("graph", "host", "eager"):
+            assert len(rec[f"{kind}_rounds_us"]) == rounds
         assert round(rec["host_us"], 2) == min(rec["host_rounds_us"])
+    assert round(recs[0]["graph_us"], 2) == min(recs[0]["graph_rounds_us"]), "a later round, the least, was dropped"
+    assert recs[1]["graph_us"] == 1e-6, "the first graph timing, the least, was dropped"
     assert recs[0]["eager_us"] == 0.0, "the first eager timing, the least, was dropped"
     assert round(recs[1]["eager_us"], 2) == min(recs[1]["eager_rounds_us"])
+    assert recs[0]["gbs"] == recs[0]["graph_us"] and recs[1]["gbs"] == 1e-6, "rates from the graph time kept"
+    assert "replay failed" in recs[2]["graph_error"]
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
-    assert "host_us" not in recs[3] and "eager_us" not in recs[3] and len(ctx.errors) == 2
+    assert "graph_us" not in recs[3] and "host_us" not in recs[3] and "eager_us" not in recs[3]
+    assert len(ctx.errors) == 3 and "gbs" not in recs[3]
