@@ -282,7 +282,7 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     for rec in recs[1:]:
         if rec["status"] == "ok":
             makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
-    replays = {impl: lambda g=g: g.replay for impl, (g, _) in graphs.items()}
+    replays = {impl: lambda impl=impl: graphs[impl][0].replay for impl in graphs}   # no graph held
     for kind, made, timer in (("graph", replays, ctx.clock.gpu_us), ("host", makers, ctx.clock.host_us),
                               ("eager", makers, ctx.clock.eager_us)):
         rounds, errors = ctx.clock.interleaved_us(made, timer)
@@ -293,7 +293,8 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
                 rec.update({f"{kind}_us": min(first + got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
             if rec["impl"] in errors:
                 rec[f"{kind}_error"] = errors[rec["impl"]]
-                ctx.errors.append(f"{kind} time of {rec['impl']}: {errors[rec['impl']][:160]}")
+                ctx.errors.append(f"{row.wl.name} bs={row.bs} kv={row.kv} {kind} time of {rec['impl']}: "
+                                  f"{errors[rec['impl']][:160]}")
                 _drain()
         if kind == "graph":
             graphs.clear()

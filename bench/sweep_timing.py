@@ -16,7 +16,8 @@
   different state (one sweep had the medians of ours and FlashInfer's host times both at
   42.6 us, the previous 33.7 and 26.6; the eager time, host launch included, moves with them:
   GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
-  add to 37.7). Every round spans all of them, and each keeps its least round.
+  add to 37.7). Every round spans all of them, and each keeps its least round (the sweep's graph
+  and eager times: the least of their first timing and the rounds).
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """

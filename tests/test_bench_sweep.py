@@ -110,20 +110,28 @@ def test_flashinfer_calls_bind_to_the_wheel():
     assert n > 0
 
 
-def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
-    """Every round times ours and each FlashInfer configuration that ran, in turn: graph replays
-    first (the graphs kept from their first timing, released after their rounds), then host time
-    (a peer planned anew each round), then eager time; each keeps the least of its first timing
-    and its rounds (host: its least round), and the rates follow the graph time kept; one that
-    fails gets ``*_error``, is timed no further in those rounds, and the row's other records keep
-    their times."""
-    from types import SimpleNamespace
+def _interleave_fakes(sweep_timing, order: list, released: list, refs: list) -> tuple:
+    """``(clock, Peer, Graph)`` for ``interleaved_times``: a clock whose timers each give their own
+    range of values (graph 1xx, host 2xx, eager 3xx), a FlashInfer peer that records its calls and
+    whether every graph in ``refs`` (weak references) is gone by then, and a graph that records its
+    replays ("broken" ones raise)."""
 
-    monkeypatch.syspath_prepend(str(BENCH))
-    import sweep
-    import sweep_timing
+    class _Clock(sweep_timing.Clock):
+        n = 0
 
-    order = []
+        def _tick(self, fn, base: int) -> float:
+            fn()
+            self.n += 1
+            return base + self.n
+
+        def gpu_us(self, fn):
+            return self._tick(fn, 100)
+
+        def host_us(self, fn):
+            return self._tick(fn, 200)
+
+        def eager_us(self, fn):
+            return self._tick(fn, 300)
 
     class _Peer:
         def __init__(self, fi, config, inp, ws) -> None:
@@ -132,7 +140,7 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
             self.config = config
 
         def fn(self):
-            return lambda: order.append(self.config)
+            return lambda: (order.append(self.config), released.append(all(r() is None for r in refs)))
 
     class _Graph:
         def __init__(self, name) -> None:
@@ -143,32 +151,109 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
                 raise RuntimeError("replay failed")
             order.append("graph " + self.name)
 
+    return _Clock("cpu"), _Peer, _Graph
+
+
+def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
+    """Every round times ours and each FlashInfer configuration that ran, in turn: graph replays
+    first (on the GPU clock; the graphs kept from their first timing, released before the host
+    rounds), then host time (a peer planned anew each round), then eager time; each keeps the
+    least of its first timing and its rounds (host: its least round), and the rates follow the
+    graph time kept; one that fails gets ``*_error``, is timed no further in those rounds, and the
+    row's other records keep their times."""
+    import weakref
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+    import sweep_timing
+
+    order, released, refs = [], [], []
+    clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
-    rates = []
-    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: rates.append(us) or {"gbs": us})
-    ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[], env={})
-    row = SimpleNamespace(wl=None, bs=1, kv=64)
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {"gbs": us})
+    ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={})
+    row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
     recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager timings
-    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1e-6     # and graph timings
+    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1.0      # and graph timings
     graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
+    refs += [weakref.ref(g) for g, _ in graphs.values()]
     got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
     assert got is recs and graphs == {}, "the graphs are released after their rounds"
+    assert released and all(released), "a graph was still alive in the host and eager rounds"
     rounds = sweep_timing.HOST_ROUNDS
     assert order == (["graph ours", "graph fa2"] * rounds + ["ours", "fa2"] * rounds * 2)
     for rec in recs[:2]:
-        for kind in ("graph", "host", "eager"):
+        for kind, base in (("graph", 100), ("host", 200), ("eager", 300)):
             assert len(rec[f"{kind}_rounds_us"]) == rounds
-        assert round(rec["host_us"], 2) == min(rec["host_rounds_us"])
-    assert round(recs[0]["graph_us"], 2) == min(recs[0]["graph_rounds_us"]), "a later round, the least, was dropped"
-    assert recs[1]["graph_us"] == 1e-6, "the first graph timing, the least, was dropped"
+            assert all(base < t < base + 100 for t in rec[f"{kind}_rounds_us"]), f"{kind} on another clock"
+        assert rec["host_us"] == min(rec["host_rounds_us"])
+    assert recs[0]["graph_us"] == min(recs[0]["graph_rounds_us"]), "a later round, the least, was dropped"
+    assert recs[1]["graph_us"] == 1.0, "the first graph timing, the least, was dropped"
     assert recs[0]["eager_us"] == 0.0, "the first eager timing, the least, was dropped"
-    assert round(recs[1]["eager_us"], 2) == min(recs[1]["eager_rounds_us"])
-    assert recs[0]["gbs"] == recs[0]["graph_us"] and recs[1]["gbs"] == 1e-6, "rates from the graph time kept"
+    assert recs[1]["eager_us"] == min(recs[1]["eager_rounds_us"])
+    assert recs[0]["gbs"] == recs[0]["graph_us"] and recs[1]["gbs"] == 1.0, "rates from the graph time kept"
     assert "replay failed" in recs[2]["graph_error"]
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
     assert "graph_us" not in recs[3] and "host_us" not in recs[3] and "eager_us" not in recs[3]
     assert len(ctx.errors) == 3 and "gbs" not in recs[3]
+    assert all(e.startswith("gqa32_decode bs=1 kv=64 ") for e in ctx.errors), "an error without its row"
+
+
+def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
+    """``time_ours`` and ``time_peer`` leave each captured graph, with what it replays, in the row's
+    ``graphs`` (without them the graph rounds never run); a peer whose capture fails leaves none."""
+    import collections
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+    import sweep_timing
+
+    out = torch.ones(2, 3)
+
+    class _Graph:
+        def replay(self) -> None:
+            pass
+
+    class _Ours:
+        def __init__(self, row) -> None:
+            pass
+
+        def eager(self):
+            return lambda: out
+
+        def graph(self):
+            return _Graph(), out
+
+        def layout(self):
+            return "layout"
+
+    class _Peer:
+        def __init__(self, fi, config, inp, ws, graph=False) -> None:
+            if graph and config == "nograph":
+                raise RuntimeError("capture refused")
+
+        def fn(self):
+            return lambda: out
+
+    monkeypatch.setattr(sweep, "Ours", _Ours)
+    monkeypatch.setattr(sweep, "Peer", _Peer)
+    monkeypatch.setattr(sweep, "capture", lambda fn: (_Graph(), fn()))
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {})
+    monkeypatch.setattr(sweep, "_drain", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[], env={},
+                          mismatches=[], failures=collections.Counter(), broken={})
+    row = SimpleNamespace(wl=SimpleNamespace(name="w", describe=lambda: {"workload": "w"}), bs=1, kv=64)
+    graphs: dict = {}
+    ours, ref, _, _ = sweep.time_ours(ctx, row, graphs)
+    peers = [sweep.time_peer(ctx, row, config, None, ref, graphs) for config in ("fa2", "nograph")]
+    assert set(graphs) == {"ours", "fa2"} and all(isinstance(g, _Graph) for g, _ in graphs.values())
+    assert ours["status"] == peers[0]["status"] == "ok" and peers[1]["status"] == "error"
