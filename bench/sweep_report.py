@@ -20,9 +20,9 @@ row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
 METHOD = """Method: `graph` = replay of the call captured in a CUDA graph (GPU time, events, L2
 flushed before each call); `eager` = one eager call from an idle GPU, host launch included
 (L2 flushed, device drained, events around the call); `host` = host time of one eager call
-(perf_counter, no synchronize inside). Medians of 8-30 calls; every round times ours and
-each FlashInfer configuration in turn; graph and eager: the least of the first median and 3
-such rounds; host: the least of 3 rounds, each the median of 25 calls. Ours eager: `forward()` after
+(perf_counter, no synchronize inside). Medians of 8-30 calls (host: 25); each time is the
+least of 3 rounds, every round timing ours and each FlashInfer configuration in turn, starting
+one later each round. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:

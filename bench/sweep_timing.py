@@ -16,8 +16,8 @@
   different state (one sweep had the medians of ours and FlashInfer's host times both at
   42.6 us, the previous 33.7 and 26.6; the eager time, host launch included, moves with them:
   GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
-  add to 37.7). Every round spans all of them, and each keeps its least round (the sweep's graph
-  and eager times: the least of their first timing and the rounds).
+  add to 37.7). Every round spans all of them, each round starting one implementation later,
+  and each keeps its least round.
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
@@ -95,10 +95,13 @@ class Clock:
     def interleaved_us(self, makers: dict, timer, rounds: int = HOST_ROUNDS) -> tuple:
         """``({name: [timer(call) of each round]}, {name: error})``; ``makers[name]()`` gives the
         call to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
-        one workspace). An implementation that raises is timed no further; the others go on."""
-        out, errors = {name: [] for name in makers}, {}
-        for _ in range(rounds):
-            for name, make in makers.items():
+        one workspace). Round r starts at the r-th implementation (then in order, wrapping), so
+        that none is always timed first. An implementation that raises is timed no further; the
+        others go on."""
+        out, errors, names = {name: [] for name in makers}, {}, list(makers)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                make = makers[name]
                 if name in errors:
                     continue
                 try:

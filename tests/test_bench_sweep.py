@@ -155,12 +155,12 @@ def _interleave_fakes(sweep_timing, order: list, released: list, refs: list) -> 
 
 
 def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
-    """Every round times ours and each FlashInfer configuration that ran, in turn: graph replays
-    first (on the GPU clock; the graphs kept from their first timing, released before the host
-    rounds), then host time (a peer planned anew each round), then eager time; each keeps the
-    least of its first timing and its rounds (host: its least round), and the rates follow the
-    graph time kept; one that fails gets ``*_error``, is timed no further in those rounds, and the
-    row's other records keep their times."""
+    """Every round times ours and each FlashInfer configuration that ran, in turn, each round
+    starting one later: graph replays first (on the GPU clock; the graphs kept from their first
+    median, released before the host rounds), then host time (a peer planned anew each round),
+    then eager time; each keeps its least round (the first graph and eager medians kept aside as
+    ``*_first_us``), and the rates follow the graph time kept; one that fails gets ``*_error``, is
+    timed no further in those rounds, and the row's other records keep their times."""
     import weakref
     from types import SimpleNamespace
 
@@ -177,25 +177,27 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
-    recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager timings
-    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1.0      # and graph timings
+    recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager medians
+    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1.0      # and graph medians: never the times kept
     graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
     refs += [weakref.ref(g) for g, _ in graphs.values()]
     got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
     assert got is recs and graphs == {}, "the graphs are released after their rounds"
     assert released and all(released), "a graph was still alive in the host and eager rounds"
     rounds = sweep_timing.HOST_ROUNDS
-    assert order == (["graph ours", "graph fa2"] * rounds + ["ours", "fa2"] * rounds * 2)
+    names = ["ours", "fa2", "broken"]         # each round starts one later; "broken" fails in round 0
+    turns = [n for r in range(rounds) for n in names[r % 3:] + names[:r % 3] if n != "broken"]
+    assert order == ["graph " + n for n in turns] + turns * 2
     for rec in recs[:2]:
         for kind, base in (("graph", 100), ("host", 200), ("eager", 300)):
             assert len(rec[f"{kind}_rounds_us"]) == rounds
             assert all(base < t < base + 100 for t in rec[f"{kind}_rounds_us"]), f"{kind} on another clock"
         assert rec["host_us"] == min(rec["host_rounds_us"])
-    assert recs[0]["graph_us"] == min(recs[0]["graph_rounds_us"]), "a later round, the least, was dropped"
-    assert recs[1]["graph_us"] == 1.0, "the first graph timing, the least, was dropped"
-    assert recs[0]["eager_us"] == 0.0, "the first eager timing, the least, was dropped"
-    assert recs[1]["eager_us"] == min(recs[1]["eager_rounds_us"])
-    assert recs[0]["gbs"] == recs[0]["graph_us"] and recs[1]["gbs"] == 1.0, "rates from the graph time kept"
+    for rec, first_graph, first_eager in ((recs[0], 1e9, 0.0), (recs[1], 1.0, 1e9)):
+        for kind, first in (("graph", first_graph), ("eager", first_eager)):
+            assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: the first median was used"
+            assert rec[f"{kind}_first_us"] == first, f"{kind}: the first median was not kept"
+        assert rec["gbs"] == rec["graph_us"], "rates not from the graph time kept"
     assert "replay failed" in recs[2]["graph_error"]
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
