@@ -39,7 +39,9 @@ Output: ``DIR/sweep.jsonl``, JSON lines:
 * one ``{"type": "result", "workload", "family", "mode", "heads", "kv_heads", "qk_dim",
   "v_dim", "page_size", "width", "topk", "bs", "kv", "impl" ("ours" | a FlashInfer config
   | "row" for a skipped group), "status" ("ok" | "skipped" | "error" | "emulated"),
-  "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "err", "err_graph",
+  "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_first_us", "eager_first_us",
+  "graph_rounds_us", "host_rounds_us", "eager_rounds_us", "graph_error", "host_error",
+  "eager_error", "err", "err_graph",
   "check" ("pass" | "FAIL"), "bytes", "flops", "intensity", "bound", "gbs", "frac_copy",
   "tflops", "frac_matmul"}`` per (row, impl) (rates from ``graph_us``, else ``eager_us``)
 * ``{"type": "footer", "elapsed_s", "results", "mismatches", "errors"}``
@@ -277,9 +279,9 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     configuration that ran: the least of interleaved rounds (``Clock.interleaved_us``, kept in
     ``*_rounds_us``); rates from that graph time. The first graph and eager medians, taken one
     implementation after the other with ours first, are kept as ``*_first_us`` and not used: in a
-    machine's slow spells (GPU clocks or Python; H200, bs 128, rounds up to 25 % slower than the
+    machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
     first median) they would favour whichever was timed first. One that fails gets ``*_error``
-    (and keeps its first median if no round ran); the others are still written."""
+    (and no time of that kind if none of its rounds ran); the others are still written."""
     if ctx.device != "cuda":
         return recs
     makers = {"ours": lambda: ours_fn}
@@ -292,9 +294,9 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
         rounds, errors = ctx.clock.interleaved_us(made, timer)
         for rec in recs:
             got = rounds.get(rec["impl"])
+            if rec.get(f"{kind}_us") is not None and (got or rec["impl"] in errors):
+                rec[f"{kind}_first_us"] = rec.pop(f"{kind}_us")     # never the time (none if no round ran)
             if got:
-                if rec.get(f"{kind}_us") is not None:
-                    rec[f"{kind}_first_us"] = rec[f"{kind}_us"]
                 rec.update({f"{kind}_us": min(got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
             if rec["impl"] in errors:
                 rec[f"{kind}_error"] = errors[rec["impl"]]
@@ -303,9 +305,10 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
                 _drain()
         if kind == "graph":
             graphs.clear()
-    for rec in recs:
-        if rec["status"] == "ok":
-            rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
+    for rec in (r for r in recs if r["status"] == "ok"):      # rates of the times kept, or none
+        for k in ("gbs", "tflops", "frac_copy", "frac_matmul"):
+            rec.pop(k, None)
+        rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
     return recs
 
 

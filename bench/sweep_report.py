@@ -20,9 +20,7 @@ row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
 METHOD = """Method: `graph` = replay of the call captured in a CUDA graph (GPU time, events, L2
 flushed before each call); `eager` = one eager call from an idle GPU, host launch included
 (L2 flushed, device drained, events around the call); `host` = host time of one eager call
-(perf_counter, no synchronize inside). Medians of 8-30 calls (host: 25); each time is the
-least of 3 rounds, every round timing ours and each FlashInfer configuration in turn, starting
-one later each round. Ours eager: `forward()` after
+(perf_counter, no synchronize inside). Medians of 8-30 calls (host: 25); {timing}. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
@@ -47,6 +45,27 @@ def row_summary(recs: list) -> str:
     return (f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours graph/eager "
             f"{us(ours, 'graph_us')}/{us(ours, 'eager_us')} us host {us(ours, 'host_us')} | {fi} "
             f"| check {checks or '-'}")
+
+
+# How the data's graph / eager / host times were taken (``timing``: which the records show).
+TIMING = {
+    "rounds": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
+              "configuration in turn, starting one later each round (a time none of whose rounds ran is "
+              "left out); `eager (GPU)`: one median",
+    "first": "graph and eager: the least of the first median and 3 rounds, every round timing ours and "
+             "each FlashInfer configuration in turn; host: the least of 3 such rounds; `eager (GPU)`: one median",
+    "once": "graph and `eager (GPU)`: one median, ours first, then each configuration; eager: the least "
+            "of the first median and 3 rounds, every round timing ours and each configuration in turn; "
+            "host: the least of 3 such rounds",
+}
+
+
+def timing(results: list) -> str:
+    """Which ``TIMING`` the records were taken by: since a82f3c3 they keep their first medians
+    aside (``*_first_us``), from 7b9d8b9 they carry graph rounds, before that neither."""
+    if any("graph_first_us" in r or "eager_first_us" in r for r in results):
+        return "rounds"
+    return "first" if any("graph_rounds_us" in r for r in results) else "once"
 
 
 def load(path) -> tuple:
@@ -192,7 +211,7 @@ def problems(results: list, footer: dict) -> list:
     return out or ["- none"]
 
 
-def header_lines(h: dict, footer: dict) -> list:
+def header_lines(h: dict, footer: dict, how: str = "rounds") -> list:
     lines = ["# Sweep: ours against FlashInfer's configurations (issue #10)", ""]
     if h.get("smoke"):
         lines += ["**SMOKE DATA** (CPU, Triton interpreter, tiny shapes): times are meaningless; "
@@ -214,12 +233,12 @@ def header_lines(h: dict, footer: dict) -> list:
                      + (f"; failed: {'; '.join(failed)}" if failed else "."))
     if h.get("not_swept"):
         lines.append("- Not swept: " + "; ".join(f"{k}: {v}" for k, v in h["not_swept"].items()) + ".")
-    return lines + ["", METHOD, "", TARGETS, ""]
+    return lines + ["", METHOD.format(timing=TIMING[how]), "", TARGETS, ""]
 
 
 def markdown(header: dict, results: list, footer: dict) -> str:
     grouped = group(results)
-    parts = header_lines(header, footer)
+    parts = header_lines(header, footer, timing(results))
     parts += ["## Rows (times in us)", ""] + main_table(grouped)
     parts += ["", "## Targets", ""] + targets(grouped)
     parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)

@@ -172,13 +172,14 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
-    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {"gbs": us})
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {"gbs": us} if us else {})
     ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={})
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
     recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager medians
     recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1.0      # and graph medians: never the times kept
+    recs[2].update(graph_us=5.0, eager_us=6.0, gbs=7.0)       # a peer whose every round fails
     graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
     refs += [weakref.ref(g) for g, _ in graphs.values()]
     got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
@@ -198,7 +199,8 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
             assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: the first median was used"
             assert rec[f"{kind}_first_us"] == first, f"{kind}: the first median was not kept"
         assert rec["gbs"] == rec["graph_us"], "rates not from the graph time kept"
-    assert "replay failed" in recs[2]["graph_error"]
+    assert "replay failed" in recs[2]["graph_error"] and "graph_us" not in recs[2] and "gbs" not in recs[2]
+    assert recs[2]["graph_first_us"] == 5.0 and recs[2]["eager_first_us"] == 6.0, "no round: its median aside"
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
     assert "graph_us" not in recs[3] and "host_us" not in recs[3] and "eager_us" not in recs[3]
@@ -259,3 +261,18 @@ def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
     peers = [sweep.time_peer(ctx, row, config, None, ref, graphs) for config in ("fa2", "nograph")]
     assert set(graphs) == {"ours", "fa2"} and all(isinstance(g, _Graph) for g, _ in graphs.values())
     assert ours["status"] == peers[0]["status"] == "ok" and peers[1]["status"] == "error"
+
+
+def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
+    """SWEEP.md describes the timing its records show: rounds alone (first medians kept aside, since
+    a82f3c3), first medians with graph rounds (7b9d8b9), or graphs timed once (before)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep_report
+
+    cases = {"rounds": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {}],
+             "first": [{"graph_rounds_us": [1.0], "eager_rounds_us": [1.0]}],
+             "once": [{"eager_rounds_us": [1.0]}, {}]}
+    for how, results in cases.items():
+        assert sweep_report.timing(results) == how
+        text = "\n".join(sweep_report.header_lines({}, {}, sweep_report.timing(results)))
+        assert sweep_report.TIMING[how] in text and "{timing}" not in text
