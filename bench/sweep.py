@@ -8,25 +8,23 @@ Usage (repository root)::
     python bench/sweep_report.py DIR/sweep.jsonl        # bench/SWEEP.md + bench/sweep.png
 
 ``--out`` defaults to bench/ (``--smoke``: /tmp/attn-sweep-smoke). On a GPU machine without
-matplotlib (the lent ones) run with ``--out $OUT`` and redraw the table and the plot here
-with ``sweep_report.py``.
+matplotlib (the lent ones) run with ``--out $OUT`` and redraw the table and plot with ``sweep_report.py``.
 
-Matrix (``sweep_rows``): GQA 32/8 and 64/8 heads (d 128, page 16) decode, verify N=4
-(chain) and N=8 tree (topk 4); MLA 16 and 128 heads (512 + 64, page 64) decode and verify
-N=4; bs 1, 4, 16, 64, 128 x kv 2048, 8192, 32768 (``--quick``: bs 1, 16, 128 x kv 8192;
-those points run first in a full sweep too). bf16, shuffled pages, every request at
-exactly ``kv`` tokens, the same data for ours and FlashInfer. A group whose memory
-estimate exceeds 90% of the free device memory is skipped, with the reason.
+Matrix (``sweep_rows``): GQA 32/8 and 64/8 heads (d 128, page 16) decode, verify N=4 (chain) and N=8
+tree (topk 4); MLA 16 and 128 heads (512 + 64, page 64) decode and verify N=4; bs 1, 4, 16, 64, 128 x
+kv 2048, 8192, 32768 (``--quick``: bs 1, 16, 128 x kv 8192; those points run first in a full sweep
+too). bf16, shuffled pages, every request at exactly ``kv`` tokens, the same data for ours and
+FlashInfer. A group whose memory estimate exceeds 90% of the free device memory is skipped, with the reason.
 
 Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flashinfer``):
-``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an
-idle GPU, host launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and
-``host_us`` (host time of one eager call), all medians with L2 flushed (``sweep_timing``);
-``graph_us``, ``host_us`` and ``eager_us`` the least of interleaved rounds over ours and every
-configuration (``interleaved_times``; the first graph and eager medians, sequential, are kept as
-``graph_first_us`` and ``eager_first_us``);
-output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every
-JIT module and Triton kernel is built in parallel processes (``sweep_prewarm``).
+``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an idle GPU, host
+launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and ``host_us`` (host time of one
+eager call), all medians with L2 flushed (``sweep_timing``); ``graph_us``, ``host_us`` and ``eager_us`` the
+least of interleaved rounds over ours and every configuration (``interleaved_times``; the first graph and
+eager medians, sequential, are kept as ``graph_first_us`` and ``eager_first_us``; the graph rounds of a
+power-capped row start after ``graph_settle_s`` seconds of back-to-back replays, ``sweep_timing.settle``);
+output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every JIT module and
+Triton kernel is built in parallel processes (``sweep_prewarm``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload, ours eager only, and each
 FlashInfer configuration's arguments checked by ``sweep_fi_emulate`` instead of run.
 
@@ -40,10 +38,9 @@ Output: ``DIR/sweep.jsonl``, JSON lines:
   "v_dim", "page_size", "width", "topk", "bs", "kv", "impl" ("ours" | a FlashInfer config
   | "row" for a skipped group), "status" ("ok" | "skipped" | "error" | "emulated"),
   "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_first_us", "eager_first_us",
-  "graph_rounds_us", "host_rounds_us", "eager_rounds_us", "graph_error", "host_error",
-  "eager_error", "err", "err_graph",
-  "check" ("pass" | "FAIL"), "bytes", "flops", "intensity", "bound", "gbs", "frac_copy",
-  "tflops", "frac_matmul"}`` per (row, impl) (rates from ``graph_us``, else ``eager_us``)
+  "graph_rounds_us", "host_rounds_us", "eager_rounds_us", "graph_settle_s", "graph_error", "host_error",
+  "eager_error", "err", "err_graph", "check" ("pass" | "FAIL"), "bytes", "flops", "intensity", "bound",
+  "gbs", "frac_copy", "tflops", "frac_matmul"}`` per (row, impl) (rates from ``graph_us``, else ``eager_us``)
 * ``{"type": "footer", "elapsed_s", "results", "mismatches", "errors"}``
 
 and ``DIR/SWEEP.md`` (``sweep_report``; ``DIR/sweep.png`` too where matplotlib imports).
@@ -74,7 +71,7 @@ from sweep_fi_emulate import emulate  # noqa: E402
 from sweep_flashinfer import NOT_SWEPT, Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
 from sweep_ours import Ours  # noqa: E402
 from sweep_rows import BATCHES, QUICK_BATCHES, build_group, build_row, estimate_bytes, matrix, roofline  # noqa: E402
-from sweep_timing import Clock, capture  # noqa: E402
+from sweep_timing import Clock, capture, settle_seconds  # noqa: E402
 
 TOLERANCE = 2e-2
 MAX_FAILURES = 3            # a configuration failing on this many rows is not tried again
@@ -289,10 +286,13 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
         if rec["status"] == "ok":
             makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
     replays = {impl: lambda impl=impl: graphs[impl][0].replay for impl in graphs}   # no graph held
+    settle = settle_seconds(recs[0].get("intensity"), ctx.env.get("ridge_flop_per_byte"))
     for kind, made, timer in (("graph", replays, ctx.clock.gpu_us), ("host", makers, ctx.clock.host_us),
                               ("eager", makers, ctx.clock.eager_us)):
-        rounds, errors = ctx.clock.interleaved_us(made, timer)
+        rounds, errors = ctx.clock.interleaved_us(made, timer, settle_s=settle if kind == "graph" else 0.0)
         for rec in recs:
+            if kind == "graph" and settle and rec["impl"] in made:
+                rec["graph_settle_s"] = settle
             got = rounds.get(rec["impl"])
             if rec.get(f"{kind}_us") is not None and (got or rec["impl"] in errors):
                 rec[f"{kind}_first_us"] = rec.pop(f"{kind}_us")     # never the time (none if no round ran)

@@ -18,6 +18,12 @@
   GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
   add to 37.7). Every round spans all of them, each round starting one implementation later,
   and each keeps its least round.
+* ``settle(makers, seconds)``: before the graph rounds of a row whose calls bring the card to its
+  power cap (``settle_seconds``: intensity at least half the ridge), every implementation's replay
+  in turn, back to back, for ``SETTLE_S``. Without it the rounds began at whatever clock the
+  host-side work before them left (H100, 700 W cap, MLA-128 verify4 bs 128 kv 8192 replayed back
+  to back: 696-698 W, SM clock 1545-1725 MHz, ours and FlashInfer's fa3 alike; idle 1980 MHz), and
+  one sweep's graph times of a row moved up to 15 % from round to round.
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
@@ -32,6 +38,13 @@ TARGET_US = 20_000        # per timing: about this much device time, within the 
 MIN_ITERS, MAX_ITERS = 8, 30
 HOST_ITERS = 25
 HOST_ROUNDS = 3
+SETTLE_S = 1.0            # back-to-back replays before a power-capped row's graph rounds
+
+
+def settle_seconds(intensity, ridge) -> float:
+    """``SETTLE_S`` for a row of at least half the card's ridge intensity (flop/byte; MLA-128
+    decode and verify), else 0 (either unknown: 0)."""
+    return SETTLE_S if intensity and ridge and intensity >= ridge / 2 else 0.0
 
 
 class Clock:
@@ -92,13 +105,31 @@ class Clock:
         torch.cuda.synchronize()
         return statistics.median(spans)
 
-    def interleaved_us(self, makers: dict, timer, rounds: int = HOST_ROUNDS) -> tuple:
+    def settle(self, makers: dict, seconds: float) -> None:
+        """Every ``makers[name]()`` call in turn, back to back (L2 flushed before each), passes
+        until ``seconds`` have gone, the device drained after each pass. A call that raises is left
+        out (the rounds after it record its error)."""
+        calls, end = [make() for make in makers.values()], time.perf_counter() + seconds
+        while calls and time.perf_counter() < end:
+            for call in list(calls):
+                if self.cuda:
+                    self._flush.zero_()
+                try:
+                    call()
+                except Exception:  # noqa: BLE001 - recorded by the rounds that follow
+                    calls.remove(call)
+            if self.cuda:
+                torch.cuda.synchronize()
+
+    def interleaved_us(self, makers: dict, timer, rounds: int = HOST_ROUNDS, settle_s: float = 0.0) -> tuple:
         """``({name: [timer(call) of each round]}, {name: error})``; ``makers[name]()`` gives the
         call to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
         one workspace). Round r starts at the r-th implementation (then in order, wrapping), so
-        that none is always timed first. An implementation that raises is timed no further; the
-        others go on."""
+        that none is always timed first, after ``settle_s`` seconds of ``settle``. An implementation
+        that raises is timed no further; the others go on."""
         out, errors, names = {name: [] for name in makers}, {}, list(makers)
+        if settle_s > 0:
+            self.settle(makers, settle_s)
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 make = makers[name]

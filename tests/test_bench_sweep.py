@@ -264,15 +264,55 @@ def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
 
 
 def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
-    """SWEEP.md describes the timing its records show: rounds alone (first medians kept aside, since
-    a82f3c3), first medians with graph rounds (7b9d8b9), or graphs timed once (before)."""
+    """SWEEP.md describes the timing its records show: power-capped rows settled before their graph
+    rounds, rounds alone (first medians kept aside, since a82f3c3), first medians with graph rounds
+    (7b9d8b9), or graphs timed once (before)."""
     monkeypatch.syspath_prepend(str(BENCH))
     import sweep_report
 
-    cases = {"rounds": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {}],
+    cases = {"settled": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {"graph_settle_s": 1.0}],
+             "rounds": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {}],
              "first": [{"graph_rounds_us": [1.0], "eager_rounds_us": [1.0]}],
              "once": [{"eager_rounds_us": [1.0]}, {}]}
     for how, results in cases.items():
         assert sweep_report.timing(results) == how
         text = "\n".join(sweep_report.header_lines({}, {}, sweep_report.timing(results)))
         assert sweep_report.TIMING[how] in text and "{timing}" not in text
+
+
+def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
+    """A row of at least half the ridge intensity replays every implementation's graph in turn, back
+    to back, before its graph rounds (none before the host and eager rounds), a replay that fails
+    left out of it; its records say so (``graph_settle_s``). A lighter row, or a card whose ridge is
+    unknown, starts its rounds at once."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+    import sweep_timing
+
+    monkeypatch.setattr(sweep_timing, "SETTLE_S", 0.05)
+    monkeypatch.setattr(sweep, "_drain", lambda: None)
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {})
+    for intensity, ridge, settles in ((60.0, 100.0, True), (40.0, 100.0, False), (60.0, None, False)):
+        order, released = [], []
+        clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, [])
+        monkeypatch.setattr(sweep, "Peer", _Peer)
+        ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[],
+                              env={"ridge_flop_per_byte": ridge} if ridge else {})
+        row = SimpleNamespace(wl=SimpleNamespace(name="mla128_verify4"), bs=1, kv=64)
+        recs = [dict(impl="ours", status="ok", intensity=intensity), dict(impl="fa3", status="ok"),
+                dict(impl="broken", status="ok")]
+        graphs = {name: (_Graph(name), None) for name in ("ours", "fa3", "broken")}
+        sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
+        names = ["ours", "fa3", "broken"]
+        turns = [n for r in range(sweep_timing.HOST_ROUNDS) for n in names[r % 3:] + names[:r % 3]
+                 if n != "broken"]
+        tail = ["graph " + n for n in turns] + turns * 2          # the rounds, as without settling
+        assert order[len(order) - len(tail):] == tail
+        lead = order[:len(order) - len(tail)]
+        if settles:
+            assert len(lead) >= 4 and lead == ["graph ours", "graph fa3"] * (len(lead) // 2), lead
+            assert all(r["graph_settle_s"] == 0.05 for r in recs)
+        else:
+            assert lead == [] and not any("graph_settle_s" in r for r in recs)
