@@ -277,22 +277,21 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     ``*_rounds_us``); rates from that graph time. The first graph and eager medians, taken one
     implementation after the other with ours first, are kept as ``*_first_us`` and not used: in a
     machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
-    first median) they would favour whichever was timed first. One that fails gets ``*_error``
-    (and no time of that kind if none of its rounds ran); the others are still written."""
+    first median) they would favour whichever was timed first. A power-capped row settles first
+    (``sweep_timing.settle``, ``graph_settle_s``). One that fails gets ``*_error`` (and no time of
+    that kind if none of its rounds ran); the others are still written."""
     if ctx.device != "cuda":
         return recs
-    makers = {"ours": lambda: ours_fn}
-    for rec in recs[1:]:
-        if rec["status"] == "ok":
-            makers[rec["impl"]] = lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
+    makers = {"ours": lambda: ours_fn} | {rec["impl"]: lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
+                                          for rec in recs[1:] if rec["status"] == "ok"}
     replays = {impl: lambda impl=impl: graphs[impl][0].replay for impl in graphs}   # no graph held
     settle = settle_seconds(recs[0].get("intensity"), ctx.env.get("ridge_flop_per_byte"))
     for kind, made, timer in (("graph", replays, ctx.clock.gpu_us), ("host", makers, ctx.clock.host_us),
                               ("eager", makers, ctx.clock.eager_us)):
         rounds, errors = ctx.clock.interleaved_us(made, timer, settle_s=settle if kind == "graph" else 0.0)
         for rec in recs:
-            if kind == "graph" and settle and rec["impl"] in made:
-                rec["graph_settle_s"] = settle
+            if kind == "graph" and ctx.clock.settled.get(rec["impl"]):       # seconds it took part
+                rec["graph_settle_s"] = round(ctx.clock.settled[rec["impl"]], 3)
             got = rounds.get(rec["impl"])
             if rec.get(f"{kind}_us") is not None and (got or rec["impl"] in errors):
                 rec[f"{kind}_first_us"] = rec.pop(f"{kind}_us")     # never the time (none if no round ran)

@@ -54,9 +54,10 @@ TIMING = {
               "left out); `eager (GPU)`: one median",
     "settled": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
                "configuration in turn, starting one later each round (a time none of whose rounds ran is "
-               "left out); the graph rounds of a row of at least half the ridge intensity (MLA-128: the card "
-               "at its power cap) start after 1 s of back-to-back replays of every implementation in turn, "
-               "so that all are timed at the clock the card holds under that load; `eager (GPU)`: one median",
+               "left out); the graph rounds of a row of at least half the ridge intensity (on an H100 the "
+               "MLA-128 rows, which draw the card to its power limit) start after 1 s of replays of every "
+               "implementation in turn, so that the rounds start under that load (they still spread as the "
+               "card heats); `eager (GPU)`: one median",
     "first": "graph and eager: the least of the first median and 3 rounds, every round timing ours and "
              "each FlashInfer configuration in turn; host: the least of 3 such rounds; `eager (GPU)`: one median",
     "once": "graph and `eager (GPU)`: one median, ours first, then each configuration; eager: the least "

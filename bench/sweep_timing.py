@@ -18,12 +18,15 @@
   GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
   add to 37.7). Every round spans all of them, each round starting one implementation later,
   and each keeps its least round.
-* ``settle(makers, seconds)``: before the graph rounds of a row whose calls bring the card to its
-  power cap (``settle_seconds``: intensity at least half the ridge), every implementation's replay
-  in turn, back to back, for ``SETTLE_S``. Without it the rounds began at whatever clock the
-  host-side work before them left (H100, 700 W cap, MLA-128 verify4 bs 128 kv 8192 replayed back
-  to back: 696-698 W, SM clock 1545-1725 MHz, ours and FlashInfer's fa3 alike; idle 1980 MHz), and
-  one sweep's graph times of a row moved up to 15 % from round to round.
+* ``settle(makers, seconds)``: before the graph rounds of a row whose calls draw the card to its
+  power cap (``settle_seconds``: intensity at least half the ridge; on an H100, ridge about 263,
+  the MLA-128 rows; on a card of more bandwidth per flop, such as an H200, the MLA-16 verify rows
+  too), every implementation's replay in turn (each after the L2 flush) for ``SETTLE_S``. Without
+  it the rounds began at whatever clock the host-side work before them left: H100, 700 W limit,
+  MLA-128 verify4 bs 128 kv 8192 replayed back to back drew 696-698 W at an SM clock of 1440-1665
+  MHz, ours and FlashInfer's fa3 alike (idle: 1980 MHz), and one sweep's graph times of such a row
+  moved up to 15 % from round to round. Settled, they still move (the clock falls further as the
+  card heats): the rounds start under the same load, not at one clock.
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
@@ -42,8 +45,8 @@ SETTLE_S = 1.0            # back-to-back replays before a power-capped row's gra
 
 
 def settle_seconds(intensity, ridge) -> float:
-    """``SETTLE_S`` for a row of at least half the card's ridge intensity (flop/byte; MLA-128
-    decode and verify), else 0 (either unknown: 0)."""
+    """``SETTLE_S`` for a row of at least half the card's ridge intensity (flop/byte; on an H100
+    the MLA-128 decode and verify rows), else 0 (either unknown: 0)."""
     return SETTLE_S if intensity and ridge and intensity >= ridge / 2 else 0.0
 
 
@@ -52,6 +55,7 @@ class Clock:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
+        self.settled: dict = {}           # {name: seconds} of the latest ``interleaved_us``' settling
 
     def _iters(self, fn) -> int:
         """Two warm-up calls; the second, synchronized, sizes the number of timed calls."""
@@ -105,31 +109,43 @@ class Clock:
         torch.cuda.synchronize()
         return statistics.median(spans)
 
-    def settle(self, makers: dict, seconds: float) -> None:
-        """Every ``makers[name]()`` call in turn, back to back (L2 flushed before each), passes
-        until ``seconds`` have gone, the device drained after each pass. A call that raises is left
-        out (the rounds after it record its error)."""
-        calls, end = [make() for make in makers.values()], time.perf_counter() + seconds
-        while calls and time.perf_counter() < end:
-            for call in list(calls):
-                if self.cuda:
-                    self._flush.zero_()
+    def settle(self, makers: dict, seconds: float) -> dict:
+        """Every ``makers[name]()`` call in turn (L2 flushed before each), passes until ``seconds``
+        have gone, the device drained after each pass; ``{name: seconds it took part}`` (the
+        whole span for those that never failed). A call that raises is left out, its error
+        recorded by the rounds that follow; a fault raised by the drain ends the settling (the
+        rounds then time, and tie to its implementation, whatever fails)."""
+        start, calls, ran = time.perf_counter(), {}, {}
+        for name, make in makers.items():
+            try:
+                calls[name] = make()
+            except Exception:  # noqa: BLE001 - recorded by the rounds that follow
+                ran[name] = 0.0
+        while calls and time.perf_counter() < start + seconds:
+            for name, call in list(calls.items()):
                 try:
+                    if self.cuda:
+                        self._flush.zero_()
                     call()
                 except Exception:  # noqa: BLE001 - recorded by the rounds that follow
-                    calls.remove(call)
-            if self.cuda:
-                torch.cuda.synchronize()
+                    del calls[name]
+                    ran[name] = time.perf_counter() - start
+            try:
+                if self.cuda:
+                    torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - an asynchronous fault: the rounds tie it to its call
+                break
+        return {name: ran.get(name, time.perf_counter() - start) for name in makers}
 
     def interleaved_us(self, makers: dict, timer, rounds: int = HOST_ROUNDS, settle_s: float = 0.0) -> tuple:
         """``({name: [timer(call) of each round]}, {name: error})``; ``makers[name]()`` gives the
         call to time, made anew each round (a FlashInfer wrapper planned again: the wrappers share
         one workspace). Round r starts at the r-th implementation (then in order, wrapping), so
-        that none is always timed first, after ``settle_s`` seconds of ``settle``. An implementation
-        that raises is timed no further; the others go on."""
+        that none is always timed first, after ``settle_s`` seconds of ``settle`` (what each took
+        part in it: ``self.settled``). An implementation that raises is timed no further; the
+        others go on."""
         out, errors, names = {name: [] for name in makers}, {}, list(makers)
-        if settle_s > 0:
-            self.settle(makers, settle_s)
+        self.settled = self.settle(makers, settle_s) if settle_s > 0 else {}
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 make = makers[name]

@@ -281,10 +281,12 @@ def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
 
 
 def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
-    """A row of at least half the ridge intensity replays every implementation's graph in turn, back
-    to back, before its graph rounds (none before the host and eager rounds), a replay that fails
-    left out of it; its records say so (``graph_settle_s``). A lighter row, or a card whose ridge is
-    unknown, starts its rounds at once."""
+    """A row of at least half the ridge intensity replays every implementation's graph in turn for
+    ``SETTLE_S`` before its graph rounds (none before the host and eager rounds), a replay that
+    fails left out of it after its first try; the graphs are still freed before the host rounds,
+    and the records of those that took part say for how long (``graph_settle_s``). A lighter row,
+    or a card whose ridge is unknown, starts its rounds at once."""
+    import weakref
     from types import SimpleNamespace
 
     monkeypatch.syspath_prepend(str(BENCH))
@@ -294,25 +296,32 @@ def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
     monkeypatch.setattr(sweep_timing, "SETTLE_S", 0.05)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
     monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {})
-    for intensity, ridge, settles in ((60.0, 100.0, True), (40.0, 100.0, False), (60.0, None, False)):
-        order, released = [], []
-        clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, [])
+    for intensity, ridge, settles in ((50.0, 100.0, True), (49.9, 100.0, False), (60.0, None, False)):
+        order, released, refs, tries = [], [], [], []
+        clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
         monkeypatch.setattr(sweep, "Peer", _Peer)
         ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[],
                               env={"ridge_flop_per_byte": ridge} if ridge else {})
         row = SimpleNamespace(wl=SimpleNamespace(name="mla128_verify4"), bs=1, kv=64)
         recs = [dict(impl="ours", status="ok", intensity=intensity), dict(impl="fa3", status="ok"),
-                dict(impl="broken", status="ok")]
+                dict(impl="broken", status="ok"), dict(impl="fa2", status="skipped")]
         graphs = {name: (_Graph(name), None) for name in ("ours", "fa3", "broken")}
+        graphs["broken"] = (type("_Tried", (_Graph,), {"replay": lambda g: (tries.append(1), _Graph.replay(g))})(
+            "broken"), None)                                      # counts its tries
+        refs += [weakref.ref(g) for g, _ in graphs.values()]
         sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
+        assert graphs == {} and released and all(released), "a graph outlived its rounds"
         names = ["ours", "fa3", "broken"]
         turns = [n for r in range(sweep_timing.HOST_ROUNDS) for n in names[r % 3:] + names[:r % 3]
                  if n != "broken"]
         tail = ["graph " + n for n in turns] + turns * 2          # the rounds, as without settling
         assert order[len(order) - len(tail):] == tail
         lead = order[:len(order) - len(tail)]
+        assert len(tries) == 1 + settles, "the failing replay tried again while settling, or never"
+        assert "graph_settle_s" not in recs[3], "a configuration that did not run settled"
         if settles:
-            assert len(lead) >= 4 and lead == ["graph ours", "graph fa3"] * (len(lead) // 2), lead
-            assert all(r["graph_settle_s"] == 0.05 for r in recs)
+            assert len(lead) > 20 and lead == ["graph ours", "graph fa3"] * (len(lead) // 2), lead[:6]
+            assert all(0.05 <= r["graph_settle_s"] < 1.0 for r in recs[:2])
+            assert recs[2].get("graph_settle_s", 0.0) < 0.05, "the failing replay settled to the end"
         else:
             assert lead == [] and not any("graph_settle_s" in r for r in recs)
