@@ -22,7 +22,7 @@ launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and ``ho
 eager call), all medians with L2 flushed (``sweep_timing``); ``graph_us``, ``host_us`` and ``eager_us`` the
 least of interleaved rounds over ours and every configuration (``interleaved_times``; the first graph and
 eager medians, sequential, are kept as ``graph_first_us`` and ``eager_first_us``; the graph rounds of a
-power-capped row start after ``graph_settle_s`` seconds of back-to-back replays, ``sweep_timing.settle``);
+power-capped row start after ``graph_settle_s`` seconds of replays of each in turn, ``sweep_timing.settle``);
 output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every JIT module and
 Triton kernel is built in parallel processes (``sweep_prewarm``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload, ours eager only, and each

@@ -14,14 +14,13 @@ come from ``seq_lens_k`` on the device and the grid from host ints only, so the 
 graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as in
 ``extend_attention``.
 
-This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an
-sm_90 GPU, 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split
-outputs): a warp-specialized kernel, ``mla_chunked``'s where pages hold whole 64-token tiles
-(``mla_dbuf``'s there when one program reads each request's KV),
-``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere; and decode
-tiles of 16 heads go to ``mla_swap``'s (scores and output transposed) where pages hold whole
-64-token tiles. Triton gives this kernel's 64-row tile a score layout in which both warp groups
-compute the whole score tile.
+This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an sm_90 GPU,
+16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split outputs): a warp-specialized
+kernel, ``mla_chunked``'s where pages hold whole 64-token tiles (``mla_dbuf``'s there when one program reads
+each request's KV), ``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere; and
+decode tiles of 16 heads go to ``mla_swap``'s (scores and output transposed) where pages hold whole 64-token
+tiles. Triton gives this kernel's 64-row tile a score layout in which both warp groups compute the whole score
+tile.
 """
 
 import torch
@@ -242,7 +241,8 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
                        block_w=block_w)
     if bs == 0:
         return out
-    part = partial_dtype(out.dtype, out.device, page_size, block_w * block_h, Dv, D - Dv)   # the backend's
+    part = (partial_dtype(out.dtype, out.device, page_size, block_w * block_h, Dv, D - Dv)  # the backend's
+            if workspace is None and num_kv_splits > 1 else torch.float32)   # else unused: not computed
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
