@@ -71,7 +71,7 @@ from sweep_fi_emulate import emulate  # noqa: E402
 from sweep_flashinfer import NOT_SWEPT, Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
 from sweep_ours import Ours  # noqa: E402
 from sweep_rows import BATCHES, QUICK_BATCHES, build_group, build_row, estimate_bytes, matrix, roofline  # noqa: E402
-from sweep_timing import Clock, capture, settle_seconds  # noqa: E402
+from sweep_timing import HOST_TIMING, Clock, capture, settle_seconds  # noqa: E402
 
 TOLERANCE = 2e-2
 MAX_FAILURES = 3            # a configuration failing on this many rows is not tried again
@@ -126,7 +126,7 @@ def environment(args, device: str, fi, fi_error) -> dict:
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                flashinfer=getattr(fi, "__version__", None), flashinfer_error=fi_error,
                flashinfer_cuda_arch_list=os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
-               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT)
+               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT, host_timing=HOST_TIMING)
     try:   # SWEEP_COMMIT names the commit where the tree was copied without its git metadata
         env["git"] = os.environ.get("SWEEP_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

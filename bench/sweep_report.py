@@ -19,8 +19,8 @@ MLA-128 >= 0.8x fa3, verify N=4 <= 1.15x our decode at the same batch and kv; ea
 row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
 METHOD = """Method: `graph` = replay of the call captured in a CUDA graph (GPU time, events, L2
 flushed before each call); `eager` = one eager call from an idle GPU, host launch included
-(L2 flushed, device drained, events around the call); `host` = host time of one eager call
-(perf_counter, no synchronize inside). Medians of 8-30 calls (host: 25); {timing}. Ours eager: `forward()` after
+(L2 flushed, device drained, events around the call); `host` = {host}. Medians of 8-30 calls
+(host: 25); {timing}. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
 once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
@@ -47,6 +47,12 @@ def row_summary(recs: list) -> str:
             f"| check {checks or '-'}")
 
 
+# How the host times were taken (the header's ``host_timing``; none: before it was recorded).
+HOST = {
+    "queued": "host time of one eager call, 25 made back to back while the GPU runs the ones before "
+              "(perf_counter around each, no synchronize between them; the first, from an idle GPU, left out)",
+    "drained": "host time of one eager call (perf_counter, the device drained before each call)",
+}
 # How the data's graph / eager / host times were taken (``timing``: which the records show).
 TIMING = {
     "rounds": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
@@ -242,7 +248,8 @@ def header_lines(h: dict, footer: dict, how: str = "rounds") -> list:
                      + (f"; failed: {'; '.join(failed)}" if failed else "."))
     if h.get("not_swept"):
         lines.append("- Not swept: " + "; ".join(f"{k}: {v}" for k, v in h["not_swept"].items()) + ".")
-    return lines + ["", METHOD.format(timing=TIMING[how]), "", TARGETS, ""]
+    host = HOST[h.get("host_timing", "drained")]
+    return lines + ["", METHOD.format(timing=TIMING[how], host=host), "", TARGETS, ""]
 
 
 def markdown(header: dict, results: list, footer: dict) -> str:

@@ -7,8 +7,15 @@
 * ``eager_us(fn)``: the L2 flushed and the device drained (synchronize) before each call,
   then events around it: the latency of one eager call from an idle GPU, host launch
   included (what a runner that launches attention outside its graphs waits for).
-* ``host_us(fn)``: ``perf_counter`` around the call, no synchronize inside the timed span
-  (the device is drained before each call so the launch queue never fills).
+* ``host_us(fn)``: ``perf_counter`` around each of ``HOST_ITERS`` calls made back to back
+  while the device runs the ones before (drained once before them; the first call, from an
+  idle GPU, left out): the host cost of one call as a runner launching layer after layer
+  pays it (``HOST_TIMING``). The method before it drained the device before each call, and
+  the call after a long kernel's synchronize took longer the longer the kernel (the cause
+  not found). H100, GQA 32/8 decode bs 128 kv 32768 (5.7 ms a call), 5 rounds of 25 calls,
+  the least / median / most round median, us: ours 23.9 / 44.5 / 135.3 drained, 13.6 / 15.4
+  / 24.7 back to back; FlashInfer's decode 25.8 / 126.2 / 177.6 and 14.3 / 16.8 / 24.8. At
+  bs 1 kv 2048 the two agree (ours 18.8 / 18.9 / 19.2 and 17.7 / 19.1 / 20.4).
 * ``interleaved_us(makers, timer)``: ``timer`` (``gpu_us``, ``host_us`` or ``eager_us``) of several
   implementations of one row in rounds, each round timing every implementation in turn. The
   device machines have spells in which Python runs 1.5-1.8x slower for seconds at a time
@@ -39,7 +46,8 @@ import torch
 
 TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
 MIN_ITERS, MAX_ITERS = 8, 30
-HOST_ITERS = 25
+HOST_ITERS = 25           # calls a host timing takes (a few launches each: far below the launch queue's depth)
+HOST_TIMING = "queued"    # the host method (``sweep_report.HOST``): calls back to back, see ``host_us``
 HOST_ROUNDS = 3
 SETTLE_S = 1.0            # back-to-back replays before a power-capped row's graph rounds
 
@@ -97,17 +105,19 @@ class Clock:
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
 
     def host_us(self, fn) -> float:
+        """Median host time of one call among ``HOST_ITERS`` made back to back, the device busy
+        with the ones before it (``HOST_TIMING``); the first, from a drained device, left out."""
         if not self.cuda:
             return self._cpu_us(fn)
         fn()
+        torch.cuda.synchronize()
         spans = []
-        for _ in range(HOST_ITERS):
-            torch.cuda.synchronize()
+        for _ in range(HOST_ITERS + 1):
             t0 = time.perf_counter()
             fn()
             spans.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
-        return statistics.median(spans)
+        return statistics.median(spans[1:])
 
     def settle(self, makers: dict, seconds: float) -> dict:
         """Every ``makers[name]()`` call in turn (L2 flushed before each), passes until ``seconds``

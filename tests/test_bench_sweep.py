@@ -278,6 +278,39 @@ def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
         assert sweep_report.timing(results) == how
         text = "\n".join(sweep_report.header_lines({}, {}, sweep_report.timing(results)))
         assert sweep_report.TIMING[how] in text and "{timing}" not in text
+    # the host method is the header's (a header from before it was recorded: drained before each call)
+    for header, host in (({}, "drained"), ({"host_timing": "queued"}, "queued")):
+        text = " ".join(" ".join(sweep_report.header_lines(header, {}, "settled")).split())
+        assert " ".join(sweep_report.HOST[host].split()) in text and "{host}" not in text
+        assert all(" ".join(v.split()) not in text for k, v in sweep_report.HOST.items() if k != host)
+
+
+def test_host_times_are_taken_back_to_back_while_the_device_runs(monkeypatch):
+    """``Clock.host_us`` on a device: one call and a drain before, then ``HOST_ITERS + 1`` calls
+    with no synchronize between them, the median of all but the first (from the drained device)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep_timing
+
+    events, spans = [], iter(range(1000))
+    clock = sweep_timing.Clock("cpu")
+    clock.cuda = True
+    monkeypatch.setattr(sweep_timing.torch.cuda, "synchronize", lambda: events.append("sync"))
+    # perf_counter pairs around each call: the k-th call takes k seconds (the first the longest: 1000)
+    now = {"t": 0.0}
+
+    def perf_counter():
+        return now["t"]
+
+    def call():
+        events.append("call")
+        k = next(spans)
+        now["t"] += 1000.0 if k == 1 else float(k)
+
+    monkeypatch.setattr(sweep_timing.time, "perf_counter", perf_counter)
+    got = clock.host_us(call)
+    n = sweep_timing.HOST_ITERS
+    assert events == ["call", "sync"] + ["call"] * (n + 1) + ["sync"]
+    assert got == sorted(float(k) * 1e6 for k in range(2, n + 2))[n // 2]
 
 
 def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
