@@ -20,8 +20,7 @@ Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flash
 ``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an idle GPU, host
 launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and ``host_us`` (host time of one
 eager call), all medians with L2 flushed (``sweep_timing``); ``graph_us``, ``host_us`` and ``eager_us`` the
-least of interleaved rounds over ours and every configuration (``interleaved_times``; the first graph and
-eager medians, sequential, are kept as ``graph_first_us`` and ``eager_first_us``; the graph rounds of a
+least of interleaved rounds over ours and every configuration (``interleaved_times``; the graph rounds of a
 power-capped row start after ``graph_settle_s`` seconds of replays of each in turn, ``sweep_timing.settle``);
 output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every JIT module and
 Triton kernel is built in parallel processes (``sweep_prewarm``).
@@ -33,14 +32,14 @@ Output: ``DIR/sweep.jsonl``, JSON lines:
 * ``{"type": "header", "device", "sm", "num_sms", "memory_gb", "torch", "triton",
   "flashinfer", "flashinfer_error", "cuda", "flashinfer_cuda_arch_list", "git",
   "date", "copy_gbs", "matmul_tflops", "ridge_flop_per_byte", "args", "smoke",
-  "prewarm": {job: {"rc", "s", "tail"?}}, "not_swept": {config: reason}}``
+  "prewarm": {job: {"rc", "s", "tail"?}}, "not_swept": {config: reason}, "host_timing", "timing"}``
 * one ``{"type": "result", "workload", "family", "mode", "heads", "kv_heads", "qk_dim",
   "v_dim", "page_size", "width", "topk", "bs", "kv", "impl" ("ours" | a FlashInfer config
   | "row" for a skipped group), "status" ("ok" | "skipped" | "error" | "emulated"),
-  "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_first_us", "eager_first_us",
-  "graph_rounds_us", "host_rounds_us", "eager_rounds_us", "graph_settle_s", "graph_error", "host_error",
-  "eager_error", "err", "err_graph", "check" ("pass" | "FAIL"), "bytes", "flops", "intensity", "bound",
-  "gbs", "frac_copy", "tflops", "frac_matmul"}`` per (row, impl) (rates from ``graph_us``, else ``eager_us``)
+  "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_rounds_us", "host_rounds_us",
+  "eager_rounds_us", "graph_settle_s", "graph_error", "host_error", "eager_error", "err", "err_graph",
+  "check" ("pass" | "FAIL"), "bytes", "flops", "intensity", "bound", "gbs", "frac_copy", "tflops",
+  "frac_matmul"}`` per (row, impl) (rates from ``graph_us``, else ``eager_us``)
 * ``{"type": "footer", "elapsed_s", "results", "mismatches", "errors"}``
 
 and ``DIR/SWEEP.md`` (``sweep_report``; ``DIR/sweep.png`` too where matplotlib imports).
@@ -126,7 +125,8 @@ def environment(args, device: str, fi, fi_error) -> dict:
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                flashinfer=getattr(fi, "__version__", None), flashinfer_error=fi_error,
                flashinfer_cuda_arch_list=os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
-               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT, host_timing=HOST_TIMING)
+               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT, host_timing=HOST_TIMING,
+               timing="settled")
     try:   # SWEEP_COMMIT names the commit where the tree was copied without its git metadata
         env["git"] = os.environ.get("SWEEP_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -185,12 +185,11 @@ def time_ours(ctx: Ctx, row, graphs: dict) -> tuple:
     if ctx.device != "cuda":                   # the interpreter: one call is the measurement
         rec["eager_us"] = (time.perf_counter() - t0) * 1e6
         return finish(ctx, row, rec), ref, ours.layout(), fn
-    rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn))
+    rec["eager_gpu_us"] = c.gpu_us(fn)
     g, out = ours.graph()
     g.replay()
     torch.cuda.synchronize()
     rec["err_graph"] = rel_err(out, ref)
-    rec["graph_us"] = c.gpu_us(g.replay)
     graphs["ours"] = (g, ours)
     return finish(ctx, row, rec), ref, ours.layout(), fn
 
@@ -211,7 +210,7 @@ def time_peer(ctx: Ctx, row, config: str, inp, ref, graphs: dict) -> dict:
         peer = Peer(ctx.fi, config, inp, ctx.ws)
         stage, fn = "run", peer.fn()
         rec["err"] = rel_err(fn(), ref)
-        rec.update(eager_us=c.eager_us(fn), eager_gpu_us=c.gpu_us(fn))
+        rec["eager_gpu_us"] = c.gpu_us(fn)
         del peer, fn
         stage = "graph"
         gpeer = Peer(ctx.fi, config, inp, ctx.ws, graph=True)   # alive while its graph replays
@@ -219,8 +218,7 @@ def time_peer(ctx: Ctx, row, config: str, inp, ref, graphs: dict) -> dict:
         g.replay()
         torch.cuda.synchronize()
         rec["err_graph"] = rel_err(out, ref)
-        rec["graph_us"] = c.gpu_us(g.replay)
-        graphs[config] = (g, gpeer)                              # replayed again in the rounds
+        graphs[config] = (g, gpeer)                              # replayed in the rounds
     except Exception as e:  # recorded in the row and the footer, never hidden
         _drain()
         rec.update(status="error", reason=f"{stage}: {type(e).__name__}: {e}"[:500])
@@ -274,10 +272,10 @@ def _measure_row(ctx: Ctx, row) -> list:
 def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> list:
     """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours and every
     configuration that ran: the least of interleaved rounds (``Clock.interleaved_us``, kept in
-    ``*_rounds_us``); rates from that graph time. The first graph and eager medians, taken one
-    implementation after the other with ours first, are kept as ``*_first_us`` and not used: in a
-    machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
-    first median) they would favour whichever was timed first. A power-capped row settles first
+    ``*_rounds_us``); rates from that graph time. No time is taken one implementation after the
+    other (until 219b042 a first graph and eager median was, and kept aside as ``*_first_us``): in
+    a machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
+    first median) it would favour whichever was timed first. A power-capped row settles first
     (``sweep_timing.settle``, ``graph_settle_s``). One that fails gets ``*_error`` (and no time of
     that kind if none of its rounds ran); the others are still written."""
     if ctx.device != "cuda":
@@ -293,8 +291,6 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
             if kind == "graph" and ctx.clock.settled.get(rec["impl"]):       # seconds it took part
                 rec["graph_settle_s"] = round(ctx.clock.settled[rec["impl"]], 3)
             got = rounds.get(rec["impl"])
-            if rec.get(f"{kind}_us") is not None and (got or rec["impl"] in errors):
-                rec[f"{kind}_first_us"] = rec.pop(f"{kind}_us")     # never the time (none if no round ran)
             if got:
                 rec.update({f"{kind}_us": min(got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
             if rec["impl"] in errors:

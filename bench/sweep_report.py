@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 from pathlib import Path
+from typing import Optional
 
 TARGETS = """Targets (issue #10): in graphs every GQA and MLA-16 row >= 1.0x FlashInfer's best,
 MLA-128 >= 0.8x fa3, verify N=4 <= 1.15x our decode at the same batch and kv; eagerly every
@@ -72,10 +73,14 @@ TIMING = {
 }
 
 
-def timing(results: list) -> str:
-    """Which ``TIMING`` the records were taken by: power-capped rows settled before their graph
-    rounds (``graph_settle_s``), since a82f3c3 they keep their first medians aside
-    (``*_first_us``), from 7b9d8b9 they carry graph rounds, before that neither."""
+def timing(results: list, header: Optional[dict] = None) -> str:
+    """Which ``TIMING`` the records were taken by: the header's ``timing`` where it names one
+    (since 219b042, which also stopped taking first medians), else what the records show:
+    power-capped rows settled before their graph rounds (``graph_settle_s``), since a82f3c3 they
+    keep their first medians aside (``*_first_us``), from 7b9d8b9 they carry graph rounds,
+    before that neither."""
+    if header and header.get("timing"):
+        return header["timing"]
     if any("graph_settle_s" in r for r in results):
         return "settled"
     if any("graph_first_us" in r or "eager_first_us" in r for r in results):
@@ -254,7 +259,7 @@ def header_lines(h: dict, footer: dict, how: str = "rounds") -> list:
 
 def markdown(header: dict, results: list, footer: dict) -> str:
     grouped = group(results)
-    parts = header_lines(header, footer, timing(results))
+    parts = header_lines(header, footer, timing(results, header))
     parts += ["## Rows (times in us)", ""] + main_table(grouped)
     parts += ["", "## Targets", ""] + targets(grouped)
     parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)

@@ -158,9 +158,9 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     """Every round times ours and each FlashInfer configuration that ran, in turn, each round
     starting one later: graph replays first (on the GPU clock; the graphs kept from their first
     median, released before the host rounds), then host time (a peer planned anew each round),
-    then eager time; each keeps its least round (the first graph and eager medians kept aside as
-    ``*_first_us``), and the rates follow the graph time kept; one that fails gets ``*_error``, is
-    timed no further in those rounds, and the row's other records keep their times."""
+    then eager time; each keeps its least round, and the rates follow the graph time kept; one that
+    fails gets ``*_error``, is timed no further in those rounds, gets no time of a kind none of whose
+    rounds ran, and the row's other records keep their times."""
     import weakref
     from types import SimpleNamespace
 
@@ -177,9 +177,7 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
-    recs[0]["eager_us"], recs[1]["eager_us"] = 0.0, 1e9      # their first eager medians
-    recs[0]["graph_us"], recs[1]["graph_us"] = 1e9, 1.0      # and graph medians: never the times kept
-    recs[2].update(graph_us=5.0, eager_us=6.0, gbs=7.0)       # a peer whose every round fails
+    recs[2].update(gbs=7.0)                                   # a peer whose every round fails
     graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
     refs += [weakref.ref(g) for g, _ in graphs.values()]
     got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
@@ -194,13 +192,12 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
             assert len(rec[f"{kind}_rounds_us"]) == rounds
             assert all(base < t < base + 100 for t in rec[f"{kind}_rounds_us"]), f"{kind} on another clock"
         assert rec["host_us"] == min(rec["host_rounds_us"])
-    for rec, first_graph, first_eager in ((recs[0], 1e9, 0.0), (recs[1], 1.0, 1e9)):
-        for kind, first in (("graph", first_graph), ("eager", first_eager)):
-            assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: the first median was used"
-            assert rec[f"{kind}_first_us"] == first, f"{kind}: the first median was not kept"
+    for rec in recs[:2]:
+        for kind in ("graph", "eager"):
+            assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: not the least round"
         assert rec["gbs"] == rec["graph_us"], "rates not from the graph time kept"
+        assert not [k for k in rec if k.endswith("_first_us")]
     assert "replay failed" in recs[2]["graph_error"] and "graph_us" not in recs[2] and "gbs" not in recs[2]
-    assert recs[2]["graph_first_us"] == 5.0 and recs[2]["eager_first_us"] == 6.0, "no round: its median aside"
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
     assert "graph_us" not in recs[3] and "host_us" not in recs[3] and "eager_us" not in recs[3]
@@ -210,7 +207,9 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
 
 def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
     """``time_ours`` and ``time_peer`` leave each captured graph, with what it replays, in the row's
-    ``graphs`` (without them the graph rounds never run); a peer whose capture fails leaves none."""
+    ``graphs`` (without them the graph rounds never run); a peer whose capture fails leaves none.
+    They time no graph, eager or host call one implementation after the other (the interleaved
+    rounds do), only the one median of eager calls back to back (``eager_gpu_us``)."""
     import collections
     from types import SimpleNamespace
 
@@ -261,6 +260,8 @@ def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
     peers = [sweep.time_peer(ctx, row, config, None, ref, graphs) for config in ("fa2", "nograph")]
     assert set(graphs) == {"ours", "fa2"} and all(isinstance(g, _Graph) for g, _ in graphs.values())
     assert ours["status"] == peers[0]["status"] == "ok" and peers[1]["status"] == "error"
+    for rec in (ours, peers[0]):
+        assert "eager_gpu_us" in rec and not {"graph_us", "eager_us", "host_us"} & set(rec)
 
 
 def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
@@ -270,6 +271,10 @@ def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import sweep_report
 
+    header = {"timing": "settled"}           # since 219b042 the header names it (no row need settle)
+    assert sweep_report.timing([{"graph_rounds_us": [1.0]}], header) == "settled"
+    text = "\n".join(sweep_report.header_lines(header, {}, sweep_report.timing([], header)))
+    assert sweep_report.TIMING["settled"] in text
     cases = {"settled": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {"graph_settle_s": 1.0}],
              "rounds": [{"graph_rounds_us": [1.0], "graph_first_us": 2.0}, {}],
              "first": [{"graph_rounds_us": [1.0], "eager_rounds_us": [1.0]}],
