@@ -70,7 +70,7 @@ from sweep_fi_emulate import emulate  # noqa: E402
 from sweep_flashinfer import NOT_SWEPT, Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
 from sweep_ours import Ours  # noqa: E402
 from sweep_rows import BATCHES, QUICK_BATCHES, build_group, build_row, estimate_bytes, matrix, roofline  # noqa: E402
-from sweep_timing import HOST_TIMING, Clock, capture, settle_seconds  # noqa: E402
+from sweep_timing import HOST_TIMING, ROUNDS_TIMING, Clock, capture, settle_seconds  # noqa: E402
 
 TOLERANCE = 2e-2
 MAX_FAILURES = 3            # a configuration failing on this many rows is not tried again
@@ -125,8 +125,7 @@ def environment(args, device: str, fi, fi_error) -> dict:
                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                flashinfer=getattr(fi, "__version__", None), flashinfer_error=fi_error,
                flashinfer_cuda_arch_list=os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
-               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT, host_timing=HOST_TIMING,
-               timing="settled")
+               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT)
     try:   # SWEEP_COMMIT names the commit where the tree was copied without its git metadata
         env["git"] = os.environ.get("SWEEP_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -136,7 +135,7 @@ def environment(args, device: str, fi, fi_error) -> dict:
     if device == "cuda":
         prop = torch.cuda.get_device_properties(0)
         env.update(device=prop.name, sm=prop.major * 10 + prop.minor, num_sms=prop.multi_processor_count,
-                   memory_gb=round(prop.total_memory / 2 ** 30, 1))
+                   memory_gb=round(prop.total_memory / 2 ** 30, 1), host_timing=HOST_TIMING, timing=ROUNDS_TIMING)
     else:
         env.update(device="cpu (Triton interpreter)", sm=0)
     return env
@@ -160,8 +159,9 @@ def base_record(row, impl: str, **kw) -> dict:
 
 
 def finish(ctx: Ctx, row, rec: dict) -> dict:
-    """Rates from the graph time (eager where there is none), the check, loud mismatches
-    (``measure_row`` writes the record, once the row's host times are in)."""
+    """Bytes, flops, intensity and bound (rates too where the record has a time: the CPU smoke's
+    eager call; on a GPU the rounds' times come later, and their rates with them), the check,
+    loud mismatches (``measure_row`` writes the record, once the row's rounds are in)."""
     rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
     errs = [e for e in (rec.get("err"), rec.get("err_graph")) if e is not None]
     if errs:
@@ -273,11 +273,12 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours and every
     configuration that ran: the least of interleaved rounds (``Clock.interleaved_us``, kept in
     ``*_rounds_us``); rates from that graph time. No time is taken one implementation after the
-    other (until 219b042 a first graph and eager median was, and kept aside as ``*_first_us``): in
+    other (until 3a14aae a first graph and eager median was, and kept aside as ``*_first_us``): in
     a machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
     first median) it would favour whichever was timed first. A power-capped row settles first
     (``sweep_timing.settle``, ``graph_settle_s``). One that fails gets ``*_error`` (and no time of
-    that kind if none of its rounds ran); the others are still written."""
+    that kind if none of its rounds ran: a time is the rounds' or none); the others are still
+    written."""
     if ctx.device != "cuda":
         return recs
     makers = {"ours": lambda: ours_fn} | {rec["impl"]: lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
@@ -291,6 +292,7 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
             if kind == "graph" and ctx.clock.settled.get(rec["impl"]):       # seconds it took part
                 rec["graph_settle_s"] = round(ctx.clock.settled[rec["impl"]], 3)
             got = rounds.get(rec["impl"])
+            rec.pop(f"{kind}_us", None)
             if got:
                 rec.update({f"{kind}_us": min(got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
             if rec["impl"] in errors:

@@ -50,11 +50,12 @@ def row_summary(recs: list) -> str:
 
 # How the host times were taken (the header's ``host_timing``; none: before it was recorded).
 HOST = {
-    "queued": "host time of one eager call, 25 made back to back while the GPU runs the ones before "
-              "(perf_counter around each, no synchronize between them; the first, from an idle GPU, left out)",
+    "queued": "host time of one eager call: 26 made back to back while the GPU runs the ones before "
+              "(perf_counter around each, no synchronize between them), the median of the last 25 (the "
+              "first, from an idle GPU, left out)",
     "drained": "host time of one eager call (perf_counter, the device drained before each call)",
 }
-# How the data's graph / eager / host times were taken (``timing``: which the records show).
+# How the data's graph / eager / host times were taken (``timing``: the header's, else what the records show).
 TIMING = {
     "rounds": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
               "configuration in turn, starting one later each round (a time none of whose rounds ran is "
@@ -75,7 +76,7 @@ TIMING = {
 
 def timing(results: list, header: Optional[dict] = None) -> str:
     """Which ``TIMING`` the records were taken by: the header's ``timing`` where it names one
-    (since 219b042, which also stopped taking first medians), else what the records show:
+    (since 3a14aae, which also stopped taking first medians), else what the records show:
     power-capped rows settled before their graph rounds (``graph_settle_s``), since a82f3c3 they
     keep their first medians aside (``*_first_us``), from 7b9d8b9 they carry graph rounds,
     before that neither."""

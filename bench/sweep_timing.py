@@ -7,10 +7,10 @@
 * ``eager_us(fn)``: the L2 flushed and the device drained (synchronize) before each call,
   then events around it: the latency of one eager call from an idle GPU, host launch
   included (what a runner that launches attention outside its graphs waits for).
-* ``host_us(fn)``: ``perf_counter`` around each of ``HOST_ITERS`` calls made back to back
-  while the device runs the ones before (drained once before them; the first call, from an
-  idle GPU, left out): the host cost of one call as a runner launching layer after layer
-  pays it (``HOST_TIMING``). The method before it drained the device before each call, and
+* ``host_us(fn)``: ``perf_counter`` around each of ``HOST_ITERS + 1`` calls made back to back
+  while the device runs the ones before (drained once before them), the median of all but the
+  first (made from an idle GPU): the host cost of one call as a runner launching layer after
+  layer pays it (``HOST_TIMING``). The method before it drained the device before each call, and
   the call after a long kernel's synchronize took longer the longer the kernel (the cause
   not found). H100, GQA 32/8 decode bs 128 kv 32768 (5.7 ms a call), 5 rounds of 25 calls,
   the least / median / most round median, us: ours 23.9 / 44.5 / 135.3 drained, 13.6 / 15.4
@@ -46,8 +46,9 @@ import torch
 
 TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
 MIN_ITERS, MAX_ITERS = 8, 30
-HOST_ITERS = 25           # calls a host timing takes (a few launches each: far below the launch queue's depth)
+HOST_ITERS = 25           # calls a host median takes (26 made: a few launches each, far below the launch queue's depth)
 HOST_TIMING = "queued"    # the host method (``sweep_report.HOST``): calls back to back, see ``host_us``
+ROUNDS_TIMING = "settled"  # interleaved rounds, power-capped rows settled first (``sweep_report.TIMING``)
 HOST_ROUNDS = 3
 SETTLE_S = 1.0            # back-to-back replays before a power-capped row's graph rounds
 

@@ -23,6 +23,7 @@ def test_smoke_sweep_and_report(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     header, footer, results = lines[0], lines[-1], lines[1:-1]
     assert header["type"] == "header" and header["smoke"] and footer["type"] == "footer"
+    assert "timing" not in header and "host_timing" not in header, "the smoke run times nothing in rounds"
     assert footer["mismatches"] == [] and footer["errors"] == []
     ours = [r for r in results if r["impl"] == "ours"]
     assert len(ours) == 10 and all(r["status"] == "ok" and r["eager_us"] > 0 for r in ours)
@@ -156,11 +157,12 @@ def _interleave_fakes(sweep_timing, order: list, released: list, refs: list) -> 
 
 def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_row(monkeypatch):
     """Every round times ours and each FlashInfer configuration that ran, in turn, each round
-    starting one later: graph replays first (on the GPU clock; the graphs kept from their first
-    median, released before the host rounds), then host time (a peer planned anew each round),
-    then eager time; each keeps its least round, and the rates follow the graph time kept; one that
-    fails gets ``*_error``, is timed no further in those rounds, gets no time of a kind none of whose
-    rounds ran, and the row's other records keep their times."""
+    starting one later: graph replays first (on the GPU clock; the graphs captured before the
+    rounds, released before the host rounds), then host time (a peer planned anew each round),
+    then eager time; each keeps its least round (a time already on a record is never kept), and
+    the rates follow the graph time kept; one that fails gets ``*_error``, is timed no further in
+    those rounds, gets no time of a kind none of whose rounds ran, and the row's other records
+    keep their times."""
     import weakref
     from types import SimpleNamespace
 
@@ -177,7 +179,8 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
-    recs[2].update(gbs=7.0)                                   # a peer whose every round fails
+    recs[0]["eager_us"], recs[1]["graph_us"] = 0.0, 1.0      # times from before the rounds: never kept
+    recs[2].update(graph_us=5.0, eager_us=6.0, gbs=7.0)       # a peer whose every round fails
     graphs = {name: (_Graph(name), None) for name in ("ours", "fa2", "broken")}
     refs += [weakref.ref(g) for g, _ in graphs.values()]
     got = sweep.interleaved_times(ctx, row, recs, lambda: order.append("ours"), None, graphs)
@@ -196,8 +199,8 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
         for kind in ("graph", "eager"):
             assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: not the least round"
         assert rec["gbs"] == rec["graph_us"], "rates not from the graph time kept"
-        assert not [k for k in rec if k.endswith("_first_us")]
     assert "replay failed" in recs[2]["graph_error"] and "graph_us" not in recs[2] and "gbs" not in recs[2]
+    assert not [k for r in recs for k in r if k.endswith("_first_us")]
     assert "plan refused" in recs[2]["host_error"] and "host_us" not in recs[2]
     assert "plan refused" in recs[2]["eager_error"] and "eager_us" not in recs[2]
     assert "graph_us" not in recs[3] and "host_us" not in recs[3] and "eager_us" not in recs[3]
@@ -205,7 +208,7 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     assert all(e.startswith("gqa32_decode bs=1 kv=64 ") for e in ctx.errors), "an error without its row"
 
 
-def test_first_graph_timings_leave_their_graphs_for_the_rounds(monkeypatch):
+def test_ours_and_peers_leave_their_graphs_for_the_rounds(monkeypatch):
     """``time_ours`` and ``time_peer`` leave each captured graph, with what it replays, in the row's
     ``graphs`` (without them the graph rounds never run); a peer whose capture fails leaves none.
     They time no graph, eager or host call one implementation after the other (the interleaved
@@ -270,8 +273,11 @@ def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
     (7b9d8b9), or graphs timed once (before)."""
     monkeypatch.syspath_prepend(str(BENCH))
     import sweep_report
+    import sweep_timing
 
-    header = {"timing": "settled"}           # since 219b042 the header names it (no row need settle)
+    # what a GPU sweep's header names (``sweep.environment``) is what the report describes
+    assert sweep_timing.ROUNDS_TIMING in sweep_report.TIMING and sweep_timing.HOST_TIMING in sweep_report.HOST
+    header = {"timing": "settled"}           # since 3a14aae the header names it (no row need settle)
     assert sweep_report.timing([{"graph_rounds_us": [1.0]}], header) == "settled"
     text = "\n".join(sweep_report.header_lines(header, {}, sweep_report.timing([], header)))
     assert sweep_report.TIMING["settled"] in text
