@@ -56,16 +56,14 @@ HOST = {
     "drained": "host time of one eager call (perf_counter, the device drained before each call)",
 }
 # How the data's graph / eager / host times were taken (``timing``: the header's, else what the records show).
+_ROUNDS = ("graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
+           "configuration in turn, starting one later each round (a time none of whose rounds ran is left out)")
 TIMING = {
-    "rounds": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
-              "configuration in turn, starting one later each round (a time none of whose rounds ran is "
-              "left out); `eager (GPU)`: one median",
-    "settled": "graph, eager and host: the least of 3 rounds, every round timing ours and each FlashInfer "
-               "configuration in turn, starting one later each round (a time none of whose rounds ran is "
-               "left out); the graph rounds of a row of at least half the ridge intensity (on an H100 the "
-               "MLA-128 rows, which draw the card to its power limit) start after 1 s of replays of every "
-               "implementation in turn, so that the rounds start under that load (they still spread as the "
-               "card heats); `eager (GPU)`: one median",
+    "rounds": _ROUNDS + "; `eager (GPU)`: one median",
+    "settled": _ROUNDS + "; the graph rounds of a row of at least half the ridge intensity (on an H100 the "
+                         "MLA-128 rows, which draw the card to its power limit) start after 1 s of replays of "
+                         "every implementation in turn, so that the rounds start under that load (they still "
+                         "spread as the card heats); `eager (GPU)`: one median",
     "first": "graph and eager: the least of the first median and 3 rounds, every round timing ours and "
              "each FlashInfer configuration in turn; host: the least of 3 such rounds; `eager (GPU)`: one median",
     "once": "graph and `eager (GPU)`: one median, ours first, then each configuration; eager: the least "

@@ -194,9 +194,6 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
         for kind, base in (("graph", 100), ("host", 200), ("eager", 300)):
             assert len(rec[f"{kind}_rounds_us"]) == rounds
             assert all(base < t < base + 100 for t in rec[f"{kind}_rounds_us"]), f"{kind} on another clock"
-        assert rec["host_us"] == min(rec["host_rounds_us"])
-    for rec in recs[:2]:
-        for kind in ("graph", "eager"):
             assert rec[f"{kind}_us"] == min(rec[f"{kind}_rounds_us"]), f"{kind}: not the least round"
         assert rec["gbs"] == rec["graph_us"], "rates not from the graph time kept"
     assert "replay failed" in recs[2]["graph_error"] and "graph_us" not in recs[2] and "gbs" not in recs[2]
