@@ -151,8 +151,9 @@ def mla_configs() -> dict:
 
 def gqa_configs() -> dict:
     """``{label: thunk}``: the GQA wrappers (bf16, page 16, GQA 8 KV heads, d 128) at split counts
-    the backend picks in the sweep whose merge it fuses, each also with the merge kept separate
-    (``FUSED_MERGE_BYTES = 0``): what the fused merge costs in registers."""
+    the backend picks in the sweep, each with the merge fused into the split pass and kept
+    separate (decode: ``FUSED_MERGE_BYTES = 0``; extend: its ``fuse`` knob): what the fused merge
+    costs in registers, for the 16-row to 64-row tiles (``merge_chunk`` columns at a time)."""
     import torch
 
     from attn_backends_kernels import attention_core
@@ -166,6 +167,7 @@ def gqa_configs() -> dict:
         pt = torch.arange(bs * kv // 16, dtype=torch.int32).view(bs, -1)
         lens = torch.full((bs,), kv, dtype=torch.int32)
         cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
+        tree = dict(mask="tree", custom_mask=torch.ones(bs * W * W, dtype=torch.bool)) if W == 8 else {}
 
         def thunk():
             keep = attention_core.FUSED_MERGE_BYTES
@@ -174,12 +176,14 @@ def gqa_configs() -> dict:
                 if W == 1:
                     decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, splits, out)
                 else:
-                    extend_attention_fwd(q, k, v, pt, lens, cu, 16, 0.1, W, out, num_kv_splits=splits)
+                    extend_attention_fwd(q, k, v, pt, lens, cu, 16, 0.1, W, out, num_kv_splits=splits,
+                                         fuse=fused, **tree)
             finally:
                 attention_core.FUSED_MERGE_BYTES = keep
         return thunk
     shapes = {"gqa32 decode S64": (32, 1, 64), "gqa64 decode S32": (64, 1, 32),
-              "gqa32 verify4 S8": (32, 4, 8), "gqa32 verify4 S4": (32, 4, 4)}
+              "gqa32 verify4 S8": (32, 4, 8), "gqa32 verify4 S4": (32, 4, 4), "gqa64 verify4 S4": (64, 4, 4),
+              "gqa32 tree8 S4": (32, 8, 4), "gqa64 tree8 S4": (64, 8, 4), "gqa64 tree8 S2": (64, 8, 2)}
     return {f"{label} {way}": call(*shape, way == "fused") for label, shape in shapes.items()
             for way in ("fused", "separate")}
 

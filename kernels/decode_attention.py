@@ -22,8 +22,10 @@ import triton.language as tl
 from .attention_core import (
     LOG2E,
     check_paged_inputs,
+    device_sms,
     fuse_merge,
     heads_first_grid,
+    merge_chunk,
     merge_if_last,
     merge_splits,
     paged_tile_update,
@@ -50,7 +52,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
 ):
     if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
         kvh = tl.program_id(0)
@@ -101,7 +103,7 @@ def _decode_split_kernel(
         hg = kvh * GROUP + g
         merge_if_last(sem_ptr + b * num_kvh + kvh, o_ptr + b * stride_ob + hg * stride_oh,
                       lse_ptr + b * stride_lb + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
-                      g < GROUP, stride_os, offs_dv, mask_dv, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S)
+                      g < GROUP, stride_os, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
@@ -139,7 +141,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
+    fused = fuse_merge(group_pad, num_kv_splits, Dv, workspace, programs=bs * Hkv * num_kv_splits,
+                       sms=device_sms(q.device))
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
@@ -160,7 +163,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s, HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages,
+        CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)

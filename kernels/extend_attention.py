@@ -29,8 +29,10 @@ import triton.language as tl
 from .attention_core import (
     LOG2E,
     check_paged_inputs,
+    device_sms,
     fuse_merge,
     heads_first_grid,
+    merge_chunk,
     merge_if_last,
     merge_splits,
     paged_tile_update,
@@ -77,7 +79,7 @@ def _extend_split_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FUSED: tl.constexpr, BLOCK_S: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK_S: tl.constexpr, HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
@@ -150,8 +152,8 @@ def _extend_split_kernel(
         tile = (b * num_qb + qb) * num_kvh + kvh
         merge_if_last(sem_ptr + tile, o_ptr + rows * stride_ot + heads * stride_oh,
                       lse_ptr + rows * stride_lt + heads * stride_lh,
-                      out_ptr + rows * stride_xt + heads * stride_xh, row_ok, stride_os, offs_dv,
-                      mask_dv, BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S)
+                      out_ptr + rows * stride_xt + heads * stride_xh, row_ok, stride_os, HEAD_DIM_V,
+                      BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
@@ -171,7 +173,7 @@ def wide_verify_tile(max_q_len, rows):
 def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
-                         block_n=None, num_warps=None, num_stages=None, heads_first=None):
+                         block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
@@ -189,6 +191,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
         requests on, for one query block a request, where it measured faster;
         ``attention_core.heads_first_grid``)
+    fuse : whether the split pass merges its own partials (``merge_if_last``; None:
+        ``attention_core.fuse_merge``'s rule; True needs splits and a workspace with counters,
+        or none; False: the separate merge pass)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -246,7 +251,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if num_stages is None:
         num_stages = 3 if wide else 2
     num_qb = triton.cdiv(max_q_len, block_q)
-    fused = fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5)
+    fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, workspace, share=0.5, sms=device_sms(q.device),
+                        programs=bs * num_qb * Hkv * num_kv_splits) if fuse is None
+             else bool(fuse) and num_kv_splits > 1)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
@@ -268,7 +275,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED=fused, BLOCK_S=block_s, HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages,
+        CHUNK_DV=merge_chunk(block_q * group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)

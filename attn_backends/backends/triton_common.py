@@ -2,13 +2,12 @@
 (a host int that depends on the GraphKey alone) and the split-KV workspace."""
 from __future__ import annotations
 
-import functools
 import os
 from typing import ClassVar, Optional
 
 import torch
 
-from attn_backends_kernels.attention_core import cuda_index, decode_workspace
+from attn_backends_kernels.attention_core import cuda_index, decode_workspace, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
 
 from ..base import ForwardMetadata, LayoutBackend
@@ -29,11 +28,6 @@ WIDE_MAX_KV_SPLITS = 64
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,

@@ -12,7 +12,7 @@ import torch
 from kernel_refs import CAUSAL, TREE, assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels import attention_core, decode_attention, extend_attention
-from attn_backends_kernels.attention_core import decode_workspace, fuse_merge, heads_first_grid
+from attn_backends_kernels.attention_core import decode_workspace, fuse_merge, heads_first_grid, merge_chunk
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
 from attn_backends_kernels.launch_record import recording
@@ -22,9 +22,9 @@ class Case:
     """A decode (W = 1) or verify batch over shuffled pages, NaN in the output and partials."""
 
     def __init__(self, W, splits, device, dtype=torch.float32, H=8, Hkv=2, D=16, page_size=16,
-                 seq_lens=(70, 3, 129), mask=CAUSAL, seed=0):
+                 seq_lens=(70, 3, 129), mask=CAUSAL, seed=0, fuse=None):
         g = torch.Generator().manual_seed(seed)
-        self.W, self.splits, self.mask, self.page_size = W, splits, mask, page_size
+        self.W, self.splits, self.mask, self.page_size, self.fuse = W, splits, mask, page_size, fuse
         self.pt, self.lens, pages = make_paged_batch([max(s, W) for s in seq_lens], page_size, pad_rows=1,
                                                      pad_len=W, device=device, seed=seed)
         bs = self.lens.shape[0]
@@ -51,7 +51,7 @@ class Case:
         else:
             extend_attention_fwd(q, self.k, self.v, self.pt, self.lens, self.cu, self.page_size, scale, self.W,
                                  out, mask=self.mask, custom_mask=self.custom, num_kv_splits=self.splits,
-                                 workspace=ws)
+                                 workspace=ws, fuse=self.fuse)
         return out
 
     def ref(self, q):
@@ -92,16 +92,20 @@ def _separate_merges(monkeypatch) -> list:
 
 @pytest.mark.parametrize("order", ["batch", "heads"])
 @pytest.mark.parametrize("path", ["fused", "separate"])
-@pytest.mark.parametrize("W,mask,splits,H", [(1, CAUSAL, 3, 8), (1, CAUSAL, 8, 8), (4, CAUSAL, 4, 8), (3, TREE, 2, 8),
-                                             (1, CAUSAL, 4, 2), (4, CAUSAL, 2, 4),   # GQA groups 4, 1 and 2
-                                             (40, CAUSAL, 2, 8)])    # three 16-row query blocks
+@pytest.mark.parametrize("W,mask,splits,H,D", [(1, CAUSAL, 3, 8, 16), (1, CAUSAL, 8, 8, 16), (4, CAUSAL, 4, 8, 16),
+                                               (3, TREE, 2, 8, 16),
+                                               (1, CAUSAL, 4, 2, 16), (4, CAUSAL, 2, 4, 16),   # GQA groups 4, 1, 2
+                                               (40, CAUSAL, 2, 8, 16),    # three 16-row query blocks
+                                               (8, TREE, 2, 16, 64),      # 64 rows: two 32-column chunks
+                                               (4, CAUSAL, 3, 32, 48),    # 64 rows, Dv 48: 32 + 16 of 32
+                                               (1, CAUSAL, 4, 128, 16)])  # decode of 64-head groups
 def test_both_merge_paths_match_the_reference_and_leave_the_counters_zero(monkeypatch, order, path, W, mask,
-                                                                         splits, H):
+                                                                         splits, H, D):
     _grid_order(monkeypatch, order)
     if path == "separate":
         monkeypatch.setattr(attention_core, "FUSED_MERGE_BYTES", 0)
     seen = _separate_merges(monkeypatch)
-    c = Case(W, splits, "cpu", mask=mask, H=H)
+    c = Case(W, splits, "cpu", mask=mask, H=H, D=D)
     for q in c.qs:                          # the second call reads counters the first left behind
         assert_close(_run_in_order(c, q, order), c.ref(q), 1e-5)
     assert len(seen) == (0 if path == "fused" else 2), seen
@@ -153,26 +157,61 @@ def test_the_grid_order_rule_and_its_bound():
 
 
 def test_the_rule_bounds_what_one_program_reads_and_holds():
-    assert fuse_merge(4, 64, 128, 4) and not fuse_merge(4, 1, 128, 4)          # decode bs 1; no splits
-    assert not fuse_merge(32, 64, 128, 4) and not fuse_merge(16, 64, 128, 4)   # 1 MiB, 512 KiB of partials
-    assert fuse_merge(16, 16, 128, 4) and not fuse_merge(32, 4, 128, 4)        # 16 / 32 values a thread
-    assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
+    assert fuse_merge(4, 64, 128) and not fuse_merge(4, 1, 128)          # decode bs 1; no splits
+    assert not fuse_merge(16, 64, 128) and fuse_merge(16, 16, 128)       # 512 KiB, 128 KiB of partials
+    assert not fuse_merge(16, 16, 128, share=0.5) and fuse_merge(16, 8, 128, share=0.5)   # extend
+    # 32-row tiles never (measured slower); 64-row tiles up to 128 KiB with >= 8 programs an SM
+    assert not fuse_merge(32, 2, 128, share=0.5) and not fuse_merge(32, 2, 128, programs=1 << 20, sms=132)
+    assert fuse_merge(64, 4, 128, share=0.5, programs=2048, sms=132)     # GQA 64/8 tree8 bs 64
+    assert not fuse_merge(64, 4, 128, share=0.5, programs=512, sms=132)  # bs 16: 3.9 programs an SM
+    assert not fuse_merge(64, 8, 128, programs=1 << 20, sms=132)         # 256 KiB
+    assert fuse_merge(64, 2, 128) and fuse_merge(128, 2, 64)             # no SMs (the interpreter): met
     ws = decode_workspace(4, 4, 128, 64, "cpu")
-    assert fuse_merge(4, 64, 128, 4, ws) and not fuse_merge(4, 64, 128, 4, ws[:2])  # (part, lse): separate
+    assert fuse_merge(4, 64, 128, ws) and not fuse_merge(4, 64, 128, ws[:2])  # (part, lse): separate
     assert len(decode_workspace(4, 4, 128, 64, "cpu", num_counters=0)) == 2
+    # Columns a step: at most 16 float32 sums a thread, at least 16 columns, at most the tile's.
+    assert merge_chunk(4, 128, 4) == 128 and merge_chunk(16, 128, 4) == 128 and merge_chunk(32, 128, 4) == 64
+    assert merge_chunk(64, 128, 4) == 32 and merge_chunk(32, 128, 2) == 32 and merge_chunk(64, 64, 1) == 16
+    assert merge_chunk(8, 32, 4) == 32
+
+
+@pytest.mark.parametrize("H", [16, 8])      # 64-row tiles (two 32-column chunks), 32-row (one of 64)
+def test_the_extend_fuse_knob(monkeypatch, H):
+    """``fuse`` forces either merge where the rule would pick the other; True with a (part, lse)
+    workspace is refused (no counters)."""
+    seen = _separate_merges(monkeypatch)
+    c = Case(8, 2, "cpu", mask=TREE, H=H, D=64)
+    ref = c.ref(c.qs[0])
+
+    def run(ws="own", **kw):
+        out = torch.full_like(c.qs[0], float("nan"))
+        extend_attention_fwd(c.qs[0], c.k, c.v, c.pt, c.lens, c.cu, c.page_size, 0.125, c.W, out, mask=TREE,
+                             custom_mask=c.custom, num_kv_splits=c.splits,
+                             workspace=c.ws if ws == "own" else ws, **kw)
+        return out
+    assert_close(run(fuse=False), ref, 1e-5)
+    assert len(seen) == 1, "fuse=False did not take the separate merge"
+    monkeypatch.setattr(attention_core, "FUSED_MERGE_BYTES", 0)
+    assert_close(run(fuse=True), ref, 1e-5)
+    assert len(seen) == 1 and not c.ws[2].any(), "fuse=True did not merge in the split pass"
+    with pytest.raises(ValueError, match="counters"):
+        run(ws=c.ws[:2], fuse=True)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("order", ["batch", "heads"])
-@pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (1, 16, 1), (4, 8, 4), (4, 4, 2)])
+@pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (1, 16, 1), (4, 8, 4), (4, 4, 2),
+                                             (4, 4, 8), (8, 4, 4), (8, 2, 8)])   # 32- and 64-row tiles, in chunks
 def test_graph_replays_are_bitwise_stable(monkeypatch, order, W, splits, group):
     """Hundreds of replays of one captured launch, q alternating between two tensors and the
     partials set to NaN inside the graph before the kernel: a partial read before its writer's
-    release (or a counter reset lost) would show as a replay that differs from the eager call."""
+    release (or a counter reset lost) would show as a replay that differs from the eager call.
+    Tiles of more than 16 rows are fused by the ``fuse`` knob (the rule fuses them on larger grids
+    only)."""
     _grid_order(monkeypatch, order)
     seen = _separate_merges(monkeypatch)
     c = Case(W, splits, "cuda", dtype=torch.bfloat16, H=8 * group, Hkv=8, D=128,
-             seq_lens=(4096, 33, 8000, 700))
+             seq_lens=(4096, 33, 8000, 700), fuse=True if W * group > 16 else None)
     eager = [_run_in_order(c, q, order) for q in c.qs]
     assert not seen, "the fused path was not taken"
     for q, e in zip(c.qs, eager):
