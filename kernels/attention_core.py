@@ -69,11 +69,12 @@ def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, HE
     merges the tile's ROWS rows (``part_rows`` / ``lse_rows`` / ``out_rows``: [ROWS] pointers to
     split 0 of each row's partial output and log2-sum-exp, and to its output) as
     ``_merge_splits_kernel`` does, CHUNK_DV output columns at a time (``merge_chunk``: at most 16
-    values a thread), one [ROWS, CHUNK_DV] partial a step (unrolled: the loads are independent; a
+    values a thread where 16 columns allow), one [ROWS, CHUNK_DV] partial a step (unrolled: the loads are independent; a
     [ROWS, splits, BLOCK_DV] load took the extend kernel from 103 to 163 registers on sm_90).
     ``sem_ptr`` is the tile's counter (int32, 0 before the launch): every split program adds 1
     after its partials are stored (release), the one that reads NUM_SPLITS - 1 sees them all
     (acquire) and sets the counter back to 0 for the next launch (graph replays included)."""
+    tl.static_assert(BLOCK_DV % CHUNK_DV == 0)
     tl.debug_barrier()                  # every thread's partial stores precede the release below
     done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
@@ -262,36 +263,41 @@ def heads_first_grid(name: str, heads_first, bs: int, query_blocks: int, heads_g
     return bool(heads_first), grid
 
 
-# Tiles of more than 16 rows (verify and tree tiles: query rows x padded group heads) merge
-# ``merge_chunk`` columns at a time. Fused, the 32-row tiles were slower at every point and chunk
-# (more instructions in the KV loop: 1047 against 990 for the GQA 32/8 tree tile at 64 columns)
-# and keep the separate merge; the 64-row tiles (GQA 64/8 tree8) were faster where the grid has
-# many programs an SM, up to FUSED_MERGE_BYTES of partials a tile. H100, graph replay, separate
-# -> fused (32 columns), us (2026-11-28): GQA 64/8 tree8 bs 64 kv 8192 (4 splits, 15.5 programs
-# an SM) 933.8 -> 916.6, kv 2048 294.3 -> 282.7, kv 32768 3454.6 -> 3361.7; bs 128 (2 splits,
-# 15.5) kv 8192 1789.9 -> 1742.3, kv 2048 508.8 -> 493.7; slower at bs 16 kv 2048 (3.9 an SM)
-# 84.4 -> 87.3 and bs 4 kv 8192 (1.9) 75.6 -> 83.2. GQA 32/8 tree8 at 16-128 columns: bs 16 kv
-# 8192 229.2 -> 230.6-234.5, bs 64 856.1 -> 863.4-872.5, bs 128 1664.2 -> 1673.7-1696.7; GQA 64/8
-# verify4 bs 16 kv 2048 68.5 -> 69.1-74.0. Fusing saves the merge's launch: 4-5 us of an eager
-# call's host time (GQA 64/8 tree8 bs 128 kv 8192 19.8 -> 14.6 us, the median of 5 rounds).
+# Tiles of more than 16 rows merge ``merge_chunk`` columns at a time. Measured were the verify
+# and tree tiles of one query block a request: fused, the 32-row tiles were slower or tied at
+# every point and chunk (0.0-18.5 %; more instructions in the KV loop: 1047 against 990 for the
+# GQA 32/8 tree tile at 64 columns) and keep the separate merge; the 64-row tiles (GQA 64/8
+# tree8) were faster where the grid has many programs an SM, up to FUSED_MERGE_BYTES of partials
+# a tile. H100, graph replay, separate -> fused (32 columns), us (2026-11-28): GQA 64/8 tree8 bs
+# 64 kv 8192 (4 splits, 15.5 programs an SM) 933.8 -> 916.6, kv 2048 294.3 -> 282.7, kv 32768
+# 3454.6 -> 3361.7; bs 128 (2 splits, 15.5) kv 8192 1789.9 -> 1742.3, kv 2048 508.8 -> 493.7;
+# slower at bs 16 kv 2048 (3.9 an SM) 84.4 -> 87.3 and bs 4 kv 8192 (1.9) 75.6 -> 83.2. GQA 32/8
+# tree8 at 16-128 columns: bs 16 kv 8192 229.2 -> 230.6-234.5, bs 64 856.1 -> 863.4-872.5, bs 128
+# 1664.2 -> 1673.7-1696.7; GQA 64/8 verify4 bs 16 kv 2048 68.5 -> 69.1-74.0. Fusing saves the
+# merge's launch: 4-5 us of an eager call's host time (GQA 64/8 tree8 bs 128 kv 8192 19.8 -> 14.6
+# us, the median of 5 rounds). Decode and prefill tiles past the old bound (16 rows at Dv 128)
+# were not measured and keep the separate merge.
 WIDE_FUSED_ROWS = 64
 WIDE_FUSED_PER_SM = 8        # between the 3.9 measured slower and the 15.5 measured faster
 
 
-def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, workspace=None, share: float = 1.0,
-               programs: int = 0, sms=None) -> bool:
+def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, workspace=None,
+               share: float = 1.0, one_block: bool = False, programs: int = 0, sms=None) -> bool:
     """Whether a split pass whose tiles hold ``rows`` rows merges its own partials: splits, a
     workspace with counters (None: the wrapper allocates one; ``(part, lse)`` alone takes the
-    separate merge), and a tile of at most 16 rows with at most ``share`` x FUSED_MERGE_BYTES of
-    partials, or of ``WIDE_FUSED_ROWS`` rows or more with at most FUSED_MERGE_BYTES where the
-    launch's ``programs`` (tiles x splits) are at least ``WIDE_FUSED_PER_SM`` an SM (``sms``:
-    the device's SMs; None, the interpreter: taken as met)."""
+    separate merge), and either what fused before the merge summed in chunks (at most ``share``
+    x FUSED_MERGE_BYTES of partials a tile and a [rows, Dv] sum of at most 16 values a thread
+    on ``num_warps``: tiles of up to 16 rows at Dv 128 on 4 warps), or, for a launch of
+    ``one_block`` query block a request (verify and tree), a tile of ``WIDE_FUSED_ROWS`` rows or
+    more with at most FUSED_MERGE_BYTES where the launch's ``programs`` (tiles x splits) are at
+    least ``WIDE_FUSED_PER_SM`` an SM (``sms``: the device's SMs; None, the interpreter: taken as
+    met)."""
     if num_kv_splits <= 1 or (workspace is not None and len(workspace) <= 2):
         return False
     nbytes = rows * num_kv_splits * head_dim_v * 4
-    if rows <= 16:
-        return nbytes <= FUSED_MERGE_BYTES * share
-    return (rows >= WIDE_FUSED_ROWS and nbytes <= FUSED_MERGE_BYTES
+    if nbytes <= FUSED_MERGE_BYTES * share and rows * head_dim_v <= 16 * 32 * num_warps:
+        return True
+    return (one_block and rows >= WIDE_FUSED_ROWS and nbytes <= FUSED_MERGE_BYTES
             and (sms is None or programs >= WIDE_FUSED_PER_SM * sms))
 
 

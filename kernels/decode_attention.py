@@ -22,7 +22,6 @@ import triton.language as tl
 from .attention_core import (
     LOG2E,
     check_paged_inputs,
-    device_sms,
     fuse_merge,
     heads_first_grid,
     merge_chunk,
@@ -141,8 +140,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    fused = fuse_merge(group_pad, num_kv_splits, Dv, workspace, programs=bs * Hkv * num_kv_splits,
-                       sms=device_sms(q.device))
+    fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)

@@ -192,8 +192,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         requests on, for one query block a request, where it measured faster;
         ``attention_core.heads_first_grid``)
     fuse : whether the split pass merges its own partials (``merge_if_last``; None:
-        ``attention_core.fuse_merge``'s rule; True needs splits and a workspace with counters,
-        or none; False: the separate merge pass)
+        ``attention_core.fuse_merge``'s rule; True: fused, where there are splits to merge (with
+        one split nothing is merged), the workspace holding counters or None; False: the
+        separate merge pass)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -251,8 +252,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if num_stages is None:
         num_stages = 3 if wide else 2
     num_qb = triton.cdiv(max_q_len, block_q)
-    fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, workspace, share=0.5, sms=device_sms(q.device),
-                        programs=bs * num_qb * Hkv * num_kv_splits) if fuse is None
+    fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
+                        programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None
              else bool(fuse) and num_kv_splits > 1)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(

@@ -157,17 +157,20 @@ def test_the_grid_order_rule_and_its_bound():
 
 
 def test_the_rule_bounds_what_one_program_reads_and_holds():
-    assert fuse_merge(4, 64, 128) and not fuse_merge(4, 1, 128)          # decode bs 1; no splits
-    assert not fuse_merge(16, 64, 128) and fuse_merge(16, 16, 128)       # 512 KiB, 128 KiB of partials
-    assert not fuse_merge(16, 16, 128, share=0.5) and fuse_merge(16, 8, 128, share=0.5)   # extend
-    # 32-row tiles never (measured slower); 64-row tiles up to 128 KiB with >= 8 programs an SM
-    assert not fuse_merge(32, 2, 128, share=0.5) and not fuse_merge(32, 2, 128, programs=1 << 20, sms=132)
-    assert fuse_merge(64, 4, 128, share=0.5, programs=2048, sms=132)     # GQA 64/8 tree8 bs 64
-    assert not fuse_merge(64, 4, 128, share=0.5, programs=512, sms=132)  # bs 16: 3.9 programs an SM
-    assert not fuse_merge(64, 8, 128, programs=1 << 20, sms=132)         # 256 KiB
-    assert fuse_merge(64, 2, 128) and fuse_merge(128, 2, 64)             # no SMs (the interpreter): met
+    assert fuse_merge(4, 64, 128, 4) and not fuse_merge(4, 1, 128, 4)          # decode bs 1; no splits
+    assert not fuse_merge(16, 64, 128, 4) and fuse_merge(16, 16, 128, 4)       # 512 KiB, 128 KiB of partials
+    assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
+    assert not fuse_merge(16, 2, 128, 2) and fuse_merge(64, 2, 16, 4)          # the old bound: 16 values a thread
+    # Past it: 32-row tiles never (measured slower); 64-row tiles of one query block a request up to
+    # 128 KiB with >= 8 programs an SM
+    assert not fuse_merge(32, 2, 128, 4, share=0.5, one_block=True, programs=1 << 20, sms=132)
+    assert fuse_merge(64, 4, 128, 4, share=0.5, one_block=True, programs=2048, sms=132)     # tree8 bs 64
+    assert not fuse_merge(64, 4, 128, 4, share=0.5, one_block=True, programs=512, sms=132)  # bs 16: 3.9 an SM
+    assert not fuse_merge(64, 4, 128, 4, share=0.5, programs=2048, sms=132)    # prefill, decode: not measured
+    assert not fuse_merge(64, 8, 128, 4, one_block=True, programs=1 << 20, sms=132)         # 256 KiB
+    assert fuse_merge(64, 2, 128, 4, one_block=True)                           # no SMs (the interpreter): met
     ws = decode_workspace(4, 4, 128, 64, "cpu")
-    assert fuse_merge(4, 64, 128, ws) and not fuse_merge(4, 64, 128, ws[:2])  # (part, lse): separate
+    assert fuse_merge(4, 64, 128, 4, ws) and not fuse_merge(4, 64, 128, 4, ws[:2])  # (part, lse): separate
     assert len(decode_workspace(4, 4, 128, 64, "cpu", num_counters=0)) == 2
     # Columns a step: at most 16 float32 sums a thread, at least 16 columns, at most the tile's.
     assert merge_chunk(4, 128, 4) == 128 and merge_chunk(16, 128, 4) == 128 and merge_chunk(32, 128, 4) == 64
@@ -177,8 +180,9 @@ def test_the_rule_bounds_what_one_program_reads_and_holds():
 
 @pytest.mark.parametrize("H", [16, 8])      # 64-row tiles (two 32-column chunks), 32-row (one of 64)
 def test_the_extend_fuse_knob(monkeypatch, H):
-    """``fuse`` forces either merge where the rule would pick the other; True with a (part, lse)
-    workspace is refused (no counters)."""
+    """``fuse`` forces either merge: False the separate one where the rule fuses (the 64-row
+    tile; no SMs on the CPU), True the fused one where the rule does not (the 32-row tile, and
+    both with FUSED_MERGE_BYTES at 0); True with a (part, lse) workspace is refused (no counters)."""
     seen = _separate_merges(monkeypatch)
     c = Case(8, 2, "cpu", mask=TREE, H=H, D=64)
     ref = c.ref(c.qs[0])
@@ -196,6 +200,20 @@ def test_the_extend_fuse_knob(monkeypatch, H):
     assert len(seen) == 1 and not c.ws[2].any(), "fuse=True did not merge in the split pass"
     with pytest.raises(ValueError, match="counters"):
         run(ws=c.ws[:2], fuse=True)
+
+
+@pytest.mark.parametrize("sms,fused", [(1, True), (2, False)])
+def test_the_extend_wrapper_counts_programs_an_sm(monkeypatch, sms, fused):
+    """The 64-row tile of one query block a request fuses from 8 programs an SM: 4 requests x 1
+    KV head x 2 splits = 8 programs, met on 1 SM and not on 2 (the device's SMs patched in)."""
+    monkeypatch.setattr(extend_attention, "device_sms", lambda device: sms)
+    seen = _separate_merges(monkeypatch)
+    c = Case(8, 2, "cpu", mask=TREE, H=8, Hkv=1, D=64)      # group 8 x 8 rows
+    assert c.lens.shape[0] == 4
+    with recording() as launches:
+        out = c.run(c.qs[0])
+    assert launches[0][4]["FUSED"] == fused and len(seen) == (0 if fused else 1), (launches[0][4]["FUSED"], seen)
+    assert_close(out, c.ref(c.qs[0]), 1e-5)
 
 
 @pytest.mark.cuda

@@ -124,7 +124,8 @@ def test_transposed_kernel_compiles_for_sm90(compiled, label):
     assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
 
 
-@pytest.mark.parametrize("label", ["gqa32 decode S64", "gqa64 decode S32", "gqa32 verify4 S8", "gqa32 verify4 S4"])
+@pytest.mark.parametrize("label", ["gqa32 decode S64", "gqa64 decode S32", "gqa32 verify4 S8", "gqa32 verify4 S4",
+                                   "gqa64 verify4 S4", "gqa32 tree8 S4", "gqa64 tree8 S4", "gqa64 tree8 S2"])
 def test_the_fused_merge_costs_few_registers(compiled, label):
     fused, separate = compiled[f"{label} fused"], compiled[f"{label} separate"]
     assert len(fused) == 1 and [r["kernel"] for r in separate][1:] == ["_merge_splits_kernel"], (fused, separate)
