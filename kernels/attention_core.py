@@ -69,8 +69,9 @@ def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, HE
     merges the tile's ROWS rows (``part_rows`` / ``lse_rows`` / ``out_rows``: [ROWS] pointers to
     split 0 of each row's partial output and log2-sum-exp, and to its output) as
     ``_merge_splits_kernel`` does, CHUNK_DV output columns at a time (``merge_chunk``: at most 16
-    values a thread where 16 columns allow), one [ROWS, CHUNK_DV] partial a step (unrolled: the loads are independent; a
-    [ROWS, splits, BLOCK_DV] load took the extend kernel from 103 to 163 registers on sm_90).
+    values a thread where 16 columns allow), one [ROWS, CHUNK_DV] partial a step (unrolled: the
+    loads are independent; a [ROWS, splits, BLOCK_DV] load took the extend kernel from 103 to 163
+    registers on sm_90).
     ``sem_ptr`` is the tile's counter (int32, 0 before the launch): every split program adds 1
     after its partials are stored (release), the one that reads NUM_SPLITS - 1 sees them all
     (acquire) and sets the counter back to 0 for the next launch (graph replays included)."""
