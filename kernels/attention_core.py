@@ -296,7 +296,7 @@ def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, w
     if num_kv_splits <= 1 or (workspace is not None and len(workspace) <= 2):
         return False
     nbytes = rows * num_kv_splits * head_dim_v * 4
-    if nbytes <= FUSED_MERGE_BYTES * share and rows * head_dim_v <= 16 * 32 * num_warps:
+    if nbytes <= FUSED_MERGE_BYTES * share and rows * head_dim_v <= merge_values(num_warps):
         return True
     return (one_block and rows >= WIDE_FUSED_ROWS and nbytes <= FUSED_MERGE_BYTES
             and (sms is None or programs >= WIDE_FUSED_PER_SM * sms))
@@ -319,7 +319,12 @@ def merge_chunk(rows: int, block_dv: int, num_warps: int) -> int:
     108-119, decode 64 -> 64-72; a GQA 64/8 verify tile 99 -> 142 on 4 warps, 186 -> 255 on 2),
     and at least 16. The GQA 64/8 tree tile (64 rows, 4 warps) takes 32 columns: 220 registers
     fused, 208 separate (``bench/offline_sm90.py``)."""
-    return min(block_dv, max(16, 16 * 32 * num_warps // rows))
+    return min(block_dv, max(16, merge_values(num_warps) // rows))
+
+
+def merge_values(num_warps: int) -> int:
+    """The float32 sums a program of ``num_warps`` warps holds in the fused merge: 16 a thread."""
+    return 16 * 32 * num_warps
 
 
 def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device, num_counters=None,
