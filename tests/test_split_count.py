@@ -45,13 +45,25 @@ def test_floor(h200):
     assert tc.choose_num_kv_splits(4096, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 1
 
 
+def test_exact_below(h200):
+    """Counts below ``exact_below`` are taken as they are; from it on, a power of two as before."""
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1) == 4                      # 6.19 -> 4
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1, exact_below=8) == 6
+    assert tc.choose_num_kv_splits(256, CUDA0, 2048, 6, 1, exact_below=8) == 3
+    assert tc.choose_num_kv_splits(32, CUDA0, 2048, 6, 1, exact_below=8) == 16       # 24.75: a power of two
+    assert tc.choose_num_kv_splits(64, CUDA0, 2048, 6, 1, exact_below=8) == 8        # 12.4
+    assert tc.choose_num_kv_splits(128, CUDA0, 5, 6, 1, exact_below=8) == 5          # never past the pages
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 6, 1, floor=2, exact_below=8) == 2
+
+
 def test_interpreter_takes_two_splits():
     assert tc.choose_num_kv_splits(8, torch.device("cpu"), 2048, 16, 1) == 2
 
 
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("width,bs,want", [
-    (1, 1, 64), (1, 4, 32), (1, 16, 8), (1, 64, 2), (1, 128, 2),     # decode: 8 per SM, >= 2 splits
+    (1, 1, 64), (1, 2, 32), (1, 4, 16), (1, 8, 8), (1, 16, 6), (1, 32, 3),   # decode: 6 per SM, exact
+    (1, 64, 2), (1, 128, 2),                                          # below 8 splits, >= 2 splits
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
     (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM, as before
@@ -60,7 +72,9 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     """The ``triton`` backend's counts for GQA 32/8 and 64/8 (H200 probe of 2026-11-27: fewer
     splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
     keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
-    and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged)."""
+    and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged;
+    H100 probe of 2026-11-28: decode 6 per SM, counts below 8 as they are: bs 8 8 splits, 16
+    six, 32 three)."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.testing.scenarios import make_memory
 
@@ -68,7 +82,8 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
     be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=64))
     per_sm, floor, floor_per_sm = be._split_rule(width)
-    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, per_sm, width, floor, floor_per_sm)
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, per_sm, width, floor, floor_per_sm,
+                                  exact_below=be._exact_splits_below(width))
     assert got == want
 
 

@@ -65,11 +65,25 @@ class TritonBackend(TritonBackendBase):
         # Decode keeps at least 2: at bs 128 (1024 programs) it took 1 by its 8 per SM and lost
         # 23-43 % to 2 (H200 sweep at e3b0779: GQA 32/8 kv 8192 997 -> 1224 us, 64/8 kv 32768
         # 3916 -> 5595).
+        # Decode, 6 per SM (was 8), counts below 8 not rounded to a power of two
+        # (``_exact_splits_below``). H100, graph replay, least of 3 interleaved rounds, us, GQA
+        # 32/8 and 64/8 at kv 2048 / 8192 / 32768 (2026-11-28): bs 8 16 -> 8 splits 45.6 / 131.3 /
+        # 454.6 -> 39.5 / 109.0 / 378.8 and 42.3 / 110.8 / 377.3 -> 39.8 / 109.1 / 379.1; bs 4
+        # 32 -> 16 26.1 / 65.3 / 199.2 -> 24.3 / 64.0 / 198.7 and 28.1 / 67.2 / 201.7 -> 25.6 /
+        # 64.9 / 199.9; bs 16 8 -> 6 64.3 / 197.6 / 727.4 -> 63.5 / 194.8 / 721.8 and 65.2 /
+        # 198.6 / 729.3 -> 63.4 / 195.3 / 723.7 (4: 0.5-1.4 % slower than 8 at kv >= 8192); bs 32
+        # 4 -> 3 108.5 / 374.6 / 1436.7 -> 107.5 / 371.2 / 1430.2 and 109.7 / 376.4 / 1437.2 ->
+        # 107.6 / 371.8 / 1431.4. Bs 1 (64, the cap) and 2 (32) keep theirs: the best or within
+        # 1 % of it but at bs 1 kv 2048 (32/8: 32 splits 14.2 against 15.2). Bs 64 and 128 keep
+        # the floor of 2.
         if width <= 1:
-            return 8, 2, None
+            return 6, 2, None
         if width <= 4:
             return 4, 1, None
         return (2, 4, 16) if width <= 8 else (16, 1, None)
+
+    def _exact_splits_below(self, width: int) -> int:
+        return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (see _split_rule)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool

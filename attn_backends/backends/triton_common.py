@@ -32,7 +32,7 @@ def interpreting() -> bool:
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
                          width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None,
-                         split_pages: int = 1) -> int:
+                         split_pages: int = 1, exact_below: int = 1) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
@@ -40,7 +40,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     at bs 64: 1; MLA decode: 4; MLA verify: 2). ``floor``: the fewest splits, lowered (to 1 at
     least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
     the fewest pages a split spans, where the splits that leaves still give a quarter of the SMs
-    a program (the backends' ``_split_pages``)."""
+    a program (the backends' ``_split_pages``). ``exact_below``: a count below it is taken as it
+    is, not rounded down to a power of two (GQA decode: 6 splits at bs 16, not 4)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(cuda_index(device))
@@ -52,7 +53,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     most = max_pages
     if split_pages > 1 and programs * (max_pages // split_pages) >= sms // 4:
         most = max_pages // split_pages
-    return 1 << max(0, min(want, cap, most).bit_length() - 1)
+    count = max(1, min(want, cap, most))
+    return count if count < exact_below else 1 << (count.bit_length() - 1)
 
 
 def _book_in_meta(meta: ForwardMetadata) -> bool:
@@ -110,6 +112,11 @@ class TritonBackendBase(LayoutBackend):
     def _out_dim(self) -> int:
         return self.config.out_dim
 
+    def _exact_splits_below(self, width: int) -> int:
+        """``exact_below`` of :func:`choose_num_kv_splits` for batches of ``width`` rows a request
+        (1: every count a power of two)."""
+        return 1
+
     def _part_dtype(self, width: int) -> torch.dtype:
         """The dtype of the split partials in a graph's workspace for batches of ``width`` query
         rows a request (the kernel wrapper's own choice where it allocates one)."""
@@ -123,7 +130,8 @@ class TritonBackendBase(LayoutBackend):
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             per_sm, floor, floor_per_sm = self._split_rule(width, lay)
             cache[key] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
-                                              per_sm, width, floor, floor_per_sm, self._split_pages(width))
+                                              per_sm, width, floor, floor_per_sm, self._split_pages(width),
+                                              self._exact_splits_below(width))
         return cache[key]
 
     def _kv_buffers(self, layer) -> tuple:

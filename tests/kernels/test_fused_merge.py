@@ -218,7 +218,8 @@ def test_the_extend_wrapper_counts_programs_an_sm(monkeypatch, sms, fused):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("order", ["batch", "heads"])
-@pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (1, 16, 1), (4, 8, 4), (4, 4, 2),
+@pytest.mark.parametrize("W,splits,group", [(1, 64, 4), (1, 8, 8), (1, 32, 8), (1, 16, 1), (1, 6, 4), (1, 3, 8),
+                                             (4, 8, 4), (4, 4, 2),
                                              (4, 4, 8), (8, 4, 4), (8, 2, 8)])   # 32- and 64-row tiles, in chunks
 def test_graph_replays_are_bitwise_stable(monkeypatch, order, W, splits, group):
     """Hundreds of replays of one captured launch, q alternating between two tensors and the
