@@ -1,7 +1,8 @@
 """The split-KV count of the triton backends (``triton_common.choose_num_kv_splits``): about
-``per_sm`` programs per SM, a power of two, never more than the pages, at most 32 splits, and 64
-for a batch of few programs with at most 4 query rows. Host logic: the SM count is patched and
-the CUDA device is only a ``torch.device`` object, so this runs without a GPU."""
+``per_sm`` programs per SM, a power of two (but a count below ``exact_below``: GQA decode), never
+more than the pages, at most 32 splits, and 64 for a batch of few programs with at most 4 query
+rows. Host logic: the SM count is patched and the CUDA device is only a ``torch.device`` object,
+so this runs without a GPU."""
 from types import SimpleNamespace
 
 import pytest
@@ -69,22 +70,26 @@ def test_interpreter_takes_two_splits():
     (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM, as before
 ])
 def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
-    """The ``triton`` backend's counts for GQA 32/8 and 64/8 (H200 probe of 2026-11-27: fewer
-    splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
+    """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8 (H200 probe of 2026-11-27:
+    fewer splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
     keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
     and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged;
     H100 probe of 2026-11-28: decode 6 per SM, counts below 8 as they are: bs 8 8 splits, 16
     six, 32 three)."""
     from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.layout import MaskKind
     from attn_backends.testing.scenarios import make_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
-    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=64))
-    per_sm, floor, floor_per_sm = be._split_rule(width)
-    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, 2048, per_sm, width, floor, floor_per_sm,
-                                  exact_below=be._exact_splits_below(width))
-    assert got == want
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    be = get_backend("triton", cfg, mem)
+    monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
+    mode = {1: ForwardMode.DECODE, 64: ForwardMode.EXTEND}.get(width, ForwardMode.TARGET_VERIFY)
+    mask = MaskKind.TREE if width == 8 else MaskKind.CAUSAL
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=mask)
+    assert be._splits(lay) == want
 
 
 def test_split_pages(h200):

@@ -74,8 +74,9 @@ class TritonBackend(TritonBackendBase):
         # 198.6 / 729.3 -> 63.4 / 195.3 / 723.7 (4: 0.5-1.4 % slower than 8 at kv >= 8192); bs 32
         # 4 -> 3 108.5 / 374.6 / 1436.7 -> 107.5 / 371.2 / 1430.2 and 109.7 / 376.4 / 1437.2 ->
         # 107.6 / 371.8 / 1431.4. Bs 1 (64, the cap) and 2 (32) keep theirs: the best or within
-        # 1 % of it but at bs 1 kv 2048 (32/8: 32 splits 14.2 against 15.2). Bs 64 and 128 keep
-        # the floor of 2.
+        # 1 % of it but at bs 1 kv 2048 (32 splits: 32/8 14.2 against 15.2, 64/8 15.5 against
+        # 15.7). Bs 64 and 128 keep the floor of 2. Identical launches differed by up to 0.8 %
+        # between rounds of these probes: the bs 16 (kv >= 8192) and bs 32 gains are near that.
         if width <= 1:
             return 6, 2, None
         if width <= 4:

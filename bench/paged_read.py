@@ -1,24 +1,28 @@
-"""The read bandwidth a paged GQA decode can reach on this card, beside ours (issue #10's "limit
-that holds" a memory-bound row).
+"""Our GQA decode's walk of the paged KV without its arithmetic, beside the decode itself: how
+near ours reads to what a read-only kernel of the same walk reaches on the card (issue #10's
+"limit that holds" a memory-bound row). A reference, not a bound: a different kernel over the
+same pages, which can be slower than ours.
 
-    python bench/read_ceiling.py --points 128x8192,64x32768,4x32768 [--workloads gqa32_decode,gqa64_decode]
+    python bench/paged_read.py --points 128x8192,64x32768,4x32768 [--workloads gqa32_decode,gqa64_decode]
 
 Three figures, one process, one card:
 
 - **copy**: the sweep's device copy of 1 GiB (read + write bytes a second, ``Clock.copy_gbs``);
 - **contiguous read**: a Triton kernel that reads 8 GiB once, in order, and writes one sum a program;
-- **paged read** of each row: a Triton kernel that walks the row's KV exactly as our decode kernel
-  does (one program a KV head, request and split, the same split bounds, ``block_n``-token tiles of
-  K and V gathered through the page table, the sweep's shuffled pages) and only sums what it reads:
-  our decode without its arithmetic, at 32- and 64-token tiles.
+- **paged read** of each row: a Triton kernel that walks the row's KV as our decode kernel does
+  (``_decode_split_kernel``: one program a KV head, request and split, its grid order and split
+  bounds, ``block_n``-token tiles of K and V gathered through the page table, the sweep's shuffled
+  pages) and only sums what it reads, at 32- and 64-token tiles (Triton's default 3 stages; a
+  [block_n, D] float32 sum, where the decode holds [16, Dv]).
 
 Ours is the backend's decode replayed in a CUDA graph (``sweep_ours.Ours``, its own split count);
 every time is the least of ``--rounds`` interleaved rounds of graph replays, L2 flushed before each
 (``Clock.gpu_us``). GB/s count the row's bytes as the sweep does (KV read once + q + out). ``x read``
-is the best paged read's time over ours: 1.0 is the pattern's read ceiling.
+is the faster read's time over ours (below 1.0: that read walked the pages faster than ours).
 
 On the CPU (``BENCH_DEVICE=cpu``: the interpreter, the row's smoke shape) each paged read's sums are
 checked against the tokens gathered by torch, and timed once: a check of the tool, not a measurement.
+tests/test_bench_paged_read.py also checks the walk's split bounds against the decode kernel's.
 """
 from __future__ import annotations
 
@@ -88,16 +92,18 @@ def _read_paged(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, stride_ks, 
 
 
 def paged_read(k, v, page_table, seq_lens, page_size: int, splits: int, block_n: int, out=None):
-    """``(call, out)``: the paged read of ``k``/``v`` [slots, Hkv, D] through ``page_table`` for
+    """``(call, out)``: the paged read of ``k``/``v`` [slots, Hkv, D] (D a power of two) through ``page_table`` for
     ``seq_lens`` requests, ``splits`` splits of ``block_n``-token tiles; ``out`` [bs, Hkv, splits]."""
     bs, hkv = seq_lens.shape[0], k.shape[1]
+    if k.shape != v.shape or k.shape[2] & (k.shape[2] - 1):
+        raise ValueError(f"paged_read: k {tuple(k.shape)} and v {tuple(v.shape)}: one shape, a power-of-two head dim")
     out = torch.empty(bs, hkv, splits, dtype=torch.float32, device=k.device) if out is None else out
     heads_first, grid = heads_first_grid("paged_read", None, bs, 1, (hkv, bs, splits), (bs, hkv, splits))
 
     def call():
         _read_paged[grid](k, v, page_table, seq_lens, out, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           page_table.stride(0), HEAD_DIM=k.shape[2], PAGE_SIZE=page_size, BLOCK_N=block_n,
-                          NUM_SPLITS=splits, HEADS_FIRST=heads_first, num_warps=4)
+                          NUM_SPLITS=splits, HEADS_FIRST=heads_first, num_warps=4, num_stages=3)
     return call, out
 
 
