@@ -186,6 +186,21 @@ def shared_mem_fits(t: torch.Tensor, nbytes: int) -> bool:
     return not t.is_cuda or nbytes <= _max_shared_mem(t.get_device())
 
 
+# Shared memory a program holds beside its two buffered KV tiles (the query tile, layout scratch):
+# above the 16,640 bytes Triton 3.6 gave the float32 64-row MLA tile past its two 64-token tiles.
+SMEM_RESERVE = 32 * 1024
+
+
+def fit_block_n(t: torch.Tensor, block_n: int, token_bytes: int, floor: int = 16) -> int:
+    """The largest of ``block_n, block_n / 2, ...`` (not below ``floor``) for which two KV tiles
+    of ``token_bytes`` a token fit ``t``'s device beside SMEM_RESERVE, so that every dtype a backend
+    serves launches (float32 doubles the bytes of the 16-bit configurations). Two tiles: what
+    Triton 3.6 buffered at 2 stages, and more than it took for the 3-stage 16-row MLA decode tile."""
+    while block_n > floor and not shared_mem_fits(t, 2 * block_n * token_bytes + SMEM_RESERVE):
+        block_n //= 2
+    return block_n
+
+
 def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs):
     """Shared launcher checks: devices, int32 metadata, contiguous head dims, page size."""
     for t_name, t in [("page_table", page_table), ("seq_lens_k", seq_lens_k)]:

@@ -30,6 +30,7 @@ from .attention_core import (
     LOG2E,
     check_paged_inputs,
     device_sms,
+    fit_block_n,
     fuse_merge,
     heads_first_grid,
     merge_chunk,
@@ -245,12 +246,13 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     # 19.2): 64 splits of 32 tokens there, and a split is whole KV tiles, so half of them idle.
     # 2 stages were within 1.5 % of 3, 128-token tiles 43-82 % slower, 4 warps 15-41 %; the
     # 16-row tiles (GQA 32/8 verify4) were 0-2 % slower on 2 warps and 31-66 % on 1.
-    if block_n is None:
-        block_n = 64
     if num_warps is None:
         num_warps = 2 if wide else 4
     if num_stages is None:
         num_stages = 3 if wide else 2
+    if block_n is None:  # as many tokens as the card's shared memory stages (float32 at head dim 256: 32)
+        tile_dims = triton.next_power_of_2(D) + triton.next_power_of_2(Dv)    # one token of K and of V
+        block_n = fit_block_n(q, 64, tile_dims * q.element_size())
     num_qb = triton.cdiv(max_q_len, block_q)
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None

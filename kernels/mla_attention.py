@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, check_paged_inputs, merge_splits, shared_mem_fits, split_targets
+from .attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, shared_mem_fits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
 from .mla_chunked import _mla_chunked_kernel, chunked_refusal
@@ -384,12 +384,12 @@ def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -
     # float32 (which `check` runs).
     decode_tile = (W == 1 and rows < 64 and block_n in (None, 64)
                    and shared_mem_fits(q, 2 * 64 * D * q.element_size()))
-    if block_n is None:
-        block_n = 64 if rows >= 64 or decode_tile else 32
-    if num_warps is None:
-        num_warps = 8 if rows >= 64 or decode_tile else 4
     if num_stages is None:
         num_stages = 3 if decode_tile else 2
+    if block_n is None:  # as many tokens as the card's shared memory stages (float32 64-row tiles: 32)
+        block_n = fit_block_n(q, 64 if rows >= 64 or decode_tile else 32, D * q.element_size())
+    if num_warps is None:
+        num_warps = 8 if rows >= 64 or decode_tile else 4
     return block_w, block_h, block_n, num_warps, num_stages
 
 
