@@ -16,8 +16,9 @@ import torch
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import Layout, LayoutError, build_layout, inputs_from_batch
+from .layout import Layout, LayoutError, build_layout, inputs_from_batch, stream_capturing
 from .plan import LayoutPlan
+from .validation import check_request_rows
 
 
 class GraphSupport(enum.IntEnum):
@@ -257,6 +258,8 @@ class LayoutBackend(AttentionBackend):
             plan = inputs.plan
             layout = plan.captured(key).layout
         else:
+            if not stream_capturing():                    # the caller's rows: a real batch (it may sync here)
+                check_request_rows(inputs.req_pool_indices[:inputs.raw_bs], self.memory.req_to_token.shape[0])
             plan = self._private_plan()
             plan.load(inputs, capture=True)               # validates first: a refusal changes nothing
             layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)
@@ -353,6 +356,7 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{width} = {lay.bs * width}")
         if not width and n != batch.num_tokens:
             raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
+        self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "
@@ -362,6 +366,18 @@ class LayoutBackend(AttentionBackend):
                 self.memory.check_slots(batch.out_cache_loc, real)
             self._store_kv(layer, batch.out_cache_loc, k, v)
         return self._run(q, layer, meta)
+
+    def _check_layer_and_dtypes(self, layer: AttentionLayer, q, k, v, save_kv_cache: bool) -> None:
+        """The layer is one of the model's (a list index would wrap -1 to the last layer, or raise
+        a bare IndexError), and q (k, v when stored) are in the model's dtype (the KV memory's:
+        a store would cast them silently, a kernel would mix precisions)."""
+        cfg = self.config
+        if not 0 <= layer.layer_id < cfg.num_layers:
+            raise ValueError(f"layer_id={layer.layer_id} outside 0..{cfg.num_layers - 1} "
+                             f"(the model's num_layers={cfg.num_layers})")
+        for name, t in (("q", q), ("k", k), ("v", v)) if save_kv_cache else (("q", q),):
+            if t is not None and t.dtype != cfg.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} differs from the model's dtype {cfg.dtype}")
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         self.memory.pool.store(layer.layer_id, loc, k, v)

@@ -103,11 +103,23 @@ def _check_spec(inp: LayoutInputs) -> None:
             raise LayoutError(f"accept_lens {acc.tolist()} outside 1..N={w} (valid tokens incl. the bonus)")
 
 
-def _check_device_values(inp: LayoutInputs, seqs: list) -> None:
-    req = inp.req_pool_indices[:inp.raw_bs]
-    rows = inp.req_to_token.shape[0]
+def check_request_rows(req: torch.Tensor, rows: int, stand_in: bool = False) -> None:
+    """The real requests' rows ``req`` lie in the table of ``rows`` rows and off the reserved row 0
+    (padding's, all zeros: a request there would read the reserved slot 0 as its KV). ``stand_in``:
+    a step plan's own capture batch, which stands on row 0 before any request exists (replays
+    rewrite it). Reads device values (a sync)."""
     if bool(((req < 0) | (req >= rows)).any()):
         raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
+    if not stand_in and bool((req == 0).any()):
+        raise LayoutError(f"req_pool_indices {req.tolist()}: request {req.tolist().index(0)} is on row 0, "
+                          f"reserved for padding (real requests use rows 1..{rows - 1})")
+
+
+def _check_device_values(inp: LayoutInputs, seqs: list) -> None:
+    req = inp.req_pool_indices[:inp.raw_bs]
+    # static inputs are a step plan's (the caller's rows of a private plan's capture are checked by
+    # the backend before it loads them, LayoutBackend.init_forward_metadata_capture_cuda_graph)
+    check_request_rows(req, inp.req_to_token.shape[0], stand_in=inp.static)
     if inp.seq_lens[:inp.raw_bs].tolist() != seqs:
         raise LayoutError("seq_lens and seq_lens_cpu disagree")
     pos = torch.arange(inp.max_context_len, device=req.device)
