@@ -21,9 +21,12 @@ INVARIANTS = {
     "I6": "capacity: indices in range, buffers large enough",
     "I7": "slicing: outputs cut to raw rows, hidden states by the one LAST/FULL rule; pad rows never reach real rows",
     "I8": "no aliasing: returned tensors survive the next replay",
-    "I9": "replay == eager (bitwise on the GPU for the same padded batch); runner suite: == a float64 reference",
+    "I9": "replay == eager (bitwise on the GPU for the same padded batch); runner suite: == a float64 reference "
+          "(a failure names the worst request, row and element, both values, and the first layer whose "
+          "eager attention differs from the reference's)",
     "I9n": "numbers: eager and replayed outputs within tolerance of torch_native on the same batch "
-           "(float32 1e-4, float16 2e-3, bfloat16 2e-2 of the largest reference value)",
+           "(float32 1e-4, float16 2e-3, bfloat16 2e-2 of the largest reference value; a failure names "
+           "the worst request, query row, head and element, both values, and the rows and heads off)",
     "I10": "batch invariance: bucket, slot, others' accept lengths",
     "I11": "dispatch: can_run == replay happened; refusals; captured hidden mode",
     "I12": "fan-out: every backend instance refreshed per replay",

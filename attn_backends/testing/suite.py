@@ -22,6 +22,7 @@ from ..kinds import BATCH_KINDS, kinds_served
 from ..registry import get_backend_class, unavailable_reason
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
+from .numbers import NumbersCheck
 from .report import SuiteReport
 from .scenarios import (
     PAGE_ORDERS,
@@ -170,7 +171,7 @@ class _CaseRun:
         self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
                                page_order=c.page_order, seed=c.seed, device=device)   # random KV: I9n
         self.graph_be, self.eager_be = cls(cfg, self.mem), cls(cfg, self.mem)
-        self.numbers = _Numbers(cfg, self.mem, c.seed)
+        self.numbers = NumbersCheck(cfg, self.mem, c.seed)
         self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
         self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
         report.cases[(name, c.mode)] += 1
@@ -208,6 +209,8 @@ class _CaseRun:
             ok13 = [f"capture of a valid batch failed: {type(e).__name__}: {e}"]
         if not self.judge("I13", ok13):
             return False
+        found = check_layout(_plain(be.forward_metadata.as_layout()), self.mats[0], self.mem, self.fill)
+        self.judge("I13", [f"captured layout: {m}" for ms in found.values() for m in ms])  # as replays' (vLLM #32645)
         self._guarded("capture", lambda: be.init_forward_metadata_capture_cuda_graph(_guarded_inputs(cap)),
                       simulate_capture=True)
         return True
@@ -249,52 +252,6 @@ class _CaseRun:
             layouts.append(rep)
         self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
         del spacer  # held through the replays: a re-allocating replay would not get the captured address
-
-
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-class _Numbers:
-    """I9n: a backend's output on its current metadata against the reference backend's on the
-    same batch, over the real rows (KV read from the pool only: nothing is stored). On CUDA every
-    batch of the case; on the CPU, where a Triton kernel runs in the interpreter (seconds a call),
-    the case's first eager batch and its first replay only."""
-
-    def __init__(self, cfg: ModelConfig, mem, seed: int) -> None:
-        self.cfg, self.mem = cfg, mem
-        self.ref = get_backend_class("torch_native")(cfg, mem)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.once = torch.device(mem.device).type == "cpu"
-        self.done: set = set()
-
-    def due(self, what: str) -> bool:
-        """Whether this case checks the numbers of ``what`` ("eager", "replayed") now."""
-        due = not (self.once and what in self.done)
-        self.done.add(what)
-        return due
-
-    def check(self, backend, batch, what: str) -> list:
-        n = batch.num_tokens
-        q = torch.randn(n, self.cfg.num_q_heads, self.cfg.qk_dim, generator=self.gen)
-        q = q.to(self.mem.device, self.cfg.dtype)
-        layer = self.cfg.layer(0)
-        try:
-            got = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
-        except Exception as e:  # noqa: BLE001 - a crash on a valid batch is the finding
-            return [f"{what} forward failed: {type(e).__name__}: {e}"]
-        self.ref.init_forward_metadata(batch)
-        want = self.ref.forward(q, None, None, layer, batch, save_kv_cache=False)
-        w = batch.width if batch.forward_mode.is_uniform() else 0
-        real = batch.raw_bs * w if w else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
-        if tuple(got.shape) != tuple(want.shape):
-            return [f"{what} output shape {tuple(got.shape)} != the reference's {tuple(want.shape)}"]
-        a, b = got[:real].double(), want[:real].double()
-        err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
-        tol = TOLERANCE.get(self.cfg.dtype, 2e-2)
-        if not err <= tol:                      # NaN fails too
-            return [f"{what} output vs torch_native on the same batch: relative error {err:.3g} > {tol:g} "
-                    f"({str(self.cfg.dtype)[6:]}, {real} real rows)"]
-        return []
 
 
 def _is_sync_error(e: Exception) -> bool:

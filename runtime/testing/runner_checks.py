@@ -12,12 +12,16 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
 from attn_backends import CaptureHiddenMode as H
+from attn_backends import get_backend
+from attn_backends.testing.numbers import batch_spans, mismatch
 
+from ..attention_hook import splitting
 from ..executor import ModelExecutor
 from ..runner_base import RunnerOutput, run_eager
 
@@ -78,13 +82,50 @@ def hidden_rule(case, compare) -> None:
 
 
 def against_float64(case, out: RunnerOutput, hidden, compare) -> None:
-    """I9: the replay's outputs against the float64 reference on the unpadded batch."""
+    """I9: the replay's outputs against the float64 reference on the unpadded batch; where they
+    differ, the first attention call whose output differs too (:func:`attention_diagnosis`)."""
     rig = case.rig
     if case.exact and rig.kind == "draft_decode":
         return          # bf16 greedy branches may pick other tokens than float64 ones: no common ground
     tol = 8e-2 if rig.tc.dtype == torch.bfloat16 else 2e-3
     want = rig.expected(case.reqs_a, hidden, float64=True)
-    case.judge("I9", compare(out, want, tol, "A replay vs the float64 reference"))
+    msgs = compare(out, want, tol, "A replay vs the float64 reference", case.counts(case.reqs_a))
+    case.judge("I9", msgs + [attention_diagnosis(rig, case.reqs_a, hidden, tol)] if msgs else [])
+
+
+class _TwinAttention:
+    """An attention hook (``attention_hook.splitting``) that answers every call with the float64
+    reference and runs a fresh instance of the backend under test beside it, eagerly, on the same
+    q and KV: the first call where the two differ is where the numbers go wrong."""
+
+    def __init__(self, rig, tol: float) -> None:
+        self.rig, self.tol, self.found = rig, tol, None
+
+    def on_attention(self, backend, q, k, v, layer, batch):
+        out = backend.forward(q, k, v, layer, batch)          # the reference stores this step's K/V
+        if self.found is None:
+            ours = get_backend(self.rig.backend_name, self.rig.tc.attention(), self.rig.mem)
+            own = dataclasses.replace(batch, plan=None)           # its own layout, not the reference's plan
+            ours.init_forward_metadata(own)
+            got = ours.forward(q, k, v, layer, own, save_kv_cache=False)
+            spans = batch_spans(batch)
+            real = sum(n for _, n in spans)
+            msg = mismatch(got[:real], out[:real], self.tol, spans)
+            if msg:
+                spec = batch.spec_info
+                step = f" of draft step {spec.draft_step}" if spec is not None and spec.is_draft_decode else ""
+                self.found = f"attention of layer {layer.layer_id}{step}, eager, vs the float64 reference: {msg}"
+        return out
+
+
+def attention_diagnosis(rig, reqs: list, hidden, tol: float) -> str:
+    """Where the backend's eager attention first leaves the float64 reference on ``reqs``: the
+    layer, request, query row, head and element, both values (issue #38)."""
+    twin = _TwinAttention(rig, tol)
+    with splitting(twin):
+        rig.expected(reqs, hidden, float64=True)
+    return twin.found or ("the eager attention of every layer agrees with the float64 reference: "
+                          "the difference comes from the replay")
 
 
 def fallback_messages() -> list:

@@ -31,6 +31,7 @@ import torch
 from attn_backends import CaptureHiddenMode, ForwardMode, SpecInfo
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.registry import get_backend_class, unavailable_reason
+from attn_backends.testing.numbers import mismatch, spans_of
 from attn_backends.testing.report import SuiteReport
 from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
 
@@ -112,23 +113,33 @@ def outputs(o: RunnerOutput) -> dict:
                               ("rows", o.rows)) if isinstance(v, torch.Tensor)}
 
 
-def compare(got: RunnerOutput, want: RunnerOutput, tol: float, what: str) -> list:
-    """Messages for every output field that differs (``tol`` 0: bitwise)."""
+def compare(got: RunnerOutput, want: RunnerOutput, tol: float, what: str, counts: Optional[list] = None) -> list:
+    """Messages for every output field that differs (``tol`` 0: bitwise). ``counts``: the valid
+    rows of each request; a field holds either all of them or one row per request, and its
+    message then names the request and row of the worst element (``numbers.mismatch``)."""
     g, w = outputs(got), outputs(want)
     msgs = [f"{what}: field {k} is {'missing' if k not in g else 'unexpected'}" for k in set(g) ^ set(w)]
     for k in sorted(set(g) & set(w)):
         a, b = g[k], w[k]
         if a.shape != b.shape:
             msgs.append(f"{what}: {k} has shape {tuple(a.shape)}, expected {tuple(b.shape)}")
-        elif tol == 0 or not a.is_floating_point():
+        elif not a.is_floating_point():
             if not torch.equal(a, b):
                 bad = (a != b).nonzero()
                 msgs.append(f"{what}: {k} differs at {bad.shape[0]} of {a.numel()} entries, first {bad[0].tolist()}")
         else:
-            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
-            if not err <= tol:   # NaN fails too
-                msgs.append(f"{what}: {k} relative error {err:.3g} > {tol:g}")
+            msg = mismatch(a, b, tol, _field_spans(a.shape[0], counts))
+            if msg:
+                msgs.append(f"{what}: {k} {msg}")
     return msgs
+
+
+def _field_spans(rows: int, counts: Optional[list]) -> Optional[list]:
+    if counts and rows == sum(counts):
+        return spans_of(counts)
+    if counts and rows == len(counts):
+        return spans_of([1] * rows)
+    return None
 
 
 def clone(o: RunnerOutput) -> RunnerOutput:
@@ -207,6 +218,10 @@ class _Case:
                 q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(rig.device, rig.tc.dtype)
         self.backends = rig.flat(rig.backends)
 
+    def counts(self, reqs) -> list:
+        """The valid rows of each request (what ``compare`` names a row of an output by)."""
+        return [c for _, c in self.rig.row_spans(reqs)]
+
     def run(self, reqs, hidden, padded_input=True) -> RunnerOutput:
         """One run, judged for I11 (can_run, one replay counted) and I12 (each backend refreshed once)."""
         rig, r = self.rig, self.rig.runner
@@ -239,12 +254,13 @@ class _Case:
         tol = 0 if self.exact else self.tol
         out_a = self.run(self.reqs_a, self.ha)
         keep_a = clone(out_a)
-        self.judge("I9", compare(out_a, self.eager(self.reqs_a, self.ha), tol, "A replay vs eager"))
+        ca, cb = self.counts(self.reqs_a), self.counts(self.reqs_b)
+        self.judge("I9", compare(out_a, self.eager(self.reqs_a, self.ha), tol, "A replay vs eager", ca))
         against_float64(self, out_a, self.ha, compare)
         out_b = self.run(self.reqs_b, self.hb, padded_input=False)
-        self.judge("I9", compare(out_b, self.eager(self.reqs_b, self.hb), tol, "B replay vs eager"))
-        self.judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay"))
-        self.judge("I14", compare(self.run(self.reqs_a, self.ha), keep_a, 0, "A replayed after B"))
+        self.judge("I9", compare(out_b, self.eager(self.reqs_b, self.hb), tol, "B replay vs eager", cb))
+        self.judge("I8", compare(out_a, keep_a, 0, "A's outputs after B's replay", ca))
+        self.judge("I14", compare(self.run(self.reqs_a, self.ha), keep_a, 0, "A replayed after B", ca))
         return keep_a
 
     def poisoned_pads(self, keep_a: RunnerOutput) -> None:
@@ -253,7 +269,7 @@ class _Case:
         n_raw = sum(len(q.ids) for q in reqs) if rig.kind == "piecewise" else len(reqs)
         with poisoned_pads(rig, n_raw, self.rng):
             out_p = self.run(reqs, self.ha)
-        self.judge("I7", compare(out_p, keep_a, 0, "A with poisoned pad rows"))
+        self.judge("I7", compare(out_p, keep_a, 0, "A with poisoned pad rows", self.counts(reqs)))
 
     def batch_invariance(self, keep_a: RunnerOutput) -> None:
         """I10: the same request reordered among fewer others (another bucket and slot), the
@@ -285,6 +301,9 @@ class _Case:
         self.judge("I11", [f"graph {k} captured with hidden mode {k.capture_hidden_mode.name}, runner has "
                            f"{r.capture_hidden_mode.name}" for k in keys
                            if k.capture_hidden_mode != r.capture_hidden_mode])
+        got = sorted({k if isinstance(k, int) else k.bs for k in r.graphs})   # a capped ladder: vLLM #53407
+        self.judge("I11", [] if got == sorted(set(self.rig.spec.buckets)) else
+                   [f"captured buckets {got}, asked {sorted(set(self.rig.spec.buckets))}: the others run eagerly"])
         for what, b, needle in refusal_batches(self.rig, self.rng, self.reqs_b):
             before, msgs = r.replay_count, []
             if r.can_run(b):
