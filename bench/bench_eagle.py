@@ -4,7 +4,8 @@ backends at ``TinyConfig.gpu_gqa()`` / ``gpu_mla()`` sizes (4 layers, bf16).
 
 EAGLE runs a chain of ``N = 8`` (7 draft levels, 6 draft forwards in one graph) with a draft of
 the target's first layer; the target's 3 top layers are made unable to change its argmax
-(``make_top_layers_skippable``), so the draft agrees with it at noise 0 up to bf16 near ties,
+(``EngineConfig.skippable_from=1``: ``make_top_layers_skippable``, asked for explicitly, the
+engine never does it by itself), so the draft agrees with it at noise 0 up to bf16 near ties,
 as a well-trained EAGLE head would, and the acceptance levels are the draft noise levels of
 ``ACCEPTANCE_LEVELS`` (the mean accept length measured is recorded beside each figure).
 
@@ -14,7 +15,7 @@ steps over their wall time (prefill excluded), the median of ``ROUNDS`` runs aft
 run. Rows go to ``$BENCH_EAGLE_RESULTS`` (JSON lines); ``python bench/bench_eagle.py FILE``
 prints the table and checks the target (EAGLE, high acceptance, full graphs, bs 1 >= 2x plain).
 ``python bench/bench_eagle.py --smoke`` runs the same code on the CPU at test sizes. (Plain
-decode runs the target as built, without the skippable-layer change: the same shapes and cost.)
+decode runs the same target, skippable layers included: the same model, shapes and cost.)
 """
 import json
 import os
@@ -50,7 +51,7 @@ def engine_config(which: str, method: str, impl: str, device: str = "cuda", tc=N
     tokens = tuple(sorted({prompt, prompt * min(8, bs), prompt * bs}))
     return EngineConfig(tc, backend or ("triton_mla" if tc.is_mla else "triton"), spec, device, max_batch=bs,
                         max_context_len=ctx, max_prefill_tokens=prompt * bs, graphs=impl == "graphs",
-                        buckets=batch_sizes, token_buckets=tokens)
+                        buckets=batch_sizes, token_buckets=tokens, skippable_from=SPEC.draft_layers)
 
 
 def generate_once(engine: Engine, bs: int, prompt: int, max_tokens: int, seed: int) -> dict:

@@ -19,8 +19,11 @@ predicts position ``T+1``.
 
 With ``noise == 0`` and all target layers in the trunk, the draft computes the target's own
 next-token distribution, so drafts are accepted unless rounding flips a near tie. A cheaper
-draft (fewer layers) agrees exactly only with a target whose top layers cannot change its
-argmax: :func:`make_top_layers_skippable` builds one (the benchmarks use it).
+draft (fewer layers) is a model of its own (the target's first layers, its own KV layers, the
+target's final norm and head): it reads the target's weights and never writes them, so it is
+accepted less often, and the output stays the target's. It agrees exactly only with a target
+whose top layers cannot change its argmax: :func:`make_top_layers_skippable` builds one, which
+a user asks for explicitly (``EngineConfig.skippable_from``: the benchmarks do).
 """
 from __future__ import annotations
 

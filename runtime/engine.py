@@ -5,7 +5,10 @@ Each ``step()`` is a prefill of newly admitted requests (when some fit) or one d
 every running request: plain DECODE (one token each) or one EAGLE step (1..N tokens each).
 Requests join and finish at different steps. Admission reserves each request's worst-case
 pages, so no allocation fails mid-generation; a request that can never fit fails at once with
-an error naming the value and the limit, and the others go on.
+an error naming the value and the limit, and the others go on. A setting the engine cannot take
+(:func:`refusal`, or more memory than the device has free: limits.py) raises
+:class:`~.limits.ConfigError` before anything is allocated. The target is the seeded model:
+a draft shares its weights and never changes them (``skippable_from`` asks for another target).
 """
 from __future__ import annotations
 
@@ -18,11 +21,13 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, KVMemory
 
+from . import limits
 from .batches import device_rows, extend_batch, uniform_batch
 from .draft_model import DraftModel, make_top_layers_skippable
 from .eagle import EagleWorker, SpecConfig
 from .executor import draft_executor, target_executor
 from .kv_bookkeeping import PageBudget
+from .limits import ConfigError
 from .models import TinyConfig, TinyModel
 from .request import Request, SamplingParams, Status
 from .stats import EngineStats
@@ -50,11 +55,37 @@ class EngineConfig:
     buckets: Optional[tuple] = None           # requests per captured graph; None: 1, 2, 4, .., max_batch
     token_buckets: Optional[tuple] = None     # piecewise EXTEND tokens; None: 16, 32, .., max_prefill_tokens
     page_order: str = "shuffled"
+    # the target's layers from this one on write only where its LM head does not read
+    # (make_top_layers_skippable), so that a draft of that many layers agrees with it: another
+    # target, chosen here, plain or speculative alike. None: the target as seeded; no draft changes it.
+    skippable_from: Optional[int] = None
+
+
+def refusal(cfg: EngineConfig):
+    """The first setting of ``cfg`` an engine cannot take, as ``render(names)`` (limits.py), or None.
+    Checked before anything is allocated."""
+    c, spec = cfg.model, cfg.spec
+    if cfg.max_batch < 1:
+        return lambda x: f"{x.set('max_batch', cfg.max_batch)} must be >= 1"
+    if spec is not None and spec.topk > c.vocab_size:
+        return lambda x: f"{x.set('topk', spec.topk)} exceeds the vocabulary size {c.vocab_size}"
+    if spec is not None and spec.draft_layers is not None and spec.draft_layers > c.num_layers:
+        return lambda x: f"{x.set('draft_layers', spec.draft_layers)} exceeds the target's {c.num_layers} layers"
+    s = cfg.skippable_from
+    if s is not None and not 1 <= s <= c.num_layers:
+        return lambda x: f"{x.set('skippable_from', s)} outside 1..{c.num_layers} (the target's layers)"
+    return None
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg, c, spec = cfg, cfg.model, cfg.spec
+        reason = refusal(cfg)
+        if reason is not None:
+            raise ConfigError(reason)
+        too_big = limits.memory_refusal(cfg, f"max_batch={cfg.max_batch}, max_context_len={cfg.max_context_len}")
+        if too_big:
+            raise ConfigError(lambda x: too_big)
         draft_layers = (spec.draft_layers or c.num_layers) if spec else 0
         ps = c.page_size
         pages = cfg.num_pages or cfg.max_batch * -(-cfg.max_context_len // ps) + 1
@@ -66,6 +97,8 @@ class Engine:
         attn = replace(c, num_layers=c.num_layers + draft_layers).attention()   # target and draft layers
         aux = spec.target_aux_layers(c.num_layers) if spec else ()
         self.target_model = TinyModel(c, cfg.device, aux_hidden_layers=aux)
+        if cfg.skippable_from is not None:
+            make_top_layers_skippable(self.target_model, cfg.skippable_from)
         buckets = cfg.buckets or powers_of_two(cfg.max_batch)
         tokens = cfg.token_buckets or powers_of_two(cfg.max_prefill_tokens, 16)
         kw = dict(buckets=buckets, token_buckets=tokens, graphs=cfg.graphs)
@@ -73,7 +106,6 @@ class Engine:
                                       spec=spec.verify_spec() if spec else None, **kw)
         self.executors, self.worker = [self.target], None
         if spec is not None:
-            make_top_layers_skippable(self.target_model, draft_layers)
             self.draft_model = DraftModel(self.target_model, self.memory, num_layers=draft_layers,
                                           noise=spec.noise, temperature=spec.draft_temperature, seed=spec.seed)
             draft = draft_executor(self.draft_model, self.memory, cfg.backend, attn, topk=spec.topk,

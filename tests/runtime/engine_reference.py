@@ -24,11 +24,11 @@ TAU = 2e-3
 I32 = torch.int32
 
 
-def reference_model(tc: TinyConfig, draft_layers=None, device="cpu") -> TinyModel:
-    """The target as the engine builds it (same seed; top layers made skippable for a short draft)."""
+def reference_model(tc: TinyConfig, skippable_from=None, device="cpu") -> TinyModel:
+    """The target as the engine builds it (same seed; ``EngineConfig.skippable_from`` applied)."""
     model = TinyModel(tc, device)
-    if draft_layers:
-        make_top_layers_skippable(model, draft_layers)
+    if skippable_from is not None:
+        make_top_layers_skippable(model, skippable_from)
     return model
 
 

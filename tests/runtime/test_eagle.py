@@ -75,13 +75,37 @@ def test_lossless_torch_native(name, mla):
     assert engine.stats.rounds == sum(len(r.accept_lens) for r in engine.requests.values())
 
 
-def test_lossless_with_a_one_layer_draft_of_a_two_layer_target():
-    """The benchmarks' pairing: a draft of the target's first layer, top layer skippable; it is
-    lossless and, at noise 0, always accepted (the skippable layer cannot change the argmax)."""
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_a_one_layer_draft_serves_the_untouched_target(mla):
+    """A draft shorter than the target is a model of its own: the engine serves the seeded target
+    (its weights bitwise as built, before and after generating), token for token; the draft,
+    missing a layer, is rejected at times (accept lengths below N) and the output stays the target's."""
+    tc = model_config(mla, 16)
+    seeded = {k: v.clone() for k, v in TinyModel(tc).state_dict().items()}
+    cases = make_cases(reference_model(tc), [16, 11], seed=5)
+    engine = engine_for(tc, SpecConfig("eagle", 1, 3, 4, draft_layers=1))
+    assert len(engine.draft_model.layers) == 1
+
+    def unchanged():
+        got = engine.target_model.state_dict()
+        assert got.keys() == seeded.keys()
+        for k, v in seeded.items():
+            assert torch.equal(got[k], v), f"target weight {k} changed"
+    unchanged()
+    assert_matches(run_cases(engine, cases), cases)
+    unchanged()
+    assert min(engine.stats.accept_hist) < 4, engine.stats.accept_hist
+    assert_no_leaks(engine)
+
+
+def test_lossless_with_a_one_layer_draft_of_a_skippable_target():
+    """The benchmarks' pairing, asked for explicitly: a target whose top layer cannot change its
+    argmax (``skippable_from=1``) and a draft of its first layer; lossless against that target
+    and, at noise 0, always accepted."""
     tc = model_config(False, 16)
     spec = SpecConfig("eagle", 1, 3, 4, draft_layers=1)
-    cases = make_cases(reference_model(tc, draft_layers=1), [16, 11], seed=5)
-    engine = engine_for(tc, spec)
+    cases = make_cases(reference_model(tc, skippable_from=1), [16, 11], seed=5)
+    engine = engine_for(tc, spec, skippable_from=1)
     assert_matches(run_cases(engine, cases), cases)
     assert set(engine.stats.accept_hist) == {4}, engine.stats.accept_hist
     assert_no_leaks(engine)
@@ -279,7 +303,7 @@ BF16_CASES = [("triton", False), ("triton_mla", True), ("flashinfer", False), ("
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend,mla", BF16_CASES, ids=[f"{b}-{'mla' if m else 'gqa'}" for b, m in BF16_CASES])
 def test_cuda_bf16_high_acceptance_replays(backend, mla):
-    """bf16 at the benchmark pairing (one-layer draft): graphs replayed hundreds of times, every
+    """bf16 at the benchmark pairing (one-layer draft, skippable top layer): graphs replayed hundreds of times, every
     request finishes, nothing leaks, the acceptance stays high. The FlashInfer family runs here
     (it takes bf16 and head dims of 64 and up, not the float32 tiny models of the lossless tests)."""
     reason = unavailable_reason(get_backend_class(backend), "cuda")
@@ -288,7 +312,7 @@ def test_cuda_bf16_high_acceptance_replays(backend, mla):
     tc = replace(TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa(), num_layers=2)
     spec = SpecConfig("eagle", 1, 4, 5, draft_layers=1)
     engine = engine_for(tc, spec, backend, device="cuda", max_batch=4, buckets=(1, 2, 4), max_context_len=512,
-                        token_buckets=(32, 128, 256), max_prefill_tokens=256)
+                        token_buckets=(32, 128, 256), max_prefill_tokens=256, skippable_from=1)
     rng = random.Random(0)
     reqs = engine.generate([[rng.randrange(tc.vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(16)],
                            SamplingParams(max_tokens=96))
