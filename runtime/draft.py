@@ -23,6 +23,9 @@ from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
+# Draft forwards a multi-step runner chains: a step plan loads each step's number from device
+# constants 0..max_bs+64 (layout_buffers.RowCopies), so 64 holds whatever the buckets.
+MAX_DRAFT_STEPS = 64
 
 
 @dataclass
@@ -73,6 +76,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
 
     def __init__(self, model, step_backends: list, memory, topk: int, num_steps: int, buckets,
                  capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
+        if not 1 <= num_steps <= MAX_DRAFT_STEPS:
+            raise ValueError(f"num_steps={num_steps} draft steps outside 1..{MAX_DRAFT_STEPS} (MAX_DRAFT_STEPS)")
         if len(step_backends) != num_steps:
             raise ValueError(f"{len(step_backends)} step backends for num_steps={num_steps}")
         super().__init__(model, step_backends[0], memory, buckets, capture_hidden_mode)

@@ -30,15 +30,17 @@ import torch
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, KVMemory, SpecInfo
 
 from .batches import device_rows, extend_batch, uniform_batch
-from .draft import DraftInput
+from .draft import MAX_DRAFT_STEPS, DraftInput
 from .draft_model import DraftModel, eagle3_layers
 from .executor import ModelExecutor
 from .kv_bookkeeping import accepted_moves, layer_tensors, move_slots, slots_window
+from .limits import ConfigError
 from .runner_base import RunnerOutput
 from .spec_tree import Acceptance, DraftTree, build_tree, first_level, greedy_accept
 
 I32, I64 = torch.int32, torch.int64
 METHODS = ("eagle", "eagle3")
+MAX_STEPS = MAX_DRAFT_STEPS + 1          # the level-1 top-k takes no draft forward
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,27 @@ class SpecConfig:
     seed: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"spec method {self.method!r} is not one of {METHODS}")
-        if self.num_draft_tokens < 2:
-            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root and a draft token)")
+        reason = self.refusal()
+        if reason is not None:
+            raise ConfigError(reason)
         SpecInfo(self.num_draft_tokens, self.topk, self.num_steps)     # the bounds every runner enforces
+
+    def refusal(self):
+        """The first rule these settings break, as ``render(names)`` (limits.py), or None."""
+        n, k, steps, d = self.num_draft_tokens, self.topk, self.num_steps, self.draft_layers
+        if self.method not in METHODS:
+            return lambda x: f"{x.set('method', repr(self.method))} is not one of {METHODS}"
+        if not 1 <= steps <= MAX_STEPS:     # steps first: a bad N often follows from them
+            return lambda x: (f"{x.set('num_steps', steps)} outside 1..{MAX_STEPS}: a round runs at most "
+                              f"{MAX_DRAFT_STEPS} draft forwards (runtime/draft.py, MAX_DRAFT_STEPS)")
+        if k < 1:
+            return lambda x: f"{x.set('topk', k)} must be >= 1"
+        if not 2 <= n <= steps * k + 1:     # the root and a draft token .. every drafted node
+            most = (lambda x: f"{x('num_steps')}+1") if k == 1 else (lambda x: f"{x('num_steps')}*{x('topk')}+1")
+            return lambda x: f"{x.set('num_draft_tokens', n)} outside 2..{most(x)}={steps * k + 1}"
+        if d is not None and d < 1:
+            return lambda x: f"{x.set('draft_layers', d)} must be >= 1 (None: all the target's layers)"
+        return None
 
     @property
     def headroom(self) -> int:

@@ -16,14 +16,42 @@ from typing import TextIO
 
 import torch
 
+from attn_backends import cli
+from attn_backends.cli import UsageError
+
+from . import limits
 from .draft_model import ACCEPTANCE_LEVELS
-from .eagle import SpecConfig
+from .eagle import MAX_STEPS, SpecConfig
 from .engine import Engine, EngineConfig
+from .engine import refusal as engine_refusal
+from .limits import ConfigError, Names
 from .models import TinyConfig
 from .request import SamplingParams
 
 MODELS = {"tiny-gqa": False, "tiny-mla": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+LOSSLESS = ("speculative tokens equal --spec none's token for token in float32 (tested); in bfloat16 / "
+            "float16 the verify and decode kernels sum in different orders (as plain decode does at "
+            "different batch sizes), and a near tie between the top two logits can flip a token")
+# how the engine's refusals name their settings here (limits.Names)
+FLAGS = Names({"method": "--spec", "topk": "--topk", "num_steps": "--steps", "num_draft_tokens": "--draft-tokens",
+               "draft_layers": "--draft-layers", "max_batch": "--batch"})
+
+
+def count(least: int):
+    """An argparse type: a whole number >= ``least`` (the parser's error names the flag)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{v} is below the least value {least}")
+        return v
+    parse.__name__ = f"count >= {least}"
+    return parse
 
 
 def register(subparsers) -> None:
@@ -32,16 +60,20 @@ def register(subparsers) -> None:
                                           "prompts, plain decode or EAGLE / EAGLE-3 speculative decoding.")
     p.add_argument("--model", choices=list(MODELS), default="tiny-gqa")
     p.add_argument("--backend", default="torch_native", help="a registered backend (default: torch_native)")
-    p.add_argument("--spec", choices=("none", "eagle", "eagle3"), default="none")
-    p.add_argument("--topk", type=int, default=1, help="draft branches (> 1: tree verify)")
-    p.add_argument("--steps", type=int, default=3, help="draft token levels per round")
-    p.add_argument("--draft-tokens", type=int, default=None, help="N, tokens verified per request (default steps+1)")
+    p.add_argument("--spec", choices=("none", "eagle", "eagle3"), default="none",
+                   help=f"speculative decoding (default: none). Greedy and lossless: {LOSSLESS}")
+    p.add_argument("--topk", type=count(1), default=1, help="draft branches (> 1: tree verify)")
+    p.add_argument("--steps", type=count(1), default=3,
+                   help=f"draft token levels per round, 1..{MAX_STEPS} (default: 3)")
+    p.add_argument("--draft-tokens", type=count(2), default=None,
+                   help="N, tokens verified per request, 2..steps*topk+1 (default: steps+1)")
     p.add_argument("--acceptance", choices=list(ACCEPTANCE_LEVELS), default="high",
                    help="the draft's agreement with the target (its noise level)")
-    p.add_argument("--draft-layers", type=int, default=None, help="draft trunk layers (default: all)")
-    p.add_argument("--batch", type=int, default=4, help="requests (all running at once)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=16, help="longest prompt (lengths vary down to half)")
+    p.add_argument("--draft-layers", type=count(1), default=None,
+                   help="draft trunk layers, 1..the target's (default: all); the target is unchanged")
+    p.add_argument("--batch", type=count(1), default=4, help="requests (all running at once)")
+    p.add_argument("--max-tokens", type=count(1), default=32)
+    p.add_argument("--prompt-len", type=count(1), default=16, help="longest prompt (lengths vary down to half)")
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -54,21 +86,37 @@ def register(subparsers) -> None:
 
 
 def engine_config(args) -> EngineConfig:
+    """The engine of ``args``; UsageError, worded with the flags, for what it cannot take. Nothing
+    is allocated here (the memory it would take is counted, not tried)."""
     mla = MODELS[args.model]
     if args.size == "bench":
         base = TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa()
     else:
         base = TinyConfig(is_mla=mla)
     model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype])
+    bad = [t for t in args.stop if not 0 <= t < model.vocab_size]
+    if bad:
+        raise UsageError(f"--stop {bad[0]} outside the vocabulary 0..{model.vocab_size - 1}")
     spec = None
-    if args.spec != "none":
-        spec = SpecConfig(args.spec, args.topk, args.steps, args.draft_tokens or args.steps + 1,
-                          noise=ACCEPTANCE_LEVELS[args.acceptance], draft_layers=args.draft_layers)
-    ps = args.page_size
-    ctx = -(-(args.prompt_len + args.max_tokens + (spec.headroom + 1 if spec else 0)) // ps) * ps
-    prefill = max(16, args.batch * args.prompt_len)
-    return EngineConfig(model, args.backend, spec, args.device, max_batch=args.batch, max_context_len=ctx,
-                        max_prefill_tokens=prefill, graphs=not args.no_graphs)
+    try:
+        if args.spec != "none":
+            spec = SpecConfig(args.spec, args.topk, args.steps, args.draft_tokens or args.steps + 1,
+                              noise=ACCEPTANCE_LEVELS[args.acceptance], draft_layers=args.draft_layers)
+        ps = args.page_size
+        ctx = -(-(args.prompt_len + args.max_tokens + (spec.headroom + 1 if spec else 0)) // ps) * ps
+        prefill = max(16, args.batch * args.prompt_len)
+        cfg = EngineConfig(model, args.backend, spec, args.device, max_batch=args.batch, max_context_len=ctx,
+                           max_prefill_tokens=prefill, graphs=not args.no_graphs)
+        reason = engine_refusal(cfg)
+    except ConfigError as e:
+        raise UsageError(e.render(FLAGS)) from None
+    if reason is not None:
+        raise UsageError(reason(FLAGS))
+    too_big = limits.memory_refusal(cfg, f"--batch {args.batch} with --prompt-len {args.prompt_len} and "
+                                         f"--max-tokens {args.max_tokens}")
+    if too_big:
+        raise UsageError(too_big)
+    return cfg
 
 
 class Progress:
@@ -96,16 +144,19 @@ class Progress:
 
 
 def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
+    """Misuse raises UsageError (one line, exit status 2, from ``attn-backends``' main)."""
     out, err = out or sys.stdout, err or sys.stderr
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("attn-backends generate: error: --device cuda but CUDA is not available here", file=err)
-        return 2
+        raise UsageError("--device cuda but CUDA is not available here")
+    cfg = engine_config(args)
+    if args.spec != "none" and args.dtype != "float32":
+        print(f"generate: note: in {args.dtype} speculative tokens can differ from --spec none's where the top "
+              "two logits nearly tie (the verify and decode kernels sum in different orders); float32: identical",
+              file=err)
     try:
-        cfg = engine_config(args)
         engine = Engine(cfg)
-    except ValueError as e:                 # an unknown or unsuitable backend, a bad spec shape
-        print(f"attn-backends generate: error: {e}", file=err)
-        return 2
+    except ValueError as e:                 # an unknown backend, or one that cannot serve this model
+        raise UsageError(str(e)) from None
     rng = random.Random(args.seed)
     vocab = cfg.model.vocab_size
     params = SamplingParams(args.max_tokens, tuple(args.stop))
@@ -130,8 +181,5 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
     return 0
 
 
-if __name__ == "__main__":      # python -m attn_backends_runtime.generate ...
-    parser = argparse.ArgumentParser(prog="generate")
-    register(parser.add_subparsers(dest="command", required=True))
-    a = parser.parse_args(["generate"] + sys.argv[1:])
-    sys.exit(a.handler(a))
+if __name__ == "__main__":      # python -m attn_backends_runtime.generate ...: `attn-backends generate ...`
+    sys.exit(cli.main(["generate"] + sys.argv[1:]))
