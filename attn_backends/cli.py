@@ -274,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="random seed; each failure prints the command that replays its case alone (default: 0)")
     ck.add_argument("--suite-cases", type=_count(0), default=60,
                     help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
-                         "e.g. the runner invariants over the runner kinds (default: 60; 0 skips them)")
+                         "e.g. the runner invariants over the runner kinds (default: 60; 0 skips them); the "
+                         "runner suite draws each runner kind the backend declares at least once, so below "
+                         "that number of kinds it runs one case of each")
     ck.add_argument("--suite", default=None,
                     help=f"run only this suite: '{LAYOUT_SUITE}', the name of an entry-point suite such as "
                          "'runner', or 'all' (default: all; --mode alone implies layout)")

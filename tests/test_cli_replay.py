@@ -67,7 +67,7 @@ def test_a_runner_failure_replays_alone_and_the_same(monkeypatch, tmp_path):
     assert pick["replay"] == ("attn-backends check --backend planted_bugs:NoisyForward --device cpu --suite runner "
                               "--seed 3 --suite-cases 1")
     again, wall = _replay(pick["replay"], tmp_path)
-    assert again["cases"] == first["cases"] and len(again["cases"]) == 1
+    assert again["cases"] == first["cases"]      # the case first, then one of each other runner kind
     assert {(f["mode"], f["invariant"], f["case"]) for f in again["failures"]} == \
         {(f["mode"], f["invariant"], f["case"]) for f in first["failures"]}
     print(f"runner replay: {wall:.1f}s wall")

@@ -50,9 +50,10 @@ def invariant_key(inv: str) -> tuple:
 
 @dataclass
 class Failure:
-    """One failed check. ``seed`` is the case seed: with ``--cases 1`` (layout) or
-    ``--suite-cases 1`` (another suite) the suite runs exactly this case, so :meth:`replay`
-    is the command that re-runs it alone."""
+    """One failed check. ``seed`` is the case seed: with ``--cases 1`` (layout) the suite runs
+    exactly this case, with ``--suite-cases 1`` (another suite) this case first (the runner suite
+    then one case of each other runner kind: every run draws each), so :meth:`replay` is the
+    command that re-runs it."""
 
     backend: str
     mode: str

@@ -3,7 +3,9 @@ cases, and the rig that builds a case: a tiny model, a KV memory with shuffled p
 runner of a given kind, and requests that can be assembled into batches at any bucket.
 
 ``run_runner_suite(backend)`` draws ``cases`` random cases (runner kind, buckets, raw_bs,
-page size and layout, hidden mode) and records, per (backend, "runner:<kind>", invariant),
+page size and layout, hidden mode), at least one of each runner kind the backend declares
+whatever ``cases`` says (the count rule of :mod:`.runner_cases`), and records, per
+(backend, "runner:<kind>", invariant),
 passes and failures in a :class:`SuiteReport`, as ``attn_backends.testing.suite`` does:
 
 - I7  outputs cut to raw rows; real rows bit-identical when the pad rows' static inputs are
@@ -29,14 +31,14 @@ from typing import Callable, Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, SpecInfo
-from attn_backends.kinds import BATCH_KINDS
 from attn_backends.registry import get_backend_class, unavailable_reason
 from attn_backends.testing.numbers import mismatch, spans_of
 from attn_backends.testing.report import SuiteReport
-from attn_backends.testing.scenarios import PAGE_ORDERS, random_tree_mask
+from attn_backends.testing.scenarios import random_tree_mask
 
 from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
+from .runner_cases import kinds_for, plan_cases, random_spec  # noqa: F401 (kinds_for re-exported)
 from .runner_checks import against_float64, hidden_rule, kv_snapshot, kv_writes_outside, new_slots
 
 H = CaptureHiddenMode
@@ -212,9 +214,9 @@ class _Case:
             rb = rng.choice([ra, rng.randint(1, maxb)])     # half the time B replays A's own graph
             self.reqs_a, self.reqs_b = rig.new_requests(ra, rng), rig.new_requests(rb, rng)
         self.ha, self.hb = (H(rng.randint(0, int(r.capture_hidden_mode))) for _ in range(2))
-        if rig.kind == "piecewise" and rng.random() < 0.5:
+        if rig.kind == "piecewise":     # given input embeddings in A or B: a runner must load them
             g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-            for q in self.reqs_a:
+            for q in self.reqs_a if rng.random() < 0.5 else self.reqs_b:
                 q.embeds = torch.randn(len(q.ids), rig.tc.hidden_size, generator=g).to(rig.device, rig.tc.dtype)
         self.backends = rig.flat(rig.backends)
 
@@ -323,54 +325,26 @@ class _Case:
 
 # --------------------------------------------------------------------------- the suite
 
-def kinds_for(caps) -> list:
-    """The runner kinds whose batch kind the backend serves (draft decode also draws topk > 1)."""
-    return [k.name for k in RUNNER_KINDS.values() if BATCH_KINDS[k.batch].served_by(caps)
-            and (k.batch != "draft_decode" or caps.topk_gt1)]
-
-
-def random_spec(rng: random.Random, backend: str, caps, mla: bool, device: str, seed: int) -> RigSpec:
-    kind = rng.choice(kinds_for(caps))
-    pool = list(range(1, 9)) if kind != "piecewise" else [4, 8, 12, 16, 24, 32]
-    buckets = tuple(sorted(rng.sample(pool, rng.randint(1, 3))))
-    if max(buckets) < 2:
-        buckets = buckets + (rng.randint(2, 8),)
-    s = RigSpec(kind, backend, mla, buckets, page_size=rng.choice(caps.page_sizes),
-                page_order=rng.choice(PAGE_ORDERS), hidden=H(rng.randint(0, 2)),
-                per_layer=rng.random() < 0.8, device=device, seed=seed)
-    if kind in ("verify", "breakable_verify", "draft_extend"):
-        s.n = rng.randint(2, 5)
-        if kind == "draft_extend":    # topk > 1 half the time: N above num_steps + 1
-            s.topk, s.steps = rng.choice([(1, s.n - 1), (2, 1), (2, 2)])
-            s.n = s.steps + 2 if s.topk > 1 else s.n
-    elif kind == "verify_tree":
-        s.topk, s.steps = rng.choice([2, 4]), rng.randint(1, 3)
-        s.n = rng.randint(s.steps + 1, min(s.steps * s.topk + 1, 6))
-    elif kind == "draft_decode":
-        s.topk, s.steps = rng.choice([1, 2, 4]), rng.randint(1, 3)
-    return s
-
-
 def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed: int = 0,
                      progress: Optional[Callable[[int, int], None]] = None,
                      report: Optional[SuiteReport] = None) -> SuiteReport:
-    """Run ``cases`` random runner cases on ``backend`` (a registered name, ``module:Class`` or
-    ``file.py:Class``) and record I7-I12 and I14 per (backend, "runner:<kind>"). Failures carry
-    the seed that replays the case alone (``cases=1, seed=...``: the first case's seed is
-    ``seed``). On the GPU: bf16 and bitwise equality with the eager forward of the same padded
-    batch (torch_native: float32 within 1e-4)."""
+    """Run random runner cases on ``backend`` (a registered name, ``module:Class`` or
+    ``file.py:Class``) and record I7-I12, I14 and I16 per (backend, "runner:<kind>"): ``cases``
+    of them, or one of each runner kind the backend declares where that is more (the count rule
+    of :mod:`.runner_cases`: every run draws every kind). Failures carry the seed of their case:
+    ``cases=1, seed=s`` runs that case first. On the GPU: bf16 and bitwise equality with the
+    eager forward of the same padded batch (torch_native: float32 within 1e-4)."""
     cls = get_backend_class(backend)
     reason = unavailable_reason(cls, device)
     if reason:
         raise ValueError(f"backend {backend!r} is not available on {device}: {reason}")
     caps = cls.capabilities
-    kinds = [k for k, ok in ((False, caps.mha), (True, caps.mla)) if ok]
     report = report or SuiteReport()
     cuda = device == "cuda"
-    for i in range(cases):
-        case_seed = seed + i
+    plan = plan_cases(caps, cases, seed)
+    for i, (case_seed, kind, mla) in enumerate(plan):
         rng = random.Random(case_seed)
-        spec = random_spec(rng, backend, caps, kinds[case_seed % len(kinds)], device, case_seed)
+        spec = random_spec(rng, kind, backend, caps, mla, device, case_seed)
         # torch_native's shapes follow host max lengths; a backend without float32 runs bf16 everywhere
         exact = (cuda and backend != "torch_native") or torch.float32 not in caps.dtypes
         spec.dtype = torch.bfloat16 if exact else torch.float32
@@ -386,7 +360,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         except Exception as e:  # noqa: BLE001 - a crash is a finding with its seed, not the end of the run
             judge("I9", [f"crashed: {type(e).__name__}: {e}"])
         if progress:
-            progress(i + 1, cases)
+            progress(i + 1, len(plan))
     return report
 
 

@@ -25,7 +25,7 @@ def test_suite_catches_aliased_outputs(monkeypatch):
         return RunnerOutput(logits[:n], slice_hidden(hidden, batch.capture_hidden_mode, n, self.width))
 
     monkeypatch.setattr(full_graph.UniformGraphRunner, "_slice", aliasing_slice)
-    rep = run_runner_suite("torch_native", cases=6, seed=0)       # seeds 0-5 hold uniform runners
+    rep = run_runner_suite("torch_native", cases=6, seed=0)       # every runner kind, the uniform ones too
     assert "I8" in rep.failed_invariants()
     assert all(f.seed >= 0 and "kind=" in f.case for f in rep.failures)
 
