@@ -7,8 +7,8 @@
   of each raw request, FULL: every valid row, in order), not against the runner's own slicing;
 - I9 against the independent float64 reference (:mod:`.reference`), which catches what replay ==
   eager on the same backend cannot: a wrong causal or tree mask in a kernel;
-- I9 of the executor's eager fallback: its outputs come from the eager forward, never from a
-  graph's static buffers (sgl #22832).
+- I9 of the executor's eager fallback, in every mode it serves: its outputs come from the eager
+  forward, never from a graph's static buffers (sgl #22832), checked by value.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from attn_backends.testing.numbers import batch_spans, mismatch
 
 from ..attention_hook import splitting
 from ..executor import ModelExecutor
-from ..runner_base import RunnerOutput, run_eager
+from ..runner_base import RunnerOutput
 
 
 def kv_pools(mem) -> list:
@@ -128,23 +128,54 @@ def attention_diagnosis(rig, reqs: list, hidden, tol: float) -> str:
                           "the difference comes from the replay")
 
 
-def fallback_messages() -> list:
-    """A decode executor: a replay, then batches it must run eagerly (over the largest bucket, a
-    hidden mode above the captured one); each output against an independent eager forward."""
+FALLBACK_KINDS = ("decode", "verify", "verify_tree", "draft_extend", "draft_decode", "piecewise")
+_EXECUTOR_KEY = {"decode": "decode", "verify": "verify", "verify_tree": "verify", "draft_extend": "draft_extend",
+                 "draft_decode": "draft_decode", "piecewise": "extend"}
+
+
+def _fallback_rig(kind: str):
+    """A rig of ``kind`` captured with hidden mode NULL, and an executor serving its mode with
+    its runner (multi-step draft decode through ``draft``)."""
     from .rig import Rig, RigSpec
+    rig = Rig(RigSpec(kind, buckets=(8, 16) if kind == "piecewise" else (2, 4), hidden=H.NULL, n=3, seed=1))
+    multi = rig.runner if kind == "draft_decode" else None
+    return rig, ModelExecutor("fallback", rig.model, rig._backends(), {_EXECUTOR_KEY[kind]: rig.runner}, multi)
+
+
+def _fallback_of(kind: str, compare) -> list:
+    """One mode: replay A, then run B (new requests, A's count) with hidden LAST, which the
+    runner refuses: the executor's eager fallback. Stale static outputs of A's replay would have
+    B's shape, so B is judged by value against an independent eager forward."""
+    rig, ex = _fallback_rig(kind)
+    key, rng = _EXECUTOR_KEY[kind], random.Random(2)
+    run = ex.draft if kind == "draft_decode" else ex.forward
+    count = 2 if kind == "piecewise" else 3
+    run(rig.batch(rig.new_requests(count, rng)))
+    msgs = [] if ex.counts[key]["graph"] == 1 else [f"{kind}: batch A did not replay ({dict(ex.counts[key])})"]
+    cases = [("a batch of A's size with hidden LAST above the captured NULL", rig.new_requests(count, rng), H.LAST)]
+    if kind == "decode":
+        cases.append(("bs=5 over the largest bucket", rig.new_requests(5, rng), H.NULL))
+    for what, reqs, hidden in cases:
+        eager = ex.counts[key]["eager"]
+        out = run(rig.batch(reqs, hidden=hidden))
+        if ex.counts[key]["eager"] != eager + 1:
+            msgs.append(f"{kind}, {what}: not counted as an eager fallback")
+        want = rig.expected(reqs, hidden)
+        msgs += compare(out, want, 1e-5, f"{kind}, {what}: executor output vs the eager forward",
+                        [n for _, n in rig.row_spans(reqs)])
+    return msgs
+
+
+def fallback_messages(kinds=FALLBACK_KINDS) -> list:
+    """The executor's eager fallback in every mode it serves (``FALLBACK_KINDS``: decode, chain
+    and tree verify, draft extend, multi-step draft decode, piecewise extend): each refused
+    batch's outputs by value against an independent eager forward (sgl #22832: a fallback that
+    returns a graph's static outputs has the right shape; only the values tell)."""
     from .runner_suite import compare
-    rig = Rig(RigSpec("decode", buckets=(2, 4), hidden=H.NULL))
-    ex = ModelExecutor("target", rig.model, rig._backends(), {"decode": rig.runner})
-    rng = random.Random(0)
     msgs = []
-    ex.forward(rig.batch(rig.new_requests(3, rng)))
-    for what, reqs, hidden in (("bs=5 over the largest bucket", rig.new_requests(5, rng), H.NULL),
-                               ("hidden LAST above the captured NULL", rig.new_requests(2, rng), H.LAST)):
-        batch = rig.batch(reqs, hidden=hidden)
-        counts = dict(ex.counts["decode"])
-        out = ex.forward(batch)
-        if ex.counts["decode"]["eager"] != counts.get("eager", 0) + 1:
-            msgs.append(f"{what}: not counted as an eager fallback")
-        want = run_eager(rig.model, rig.ref_backends, batch, 1)
-        msgs += compare(out, want, 1e-5, f"{what}: executor output vs the eager forward")
+    for kind in kinds:
+        try:
+            msgs += _fallback_of(kind, compare)
+        except Exception as e:  # noqa: BLE001 - a crash is a finding of this mode; the others still run
+            msgs.append(f"{kind}: crashed: {type(e).__name__}: {e}")
     return msgs
