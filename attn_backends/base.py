@@ -13,10 +13,11 @@ from typing import ClassVar, Optional
 
 import torch
 
+from . import layout as _layout
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import Layout, LayoutError, build_layout, inputs_from_batch, stream_capturing
+from .layout import Layout, LayoutError, build_layout, inputs_from_batch
 from .plan import LayoutPlan
 from .validation import check_request_rows
 
@@ -83,9 +84,10 @@ class Capabilities:
         return dict(self.mode_graph).get(mode, self.graph)
 
     def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
-                sm: int = 0, topk: int = 1) -> Optional[str]:
-        """Why this backend cannot serve ``cfg``/``mode`` (with ``topk`` branches) on ``device``;
-        None if it can."""
+                sm: Optional[int] = 0, topk: int = 1) -> Optional[str]:
+        """Why this backend cannot serve ``cfg``/``mode`` (with ``topk`` branches) on ``device`` of
+        compute capability ``sm`` (None: not checked); None if it can. The model's and the request's
+        reasons come first (they hold on any device), then the device's."""
         if cfg.is_mla and not self.mla:
             return "MHA/GQA only, model is MLA"
         if not cfg.is_mla and not self.mha:
@@ -96,14 +98,14 @@ class Capabilities:
             return f"mode {mode.name} not supported"
         if topk > 1 and not self.topk_gt1:
             return f"topk={topk} > 1 not supported" + (f": {self.cannot}" if self.cannot else "")
-        if device not in self.devices:
-            return f"device {device} not supported (needs {', '.join(self.devices)})"
-        if device == "cuda" and sm < self.min_sm:
-            return f"needs sm_{self.min_sm}+, device is sm_{sm}"
         if self.head_dims is not None and cfg.qk_dim not in self.head_dims:
             return f"head_dim={cfg.qk_dim} not in {self.head_dims}"
         if cfg.dtype not in self.dtypes:
             return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
+        if device not in self.devices:
+            return f"device {device} not supported (needs {', '.join(self.devices)})"
+        if device == "cuda" and sm is not None and sm < self.min_sm:
+            return f"needs sm_{self.min_sm}+, device is sm_{sm}"
         return None
 
 
@@ -258,7 +260,7 @@ class LayoutBackend(AttentionBackend):
             plan = inputs.plan
             layout = plan.captured(key).layout
         else:
-            if not stream_capturing():                    # the caller's rows: a real batch (it may sync here)
+            if not _layout.stream_capturing():            # the caller's rows: a real batch (it may sync here)
                 check_request_rows(inputs.req_pool_indices[:inputs.raw_bs], self.memory.req_to_token.shape[0])
             plan = self._private_plan()
             plan.load(inputs, capture=True)               # validates first: a refusal changes nothing

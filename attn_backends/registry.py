@@ -170,11 +170,31 @@ def get_backend_class(name: str):
     return load_class(_target(name))
 
 
+def _refusal(caps, unavailable: Optional[str], cfg: ModelConfig, mode: Optional[ForwardMode], device: str,
+             topk: int = 1) -> Optional[str]:
+    """The reason that holds on any machine first: the model and request (``caps.refusal``: kind,
+    page size, mode, topk, head dim, dtype, then the device kind), then this machine's
+    (``unavailable``: a package not installed, no CUDA, the GPU's architecture). Installing a
+    package does not make an MLA backend serve a GQA model."""
+    if caps is None:                # the class did not load: ``unavailable`` says why
+        return unavailable
+    return caps.refusal(cfg, mode, device, None, topk) or unavailable
+
+
+def refusal(name: str, model_config: ModelConfig, mode: Optional[ForwardMode] = None,
+            device: Optional[str] = None, topk: int = 1) -> Optional[str]:
+    """Why backend ``name`` (a registered name or ``module:Class``) cannot serve ``model_config`` in
+    ``mode`` (None: any of its modes) on ``device`` here; None if it can. ValueError if it does not load."""
+    cls = get_backend_class(name)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return _refusal(cls.capabilities, unavailable_reason(cls, device), model_config, mode, device, topk)
+
+
 def get_backend(name: str, config: ModelConfig, memory, device: Optional[str] = None):
     """Instantiate backend ``name`` (a registered name or ``module:Class``) for ``config``."""
     cls = get_backend_class(name)
     device = device or memory.device.type
-    reason = unavailable_reason(cls, device) or cls.capabilities.refusal(config, None, device, device_sm())
+    reason = _refusal(cls.capabilities, unavailable_reason(cls, device), config, None, device)
     if reason:
         raise ValueError(f"backend {name!r} cannot serve this model on {device}: {reason}")
     return cls(config, memory)
@@ -202,7 +222,7 @@ def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     serving, refused = [], {}
     for order, info in enumerate(i for i in list_backends(device) if i.name not in exclude):
-        reason = info.reason or info.capabilities.refusal(model_config, mode, device, device_sm(), topk)
+        reason = _refusal(info.capabilities, info.reason, model_config, mode, device, topk)
         if reason:
             refused[info.name] = reason
         else:

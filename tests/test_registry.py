@@ -282,3 +282,95 @@ def test_a_builtin_or_registered_name_resolves_without_reading_the_installed_met
     assert entries[third_party_dist] == "thirdparty_attn.backend:ThirdPartyBackend"
     for name, target in entries.items():
         assert registry._target(name) == target
+
+
+# --------------------------------------------------------------------------- the order of reasons (issue #38 item 6)
+
+MISSING_SOURCE = textwrap.dedent("""
+    from dataclasses import replace
+    from attn_backends import ForwardMode
+    from attn_backends.backends.torch_native import TorchNativeBackend
+
+    class NeedsPkg(TorchNativeBackend):
+        name = "needs_pkg"
+        capabilities = replace(TorchNativeBackend.capabilities, requires=("no_such_pkg_xyz",), min_sm=90,
+                               modes=frozenset({ForwardMode.DECODE}), page_sizes=(16,), mla=False)
+""")
+
+
+@pytest.fixture
+def needs_pkg(builtin_registry, tmp_path, monkeypatch):
+    """A backend whose package is missing, that needs sm_90, and serves MHA DECODE at page size 16."""
+    (tmp_path / "needs_pkg_mod.py").write_text(MISSING_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register("needs_pkg", "needs_pkg_mod:NeedsPkg")
+    yield "needs_pkg"
+    monkeypatch.delitem(sys.modules, "needs_pkg_mod", raising=False)
+
+
+def _bf16(**kw):
+    import torch
+    return ModelConfig(**{**dict(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                 dtype=torch.bfloat16), **kw})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_reason_that_holds_anywhere_comes_before_this_machines(device, builtin_registry):
+    """flashinfer_mla for a GQA model was refused because flashinfer is not installed here:
+    installing it would not help. The model's and the request's reasons come first."""
+    import torch
+    mla = ModelConfig(num_layers=1, num_q_heads=16, is_mla=True, page_size=16, dtype=torch.bfloat16)
+    cases = [                       # (backend, model, mode, topk, the reason)
+        ("flashinfer_mla", _bf16(), ForwardMode.DECODE, 1, "MLA only, model is MHA/GQA"),
+        ("trtllm_mla", _bf16(), ForwardMode.DECODE, 1, "MLA only, model is MHA/GQA"),
+        ("flashinfer", mla, ForwardMode.DECODE, 1, "MHA/GQA only, model is MLA"),
+        ("flashinfer", _bf16(page_size=32), ForwardMode.DECODE, 1, "page_size=32 not in (1, 16, 64)"),
+        ("flashinfer_mla", mla, ForwardMode.TARGET_VERIFY, 4, "topk=4 > 1 not supported: tree verify"),
+        ("flashinfer", _bf16(dtype=torch.float32), ForwardMode.DECODE, 1, "dtype float32 not in (float16, bfloat16)"),
+        ("flashinfer", _bf16(head_dim=96), ForwardMode.DECODE, 1, "head_dim=96 not in (64, 128, 256)"),
+        ("hybrid", _bf16(page_size=32), ForwardMode.DECODE, 1, "page_size=32 not in (1, 16, 64)"),
+        ("triton", mla, ForwardMode.DECODE, 1, "MHA/GQA only, model is MLA"),
+    ]
+    for name, cfg, mode, topk, want in cases:
+        why = registry.refusal(name, cfg, mode, device, topk)
+        assert why is not None and why.startswith(want), (name, device, why)
+    if device == "cpu":             # what select() says, as the issue saw it
+        assert select(_bf16(), ForwardMode.DECODE, device="cpu").refused["flashinfer_mla"] == \
+            "MLA only, model is MHA/GQA"
+
+
+def test_the_reasons_in_order_for_one_backend(needs_pkg, monkeypatch):
+    """One backend, its reasons peeled one at a time: model kind, page size, mode, then the device
+    kind, then this machine (the package, then the architecture)."""
+    mla, mha = mla_config(), mha_config(page_size=16)
+    assert registry.refusal(needs_pkg, mla, ForwardMode.DECODE, "cpu") == "MHA/GQA only, model is MLA"
+    assert registry.refusal(needs_pkg, mha_config(page_size=1), ForwardMode.DECODE, "cpu") == "page_size=1 not in (16,)"
+    assert registry.refusal(needs_pkg, mha, ForwardMode.EXTEND, "cpu") == "mode EXTEND not supported"
+    assert select(mha, ForwardMode.DECODE, "cpu").refused[needs_pkg] == \
+        "python package 'no_such_pkg_xyz' is not installed (pip install 'attn-backends[no_such_pkg_xyz]')"
+    import dataclasses
+
+    import needs_pkg_mod
+    cls = needs_pkg_mod.NeedsPkg
+    monkeypatch.setattr(cls, "capabilities", dataclasses.replace(cls.capabilities, requires=()))    # installed
+    monkeypatch.setattr(registry.torch.cuda, "is_available", lambda: True)                       # on an sm_80
+    monkeypatch.setattr(registry, "device_sm", lambda: 80)
+    assert registry.refusal(needs_pkg, mha, ForwardMode.DECODE, "cuda") == "needs sm_90+, this GPU is sm_80"
+
+
+def test_a_device_the_backend_does_not_declare_comes_before_a_missing_package(needs_pkg, monkeypatch):
+    import dataclasses
+
+    import needs_pkg_mod
+    monkeypatch.setattr(needs_pkg_mod.NeedsPkg, "capabilities",
+                        dataclasses.replace(needs_pkg_mod.NeedsPkg.capabilities, devices=("cuda",)))
+    assert registry.refusal(needs_pkg, mha_config(page_size=16), ForwardMode.DECODE, "cpu") == \
+        "device cpu not supported (needs cuda)"
+
+
+def test_get_backend_gives_the_models_reason_first(builtin_registry):
+    cfg = _bf16()
+    mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=64, fill=False)
+    with pytest.raises(ValueError, match=r"^backend 'flashinfer_mla' cannot serve this model on cpu: "
+                                         r"MLA only, model is MHA/GQA$"):
+        get_backend("flashinfer_mla", cfg, mem)
