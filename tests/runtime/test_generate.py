@@ -169,3 +169,11 @@ def test_help_and_a_note_say_what_lossless_means(capsys):
     assert [ln for ln in err.splitlines() if ln.startswith("generate: note: in bfloat16")], err
     _, _, err = generate(capsys, "--spec", "eagle", "--batch", "1", "--max-tokens", "2")
     assert "note" not in err
+
+
+@pytest.mark.cuda
+def test_a_batch_the_gpu_cannot_hold_is_refused_with_its_free_bytes(capsys, monkeypatch):
+    """On CUDA the memory check reads ``torch.cuda.mem_get_info``: refused before the engine."""
+    monkeypatch.setattr(generate_mod, "Engine", lambda cfg: pytest.fail("the engine was built"))
+    line = one_line_error(capsys, ["--device", "cuda", "--batch", "1000000000"])
+    assert "--batch 1000000000 with" in line and "available (free on the GPU (torch.cuda.mem_get_info))" in line
