@@ -24,6 +24,9 @@ from .config import ModelConfig
 
 ENTRY_POINT_GROUP = "attn_backends.backends"
 REFERENCE = "torch_native"   # select() takes it only when no other backend serves
+ENV_BACKEND = "ATTN_BACKENDS_BACKEND"   # forces select()'s choice from outside (vLLM: VLLM_ATTENTION_BACKEND)
+AUTO = "auto"                           # select()'s own choice, whatever the variable says
+_MODES = {m.name.lower(): m for m in ForwardMode if m != ForwardMode.IDLE}   # per-mode override keys
 
 # Built-in order, the tie-break of select() after the declared preference: fastest first.
 _BUILTIN: dict[str, str] = {
@@ -204,10 +207,57 @@ def get_backend(name: str, config: ModelConfig, memory, device: Optional[str] = 
 class Selection:
     name: str
     refused: dict          # every other backend -> the reason it was not chosen
+    forced: str = ""       # what forced the choice ("backend='x'", "ATTN_BACKENDS_BACKEND=x"); "": ranked
+
+
+def _override(backend: Optional[str], mode: ForwardMode) -> tuple:
+    """``(name, how)`` forcing select's choice in ``mode``, or ``(None, "")``. The argument, when given,
+    wins over the environment variable (the caller's code is nearer than the process's environment);
+    "auto" or empty: select's own choice. ``"mode=name,..."`` forces per mode; a mode not named is
+    select's own choice."""
+    value = backend if backend is not None else os.environ.get(ENV_BACKEND, "")
+    how = f"backend={backend!r}" if backend is not None else f"{ENV_BACKEND}={value}"
+    if value.strip() in ("", AUTO):
+        return None, ""
+    if "=" not in value:
+        return value.strip(), how
+    for item in value.split(","):
+        key, _, name = (x.strip() for x in item.partition("="))
+        if key not in _MODES:
+            raise ValueError(f"{how}: unknown mode {key!r} (modes: {', '.join(_MODES)})")
+        if _MODES[key] == mode and name not in ("", AUTO):
+            return name, how
+    return None, ""
+
+
+def _forced(name: str, how: str, serving: list, refused: dict, model_config: ModelConfig,
+            mode: ForwardMode, device: str, topk: int, exclude, what: str) -> Selection:
+    """The Selection of the backend an override names, or ValueError with why it cannot serve
+    (never a fallback to another one)."""
+    if name in exclude:
+        reason = "excluded by the caller"
+    elif name in refused:
+        reason = refused.pop(name)
+    elif any(s[3] == name for s in serving):
+        reason = None
+    elif ":" not in name:
+        raise ValueError(f"unknown backend {name!r} ({how}); known: {', '.join(_entries())}, "
+                         "or a 'module:Class' target")
+    else:
+        try:
+            reason = refusal(name, model_config, mode, device, topk)
+        except ValueError as e:
+            raise ValueError(f"backend {name!r} ({how}) cannot be loaded: {e}") from None
+    if reason:
+        raise ValueError(f"backend {name!r} ({how}) cannot serve this model in {what} on {device}: {reason}")
+    for *_, other in serving:
+        if other != name:
+            refused[other] = f"serves this too; {name} forced by {how}"
+    return Selection(name, refused, how)
 
 
 def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
-           device: Optional[str] = None, topk: int = 1, exclude=()) -> Selection:
+           device: Optional[str] = None, topk: int = 1, exclude=(), backend: Optional[str] = None) -> Selection:
     """The best backend for ``model_config`` in ``mode`` on ``device``, and why not each other one.
     ``topk > 1``: tree verify (TARGET_VERIFY) or multi-branch draft decode (DECODE), which
     need a backend with ``topk_gt1``. Backends named in ``exclude`` are not considered.
@@ -218,8 +268,17 @@ def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
     declare more to be chosen first, or less), then registry order (built-ins fastest first,
     then installed plugins by name, then run-time registrations); the reference
     (``torch_native``) comes last whatever it declares.
+
+    Override: ``backend`` (a registered name or ``module:Class``), or when it is None the
+    environment variable ``ATTN_BACKENDS_BACKEND``, names the backend to take instead of the
+    ranking; the argument wins over the variable, and ``"auto"`` (or an empty variable) leaves
+    the choice to the ranking. ``"decode=triton,extend=flashinfer"`` names one per mode (modes:
+    extend, decode, target_verify, draft_extend; a mode not named is ranked). A named backend that
+    cannot serve the model, mode or device (or is in ``exclude``) raises ValueError with its
+    reason, never falls back; an unknown name raises ValueError listing the known ones.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    forced, how = _override(backend, mode)
     serving, refused = [], {}
     for order, info in enumerate(i for i in list_backends(device) if i.name not in exclude):
         reason = _refusal(info.capabilities, info.reason, model_config, mode, device, topk)
@@ -227,8 +286,10 @@ def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
             refused[info.name] = reason
         else:
             serving.append((info.name == REFERENCE, -info.capabilities.preference, order, info.name))
+    what = f"{mode.name}" + (f" with topk={topk}" if topk > 1 else "")
+    if forced is not None:
+        return _forced(forced, how, serving, refused, model_config, mode, device, topk, exclude, what)
     if not serving:
-        what = f"{mode.name}" + (f" with topk={topk}" if topk > 1 else "")
         raise ValueError(f"no backend can serve this model in {what} on {device}: {refused}")
     serving.sort()
     best = serving[0]

@@ -17,6 +17,7 @@ import torch  # does not import triton
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.pop("ATTN_BACKENDS_BACKEND", None)   # a user's select() override must not change what tests see
 
 import pytest  # noqa: E402
 
