@@ -2,6 +2,7 @@
 capabilities, in lines of at most 100 columns."""
 from __future__ import annotations
 
+import os
 import textwrap
 from typing import TextIO
 
@@ -70,6 +71,22 @@ def _notes(info, builtins: set) -> list:
     return notes
 
 
+def _override_note(known: set) -> str:
+    """What ``ATTN_BACKENDS_BACKEND`` makes select() take, when it is set ("" otherwise)."""
+    value = os.environ.get(registry.ENV_BACKEND, "")
+    how = f"{registry.ENV_BACKEND}={value}"
+    try:
+        names = registry.parse_override(value, how)
+    except ValueError as e:
+        return f"{e}: select() raises this"
+    if not names:
+        return ""
+    note = f"{how}: select() takes " + ", ".join(f"{n} in {m.name}" if m else n for m, n in names.items())
+    unknown = [n for n in names.values() if n not in known and ":" not in n]
+    return note + (f"; unknown: {', '.join(unknown)} (select() raises)" if unknown else " where it serves, "
+                   "else raises its reason")
+
+
 def cmd_list(args, out: TextIO) -> int:
     """A row of capabilities per registered backend, and under it the modes, the declared
     preference, where a plugin comes from and why a backend is not available here."""
@@ -80,6 +97,9 @@ def cmd_list(args, out: TextIO) -> int:
     rows = [[i.name, "yes" if i.available else "no", *_caps_cells(i.capabilities)] for i in infos]
     lines = grid(head, rows, width=1 << 30).splitlines()   # one line per backend: its notes follow it
     print(f"backends on {device}: {sum(i.available for i in infos)} of {len(infos)} available", file=out)
+    note = _override_note({i.name for i in infos})
+    if note:
+        print("\n".join(textwrap.wrap(note, WIDTH, subsequent_indent="  ", break_on_hyphens=False)), file=out)
     print("\n".join(lines[:2]), file=out)
     for line, info in zip(lines[2:], infos):
         print(line, file=out)

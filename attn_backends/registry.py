@@ -210,24 +210,30 @@ class Selection:
     forced: str = ""       # what forced the choice ("backend='x'", "ATTN_BACKENDS_BACKEND=x"); "": ranked
 
 
-def _override(backend: Optional[str], mode: ForwardMode) -> tuple:
-    """``(name, how)`` forcing select's choice in ``mode``, or ``(None, "")``. The argument, when given,
-    wins over the environment variable (the caller's code is nearer than the process's environment);
-    "auto" or empty: select's own choice. ``"mode=name,..."`` forces per mode; a mode not named is
-    select's own choice."""
-    value = backend if backend is not None else os.environ.get(ENV_BACKEND, "")
-    how = f"backend={backend!r}" if backend is not None else f"{ENV_BACKEND}={value}"
-    if value.strip() in ("", AUTO):
-        return None, ""
+def parse_override(value: str, how: str) -> dict:
+    """``{mode or None: name}`` of an override value: ``"name"`` (every mode: key None) or
+    ``"mode=name,..."``; "auto" and empty entries are left out. ValueError for an unknown mode."""
     if "=" not in value:
-        return value.strip(), how
+        return {} if value.strip() in ("", AUTO) else {None: value.strip()}
+    out = {}
     for item in value.split(","):
         key, _, name = (x.strip() for x in item.partition("="))
         if key not in _MODES:
             raise ValueError(f"{how}: unknown mode {key!r} (modes: {', '.join(_MODES)})")
-        if _MODES[key] == mode and name not in ("", AUTO):
-            return name, how
-    return None, ""
+        if name not in ("", AUTO):
+            out[_MODES[key]] = name
+    return out
+
+
+def _override(backend: Optional[str], mode: ForwardMode) -> tuple:
+    """``(name, how)`` forcing select's choice in ``mode``, or ``(None, "")``. The argument, when given,
+    wins over the environment variable (the caller's code is nearer than the process's environment);
+    "auto" or empty: select's own choice; a mode a per-mode value does not name: likewise."""
+    value = backend if backend is not None else os.environ.get(ENV_BACKEND, "")
+    how = f"backend={backend!r}" if backend is not None else f"{ENV_BACKEND}={value}"
+    names = parse_override(value, how)
+    name = names.get(None, names.get(mode))
+    return (name, how) if name is not None else (None, "")
 
 
 def _forced(name: str, how: str, serving: list, refused: dict, model_config: ModelConfig,

@@ -147,3 +147,25 @@ def test_compose_selected_follows_the_override(registry_with_favourite, monkeypa
     with pytest.raises(ValueError, match=rf"^backend 'hybrid' \({ENV_BACKEND}=hybrid\) cannot serve this model in "
                                          r"EXTEND on cpu: excluded by the caller$"):
         compose_selected(MHA, device="cpu")
+
+
+@pytest.mark.parametrize("value, line", [
+    ("torch_native", f"{ENV_BACKEND}=torch_native: select() takes torch_native where it serves, else raises its "
+                     "reason"),
+    ("decode=torch_native,extend=flashinfr", f"{ENV_BACKEND}=decode=torch_native,extend=flashinfr: select() takes "
+                                             "torch_native in DECODE, flashinfr in EXTEND; unknown: flashinfr "
+                                             "(select() raises)"),
+    ("verify=x", f"{ENV_BACKEND}=verify=x: unknown mode 'verify' (modes: extend, decode, target_verify, "
+                 "draft_extend): select() raises this"),
+])
+def test_list_says_what_the_variable_forces(value, line, registry_with_favourite, monkeypatch, capsys):
+    from attn_backends import cli
+    monkeypatch.setenv(ENV_BACKEND, value)
+    assert cli.main(["list", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(map(len, out)) <= 100
+    note = out[1] + (" " + out[2][2:] if out[2].startswith("  ") else "")     # wrapped at 100 columns
+    assert note == line, out[:4]
+    monkeypatch.delenv(ENV_BACKEND)
+    assert cli.main(["list", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("backend ")   # unset: no such line
