@@ -58,13 +58,13 @@ def _where_row(row: int, spans: Optional[list]) -> str:
 def _rows_off(bad_rows: torch.Tensor, spans: Optional[list]) -> str:
     """Which rows hold an element off tolerance, per request."""
     rows = bad_rows.nonzero()[:, 0].tolist()
-    if not spans:
-        return f"rows off: {_ranges(rows)} of {bad_rows.numel()}"
     parts = []
-    for i, (start, n) in enumerate(spans):
+    for i, (start, n) in enumerate(spans or []):
         mine = [r - start for r in rows if start <= r < start + n]
         if mine:
             parts.append(f"request {i}" if n == 1 else f"request {i} rows {_ranges(mine)} of {n}")
+    if not parts:                   # no requests named: the rows of the tensor
+        return f"rows off: {_ranges(rows)} of {bad_rows.numel()}"
     more = f"; {len(parts) - MAX_LISTED} more requests" if len(parts) > MAX_LISTED else ""
     return "rows off: " + "; ".join(parts[:MAX_LISTED]) + more
 
