@@ -78,7 +78,9 @@ def refusal(cfg: EngineConfig):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, capture: bool = True) -> None:
+        """``capture=False`` builds the executors without capturing their graphs (what `check`
+        inspects of them: which modes they serve with a graph)."""
         self.cfg, c, spec = cfg, cfg.model, cfg.spec
         reason = refusal(cfg)
         if reason is not None:
@@ -112,7 +114,7 @@ class Engine:
                                    num_steps=spec.num_steps, num_draft_tokens=spec.num_draft_tokens, **kw)
             self.executors.append(draft)
             self.worker = EagleWorker(spec, self.memory, self.target, draft, self.draft_model, c.num_layers)
-        for ex in self.executors:
+        for ex in self.executors if capture else ():
             ex.capture()
         self.budget = PageBudget(self.memory)
         self.waiting: deque = deque()

@@ -12,7 +12,17 @@ import dataclasses
 from collections import defaultdict
 from typing import Optional
 
-from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, KVMemory, SpecInfo, get_backend, select_rows
+from attn_backends import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    GraphSupport,
+    KVMemory,
+    SpecInfo,
+    get_backend,
+    select_rows,
+)
+from attn_backends.registry import get_backend_class
 
 from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from .full_graph import UniformGraphRunner
@@ -65,6 +75,12 @@ class ModelExecutor:
         return out if out is not None else r.run_eager(inp)
 
 
+def graphs_for(backend: str, mode: ForwardMode) -> bool:
+    """Whether a graph may hold ``backend``'s attention in ``mode``: the capabilities it declares
+    decide, never its name (SGLang #30944 built the draft-extend graph for a list of names)."""
+    return get_backend_class(backend).capabilities.graph_for(mode) >= GraphSupport.UNIFORM_BATCH
+
+
 def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
                     spec: Optional[SpecInfo] = None) -> ModelExecutor:
     """EXTEND on the piecewise runner; DECODE (no spec) or TARGET_VERIFY (spec, chain or tree) on
@@ -74,9 +90,9 @@ def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, toke
     runners = {}
     if graphs:
         runners["extend"] = PiecewiseRunner(model, mk(), memory, token_buckets, hidden)
-        if spec is None:
+        if spec is None and graphs_for(backend, ForwardMode.DECODE):
             runners["decode"] = UniformGraphRunner(model, mk(), memory, ForwardMode.DECODE, buckets)
-        else:
+        elif spec is not None and graphs_for(backend, ForwardMode.TARGET_VERIFY):
             runners["verify"] = UniformGraphRunner(model, mk(), memory, ForwardMode.TARGET_VERIFY, buckets,
                                                    spec=spec, capture_hidden_mode=H.FULL)
     return ModelExecutor("target", model, mk(), runners)
@@ -91,11 +107,12 @@ def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token
     runners, multi = {}, None
     if graphs:
         runners["extend"] = PiecewiseRunner(model, mk(), memory, token_buckets)
-        runners["draft_extend"] = DraftExtendRunner(model, mk(), memory, ForwardMode.DRAFT_EXTEND, buckets,
-                                                    spec=SpecInfo(n, 1, n - 1))
+        if graphs_for(backend, ForwardMode.DRAFT_EXTEND):
+            runners["draft_extend"] = DraftExtendRunner(model, mk(), memory, ForwardMode.DRAFT_EXTEND, buckets,
+                                                        spec=SpecInfo(n, 1, n - 1))
     if num_steps > 1:   # built without graphs too: its run_eager is the eager path of draft decode
         multi = MultiStepDraftRunner(model, [mk() for _ in range(num_steps - 1)], memory, topk, num_steps - 1,
                                      buckets)
-        if graphs:
+        if graphs and graphs_for(backend, ForwardMode.DECODE):
             runners["draft_decode"] = multi
     return ModelExecutor("draft", model, mk(), runners, multi)

@@ -210,9 +210,9 @@ CLASSES = [
      "test_bug_classes.py::test_runner_plant_reported[capture_ladder_capped]"),
     ("vLLM #40807, #40831", "C1", "I15", "planted_classes.HostListInCapture",
      "test_bug_classes.py::test_backend_plant_reported[HostListInCapture]"),
-    ("SGLang #30944", "E1", "none in check (the executor's graph decision)",
+    ("SGLang #30944", "E1", "I11 (column executor: the engine's graph runners)",
      "planted_classes.draft_extend_graph_whitelist",
-     "test_bug_classes.py::test_draft_extend_graph_follows_capabilities"),
+     "test_bug_classes.py::test_whitelist_reported_by_the_runner_suite"),
     ("SGLang 0.5.10 fix of #19807", "A1, A2", "I1", "planted_bugs.StepsStride",
      "test_planted_bugs.py::test_suite_reports_planted_bug[bug_steps_stride]"),
 ]

@@ -138,3 +138,15 @@ def test_every_class_has_a_plant_and_a_test():
         path, func = test.split("::")
         assert f"def {func.split('[')[0]}(" in (Path(__file__).parent / path).read_text(), test
         assert thread in doc and name in doc and func.split("[")[0] in doc, (thread, name)
+
+
+def test_whitelist_reported_by_the_runner_suite(monkeypatch):
+    """`check`'s runner suite builds a tiny engine's executors (plain and EAGLE) and holds their
+    graph runners to the capabilities (I11): the whitelist drops a plugin's draft-extend graph."""
+    from attn_backends_runtime.testing.runner_checks import executor_graph_messages
+    monkeypatch.setitem(registry._extra, "plugin_native", "attn_backends.backends.torch_native:TorchNativeBackend")
+    assert executor_graph_messages("plugin_native") == []
+    PC.draft_extend_graph_whitelist(monkeypatch)
+    assert executor_graph_messages("plugin_native") == [
+        "eagle engine, draft executor: graph runners for ['draft_decode', 'extend'], the capabilities declare "
+        "['draft_decode', 'draft_extend', 'extend']"]

@@ -28,7 +28,8 @@ INVARIANTS = {
            "(float32 1e-4, float16 2e-3, bfloat16 2e-2 of the largest reference value; a failure names "
            "the worst request, query row, head and element, both values, and the rows and heads off)",
     "I10": "batch invariance: bucket, slot, others' accept lengths",
-    "I11": "dispatch: can_run == replay happened; refusals; captured hidden mode",
+    "I11": "dispatch: can_run == replay happened; refusals; captured hidden mode and buckets; an engine's "
+           "graph runners are the modes whose graph support the backend declares (column executor)",
     "I12": "fan-out: every backend instance refreshed per replay",
     "I13": "valid capture: the capture batch passes the validator",
     "I14": "history independence: A, B, A gives A twice",

@@ -8,7 +8,9 @@
 - I9 against the independent float64 reference (:mod:`.reference`), which catches what replay ==
   eager on the same backend cannot: a wrong causal or tree mask in a kernel;
 - I9 of the executor's eager fallback, in every mode it serves: its outputs come from the eager
-  forward, never from a graph's static buffers (sgl #22832), checked by value.
+  forward, never from a graph's static buffers (sgl #22832), checked by value;
+- I11 of the executors an engine builds: a graph runner for exactly the uniform modes whose graph
+  support the backend declares (sgl #30944 built the draft-extend graph for a list of names).
 """
 from __future__ import annotations
 
@@ -178,4 +180,36 @@ def fallback_messages(kinds=FALLBACK_KINDS) -> list:
             msgs += _fallback_of(kind, compare)
         except Exception as e:  # noqa: BLE001 - a crash is a finding of this mode; the others still run
             msgs.append(f"{kind}: crashed: {type(e).__name__}: {e}")
+    return msgs
+
+
+def executor_graph_messages(backend: str, device: str = "cpu") -> list:
+    """I11: the executors of a tiny engine on ``backend`` (plain and, where it serves verify and
+    draft extend, EAGLE; built, not captured) hold a graph runner for a uniform mode exactly where
+    the backend's capabilities declare graph support for it; EXTEND always runs piecewise."""
+    from attn_backends import ForwardMode as M
+    from attn_backends import GraphSupport
+    from attn_backends.registry import get_backend_class
+
+    from ..eagle import SpecConfig
+    from ..engine import Engine, EngineConfig
+    from ..models import TinyConfig
+    caps = get_backend_class(backend).capabilities
+    full = lambda mode: mode in caps.modes and caps.graph_for(mode) >= GraphSupport.UNIFORM_BATCH  # noqa: E731
+    want = {None: {"target": {"extend"} | ({"decode"} if full(M.DECODE) else set())}}
+    if {M.TARGET_VERIFY, M.DRAFT_EXTEND} <= caps.modes:
+        want[SpecConfig("eagle", 1, 3, 4)] = {
+            "target": {"extend"} | ({"verify"} if full(M.TARGET_VERIFY) else set()),
+            "draft": {"extend"} | {k for k, m in (("draft_extend", M.DRAFT_EXTEND), ("draft_decode", M.DECODE))
+                                   if full(m)}}
+    msgs = []
+    for spec, runners in want.items():
+        cfg = TinyConfig(is_mla=not caps.mha, page_size=caps.page_sizes[0])
+        eng = Engine(EngineConfig(cfg, backend, spec, device, max_batch=2, max_context_len=64,
+                                  max_prefill_tokens=16), capture=False)
+        for ex in eng.executors:
+            got = set(ex.runners)
+            if got != runners[ex.name]:
+                msgs.append(f"{'eagle' if spec else 'plain'} engine, {ex.name} executor: graph runners for "
+                            f"{sorted(got)}, the capabilities declare {sorted(runners[ex.name])}")
     return msgs

@@ -39,7 +39,14 @@ from attn_backends.testing.scenarios import random_tree_mask
 from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)
 from .runner_cases import kinds_for, plan_cases, random_spec  # noqa: F401 (kinds_for re-exported)
-from .runner_checks import against_float64, hidden_rule, kv_snapshot, kv_writes_outside, new_slots
+from .runner_checks import (
+    against_float64,
+    executor_graph_messages,
+    hidden_rule,
+    kv_snapshot,
+    kv_writes_outside,
+    new_slots,
+)
 
 H = CaptureHiddenMode
 SUITE = "runner"     # its name in the attn_backends.suites entry-point group (pyproject.toml)
@@ -361,6 +368,13 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
             judge("I9", [f"crashed: {type(e).__name__}: {e}"])
         if progress:
             progress(i + 1, len(plan))
+    try:                                                 # once a run: what an engine captures
+        msgs = executor_graph_messages(backend, device)
+    except Exception as e:  # noqa: BLE001 - a crash is a finding, as in a case
+        msgs = [f"crashed: {type(e).__name__}: {e}"]
+    report.cases[(backend, "runner:executor")] += 1
+    report.check(backend, "runner:executor", "I11", msgs, case="tiny engine, plain and eagle", seed=seed,
+                 suite=SUITE, device=device)
     return report
 
 

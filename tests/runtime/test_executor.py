@@ -1,15 +1,22 @@
 """The executor's eager fallback (sgl #22832), in every mode it serves: a batch the runner refuses
 is run eagerly, and its outputs come from that eager forward, never from the graph's static
 buffers of an earlier replay. The refused batch has the replayed batch's shape, so stale static
-outputs would have the right shape too: only their values can tell (issue #38 item 10)."""
+outputs would have the right shape too: only their values can tell (issue #38 item 10). And the
+executors build graph runners for what the backend's capabilities declare, nothing else."""
+import dataclasses
+
 import pytest
 
-from attn_backends import GraphKey
+from attn_backends import ForwardMode, GraphKey, GraphSupport, registry
+from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends_runtime import executor
 from attn_backends_runtime.draft import MultiStepDraftRunner
+from attn_backends_runtime.eagle import SpecConfig
+from attn_backends_runtime.engine import Engine, EngineConfig
+from attn_backends_runtime.models import TinyConfig
 from attn_backends_runtime.piecewise import PiecewiseRunner
 from attn_backends_runtime.runner_base import RunnerOutput, slice_hidden
-from attn_backends_runtime.testing.runner_checks import FALLBACK_KINDS, fallback_messages
+from attn_backends_runtime.testing.runner_checks import FALLBACK_KINDS, executor_graph_messages, fallback_messages
 
 
 def static_outputs(runner, batch) -> RunnerOutput:
@@ -65,3 +72,21 @@ def test_stale_static_outputs_are_caught_by_value(kind, monkeypatch):
     # the shapes agree (no shape, missing-field or crash message): the values alone caught it
     assert any("relative error" in m for m in msgs), msgs
     assert not any(w in m for m in msgs for w in (" has shape ", " is missing", " is unexpected", "crashed")), msgs
+
+
+class DraftExtendNeverGraphed(TorchNativeBackend):
+    """Declares no graph support for DRAFT_EXTEND (every other mode as torch_native)."""
+    capabilities = dataclasses.replace(TorchNativeBackend.capabilities,
+                                       mode_graph=((ForwardMode.DRAFT_EXTEND, GraphSupport.NEVER),))
+
+
+def test_executors_capture_what_the_capabilities_declare(monkeypatch):
+    """A mode the backend declares no graph support for gets no graph runner (its forwards run
+    eagerly, counted); the others keep theirs, and `check`'s I11 of the executors agrees."""
+    monkeypatch.setitem(registry._extra, "never_de", f"{__name__}:DraftExtendNeverGraphed")
+    eng = Engine(EngineConfig(TinyConfig(), "never_de", SpecConfig("eagle", 1, 3, 4), "cpu", max_batch=2,
+                              max_context_len=64, max_prefill_tokens=16), capture=False)
+    assert {ex.name: sorted(ex.runners) for ex in eng.executors} == {
+        "target": ["extend", "verify"], "draft": ["draft_decode", "extend"]}
+    assert executor_graph_messages("never_de") == []
+    assert executor_graph_messages("torch_native") == []
