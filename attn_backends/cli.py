@@ -214,7 +214,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _count(least: int):
+def count(least: int):
+    """An argparse type: a whole number >= ``least`` (the parser's error names the flag)."""
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -268,11 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a registered name, 'all' (every backend available on --device), 'package.module:Class' "
                          "(importable, the current folder included) or 'path/to/file.py:Class' (default: torch_native)")
     ck.add_argument("--device", choices=DEVICES, default="cpu", help="default: cpu")
-    ck.add_argument("--cases", type=_count(1), default=200,
+    ck.add_argument("--cases", type=count(1), default=200,
                     help="random cases per mode of the layout suite (default: 200); with 1, the case's seed is --seed")
     ck.add_argument("--seed", type=int, default=0,
                     help="random seed; each failure prints the command that replays its case alone (default: 0)")
-    ck.add_argument("--suite-cases", type=_count(0), default=60,
+    ck.add_argument("--suite-cases", type=count(0), default=60,
                     help=f"random cases, in all, for each suite of the '{SUITES_GROUP}' entry-point group, "
                          "e.g. the runner invariants over the runner kinds (default: 60; 0 skips them); the "
                          "runner suite draws each runner kind the backend declares at least once, so below "
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--mode", default=None,
                     help="run the layout suite in this mode only (decode, extend, verify_chain, verify_tree, "
                          "draft_extend, draft_decode)")
-    ck.add_argument("--jobs", type=_count(1), default=1,
+    ck.add_argument("--jobs", type=count(1), default=1,
                     help="worker processes for the layout suite's cases (default: 1); the results are "
                          "those of one process. On a GPU mostly Triton compiling kernels, which the "
                          "workers do side by side")

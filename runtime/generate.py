@@ -7,7 +7,6 @@ without importing this package (dependencies point one way).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -40,20 +39,6 @@ FLAGS = Names({"method": "--spec", "topk": "--topk", "num_steps": "--steps", "nu
                "draft_layers": "--draft-layers", "max_batch": "--batch"})
 
 
-def count(least: int):
-    """An argparse type: a whole number >= ``least`` (the parser's error names the flag)."""
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
-        if v < least:
-            raise argparse.ArgumentTypeError(f"{v} is below the least value {least}")
-        return v
-    parse.__name__ = f"count >= {least}"
-    return parse
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="greedy generation on a tiny model (plain decode or EAGLE)",
                               description="Greedy generation on a tiny model through the engine: random "
@@ -62,18 +47,18 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default="torch_native", help="a registered backend (default: torch_native)")
     p.add_argument("--spec", choices=("none", "eagle", "eagle3"), default="none",
                    help=f"speculative decoding (default: none). Greedy and lossless: {LOSSLESS}")
-    p.add_argument("--topk", type=count(1), default=1, help="draft branches (> 1: tree verify)")
-    p.add_argument("--steps", type=count(1), default=3,
+    p.add_argument("--topk", type=cli.count(1), default=1, help="draft branches (> 1: tree verify)")
+    p.add_argument("--steps", type=cli.count(1), default=3,
                    help=f"draft token levels per round, 1..{MAX_STEPS} (default: 3)")
-    p.add_argument("--draft-tokens", type=count(2), default=None,
+    p.add_argument("--draft-tokens", type=cli.count(2), default=None,
                    help="N, tokens verified per request, 2..steps*topk+1 (default: steps+1)")
     p.add_argument("--acceptance", choices=list(ACCEPTANCE_LEVELS), default="high",
                    help="the draft's agreement with the target (its noise level)")
-    p.add_argument("--draft-layers", type=count(1), default=None,
+    p.add_argument("--draft-layers", type=cli.count(1), default=None,
                    help="draft trunk layers, 1..the target's (default: all); the target is unchanged")
-    p.add_argument("--batch", type=count(1), default=4, help="requests (all running at once)")
-    p.add_argument("--max-tokens", type=count(1), default=32)
-    p.add_argument("--prompt-len", type=count(1), default=16, help="longest prompt (lengths vary down to half)")
+    p.add_argument("--batch", type=cli.count(1), default=4, help="requests (all running at once)")
+    p.add_argument("--max-tokens", type=cli.count(1), default=32)
+    p.add_argument("--prompt-len", type=cli.count(1), default=16, help="longest prompt (lengths vary down to half)")
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
