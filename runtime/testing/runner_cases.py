@@ -31,7 +31,7 @@ def plan_cases(caps, cases: int, seed: int) -> list:
     kinds = kinds_for(caps)
     models = [mla for mla, ok in ((False, caps.mha), (True, caps.mla)) if ok]
     k = len(kinds)
-    return [(s, kinds[s % k], models[(s + s // k) % len(models)]) for s in range(seed, seed + max(cases, k))]
+    return [(s, kinds[s % k], models[(s % k + s // k) % len(models)]) for s in range(seed, seed + max(cases, k))]
 
 
 def random_spec(rng: random.Random, kind: str, backend: str, caps, mla: bool, device: str, seed: int) -> RigSpec:

@@ -190,6 +190,7 @@ def executor_graph_messages(backend: str, device: str = "cpu") -> list:
     from attn_backends import ForwardMode as M
     from attn_backends import GraphSupport
     from attn_backends.registry import get_backend_class
+    from attn_backends.testing.scenarios import dims_for
 
     from ..eagle import SpecConfig
     from ..engine import Engine, EngineConfig
@@ -204,7 +205,9 @@ def executor_graph_messages(backend: str, device: str = "cpu") -> list:
                                    if full(m)}}
     msgs = []
     for spec, runners in want.items():
-        cfg = TinyConfig(is_mla=not caps.mha, page_size=caps.page_sizes[0])
+        mla = not caps.mha                                # a model the backend serves, as the rig builds it
+        cfg = TinyConfig(is_mla=mla, page_size=caps.page_sizes[0], **dims_for(caps, mla),
+                         dtype=torch.float32 if torch.float32 in caps.dtypes else torch.bfloat16)
         eng = Engine(EngineConfig(cfg, backend, spec, device, max_batch=2, max_context_len=64,
                                   max_prefill_tokens=16), capture=False)
         for ex in eng.executors:

@@ -6,6 +6,7 @@ executors build graph runners for what the backend's capabilities declare, nothi
 import dataclasses
 
 import pytest
+import torch
 
 from attn_backends import ForwardMode, GraphKey, GraphSupport, registry
 from attn_backends.backends.torch_native import TorchNativeBackend
@@ -90,3 +91,16 @@ def test_executors_capture_what_the_capabilities_declare(monkeypatch):
         "target": ["extend", "verify"], "draft": ["draft_decode", "extend"]}
     assert executor_graph_messages("never_de") == []
     assert executor_graph_messages("torch_native") == []
+
+
+class SixteenBitOnly(TorchNativeBackend):
+    """Declares what the FlashInfer family does: 16-bit dtypes and head dims 64/128 only."""
+    capabilities = dataclasses.replace(TorchNativeBackend.capabilities, dtypes=(torch.float16, torch.bfloat16),
+                                       head_dims=(64, 128), mla=False)
+
+
+def test_executor_check_builds_a_model_the_backend_serves(monkeypatch):
+    """The executor check's tiny engine takes the backend's dtype and head dims (a float32 model of
+    head dim 16 made it crash on every FlashInfer-family backend)."""
+    monkeypatch.setitem(registry._extra, "sixteen_bit", f"{__name__}:SixteenBitOnly")
+    assert executor_graph_messages("sixteen_bit") == []

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from attn_backends import ForwardMode
 from attn_backends.cli import main
 from attn_backends.registry import builtin_names, get_backend_class
 from attn_backends_runtime import piecewise
@@ -52,6 +53,18 @@ def test_every_declared_kind_is_drawn_at_any_count(name, count):
     if both:   # each kind on both model kinds within two rounds
         two = plan_cases(caps, 2 * len(kinds), 0)
         assert {(k, m) for _, k, m in two} == {(k, m) for k in kinds for m in (False, True)}
+
+
+@pytest.mark.parametrize("drop", [(), (ForwardMode.DRAFT_EXTEND,), (ForwardMode.TARGET_VERIFY,),
+                                  (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)])
+def test_each_kind_meets_both_model_kinds_whatever_the_kind_count(drop):
+    """Odd kind counts too: kind s mod K on model kind (s mod K + s div K) mod 2 alternates per round
+    (with s + s div K, an odd K kept each kind on one model kind forever)."""
+    base = get_backend_class("torch_native").capabilities
+    caps = dataclasses.replace(base, modes=frozenset(base.modes) - set(drop))
+    kinds = kinds_for(caps)
+    two = plan_cases(caps, 2 * len(kinds), 3)
+    assert {(k, m) for _, k, m in two} == {(k, m) for k in kinds for m in (False, True)}, len(kinds)
 
 
 def test_run_reports_every_kind_at_one_case():
