@@ -53,8 +53,10 @@ def size(n: int) -> str:
 def available_bytes(device) -> Optional[tuple]:
     """``(bytes, where they were read)`` free for new tensors on ``device``; None: unknown here."""
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0], "free on the GPU (torch.cuda.mem_get_info)"
+    if dev.type == "cuda":   # what PyTorch's allocator holds unused is free to this process too
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return (torch.cuda.mem_get_info(dev)[0] + cached,
+                "free on the GPU (torch.cuda.mem_get_info) plus held unused by PyTorch's allocator")
     try:
         with open("/proc/meminfo") as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))

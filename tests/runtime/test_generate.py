@@ -176,4 +176,16 @@ def test_a_batch_the_gpu_cannot_hold_is_refused_with_its_free_bytes(capsys, monk
     """On CUDA the memory check reads ``torch.cuda.mem_get_info``: refused before the engine."""
     monkeypatch.setattr(generate_mod, "Engine", lambda cfg: pytest.fail("the engine was built"))
     line = one_line_error(capsys, ["--device", "cuda", "--batch", "1000000000"])
-    assert "--batch 1000000000 with" in line and "available (free on the GPU (torch.cuda.mem_get_info))" in line
+    assert "--batch 1000000000 with" in line and "available (free on the GPU (torch.cuda.mem_get_info) plus" in line
+
+
+def test_gpu_memory_held_unused_by_the_allocator_counts_as_free(monkeypatch):
+    """A process that used the GPU before keeps blocks in PyTorch's cache: mem_get_info counts them
+    as used, yet a new engine can take them."""
+    import torch
+
+    from attn_backends_runtime import limits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (100, 1000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 50)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 20)
+    assert limits.available_bytes("cuda")[0] == 130
