@@ -260,8 +260,9 @@ class LayoutBackend(AttentionBackend):
             plan = inputs.plan
             layout = plan.captured(key).layout
         else:
-            if not _layout.stream_capturing():            # the caller's rows: a real batch (it may sync here)
-                check_request_rows(inputs.req_pool_indices[:inputs.raw_bs], self.memory.req_to_token.shape[0])
+            if not _layout.stream_capturing():            # the caller's rows (a sync): all on row 0 is a
+                rows = inputs.req_pool_indices[:inputs.raw_bs]    # stand-in (SGLang captures so), else real
+                check_request_rows(rows, self.memory.req_to_token.shape[0], stand_in=bool((rows == 0).all()))
             plan = self._private_plan()
             plan.load(inputs, capture=True)               # validates first: a refusal changes nothing
             layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)

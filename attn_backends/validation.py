@@ -106,8 +106,8 @@ def _check_spec(inp: LayoutInputs) -> None:
 def check_request_rows(req: torch.Tensor, rows: int, stand_in: bool = False) -> None:
     """The real requests' rows ``req`` lie in the table of ``rows`` rows and off the reserved row 0
     (padding's, all zeros: a request there would read the reserved slot 0 as its KV). ``stand_in``:
-    a step plan's own capture batch, which stands on row 0 before any request exists (replays
-    rewrite it). Reads device values (a sync)."""
+    a capture batch standing wholly on row 0 before any request exists (a step plan's own, or a
+    caller's all-zero one, as SGLang captures), which replays rewrite. Reads device values (a sync)."""
     if bool(((req < 0) | (req >= rows)).any()):
         raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
     if not stand_in and bool((req == 0).any()):

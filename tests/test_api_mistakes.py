@@ -168,6 +168,8 @@ def test_a_real_request_on_the_reserved_row_0_at_capture():
     with pytest.raises(LayoutError, match=r"request 0 is on row 0, reserved for padding \(real requests use "
                                           r"rows 1\.\.8\)"):
         be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
+    batch.req_pool_indices.zero_()          # every row on row 0: a stand-in capture batch, as SGLang's
+    be.init_forward_metadata_capture_cuda_graph(batch.graph_inputs())
 
 
 def test_a_runner_plan_still_captures_its_stand_in_batch_on_row_0():
