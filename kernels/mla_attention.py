@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, shared_mem_fits, split_targets
+from .attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
 from .extend_attention import MASK_KINDS, visible_mask
 from .launch_record import launch
 from .mla_chunked import _mla_chunked_kernel, chunked_refusal
@@ -380,10 +380,9 @@ def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -
     # graph replay, MLA16 decode against 32 / 4 / 2: bs 1 kv 32768 45.4 -> 39.9 us, bs 64 kv
     # 8192 178.2 -> 167.4, bs 128 kv 32768 1240 -> 1147; 2 of 15 points 2 % slower, bs 16 kv
     # 2048 26.8 -> 27.3). Triton 3.6 gives that config 116,736 bytes of shared memory at bf16
-    # on sm_90: taken where two 64-token tiles' worth (147,456 bytes at 16 bits) fit, so not at
-    # float32 (which `check` runs).
+    # on sm_90: taken where fit_block_n keeps 64 tokens, so not at float32 (which `check` runs).
     decode_tile = (W == 1 and rows < 64 and block_n in (None, 64)
-                   and shared_mem_fits(q, 2 * 64 * D * q.element_size()))
+                   and fit_block_n(q, 64, D * q.element_size()) == 64)
     if num_stages is None:
         num_stages = 3 if decode_tile else 2
     if block_n is None:  # as many tokens as the card's shared memory stages (float32 64-row tiles: 32)

@@ -19,7 +19,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def h200(monkeypatch):
     fits = lambda t, nbytes: nbytes <= H200_SMEM
     monkeypatch.setattr(core, "shared_mem_fits", fits)
-    monkeypatch.setattr(mla, "shared_mem_fits", fits)
 
 
 @pytest.mark.parametrize("dtype,W,H,want", [
