@@ -47,13 +47,13 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default="torch_native", help="a registered backend (default: torch_native)")
     p.add_argument("--spec", choices=("none", "eagle", "eagle3"), default="none",
                    help=f"speculative decoding (default: none). Greedy and lossless: {LOSSLESS}")
-    p.add_argument("--topk", type=cli.count(1), default=1, help="draft branches (> 1: tree verify)")
-    p.add_argument("--steps", type=cli.count(1), default=3,
+    p.add_argument("--topk", type=cli.count(1), default=None, help="draft branches (> 1: tree verify; default 1)")
+    p.add_argument("--steps", type=cli.count(1), default=None,
                    help=f"draft token levels per round, 1..{MAX_STEPS} (default: 3)")
     p.add_argument("--draft-tokens", type=cli.count(2), default=None,
                    help="N, tokens verified per request, 2..steps*topk+1 (default: steps+1)")
-    p.add_argument("--acceptance", choices=list(ACCEPTANCE_LEVELS), default="high",
-                   help="the draft's agreement with the target (its noise level)")
+    p.add_argument("--acceptance", choices=list(ACCEPTANCE_LEVELS), default=None,
+                   help="the draft's agreement with the target (its noise level; default high)")
     p.add_argument("--draft-layers", type=cli.count(1), default=None,
                    help="draft trunk layers, 1..the target's (default: all); the target is unchanged")
     p.add_argument("--batch", type=cli.count(1), default=4, help="requests (all running at once)")
@@ -70,6 +70,9 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run_generate)
 
 
+SPEC_DEFAULTS = {"topk": 1, "steps": 3, "acceptance": "high"}    # of the speculative flags, given only with --spec
+
+
 def engine_config(args) -> EngineConfig:
     """The engine of ``args``; UsageError, worded with the flags, for what it cannot take. Nothing
     is allocated here (the memory it would take is counted, not tried)."""
@@ -83,6 +86,12 @@ def engine_config(args) -> EngineConfig:
     if bad:
         raise UsageError(f"--stop {bad[0]} outside the vocabulary 0..{model.vocab_size - 1}")
     spec = None
+    spec_flags = {f: getattr(args, f.replace("-", "_")) for f in SPEC_DEFAULTS | {"draft-tokens": 0, "draft-layers": 0}}
+    given = [f for f, v in spec_flags.items() if v is not None]
+    if args.spec == "none" and given:                 # a draft setting without a draft is a mistake, not a no-op
+        raise UsageError(f"--{given[0]} {spec_flags[given[0]]} needs --spec eagle or eagle3 (none drafts nothing)")
+    for flag, default in SPEC_DEFAULTS.items():
+        setattr(args, flag, spec_flags[flag] if spec_flags[flag] is not None else default)
     try:
         if args.spec != "none":
             spec = SpecConfig(args.spec, args.topk, args.steps, args.draft_tokens or args.steps + 1,

@@ -115,6 +115,10 @@ def one_line_error(capsys, args) -> str:
     (["--spec", "eagle", "--topk", "2", "--steps", "2", "--draft-tokens", "6"],
      "--draft-tokens 6 outside 2..--steps*--topk+1=5"),
     (["--stop", "5", "128"], "--stop 128 outside the vocabulary 0..127"),
+    (["--topk", "2"], "--topk 2 needs --spec eagle or eagle3 (none drafts nothing)"),
+    (["--spec", "none", "--steps", "5"], "--steps 5 needs --spec eagle or eagle3"),
+    (["--draft-layers", "1"], "--draft-layers 1 needs --spec eagle or eagle3"),
+    (["--acceptance", "low"], "--acceptance low needs --spec eagle or eagle3"),
     (["--batch", "1000000000"], "--batch 1000000000 with --prompt-len 16 and --max-tokens 32: the engine would "
                                 "take at least"),
     (["--max-tokens", "100000000000"], "--batch 4 with --prompt-len 16 and --max-tokens 100000000000: the engine"),
