@@ -9,8 +9,8 @@ from attn_backends import cli, registry
 
 DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 LINE = re.compile(r"^\[(\d+)\] prompt \d+ tokens -> (\d+) tokens \((\w+)\): ([\d ]+)$", re.M)
-MODEL_BACKENDS = {"tiny-gqa": ["triton", "flashinfer", "torch_native"],
-                  "tiny-mla": ["triton_mla", "flashinfer_mla", "trtllm_mla", "torch_native"]}
+MODEL_BACKENDS = {"tiny-gqa": ["triton", "flashinfer", "hybrid", "torch_native"],
+                  "tiny-mla": ["triton_mla", "flashinfer_mla", "trtllm_mla", "hybrid", "torch_native"]}
 CASES = [(model, backend, DTYPE_NAMES[str(d)])
          for model, names in MODEL_BACKENDS.items() for backend in names
          for d in registry.get_backend_class(backend).capabilities.dtypes]
