@@ -45,8 +45,8 @@ def random_spec(rng: random.Random, kind: str, backend: str, caps, mla: bool, de
                 per_layer=rng.random() < 0.8, device=device, seed=seed)
     if kind in ("verify", "breakable_verify", "draft_extend"):
         s.n = rng.randint(2, 5)
-        if kind == "draft_extend":    # topk > 1 half the time: N above num_steps + 1
-            s.topk, s.steps = rng.choice([(1, s.n - 1), (2, 1), (2, 2)])
+        if kind == "draft_extend":    # topk > 1 (N above num_steps + 1) where the backend declares it
+            s.topk, s.steps = rng.choice([(1, s.n - 1)] + ([(2, 1), (2, 2)] if caps.topk_gt1 else []))
             s.n = s.steps + 2 if s.topk > 1 else s.n
     elif kind == "verify_tree":
         s.topk, s.steps = rng.choice([2, 4]), rng.randint(1, 3)

@@ -67,6 +67,19 @@ def test_each_kind_meets_both_model_kinds_whatever_the_kind_count(drop):
     assert {(k, m) for _, k, m in two} == {(k, m) for k in kinds for m in (False, True)}, len(kinds)
 
 
+@pytest.mark.parametrize("topk_gt1", [False, True])
+def test_draft_extend_draws_topk_above_1_only_where_declared(topk_gt1):
+    """A backend that declares no topk > 1 (flashinfer_mla) is never handed a multi-branch draft
+    extend: the suite asked for what it does not declare, and reported its refusal as a crash."""
+    import random
+
+    from attn_backends_runtime.testing.runner_cases import random_spec
+    caps = dataclasses.replace(get_backend_class("torch_native").capabilities, topk_gt1=topk_gt1)
+    topks = {random_spec(random.Random(s), "draft_extend", "torch_native", caps, True, "cpu", s).topk
+             for s in range(40)}
+    assert topks == ({1, 2} if topk_gt1 else {1})
+
+
 def test_run_reports_every_kind_at_one_case():
     rep = run_runner_suite("torch_native", cases=1, seed=0)
     assert rep.ok, "\n".join(map(str, rep.failures))
