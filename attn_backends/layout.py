@@ -110,7 +110,8 @@ class LayoutInputs:
 
 def pad_seq_len(fill: int, width: int) -> int:
     """The seq_len of a padding row: the backend's fill value, raised to the query width W so
-    that a pad row's prefix ``seq_len - W`` is never negative (BUGS.md B2)."""
+    that a pad row's prefix ``seq_len - W`` is never negative (SGLang #31270: a fill of 1 at W = 4 gave
+    causal lengths -2..1)."""
     return max(fill, width, 1)
 
 

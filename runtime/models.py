@@ -1,11 +1,12 @@
 """Tiny models with seeded random weights that call attention through the backend contract.
 
-``TinyLlama``: RMSNorm, RoPE, GQA attention, SwiGLU. ``TinyDeepSeek``: MLA with a latent KV
-(latent + decoupled rope key in one cache row); q_nope is absorbed into latent space
-(``q_nope @ W_kc``) and the latent output leaves through ``W_vc``, in every mode.
+:class:`TinyModel` of a :class:`TinyConfig`: RMSNorm, RoPE and SwiGLU, with GQA attention
+(:class:`GQABlock`) or MLA (:class:`MLABlock`, ``is_mla``: a latent KV, latent + decoupled rope
+key in one cache row; q_nope is absorbed into latent space (``q_nope @ W_kc``) and the latent
+output leaves through ``W_vc``, in every mode).
 
 Both write their KV through the backend (``save_kv_cache``) into the model's KV pool and
-call attention through :func:`runtime.breaks.attention_call`, the one place a piecewise or
+call attention through :func:`attention_hook.attention_call`, the one place a piecewise or
 breakable capture may cut the forward.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ The metadata is the block table of the canonical layout: ``page_table [bs, pages
 reserved page 0 past a row's pages), ``seq_lens_k [bs]`` and, in TARGET_VERIFY and
 DRAFT_EXTEND, the uniform stride: a uniform forward's queries are the view ``[bs, W, H, 576]``
 of the runner's rows, with ``W`` from the GraphKey. No query indptr is built or read in a
-uniform mode, so a packed ``cu_seqlens_q`` against strided rows (SGLang PR #21987, BUGS.md A1)
+uniform mode, so a packed ``cu_seqlens_q`` against strided rows (SGLang PR #21987)
 cannot be expressed; ``cu_seqlens_q`` serves only ragged EXTEND.
 
 Kernels: on SM100+ (with flashinfer installed, page size 32 or 64, bf16, latent 512 + rope 64,
