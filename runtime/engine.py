@@ -60,6 +60,16 @@ class EngineConfig:
     # target, chosen here, plain or speculative alike. None: the target as seeded; no draft changes it.
     skippable_from: Optional[int] = None
 
+    @property
+    def draft_layers(self) -> int:
+        """The draft trunk's layers (its own KV layers after the target's); 0 without spec."""
+        return (self.spec.draft_layers or self.model.num_layers) if self.spec else 0
+
+    @property
+    def pages(self) -> int:
+        """KV pages: ``num_pages``, else every request at ``max_context_len``, and the reserved page 0."""
+        return self.num_pages or self.max_batch * -(-self.max_context_len // self.model.page_size) + 1
+
 
 def refusal(cfg: EngineConfig):
     """The first setting of ``cfg`` an engine cannot take, as ``render(names)`` (limits.py), or None.
@@ -88,10 +98,8 @@ class Engine:
         too_big = limits.memory_refusal(cfg, f"max_batch={cfg.max_batch}, max_context_len={cfg.max_context_len}")
         if too_big:
             raise ConfigError(lambda x: too_big)
-        draft_layers = (spec.draft_layers or c.num_layers) if spec else 0
-        ps = c.page_size
-        pages = cfg.num_pages or cfg.max_batch * -(-cfg.max_context_len // ps) + 1
-        self.memory = KVMemory(num_layers=c.num_layers + draft_layers, num_pages=pages, page_size=ps,
+        draft_layers = cfg.draft_layers
+        self.memory = KVMemory(num_layers=c.num_layers + draft_layers, num_pages=cfg.pages, page_size=c.page_size,
                                max_reqs=cfg.max_batch, max_context_len=cfg.max_context_len, is_mla=c.is_mla,
                                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_lora_rank=c.kv_lora_rank,
                                rope_dim=c.qk_rope_head_dim, dtype=c.dtype, device=cfg.device,

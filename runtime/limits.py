@@ -80,13 +80,11 @@ def weight_count(model_config, aux_hidden_layers=()) -> int:
 def engine_bytes(cfg) -> dict:
     """What an engine of :class:`EngineConfig` ``cfg`` allocates up front, by part, in bytes."""
     c, spec = cfg.model, cfg.spec
-    draft_layers = (spec.draft_layers or c.num_layers) if spec else 0
     elt = torch.finfo(c.dtype).bits // 8
-    pages = cfg.num_pages or cfg.max_batch * -(-cfg.max_context_len // c.page_size) + 1
-    slots = pages * c.page_size
+    slots = cfg.pages * c.page_size
     per_slot = c.kv_lora_rank + c.qk_rope_head_dim if c.is_mla else 2 * c.num_kv_heads * c.head_dim
     aux = spec.target_aux_layers(c.num_layers) if spec else ()
-    parts = {"the KV pool": (c.num_layers + draft_layers) * slots * per_slot * elt,
+    parts = {"the KV pool": (c.num_layers + cfg.draft_layers) * slots * per_slot * elt,
              "the request table": (cfg.max_batch + 1) * cfg.max_context_len * 4,
              "the weights": weight_count(c, aux) * elt,
              "the prefill logits": cfg.max_prefill_tokens * c.vocab_size * 4}
