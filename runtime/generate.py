@@ -70,7 +70,9 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run_generate)
 
 
-SPEC_DEFAULTS = {"topk": 1, "steps": 3, "acceptance": "high"}    # of the speculative flags, given only with --spec
+# the draft's flags, taken only with --spec eagle / eagle3, and the defaults of those that have one
+SPEC_FLAGS = ("topk", "steps", "draft_tokens", "draft_layers", "acceptance")
+SPEC_DEFAULTS = {"topk": 1, "steps": 3, "acceptance": "high"}
 
 
 def engine_config(args) -> EngineConfig:
@@ -86,12 +88,14 @@ def engine_config(args) -> EngineConfig:
     if bad:
         raise UsageError(f"--stop {bad[0]} outside the vocabulary 0..{model.vocab_size - 1}")
     spec = None
-    spec_flags = {f: getattr(args, f.replace("-", "_")) for f in SPEC_DEFAULTS | {"draft-tokens": 0, "draft-layers": 0}}
-    given = [f for f, v in spec_flags.items() if v is not None]
+    given = [f for f in SPEC_FLAGS if getattr(args, f) is not None]
     if args.spec == "none" and given:                 # a draft setting without a draft is a mistake, not a no-op
-        raise UsageError(f"--{given[0]} {spec_flags[given[0]]} needs --spec eagle or eagle3 (none drafts nothing)")
+        flag = given[0]
+        raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} needs --spec eagle or eagle3 "
+                         "(none drafts nothing)")
     for flag, default in SPEC_DEFAULTS.items():
-        setattr(args, flag, spec_flags[flag] if spec_flags[flag] is not None else default)
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     try:
         if args.spec != "none":
             spec = SpecConfig(args.spec, args.topk, args.steps, args.draft_tokens or args.steps + 1,
