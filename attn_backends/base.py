@@ -18,7 +18,7 @@ from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
 from .layout import Layout, LayoutError, build_layout, inputs_from_batch
-from .plan import LayoutPlan
+from .step import LayoutPlan
 from .validation import check_request_rows
 
 
@@ -200,7 +200,7 @@ class AttentionBackend(ABC):
 
 
 class LayoutBackend(AttentionBackend):
-    """Metadata from the step plan (:mod:`attn_backends.plan`); subclasses write ``_run`` and may
+    """Metadata from the step plan (:mod:`attn_backends.step`); subclasses write ``_run`` and may
     derive private extras (``_extras`` / ``_refresh_extras``).
 
     With a runner, the plan comes with the batch (``ForwardBatch.plan``, ``GraphInputs.plan``):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from .plan import LayoutPlan
+    from .step import LayoutPlan
 
 
 class ForwardMode(enum.IntEnum):

@@ -1,7 +1,7 @@
 """The layout builders: one per mode, the only place stride and extent arithmetic lives.
 
 Eager metadata, graph capture and graph replay all call :func:`build_layout`, through the
-step plan (:mod:`attn_backends.plan`), which builds each step's layout once for every layer
+step plan (:mod:`attn_backends.step`), which builds each step's layout once for every layer
 and backend. Eager gets fresh tensors sized to the batch; capture and replay pass ``out=``
 views of the plan's static buffers and the builder writes its result there in place.
 

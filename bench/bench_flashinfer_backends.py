@@ -26,8 +26,8 @@ import torch
 from bench_runtime import host_times as _host_times
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
-from attn_backends.plan import LayoutPlan
-from attn_backends.testing.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.step import LayoutPlan
 
 BATCH_SIZES = (1, 8, 64)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: a dry run of the set-up on emulated kernels

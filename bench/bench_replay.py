@@ -10,7 +10,7 @@ import torch
 from bench_kernels import record
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
-from attn_backends.testing.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
 
 
 @pytest.mark.parametrize("mode", ["decode", "verify4"])

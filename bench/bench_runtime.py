@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from attn_backends import ForwardBatch, ForwardMode, get_backend
-from attn_backends.testing.scenarios import make_memory
+from attn_backends.check.scenarios import make_memory
 from attn_backends_runtime.breakable import BreakableGraphRunner
 from attn_backends_runtime.full_graph import UniformGraphRunner
 from attn_backends_runtime.models import TinyConfig, TinyModel

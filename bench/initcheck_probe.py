@@ -1,5 +1,5 @@
 """Which memcpy node of which CUDA graph reads memory nothing wrote (a compute-sanitizer
-initcheck finding): replays one case of tests/test_cuda_graphs.py with every CUDA graph captured
+initcheck finding): replays one case of tests/backends/test_cuda_graphs.py with every CUDA graph captured
 in debug mode, then prints each graph's memcpy nodes (from its DOT dump) beside the address
 ranges of the tensors the case knows by name. Run under ``compute-sanitizer --tool initcheck``
 and match the addresses it reports.

@@ -22,7 +22,7 @@ is the faster read's time over ours (below 1.0: that read walked the pages faste
 
 On the CPU (``BENCH_DEVICE=cpu``: the interpreter, the row's smoke shape) each paged read's sums are
 checked against the tokens gathered by torch, and timed once: a check of the tool, not a measurement.
-tests/test_bench_paged_read.py also checks the walk's split bounds against the decode kernel's.
+tests/bench/test_bench_paged_read.py also checks the walk's split bounds against the decode kernel's.
 """
 from __future__ import annotations
 

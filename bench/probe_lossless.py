@@ -7,7 +7,7 @@ import re
 import sys
 from contextlib import redirect_stdout
 
-from attn_backends import cli
+from attn_backends.check import cli
 
 LINE = re.compile(r"^\[(\d+)\] prompt \d+ tokens -> \d+ tokens \(\w+\): ([\d ]+)$", re.M)
 

@@ -65,13 +65,13 @@ fi
 if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in triton triton_mla torch_native; do
-    timeout "${CHECK_TIMEOUT:-250}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
+    timeout "${CHECK_TIMEOUT:-250}" python -m attn_backends.check.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
 fi
 if [[ $stages == *" sanitize "* ]]; then
   # the GPU tests of the kernels and of the backends' graph path, a fast subset (SANITIZE_K)
-  sanitize_tests=${SANITIZE_TESTS:-tests/kernels tests/test_cuda_graphs.py}
+  sanitize_tests=${SANITIZE_TESTS:-tests/kernels tests/backends/test_cuda_graphs.py}
   for tool in memcheck initcheck; do
     echo "== compute-sanitizer $tool ($sanitize_tests)"
     extra=$([[ $tool == memcheck ]] && echo "--leak-check no")
@@ -108,14 +108,14 @@ fi
 [[ $stages == *" fi "* ]] && stages="$stages fitests ficheck fibench "
 if [[ $stages == *" fitests "* ]]; then
   echo "== FlashInfer family (issue #8): GPU tests"
-  timeout "${FI_TEST_TIMEOUT:-540}" python -m pytest tests/test_flashinfer_gpu.py tests/test_flashinfer_cpu.py \
-      tests/test_trtllm_hybrid.py -q -p no:cacheprovider ${FI_TEST_ARGS:-} 2>&1 | tee "$out/fi_tests.log" | tail -15 \
+  timeout "${FI_TEST_TIMEOUT:-540}" python -m pytest tests/backends/test_flashinfer_gpu.py tests/backends/test_flashinfer_cpu.py \
+      tests/backends/test_trtllm_hybrid.py -q -p no:cacheprovider ${FI_TEST_ARGS:-} 2>&1 | tee "$out/fi_tests.log" | tail -15 \
       || status=1
 fi
 if [[ $stages == *" ficheck "* ]]; then
   echo "== attn-backends check on cuda (FlashInfer family)"
   for b in ${FI_BACKENDS:-flashinfer flashinfer_mla trtllm_mla hybrid}; do
-    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.cli check --backend $b --device cuda --jobs "$jobs" \
+    timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.check.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${FI_CASES:-60}" --suite-cases "${FI_SUITE_CASES:-24}" 2>&1 | tee "$out/check_$b.log" | tail -12 \
         || status=1
   done

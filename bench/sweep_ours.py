@@ -5,7 +5,7 @@ save_kv_cache=False)`` per call: the work FlashInfer's ``run()`` does after one 
 Graph: ``init_cuda_graph_state(bs, bs*W)``, ``init_forward_metadata_capture_cuda_graph``,
 ``forward`` captured in a CUDA graph, ``init_forward_metadata_replay_cuda_graph`` (once: the
 metadata of all layers of a step, FlashInfer's ``plan()`` counterpart), then ``replay()``
-per call (as tests/test_cuda_graphs.py does).
+per call (as tests/backends/test_cuda_graphs.py does).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 
 from attn_backends import ForwardBatch, ForwardMode, ModelConfig, SpecInfo
 from attn_backends.backends.triton_common import WIDE_MAX_KV_SPLITS
-from attn_backends.testing.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
 
 BATCHES = (1, 4, 16, 64, 128)
 KVS = (2048, 8192, 32768)

@@ -17,7 +17,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
 from attn_backends.layout import pad_seq_len
-from attn_backends.plan import LayoutPlan, load_rows_of_steps, step_plan
+from attn_backends.step import LayoutPlan, load_rows_of_steps, step_plan
 
 from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal

@@ -8,7 +8,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
 from attn_backends.layout import mask_kind
-from attn_backends.plan import LayoutPlan
+from attn_backends.step import LayoutPlan
 
 from .runner_base import INT_DTYPES, GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 

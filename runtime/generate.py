@@ -2,7 +2,7 @@
 EAGLE speculative decoding, printing the tokens and a summary (mean accept length, tokens per
 second, graph replays vs eager fallbacks per mode).
 
-Registered in the ``attn_backends.commands`` entry-point group, so ``attn_backends.cli`` finds it
+Registered in the ``attn_backends.commands`` entry-point group, so ``attn_backends.check.cli`` finds it
 without importing this package (dependencies point one way).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import TextIO
 
 import torch
 
-from attn_backends import cli
-from attn_backends.cli import UsageError
+from attn_backends.check import cli
+from attn_backends.check.cli import UsageError
 
 from . import limits
 from .draft_model import ACCEPTANCE_LEVELS

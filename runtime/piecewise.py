@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode
-from attn_backends.plan import LayoutPlan
+from attn_backends.step import LayoutPlan
 
 from .graphs import make_graph
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden

@@ -1,7 +1,7 @@
 """What every graph runner shares: buckets (captured largest first into one memory pool),
 ``can_run`` guards, replay counting and output slicing (clones: a replay never aliases an
 earlier result). The static inputs and their padding belong to the step plan
-(:class:`attn_backends.plan.LayoutPlan`): a runner writes only the real rows of a batch and
+(:class:`attn_backends.step.LayoutPlan`): a runner writes only the real rows of a batch and
 updates the plan once per replay."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch
-from attn_backends.plan import step_plan
+from attn_backends.step import step_plan
 
 from .graphs import make_graph
 

@@ -11,8 +11,14 @@ not change what our tests see: tests run the suites on :func:`registry.builtin_n
 test that needs the registry to hold only our built-ins takes the ``builtin_registry`` fixture.
 """
 import os
+import sys
+from pathlib import Path
 
 import torch  # does not import triton
+
+# the shared references and plants (support/), and the groups' modules, which import helpers of each other
+for _group in ("support", "core", "backends", "check", "kernels", "runtime", "bench"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / _group))
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, select_rows
+from attn_backends.check.scenarios import dims_for, make_memory, random_tree_mask
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
-from attn_backends.plan import step_plan
 from attn_backends.registry import get_backend, get_backend_class
-from attn_backends.testing.scenarios import dims_for, make_memory, random_tree_mask
+from attn_backends.step import step_plan
 
 from ..breakable import BreakableGraphRunner
 from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner

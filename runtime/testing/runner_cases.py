@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 
 from attn_backends import CaptureHiddenMode as H
+from attn_backends.check.scenarios import PAGE_ORDERS
 from attn_backends.kinds import BATCH_KINDS
-from attn_backends.testing.scenarios import PAGE_ORDERS
 
 from .rig import RUNNER_KINDS, RigSpec
 

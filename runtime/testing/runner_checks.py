@@ -21,7 +21,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import get_backend
-from attn_backends.testing.numbers import batch_spans, mismatch
+from attn_backends.check.numbers import batch_spans, mismatch
 
 from ..attention_hook import splitting
 from ..executor import ModelExecutor
@@ -189,8 +189,8 @@ def executor_graph_messages(backend: str, device: str = "cpu") -> list:
     the backend's capabilities declare graph support for it; EXTEND always runs piecewise."""
     from attn_backends import ForwardMode as M
     from attn_backends import GraphSupport
+    from attn_backends.check.scenarios import dims_for
     from attn_backends.registry import get_backend_class
-    from attn_backends.testing.scenarios import dims_for
 
     from ..eagle import SpecConfig
     from ..engine import Engine, EngineConfig

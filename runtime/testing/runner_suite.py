@@ -1,4 +1,4 @@
-"""Runner-level invariants (I7-I12, I14; legend in attn_backends/testing/report.py) over random
+"""Runner-level invariants (I7-I12, I14; legend in attn_backends/check/report.py) over random
 cases, and the rig that builds a case: a tiny model, a KV memory with shuffled pages, per-layer backend instances, one
 runner of a given kind, and requests that can be assembled into batches at any bucket.
 
@@ -6,7 +6,7 @@ runner of a given kind, and requests that can be assembled into batches at any b
 page size and layout, hidden mode), at least one of each runner kind the backend declares
 whatever ``cases`` says (the count rule of :mod:`.runner_cases`), and records, per
 (backend, "runner:<kind>", invariant),
-passes and failures in a :class:`SuiteReport`, as ``attn_backends.testing.suite`` does:
+passes and failures in a :class:`SuiteReport`, as ``attn_backends.check.suite`` does:
 
 - I7  outputs cut to raw rows; real rows bit-identical when the pad rows' static inputs are
       poisoned differently just before the replay;
@@ -31,10 +31,10 @@ from typing import Callable, Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, SpecInfo
+from attn_backends.check.numbers import mismatch, spans_of
+from attn_backends.check.report import SuiteReport
+from attn_backends.check.scenarios import random_tree_mask
 from attn_backends.registry import get_backend_class, unavailable_reason
-from attn_backends.testing.numbers import mismatch, spans_of
-from attn_backends.testing.report import SuiteReport
-from attn_backends.testing.scenarios import random_tree_mask
 
 from ..runner_base import RunnerOutput, RunnerRefusal
 from .rig import I32, I64, KINDS, RUNNER_KINDS, Req, Rig, RigSpec, piecewise_eager  # noqa: F401 (re-exported)

@@ -1,6 +1,6 @@
 """Recorded launches (``kernels/launch_record.py``), with a stand-in kernel that logs its launches:
 what a replay substitutes, what it refuses and when a recording is unusable. The real kernels'
-replays are checked against the float64 reference in tests/test_triton_backends.py (CUDA)."""
+replays are checked against the float64 reference in tests/backends/test_triton_backends.py (CUDA)."""
 import gc
 import inspect
 
@@ -277,7 +277,7 @@ class _Rig:
 
         from attn_backends import ModelConfig, get_backend
         from attn_backends.backends.triton_backend import TritonBackend
-        from attn_backends.testing.scenarios import make_memory, materialize
+        from attn_backends.check.scenarios import make_memory, materialize
 
         self.k = k = _Scaled()
         monkeypatch.setenv("TRITON_INTERPRET", "1")     # CPU tensors: the backend serves them on a CUDA host too
@@ -305,7 +305,7 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     strides records anew; a plan built again starts a new book."""
     from dataclasses import replace
 
-    from attn_backends.plan import step_plan
+    from attn_backends.step import step_plan
 
     rig = _Rig(monkeypatch)
     be, m, qs = rig.be, rig.m, rig.qs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardMode, GraphKey, LayoutError, SpecInfo
+from attn_backends.check.scenarios import make_memory
 from attn_backends.layout import prep_layout
-from attn_backends.plan import LayoutPlan
-from attn_backends.testing.scenarios import make_memory
+from attn_backends.step import LayoutPlan
 from attn_backends_runtime.models import TinyConfig
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")
@@ -94,7 +94,7 @@ def test_fused_prep_equals_the_torch_prep(kind, page_size, device):
 
 
 def test_fused_prep_refuses_a_tree_mask():
-    from attn_backends.testing.scenarios import verify_spec
+    from attn_backends.check.scenarios import verify_spec
     tc = TinyConfig(page_size=16)
     mem = make_memory(tc.attention(), num_pages=64, max_reqs=8, max_context_len=128, seed=2)
     plan = LayoutPlan(mem, fill=1, max_bs=4, max_width=N, tokens=True)

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from attn_backends import cli, registry
+from attn_backends import registry
+from attn_backends.check import cli
 
 DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 LINE = re.compile(r"^\[(\d+)\] prompt \d+ tokens -> (\d+) tokens \((\w+)\): ([\d ]+)$", re.M)

@@ -22,8 +22,8 @@ from engine_reference import (
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import KVMemory, get_backend
+from attn_backends.check.scenarios import make_memory
 from attn_backends.registry import get_backend_class, unavailable_reason
-from attn_backends.testing.scenarios import make_memory
 from attn_backends_runtime.batches import extend_batch
 from attn_backends_runtime.draft_model import ACCEPTANCE_LEVELS, DraftModel
 from attn_backends_runtime.eagle import SpecConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_backends import cli
+from attn_backends.check import cli
 from attn_backends_runtime import generate as generate_mod
 from attn_backends_runtime import limits
 from attn_backends_runtime.eagle import MAX_STEPS
@@ -61,7 +61,7 @@ def test_console_script_eagle_equals_none(capsys):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     script = Path(sys.executable).parent / "attn-backends"
     cmd = [str(script)] if script.exists() else \
-        [sys.executable, "-c", "from attn_backends.cli import main; raise SystemExit(main())"]
+        [sys.executable, "-c", "from attn_backends.check.cli import main; raise SystemExit(main())"]
     runs = {}
     for spec in ("none", "eagle"):
         args = cmd + BASE + ["--spec", spec]

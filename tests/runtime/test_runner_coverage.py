@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from attn_backends import ForwardMode
-from attn_backends.cli import main
+from attn_backends.check.cli import main
 from attn_backends.registry import builtin_names, get_backend_class
 from attn_backends_runtime import piecewise
 from attn_backends_runtime.runner_base import GraphRunnerBase

@@ -1,0 +1,182 @@
+"""The split-KV count of the triton backends (``triton_common.choose_num_kv_splits``): about
+``per_sm`` programs per SM, a power of two (but a count below ``exact_below``: GQA decode), never
+more than the pages, at most 32 splits, and 64 for a batch of few programs with at most 4 query
+rows. Host logic: the SM count is patched and the CUDA device is only a ``torch.device`` object,
+so this runs without a GPU."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attn_backends.backends import triton_common as tc
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(tc, "sm_count", lambda index: 132)
+
+
+@pytest.mark.parametrize("programs,per_sm,width,max_pages,want", [
+    (8, 16, 1, 2048, 64),      # 8 programs, 16 per SM wanted, W 1: the 64 cap (32 before 0bf745b)
+    (32, 16, 1, 2048, 32),     # 32 programs keep the 32 cap (GQA decode bs 4: 64 measured 3-8 % slower)
+    (128, 16, 1, 2048, 16),    # 128 programs: per_sm x SMs / programs
+    (8, 8, 4, 2048, 64),       # 4 query rows still take the 64 cap
+    (8, 16, 8, 2048, 32),      # 8 rows (the tree) keep 32
+    (1, 2, 1, 512, 64),        # MLA16 decode bs 1
+    (4, 2, 1, 512, 64),        # MLA16 decode bs 4
+    (8, 2, 1, 512, 32),        # MLA16 decode bs 8: wants 33
+    (1, 2, 1, 40, 32),         # never more than the pages (a power of two below 40)
+    (1, 2, 1, 1, 1),
+])
+def test_split_count(h200, programs, per_sm, width, max_pages, want):
+    assert tc.choose_num_kv_splits(programs, CUDA0, max_pages, per_sm, width) == want
+
+
+def test_floor(h200):
+    """``floor`` raises a count the programs would take to 1, never past the pages or the cap, nor
+    past ``floor_per_sm`` programs an SM where that is given."""
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 8, 1) == 1
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 8, 1, floor=2) == 2
+    assert tc.choose_num_kv_splits(1024, CUDA0, 1, 8, 1, floor=2) == 1
+    assert tc.choose_num_kv_splits(8, CUDA0, 2048, 8, 1, floor=2) == 64
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 2   # 16 x 132 // 1024
+    assert tc.choose_num_kv_splits(512, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 4
+    assert tc.choose_num_kv_splits(4096, CUDA0, 2048, 2, 8, floor=4, floor_per_sm=16) == 1
+
+
+def test_exact_below(h200):
+    """Counts below ``exact_below`` are taken as they are; from it on, a power of two as before."""
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1) == 4                      # 6.19 -> 4
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1, exact_below=8) == 6
+    assert tc.choose_num_kv_splits(256, CUDA0, 2048, 6, 1, exact_below=8) == 3
+    assert tc.choose_num_kv_splits(32, CUDA0, 2048, 6, 1, exact_below=8) == 16       # 24.75: a power of two
+    assert tc.choose_num_kv_splits(64, CUDA0, 2048, 6, 1, exact_below=8) == 8        # 12.4
+    assert tc.choose_num_kv_splits(128, CUDA0, 5, 6, 1, exact_below=8) == 5          # never past the pages
+    assert tc.choose_num_kv_splits(1024, CUDA0, 2048, 6, 1, floor=2, exact_below=8) == 2
+
+
+def test_interpreter_takes_two_splits():
+    assert tc.choose_num_kv_splits(8, torch.device("cpu"), 2048, 16, 1) == 2
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("width,bs,want", [
+    (1, 1, 64), (1, 2, 32), (1, 4, 16), (1, 8, 8), (1, 16, 6), (1, 32, 3),   # decode: 6 per SM, exact
+    (1, 64, 2), (1, 128, 2),                                          # below 8 splits, >= 2 splits
+    (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
+    (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
+    (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM, as before
+])
+def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
+    """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8 (H200 probe of 2026-11-27:
+    fewer splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
+    keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
+    and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged;
+    H100 probe of 2026-11-28: decode 6 per SM, counts below 8 as they are: bs 8 8 splits, 16
+    six, 32 three)."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    be = get_backend("triton", cfg, mem)
+    monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
+    mode = {1: ForwardMode.DECODE, 64: ForwardMode.EXTEND}.get(width, ForwardMode.TARGET_VERIFY)
+    mask = MaskKind.TREE if width == 8 else MaskKind.CAUSAL
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=mask)
+    assert be._splits(lay) == want
+
+
+def test_split_pages(h200):
+    """``split_pages``: a split spans that many pages at least where the splits left give a
+    quarter of the SMs (33) a program; otherwise a page."""
+    assert tc.choose_num_kv_splits(4, CUDA0, 32, 1, 4) == 32                   # a page a split
+    assert tc.choose_num_kv_splits(4, CUDA0, 32, 1, 4, split_pages=2) == 16    # 4 x 16 programs
+    assert tc.choose_num_kv_splits(1, CUDA0, 32, 1, 4, split_pages=2) == 32    # 16 programs: too few
+    assert tc.choose_num_kv_splits(4, CUDA0, 128, 1, 4, split_pages=2) == 32   # below the pages anyway
+
+
+@pytest.mark.parametrize("heads,width,bs,max_context,want", [
+    (16, 4, 4, 2048, 16), (16, 4, 1, 2048, 32), (16, 4, 4, 8192, 32), (16, 4, 16, 2048, 8),
+    (16, 1, 4, 2048, 32),                         # decode: a page a split (64 tokens) as before
+    (128, 4, 1, 2048, 16), (128, 4, 4, 2048, 4),  # MLA128 verify4: 8 programs a request
+    (16, 1, 16, 8192, 16), (16, 1, 128, 8192, 2),  # Triton decode: two programs an SM
+    ("swap", 1, 16, 8192, 8), ("swap", 1, 64, 2048, 2), ("swap", 1, 128, 8192, 1),   # transposed: one
+    ("swap", 1, 1, 8192, 64), ("swap", 1, 4, 2048, 32),   # the cap and the pages, as on Triton
+    ("swap", 1, 80, 8192, 1), ("swap", 1, 140, 8192, 1), ("swap", 1, 3, 8192, 32),   # one an SM, uneven
+    ("swap32", 1, 64, 8192, 1), (32, 1, 64, 8192, 2),      # 32 heads: two 16-head programs a request
+])
+def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_context, want):
+    """The ``triton_mla`` backend's counts (``_splits``) at the sweep's MLA rows and others (page
+    64): verify takes two 64-token tiles a split where 33 programs or more remain (H200: MLA16
+    verify4 bs 4 kv 2048 22.2 -> 19.3 us), bs 1 keeps a tile a split; 16-head decode takes two
+    programs an SM on the Triton kernel, one on the transposed kernel ("swap": where
+    ``decodes_transposed``), also where that fills the SMs unevenly (bs 80: 80 programs, bs 140:
+    two waves, bs 3: 96; H200: faster than the Triton kernel at bs 80, 96 and 140)."""
+    swap = str(heads).startswith("swap")
+    heads = {"swap": 16, "swap32": 32}.get(heads, heads)
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True,
+                      kv_lora_rank=512, qk_rope_head_dim=64, page_size=64)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context)
+    be = get_backend("triton_mla", cfg, mem)
+    monkeypatch.setattr(be, "_decodes_transposed", lambda: swap)
+    monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
+    assert be._splits(lay) == want
+    on_swap = be._split_rule(width, lay)[0] == 1 and width == 1 and heads < 64
+    assert on_swap == (swap and width == 1), "the kernel the count is for"
+    if on_swap:   # a tree or draft mask on one row a request, or ragged rows, run on the Triton kernel
+        for other in ({"mask": MaskKind.TREE}, {"mask": MaskKind.DRAFT}, {"mode": ForwardMode.EXTEND, "width": 0}):
+            assert be._split_rule(1, SimpleNamespace(**(vars(lay) | other))) == (2, 1, None), other
+
+
+@pytest.mark.parametrize("heads,width,bs,max_context,want", [
+    (64, 4, 1, 2048, 32), (32, 4, 1, 2048, 32),   # 64 splits would be 32 tokens: a tile (64) each
+    (64, 4, 1, 8192, 64), (64, 4, 4, 2048, 16),   # at or below the tiles anyway
+    (64, 1, 1, 2048, 64), (32, 8, 1, 2048, 32),   # decode: a page a split; the tree's cap
+])
+def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width, bs, max_context, want):
+    """The ``triton`` backend (GQA x/8, page 16): verify and extend splits span a 64-token kernel
+    tile at least where 33 programs or more remain (H200: GQA 64/8 verify4 bs 1 kv 2048 64 splits
+    19.0 us -> 32 16.5, 32/8 16.8 -> 14.6)."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.check.scenarios import make_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
+    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context))
+    per_sm, floor, floor_per_sm = be._split_rule(width)
+    got = tc.choose_num_kv_splits(be._programs(bs, width), CUDA0, max_context // 16, per_sm, width, floor,
+                                  floor_per_sm, be._split_pages(width))
+    assert got == want
+
+
+def test_a_bare_cuda_device_is_the_current_one(monkeypatch):
+    """``torch.device("cuda")`` names the current device (``torch.cuda.set_device``, one GPU a rank),
+    not device 0: the SM count and the sm_90 check read that device's properties."""
+    from attn_backends_kernels import mla_wgmma
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    sms = {0: 16, 1: 132}
+    monkeypatch.setattr(tc, "sm_count", lambda index: sms[index])
+    cuda = torch.device("cuda")
+    assert tc.choose_num_kv_splits(128, cuda, 2048, 16, 1) == tc.choose_num_kv_splits(
+        128, torch.device("cuda", 1), 2048, 16, 1) == 16
+    assert tc.choose_num_kv_splits(128, CUDA0, 2048, 16, 1) == 2
+    capability = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(mla_wgmma, "_capability", lambda index: capability[index])
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert mla_wgmma.hopper_device(cuda) and mla_wgmma.hopper_device(torch.device("cuda", 1))
+    assert not mla_wgmma.hopper_device(CUDA0)
