@@ -80,9 +80,9 @@ def offline():
     import attn_backends_kernels.attention_core as core
     import attn_backends_kernels.decode_attention as decode
     import attn_backends_kernels.extend_attention as extend
-    import attn_backends_kernels.mla_attention as mla
-    import attn_backends_kernels.mla_warpspec as warpspec
-    import attn_backends_kernels.mla_wgmma as wgmma
+    import attn_backends_kernels.mla.attention as mla
+    import attn_backends_kernels.mla.warpspec as warpspec
+    import attn_backends_kernels.mla.wgmma as wgmma
     modules = (core, decode, extend, mla)
     launches: list = []
 
@@ -110,7 +110,7 @@ def mla_configs() -> dict:
     sizes."""
     import torch
 
-    from attn_backends_kernels.mla_attention import mla_attention_fwd
+    from attn_backends_kernels.mla.attention import mla_attention_fwd
 
     def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None, block_h=None):
         bs, kv = 2, 256

@@ -16,7 +16,7 @@ import triton
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
-from attn_backends_kernels.mla_attention import mla_attention_fwd
+from attn_backends_kernels.mla.attention import mla_attention_fwd
 
 NUM_SETS = 2
 # "cpu" (with TRITON_INTERPRET=1 and small shapes) only to smoke-test this file.

@@ -1,6 +1,6 @@
 """The shared core of the paged attention kernels: one online-softmax tile step, the split
 epilogue, the log-sum-exp merge of split-KV partials, the split workspace and the launcher
-checks. ``decode_attention``, ``extend_attention`` and ``mla_attention`` build on it.
+checks. ``decode_attention``, ``extend_attention`` and ``mla.attention`` build on it.
 """
 
 import functools
@@ -347,7 +347,7 @@ def decode_workspace(num_rows, num_heads, head_dim_v, num_kv_splits, device, num
     """Allocate the split-KV workspace once (e.g. at graph capture) for reuse:
     ``(part [rows, H, S, Dv] part_dtype, lse [rows, H, S] float32, counters [n] int32)``.
     ``part_dtype``: float32, or the output's 16-bit dtype where the wrapper takes that (the MLA
-    kernels: ``mla_warpspec.partial_dtype``).
+    kernels: ``mla.warpspec.partial_dtype``).
     The counters are the fused merge's tile counters: ``num_counters`` of them, by default as many
     as the tiles of a uniform batch of ``num_rows`` rows can have (rows x H); 0 leaves them out.
     They must be zeros before the first launch (every launch leaves them so; not checked, which

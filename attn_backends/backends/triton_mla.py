@@ -12,9 +12,9 @@ from typing import ClassVar
 import torch
 
 from attn_backends_kernels.kv_store import store_mla_kv
-from attn_backends_kernels.mla_attention import mla_attention_fwd, tile_shape
-from attn_backends_kernels.mla_swap import decodes_transposed
-from attn_backends_kernels.mla_warpspec import partial_dtype
+from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape
+from attn_backends_kernels.mla.swap import decodes_transposed
+from attn_backends_kernels.mla.warpspec import partial_dtype
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport
 from ..batch import ForwardMode
@@ -46,7 +46,7 @@ class TritonMLABackend(TritonBackendBase):
     def _split_rule(self, width: int, lay=None) -> tuple:
         """Verify: one program an SM. Decode with >= 64 heads: one 64-head program an SM. Decode
         of 16-head tiles: two programs an SM on the Triton kernel, one on the transposed kernel
-        (``mla_swap``, which the wrapper's default takes for uniform causal rows where
+        (``mla.swap``, which the wrapper's default takes for uniform causal rows where
         ``decodes_transposed``; a q whose strides it refuses runs on the Triton kernel at this
         count). The transposed kernel holds a whole SM's shared memory. H200, graph replay,
         MLA16 decode, us, the Triton kernel at two programs an SM -> the transposed one at one

@@ -166,7 +166,7 @@ def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width
 def test_a_bare_cuda_device_is_the_current_one(monkeypatch):
     """``torch.device("cuda")`` names the current device (``torch.cuda.set_device``, one GPU a rank),
     not device 0: the SM count and the sm_90 check read that device's properties."""
-    from attn_backends_kernels import mla_wgmma
+    from attn_backends_kernels.mla import wgmma as mla_wgmma
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     sms = {0: 16, 1: 132}

@@ -130,7 +130,7 @@ def test_graph_workspace_partials_dtype(backend, dtype, page_size, name, latent,
     page 16, float32, GQA), as the wrapper allocates its own; the lse always float32."""
     if backend not in AVAILABLE:
         pytest.skip(f"{backend} unavailable on {DEVICE}")
-    import attn_backends_kernels.mla_warpspec as warpspec
+    import attn_backends_kernels.mla.warpspec as warpspec
     monkeypatch.setattr(warpspec, "hopper_device", lambda device: True)
     mla = backend == "triton_mla"
     cfg = ModelConfig(num_layers=1, num_q_heads=16, num_kv_heads=1 if mla else 2, head_dim=16, is_mla=mla,

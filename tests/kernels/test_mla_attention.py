@@ -2,16 +2,16 @@ import pytest
 import torch
 from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
 
-from attn_backends_kernels import mla_wgmma
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
-from attn_backends_kernels.mla_attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd, tile_shape
-from attn_backends_kernels.mla_chunked import _mla_chunked_kernel
-from attn_backends_kernels.mla_dbuf import _mla_dbuf_kernel
-from attn_backends_kernels.mla_seesaw import _mla_seesaw_kernel
-from attn_backends_kernels.mla_swap import _mla_swap_kernel
-from attn_backends_kernels.mla_warpspec import partial_dtype
-from attn_backends_kernels.mla_wgmma import _mla_wgmma_kernel
+from attn_backends_kernels.mla import wgmma as mla_wgmma
+from attn_backends_kernels.mla.attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd, tile_shape
+from attn_backends_kernels.mla.chunked import _mla_chunked_kernel
+from attn_backends_kernels.mla.dbuf import _mla_dbuf_kernel
+from attn_backends_kernels.mla.seesaw import _mla_seesaw_kernel
+from attn_backends_kernels.mla.swap import _mla_swap_kernel
+from attn_backends_kernels.mla.warpspec import partial_dtype
+from attn_backends_kernels.mla.wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
 # The Gluon kernels' GPU cases (64-row tiles): heads, rows per request, mask, tuning knobs.
@@ -29,7 +29,7 @@ GLUON_CASES = [
 def run_mla(seq_lens, W, page_size, H, dtype, device, mask=CAUSAL, splits=1, pad_rows=1,
             seed=0, poison_unused=False, part_dtype=None, **tuning):
     """(out, float64 reference); with splits, a NaN-filled workspace whose partials are
-    ``part_dtype`` (None: the backend's, ``mla_warpspec.partial_dtype``)."""
+    ``part_dtype`` (None: the backend's, ``mla.warpspec.partial_dtype``)."""
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows,
                                                    pad_len=W, device=device, seed=seed)
@@ -116,7 +116,7 @@ def _own_workspace_launches(dtype, device, W, page_size, H=16):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_mla_own_workspace_partials_cpu(dtype):
     """Without a workspace the wrapper allocates float32 partials off sm_90 (where no
-    warp-specialized kernel runs: ``mla_warpspec.partial_dtype``), and the merge reads them."""
+    warp-specialized kernel runs: ``mla.warpspec.partial_dtype``), and the merge reads them."""
     launches = _own_workspace_launches(dtype, "cpu", 4, 16)
     assert [k for k, *_ in launches] == [_mla_split_kernel, merge_kernel()]
     assert launches[1][2][0].dtype == torch.float32 and launches[1][2][0].shape == (8, 16, 2, LATENT)
@@ -128,7 +128,7 @@ def test_mla_own_workspace_partials_cpu(dtype):
                                                 (1, 64, _mla_swap_kernel)])
 def test_mla_own_workspace_partials_gpu(W, page_size, expect):
     """On Hopper the wrapper's own partials are bfloat16 for the warp-specialized kernels (16-byte
-    stores) and float32 for the others, as ``mla_warpspec.partial_dtype`` tells the backend."""
+    stores) and float32 for the others, as ``mla.warpspec.partial_dtype`` tells the backend."""
     _need_hopper()
     launches = _own_workspace_launches(torch.bfloat16, "cuda", W, page_size)
     assert launches[0][0] is expect and launches[1][0] is merge_kernel()
@@ -317,7 +317,7 @@ def test_warp_specialized_kernel_choice(monkeypatch):
     knobs (its launch is its own); ``kernel=None`` takes the first of ``HOPPER_DEFAULTS`` that
     serves (of ``STREAMING_DEFAULTS`` for a streaming launch: one program a request's KV), and
     the wgmma kernel with the wgmma kernel's knobs."""
-    from attn_backends_kernels import mla_attention as mla
+    from attn_backends_kernels.mla import attention as mla
     monkeypatch.setattr(mla_wgmma, "on_hopper", lambda t: True)
     q, kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 1, 576, dtype=torch.bfloat16)
     verify4 = dict(width=4, mask="causal", block_w=4)

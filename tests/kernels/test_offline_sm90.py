@@ -81,7 +81,7 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
 def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_stack):
     """The warp-specialized kernels: 12 warps (two groups and the loader's), one program's
     shared memory, wgmma dots and cp.async copies, at most a few spilled values, and their
-    16-bit outputs (and split partials) stored 16 bytes a thread (``mla_warpspec.STORE_L256``: 32
+    16-bit outputs (and split partials) stored 16 bytes a thread (``mla.warpspec.STORE_L256``: 32
     such stores, 8 columns each, cover a thread's share of the 64 x 512 tile; the accumulator's
     own layout stored 4 bytes a thread, and 16-bit partials then lost to float32 ones)."""
     first, *rest = compiled[label]

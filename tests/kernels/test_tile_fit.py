@@ -9,7 +9,7 @@ from test_mla_attention import run_mla
 
 import attn_backends_kernels.attention_core as core
 import attn_backends_kernels.extend_attention as ea
-import attn_backends_kernels.mla_attention as mla
+import attn_backends_kernels.mla.attention as mla
 
 H200_SMEM = 232_448
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -4,7 +4,7 @@ schedule and fine-grained copy-GEMM pipelining of FlashMLA's deep dive (docs/202
 deepseek-ai/FlashMLA and its sm90 dense decode kernel), written anew for our interface, with
 cp.async by a loader warp group in place of TMA.
 
-Why: ``mla_seesaw``'s 32-token tiles run the scores at N = 32, where each wgmma reads twice
+Why: ``seesaw``'s 32-token tiles run the scores at N = 32, where each wgmma reads twice
 as many bytes of q from shared memory as of K; at N = 64 the scores read a third fewer
 shared-memory bytes per flop. q (72 KiB) and two 64-token tiles (144 KiB) fill one program's shared memory, so a stage
 is refilled part by part as each part is done with. A stage is nine 64-column chunks, each with
@@ -29,7 +29,7 @@ bytes of stack), and beside 217.5 KiB of shared memory the reloads mostly missed
 flushed) MLA128 decode bs 128 kv 8192 took 829 us, against 537 without the spills (seesaw 666);
 MLA16 verify4 bs 128 kv 8192 575 -> 315 (349); MLA128 verify4 bs 16 kv 8192 379 -> 262 (327).
 
-Same interface, masks and split outputs as ``mla_wgmma`` where pages hold whole 64-token tiles
+Same interface, masks and split outputs as ``wgmma`` where pages hold whole 64-token tiles
 (``chunked_refusal`` says why not elsewhere).
 """
 from triton.experimental import gluon
@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_warpspec import (
+from .warpspec import (
     BLOCK_M,
     GROUP_REGS,
     GROUP_WARPS,
@@ -58,7 +58,7 @@ from .mla_warpspec import (
     _softmax,
     warp_specialized_refusal,
 )
-from .mla_wgmma import _program
+from .wgmma import _program
 
 TILE_TOKENS = 64
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
@@ -358,6 +358,6 @@ def _mla_chunked_kernel(
 
 
 def chunked_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
-    """Why ``_mla_chunked_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    """Why ``_mla_chunked_kernel`` cannot serve a launch that ``wgmma`` serves (None where it
     can)."""
     return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps, num_stages)

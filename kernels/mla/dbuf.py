@@ -2,7 +2,7 @@
 KV tile at a time in each of 2 stages, for the memory-bound launches (few query rows per KV
 byte: MLA with 16 heads).
 
-Why: ``mla_chunked`` runs FlashMLA's seesaw, whose two groups each score their own tile, so both
+Why: ``chunked`` runs FlashMLA's seesaw, whose two groups each score their own tile, so both
 stages are read at once through a pass and a stage is refilled only as parts of it are freed:
 on an H200 (ncu, MLA16 verify4 bs 132 kv 8192) it moves the same 1.2557 GB as FlashInfer's
 Hopper MLA kernel at 71 % of the DRAM peak against that kernel's 78 %. Here both groups work on
@@ -22,7 +22,7 @@ in use.
 The left group carries the scores and the row sums; the right group's row sums are zero and
 its max unused at the end (``_row_sums``).
 
-Where it runs (``mla_attention._pick_kernel``): where one program reads each request's KV
+Where it runs (``attention._pick_kernel``): where one program reads each request's KV
 (MLA16 verify with W <= 4; decode with 64 heads, the same work a program, not measured). On an H200
 (MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
 30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1, kv 8192 33.1 ->
@@ -33,7 +33,7 @@ sooner); with one split it was no faster with 256 columns on each group (bs 128 
 Not measured where several programs share a request's KV (128 heads): those launches are
 compute-bound, and keep the chunked kernel, whose two groups both score.
 
-Same interface, masks and split outputs as ``mla_wgmma`` where pages hold whole 64-token tiles
+Same interface, masks and split outputs as ``wgmma`` where pages hold whole 64-token tiles
 (``dbuf_refusal`` says why not elsewhere).
 """
 from triton.experimental import gluon
@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_chunked import BLOCK_N, CHUNK, RING, ROW64, S64, TILE_TOKENS, _chunk_src
-from .mla_warpspec import (
+from .chunked import BLOCK_N, CHUNK, RING, ROW64, S64, TILE_TOKENS, _chunk_src
+from .warpspec import (
     BLOCK_M,
     GROUP_REGS,
     GROUP_WARPS,
@@ -64,7 +64,7 @@ from .mla_warpspec import (
     _store_out,
     warp_specialized_refusal,
 )
-from .mla_wgmma import _program
+from .wgmma import _program
 
 NUM_STAGES = gl.constexpr(2)   # tile t in stage t % 2 (tiles, chunks, barriers: the chunked kernel's)
 # The left group's output columns: it also computes the scores and the softmax, so the right
@@ -126,7 +126,7 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
 @gluon.jit
 def _tile_scores(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.constexpr):
     """q . K^T of the tile in ``stage``, each chunk's wgmma issued as soon as it has landed;
-    ``zero`` is a run-time 0 indexing q (``mla_chunked._score_part`` says why)."""
+    ``zero`` is a run-time 0 indexing q (``chunked._score_part`` says why)."""
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
     for c in gl.static_range(LATENT // CHUNK):
         mbarrier.wait(ready.index(RING * stage + c), ph)
@@ -257,6 +257,6 @@ def _mla_dbuf_kernel(
 
 
 def dbuf_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
-    """Why ``_mla_dbuf_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    """Why ``_mla_dbuf_kernel`` cannot serve a launch that ``wgmma`` serves (None where it
     can)."""
     return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps, num_stages)

@@ -11,7 +11,7 @@ alone, so the consumer frees a stage sooner and more of the ring is in flight.
   S^T, the softmax over the tile's tokens (a column max and sum across its four warps), stores
   P^T (as P, heads by tokens) and runs O^T += V^T . P^T from shared memory, the tile transposed
   as the A operand; the stage is freed after it.
-- The loader is ``mla_dbuf``'s: q, then tile t into stage t % 2 by masked cp.async (tokens past
+- The loader is ``dbuf``'s: q, then tile t into stage t % 2 by masked cp.async (tokens past
   the split's end zero-filled: NaN in unused slots stays out), page indices a tile ahead.
 
 Decode only (one query row a request, causal), 16-head blocks (``BLOCK_H`` 16, heads past H
@@ -37,10 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_chunked import BLOCK_N, CHUNK, RING
-from .mla_dbuf import NUM_STAGES, _loader
-from .mla_warpspec import BLOCK_M, LOADER_REGS, LOADER_WARPS
-from .mla_wgmma import _program, hopper_device
+from .chunked import BLOCK_N, CHUNK, RING
+from .dbuf import NUM_STAGES, _loader
+from .warpspec import BLOCK_M, LOADER_REGS, LOADER_WARPS
+from .wgmma import _program, hopper_device
 
 HEADS = gl.constexpr(16)   # wgmma N: the heads of a program
 # S^T [64 tokens, 16 heads] and O^T [512, 16] on wgmma (4 warps, 16 rows of M each)
@@ -53,7 +53,7 @@ TOK = gl.constexpr(gl.SliceLayout(1, ST.value))   # a value a token (or latent c
 @gluon.jit
 def _scores_t(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.constexpr):
     """S^T = K . q^T of the tile in ``stage`` (q's first 16 rows), each chunk's wgmma issued as
-    soon as it has landed; ``zero`` is a run-time 0 indexing q (``mla_chunked._score_part``)."""
+    soon as it has landed; ``zero`` is a run-time 0 indexing q (``chunked._score_part``)."""
     s = gl.zeros([BLOCK_N, HEADS], gl.float32, layout=ST)
     q16 = q_lat.index(zero).slice(0, HEADS, dim=0)
     for c in gl.static_range(LATENT // CHUNK):
@@ -165,7 +165,7 @@ def _mla_swap_kernel(
 
 def swap_refusal(page_size: int, block_w: int, block_h: int, W: int, mask: str, block_n=None,
                  num_warps=None, num_stages=None):
-    """Why ``_mla_swap_kernel`` cannot serve a launch whose inputs ``mla_wgmma`` would take
+    """Why ``_mla_swap_kernel`` cannot serve a launch whose inputs ``wgmma`` would take
     (16-bit, 512 + 64, aligned, sm_90, uniform rows; None where it can)."""
     if W != 1 or mask != "causal":
         return f"runs decode only (one query row a request, causal; got W={W}, mask={mask!r})"

@@ -3,7 +3,7 @@ q resident in shared memory, 64-token latent tiles double-buffered by cp.async, 
 split between the two warp groups by KV token and the 512-wide output split between them by
 column, both on wgmma.
 
-The Triton kernel of ``mla_attention`` leaves the layouts to the compiler, which gives a
+The Triton kernel of ``attention`` leaves the layouts to the compiler, which gives a
 64-row tile of 8 warps the flash-attention layout ``[8, 1]`` for the scores (they feed a
 second dot): both warp groups then compute the whole 64 x 64 score tile, half the tensor work
 of a tile wasted. Here the scores take ``[4, 2]`` (each warp group 32 of the 64 tokens, the
@@ -15,7 +15,7 @@ shared memory, one per SM): 12 -> 6 barriers a tile, with the pipelining, took M
 bs 128 kv 8192 from 401.5 to 375.5 us on an H200. Same interface, masks and split-KV
 outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
 ``mla_attention_fwd`` picks it where ``wgmma_refusal`` finds nothing against it and the
-warp-specialized kernels (``mla_chunked``, ``mla_dbuf``, ``mla_seesaw``: the defaults on sm_90) do not
+warp-specialized kernels (``chunked``, ``dbuf``, ``seesaw``: the defaults on sm_90) do not
 serve.
 """
 
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .attention_core import cuda_index
+from ..attention_core import cuda_index
 
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
 BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group

@@ -16,9 +16,9 @@ graph safe. Verify masks: causal, tree (``custom_mask [bs*W*W]``) or draft, as i
 
 This module's kernel is plain Triton and runs everywhere (the CPU interpreter included). On an sm_90 GPU,
 16-bit 64-row tiles go to a Gluon kernel instead (same arguments, masks and split outputs): a warp-specialized
-kernel, ``mla_chunked``'s where pages hold whole 64-token tiles (``mla_dbuf``'s there when one program reads
-each request's KV), ``mla_seesaw``'s where they hold whole 32-token tiles, ``mla_wgmma``'s elsewhere; and
-decode tiles of 16 heads go to ``mla_swap``'s (scores and output transposed) where pages hold whole 64-token
+kernel, ``chunked``'s where pages hold whole 64-token tiles (``dbuf``'s there when one program reads
+each request's KV), ``seesaw``'s where they hold whole 32-token tiles, ``wgmma``'s elsewhere; and
+decode tiles of 16 heads go to ``swap``'s (scores and output transposed) where pages hold whole 64-token
 tiles. Triton gives this kernel's 64-row tile a score layout in which both warp groups compute the whole score
 tile.
 """
@@ -27,16 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
-from .extend_attention import MASK_KINDS, visible_mask
-from .launch_record import launch
-from .mla_chunked import _mla_chunked_kernel, chunked_refusal
-from .mla_dbuf import _mla_dbuf_kernel, dbuf_refusal
-from .mla_seesaw import _mla_seesaw_kernel, seesaw_refusal
-from .mla_swap import HEADS as SWAP_ROWS
-from .mla_swap import _mla_swap_kernel, swap_refusal
-from .mla_warpspec import DEFAULT_WARPS, MAXNREG, partial_dtype
-from .mla_wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
+from ..attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
+from ..extend_attention import MASK_KINDS, visible_mask
+from ..launch_record import launch
+from .chunked import _mla_chunked_kernel, chunked_refusal
+from .dbuf import _mla_dbuf_kernel, dbuf_refusal
+from .seesaw import _mla_seesaw_kernel, seesaw_refusal
+from .swap import HEADS as SWAP_ROWS
+from .swap import _mla_swap_kernel, swap_refusal
+from .warpspec import DEFAULT_WARPS, MAXNREG, partial_dtype
+from .wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf", "swap")
 SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches
@@ -208,17 +208,17 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         ``cu[i]:cu[i+1]``; ``max_q_len`` (host int) bounds them and sizes the grid
     workspace : ``decode_workspace(bs*W, H, 512, num_kv_splits)`` when num_kv_splits > 1, its
         partials float32 or q's dtype; allocated here when None, its partials'
-        ``mla_warpspec.partial_dtype``
+        ``warpspec.partial_dtype``
     block_w, block_h, block_n, num_warps, num_stages : tuning knobs
         (query rows, heads and KV tokens per tile); None picks the swept defaults
     kernel : None: a Gluon kernel where one serves (sm_90, 16-bit, 64-row tiles, uniform rows,
         16-byte aligned rows; by default verify W >= 3 at 16 heads, decode at >= 64 heads;
         or 16-row decode tiles),
-        where no block_n / num_warps / num_stages is given ``mla_chunked``'s where pages hold
-        whole 64-token tiles (``mla_dbuf``'s when one program reads each request's KV),
-        else ``mla_seesaw``'s where they hold whole 32-token tiles, else
-        ``mla_wgmma``'s; decode tiles of 16 heads on ``mla_swap``'s where pages hold whole
-        64-token tiles (``mla_swap.decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
+        where no block_n / num_warps / num_stages is given ``chunked``'s where pages hold
+        whole 64-token tiles (``dbuf``'s when one program reads each request's KV),
+        else ``seesaw``'s where they hold whole 32-token tiles, else
+        ``wgmma``'s; decode tiles of 16 heads on ``swap``'s where pages hold whole
+        64-token tiles (``swap.decodes_transposed``); the Triton kernel elsewhere. "triton", "wgmma",
         "seesaw", "chunked", "dbuf" or "swap" asks for one (ValueError, with the reason, where
         it cannot serve)
     """
@@ -270,11 +270,11 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
     request's KV (MLA16 verify with W <= 4, or decode with 64 heads: the same work a program);
-    ``STREAMING_DEFAULTS`` order the kernels there, ``mla_dbuf`` in ``mla_chunked``'s place.
+    ``STREAMING_DEFAULTS`` order the kernels there, ``dbuf`` in ``chunked``'s place.
     H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192 (bs 64
     kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128) 1-2 % faster since
-    its left group takes 128 output columns (``mla_dbuf``'s docstring has the figures). 16-row
-    tiles (decode of 16 heads; ``width`` and ``mask`` say decode) take ``mla_swap`` where it
+    its left group takes 128 output columns (``dbuf``'s docstring has the figures). 16-row
+    tiles (decode of 16 heads; ``width`` and ``mask`` say decode) take ``swap`` where it
     serves."""
     if kernel == "triton":
         return "triton"

@@ -25,13 +25,13 @@ Why 32-token tiles in 4 stages: q (72 KiB) and the stages share one program's 22
 after the pass, and the loads do not overlap the products (H200, graph-free launch, MLA128
 decode bs 128 kv 8192: 1795 us; loads alone 493, products alone 628). With 32-token tiles the
 loader fills the next pass's two stages during this one: 712 us there (the lock-step
-``mla_wgmma`` 765), MLA16 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359
+``wgmma`` 765), MLA16 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359
 (432). The cost: each group's scores run at N = 32, q read from shared memory per 32 tokens (as
-in ``mla_wgmma``). ``mla_chunked`` keeps 64-token tiles and refills each stage part by part, and
-is faster (it and ``mla_dbuf`` are the defaults where pages hold whole 64-token tiles); this kernel serves pages
+in ``wgmma``). ``chunked`` keeps 64-token tiles and refills each stage part by part, and
+is faster (it and ``dbuf`` are the defaults where pages hold whole 64-token tiles); this kernel serves pages
 of an odd multiple of 32 tokens.
 
-Serves what ``mla_wgmma`` serves where pages hold whole 32-token tiles, with the same arguments,
+Serves what ``wgmma`` serves where pages hold whole 32-token tiles, with the same arguments,
 masks and split outputs (``seesaw_refusal`` says why not elsewhere).
 """
 
@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mla_warpspec import (
+from .warpspec import (
     BLOCK_M,
     GROUP_REGS,
     GROUP_WARPS,
@@ -62,7 +62,7 @@ from .mla_warpspec import (
     _softmax,
     warp_specialized_refusal,
 )
-from .mla_wgmma import _program
+from .wgmma import _program
 
 TILE_TOKENS = 32
 BLOCK_N = gl.constexpr(TILE_TOKENS)   # KV tokens of a tile
@@ -308,7 +308,7 @@ def _mla_seesaw_kernel(
 
 
 def seesaw_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):
-    """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``mla_wgmma`` serves (None where it
+    """Why ``_mla_seesaw_kernel`` cannot serve a launch that ``wgmma`` serves (None where it
     can)."""
     return warp_specialized_refusal(TILE_TOKENS, NUM_STAGES.value, page_size, block_n, num_warps,
                                     num_stages)

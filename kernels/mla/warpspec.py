@@ -1,10 +1,10 @@
-"""What the warp-specialized Gluon MLA kernels share (``mla_seesaw``: 32-token tiles in 4
-stages; ``mla_chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks;
-``mla_dbuf``: 64-token tiles double-buffered, both groups on one tile): the
+"""What the warp-specialized Gluon MLA kernels share (``seesaw``: 32-token tiles in 4
+stages; ``chunked``: 64-token tiles in 2 stages, loaded and freed in 64-column chunks;
+``dbuf``: 64-token tiles double-buffered, both groups on one tile): the
 partitions and their registers, a warp group's output columns, the q copy of the loader, the
 softmax step against the running max, and the end (row sums of both groups added, normalized,
 stored). One program: a 64-row tile (query rows x heads); a left warp group (the default
-partition) owning output columns 0..255, a right one owning 256..511 (``mla_dbuf``: 0..127 and
+partition) owning output columns 0..255, a right one owning 256..511 (``dbuf``: 0..127 and
 128..511), a loader warp group.
 """
 
@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .mla_wgmma import _program, _rows_of, _tile_rows, _visible, hopper_device
+from .wgmma import _program, _rows_of, _tile_rows, _visible, hopper_device
 
 BLOCK_M = gl.constexpr(64)      # tile rows (queries x heads): one wgmma M per warp group
 HALF = gl.constexpr(256)        # output columns of one warp group (by default)
@@ -204,7 +204,7 @@ def _store_rows(out, ptrs, split, wb, hb, row0, COL0: gl.constexpr, NUM_HEADS: g
 def warp_specialized_refusal(tile_tokens: int, stages: int, page_size: int, block_n=None,
                              num_warps=None, num_stages=None):
     """Why a warp-specialized kernel on ``tile_tokens``-token tiles in ``stages`` stages cannot
-    serve a launch that ``mla_wgmma`` serves (None where it can): its loader reads each tile's
+    serve a launch that ``wgmma`` serves (None where it can): its loader reads each tile's
     tokens from one page, and its launch is its own."""
     if page_size % tile_tokens:
         return f"needs pages of a multiple of {tile_tokens} tokens (page_size={page_size})"
