@@ -2,18 +2,22 @@
 without CUDA): one item per (workload, bs 1/16/128, kv 8192). pytest-benchmark times our
 eager call (with a synchronize); ``extra_info`` holds the sweep's measurements of ours and of
 every FlashInfer configuration (graph / eager / host, check). Records go to env
-``BENCH_SWEEP_RESULTS`` when set. The main entry is ``python bench/sweep.py --out DIR``
+``BENCH_SWEEP_RESULTS`` when set. The main entry is ``python bench/sweep/sweep.py --out DIR``
 (parallel JIT prewarm, the table and the plot); this form compiles inline.
 """
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from sweep import Ctx, calibrate, environment, import_flashinfer, measure_row, parse_args
-from sweep_flashinfer import new_workspace
-from sweep_ours import Ours
-from sweep_rows import build_group, build_row, matrix
-from sweep_timing import Clock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sweep"))   # the sweep's modules, bench/sweep/
+from sweep import Ctx, calibrate, environment, import_flashinfer, measure_row, parse_args  # noqa: E402
+from sweep_flashinfer import new_workspace  # noqa: E402
+from sweep_ours import Ours  # noqa: E402
+from sweep_rows import build_group, build_row, matrix  # noqa: E402
+from sweep_timing import Clock  # noqa: E402
 
 QUICK = [(wl.name, wl, bs, kv) for _, bs, kv, wls in matrix(quick=True) for wl in wls]
 

@@ -4,7 +4,7 @@
 #   STAGES   which stages to run (default "tests check bench eagle"); also "sanitize" (compute-sanitizer
 #            memcheck and initcheck over the GPU tests of the kernels and the backends' graph path:
 #            SANITIZE_TESTS, SANITIZE_K), "soak" (10,000 runner replays vs eager, SOAK_REPLAYS), "tune" (the launch-config sweep, ~200 s) and
-#            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep.py; writes
+#            "sweep" (issue #10: ours vs every FlashInfer configuration, bench/sweep/sweep.py; writes
 #            $OUT/sweep.jsonl, $OUT/SWEEP.md, $OUT/prewarm/*.log; SWEEP_ARGS e.g. "--quick");
 #            "eagle" is the EAGLE vs plain decode tokens/s table (bench/bench_eagle.py, ~5 min);
 #            "fi" is issue #8, in three parts that also run alone (each fits a 10-minute call):
@@ -93,8 +93,8 @@ if [[ $stages == *" tune "* ]]; then
       | grep -E "BEST|device|failed|took|Error"
 fi
 if [[ $stages == *" sweep "* ]]; then
-  echo "== sweep: ours vs FlashInfer's configurations (bench/sweep.py ${SWEEP_ARGS:-})"
-  timeout "${SWEEP_TIMEOUT:-560}" python bench/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
+  echo "== sweep: ours vs FlashInfer's configurations (bench/sweep/sweep.py ${SWEEP_ARGS:-})"
+  timeout "${SWEEP_TIMEOUT:-560}" python bench/sweep/sweep.py --out "$out" ${SWEEP_ARGS:-} 2>&1 \
       | tee "$out/sweep.log" | grep -vE "^(gqa|mla)" | tail -25 || status=1
   sed -n '/^## Targets/,/^## Mismatches/p' "$out/SWEEP.md" 2>/dev/null | head -60
 fi

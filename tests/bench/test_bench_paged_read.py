@@ -1,4 +1,4 @@
-"""bench/paged_read.py on the CPU: its paged read sums every K and V value of a request's split
+"""bench/probes/paged_read.py on the CPU: its paged read sums every K and V value of a request's split
 once (against torch's gather on ragged lengths and shuffled pages, in both grid orders), its splits
 hold the tokens the decode kernel's do (the decode's log2-sum-exp of zero scores counts them), and
 the tool runs end to end on smoke rows."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
+BENCH = ROOT / "bench" / "probes"
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 from kernel_refs import make_paged_batch  # noqa: E402
 

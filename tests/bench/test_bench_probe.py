@@ -1,4 +1,4 @@
-"""bench/probe_launch.py on the CPU: the injector hands its keywords to the backends' kernel
+"""bench/probes/probe_launch.py on the CPU: the injector hands its keywords to the backends' kernel
 wrappers and overrides their split count only while active, and the probe runs end to end on a
 smoke row (the interpreter), each variant's output checked against the backend's own."""
 import os
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
+BENCH = ROOT / "bench" / "probes"
 
 
 def test_injector_reaches_the_wrappers_and_restores_them(monkeypatch):

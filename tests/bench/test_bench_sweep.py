@@ -1,4 +1,4 @@
-"""The issue #10 sweep (bench/sweep.py) on the CPU: its smoke path end to end (our kernels in
+"""The issue #10 sweep (bench/sweep/sweep.py) on the CPU: its smoke path end to end (our kernels in
 the interpreter, every FlashInfer configuration's arguments checked by emulation, the
 report built from the JSON), and, where ``import flashinfer`` works (it imports without a
 GPU), every FlashInfer call the sweep makes bound to the installed wheel's signatures."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
+BENCH = ROOT / "bench" / "sweep"
 
 
 def test_smoke_sweep_and_report(tmp_path):

@@ -9,20 +9,24 @@ torch.profiler summary of a few steps: kernels launched, their summed GPU time, 
 the CUDA ops with the most GPU time. A step whose GPU time is close to its wall time is GPU
 bound; one whose host time is, host bound.
 
-    python bench/profile_eagle.py [gqa|mla] [--bs N] [--cpu]
+    python bench/probes/profile_eagle.py [gqa|mla] [--bs N] [--cpu]
 """
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import torch
-from bench_eagle import engine_config, generate_once
 
-from attn_backends_runtime.eagle import EagleWorker
-from attn_backends_runtime.engine import Engine
-from attn_backends_runtime.models import TinyConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench_eagle, in bench/
+from bench_eagle import engine_config, generate_once  # noqa: E402
+
+from attn_backends_runtime.eagle import EagleWorker  # noqa: E402
+from attn_backends_runtime.engine import Engine  # noqa: E402
+from attn_backends_runtime.models import TinyConfig  # noqa: E402
 
 PHASES = {"eagle": ("_draft_tree", "_verify", "_draft_extend"), "plain": ()}
 

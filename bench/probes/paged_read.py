@@ -3,7 +3,7 @@ near ours reads to what a read-only kernel of the same walk reaches on the card 
 "limit that holds" a memory-bound row). A reference, not a bound: a different kernel over the
 same pages, which can be slower than ours.
 
-    python bench/paged_read.py --points 128x8192,64x32768,4x32768 [--workloads gqa32_decode,gqa64_decode]
+    python bench/probes/paged_read.py --points 128x8192,64x32768,4x32768 [--workloads gqa32_decode,gqa64_decode]
 
 Three figures, one process, one card:
 
@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sweep"))   # the sweep's modules, bench/sweep/
 if os.environ.get("BENCH_DEVICE") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
 

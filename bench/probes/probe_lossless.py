@@ -1,6 +1,6 @@
 """What "lossless" holds on the GPU (issue #38 item 5): EAGLE tokens against plain decode's, and plain
 decode at bs 1 against bs 8 (request 0's prompt is the same at both: prompts are drawn in order from
-the seed), on the bench-size models in bfloat16 and float32. Usage: ``python bench/probe_lossless.py``
+the seed), on the bench-size models in bfloat16 and float32. Usage: ``python bench/probes/probe_lossless.py``
 (CUDA; about a minute on an H200)."""
 import io
 import re

@@ -2,12 +2,12 @@
 
 Usage (repository root)::
 
-    python bench/sweep.py [--out DIR] [--quick] [--only gqa|mla] [--budget-s S]
+    python bench/sweep/sweep.py [--out DIR] [--quick] [--only gqa|mla] [--budget-s S]
     STAGES="sweep" bash bench/run_gpu.sh DIR            # the same, from the GPU script
-    BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep.py --smoke --out DIR
-    python bench/sweep_report.py DIR/sweep.jsonl        # bench/SWEEP.md + bench/sweep.png
+    BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep/sweep.py --smoke --out DIR
+    python bench/sweep/sweep_report.py DIR/sweep.jsonl  # bench/sweep/SWEEP.md + bench/sweep/sweep.png
 
-``--out`` defaults to bench/ (``--smoke``: /tmp/attn-sweep-smoke). On a GPU machine without
+``--out`` defaults to bench/sweep/ (``--smoke``: /tmp/attn-sweep-smoke). On a GPU machine without
 matplotlib (the lent ones) run with ``--out $OUT`` and redraw the table and plot with ``sweep_report.py``.
 
 Matrix (``sweep_rows``): GQA 32/8 and 64/8 heads (d 128, page 16) decode, verify N=4 (chain) and N=8
@@ -95,7 +95,7 @@ class Ctx:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for sweep.jsonl, SWEEP.md, sweep.png and prewarm/ logs "
-                                 "(default: bench/; --smoke: /tmp/attn-sweep-smoke)")
+                                 "(default: bench/sweep/; --smoke: /tmp/attn-sweep-smoke)")
     p.add_argument("--quick", action="store_true", help="bs 1, 16, 128 x kv 8192 only")
     p.add_argument("--only", choices=("gqa", "mla"), help="one family only")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny shapes, ours only)")

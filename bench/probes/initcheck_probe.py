@@ -4,15 +4,17 @@ in debug mode, then prints each graph's memcpy nodes (from its DOT dump) beside 
 ranges of the tensors the case knows by name. Run under ``compute-sanitizer --tool initcheck``
 and match the addresses it reports.
 
-    compute-sanitizer --tool initcheck python bench/initcheck_probe.py [backend:mode:ps ...]
+    compute-sanitizer --tool initcheck python bench/probes/initcheck_probe.py [backend:mode:ps ...]
 """
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests")
+TESTS = Path(__file__).resolve().parents[2] / "tests"
+sys.path[:0] = [str(TESTS / "backends"), str(TESTS / "support")]   # test_cuda_graphs and its reference
 GRAPHS = []
 _Base = torch.cuda.CUDAGraph
 

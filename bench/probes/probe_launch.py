@@ -1,7 +1,7 @@
 """Launch-parameter probe (issue #10): our Triton backends on the sweep's rows with keywords of the
 kernel wrappers and split counts injected, beside FlashInfer's configurations, in one process.
 
-    python bench/probe_launch.py gqa64_verify4 --points 16x8192,4x32768 \\
+    python bench/probes/probe_launch.py gqa64_verify4 --points 16x8192,4x32768 \\
         --variant num_warps=2,block_n=64,num_stages=3 --variant num_warps=4 --splits x0.5 x2 16
 
 Variant 0 is the backend as it stands (no keyword, its own split count). Each ``--variant`` is a
@@ -30,7 +30,9 @@ import argparse
 import contextlib
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sweep"))   # the sweep's modules, bench/sweep/
 if os.environ.get("BENCH_DEVICE") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
 

@@ -1,6 +1,6 @@
 """The sweep's table (SWEEP.md) and plot (sweep.png) from its JSON lines.
 
-Usage: ``python bench/sweep_report.py DIR/sweep.jsonl [--out-dir bench]`` (the table needs
+Usage: ``python bench/sweep/sweep_report.py DIR/sweep.jsonl [--out-dir bench/sweep]`` (the table needs
 nothing but the standard library; the plot needs matplotlib, ``pip install -e '.[bench]'``,
 and is skipped, with a note, without it).
 
@@ -276,7 +276,7 @@ def write_all(path, out_dir) -> None:
         sweep_plot.plot(header, group(results), out_dir / "sweep.png")
         print(f"plot -> {out_dir / 'sweep.png'}")
     except ImportError as e:
-        print(f"no plot ({e}); pip install -e '.[bench]' and rerun bench/sweep_report.py")
+        print(f"no plot ({e}); pip install -e '.[bench]' and rerun bench/sweep/sweep_report.py")
     except Exception as e:  # the table is written; a plot failure must not fail the sweep
         print(f"no plot: {type(e).__name__}: {e}")
 
