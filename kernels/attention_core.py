@@ -333,7 +333,7 @@ def merge_chunk(rows: int, block_dv: int, num_warps: int) -> int:
     a thread (sm_90 registers with the merge, whole rows at once: GQA 32/8 verify tile 103 ->
     108-119, decode 64 -> 64-72; a GQA 64/8 verify tile 99 -> 142 on 4 warps, 186 -> 255 on 2),
     and at least 16. The GQA 64/8 tree tile (64 rows, 4 warps) takes 32 columns: 220 registers
-    fused, 208 separate (``bench/offline_sm90.py``)."""
+    fused, 208 separate (``bench/probes/offline_sm90.py``)."""
     return min(block_dv, max(16, merge_values(num_warps) // rows))
 
 

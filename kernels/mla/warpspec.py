@@ -36,7 +36,7 @@ def _store_layout(cols: int) -> gl.DistributedLinearLayout:
     where the accumulator's hold 2 (4 bytes: a half sector a row of a warp's store). From the
     accumulator it moves values between the 4 lanes of a quad only; Triton 3.6 still converts
     through shared memory, 3,840 bytes more a program (sm_90: dbuf 222,656 -> 226,496 of 232,448;
-    ``bench/offline_sm90.py``)."""
+    ``bench/probes/offline_sm90.py``)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, c] for c in (32, 64, 128, 256) if c < cols],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],

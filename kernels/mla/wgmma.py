@@ -295,7 +295,7 @@ def wgmma_refusal(q, kv_buffer, latent, rope, rows, block_n, num_warps, num_stag
 
 
 def on_hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on an sm_90 NVIDIA GPU (``bench/offline_sm90.py`` stands in for one)."""
+    """Whether ``t`` lives on an sm_90 NVIDIA GPU (``bench/probes/offline_sm90.py`` stands in for one)."""
     return hopper_device(t.device)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "probes"
 sys.path.insert(0, str(BENCH))
 import offline_sm90  # noqa: E402
 

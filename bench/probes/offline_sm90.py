@@ -9,7 +9,7 @@ divisibility by 16, values of 1) and compiled for sm_90 instead of launched; the
 as if its tensors were on an sm_90 GPU (the MLA wrapper then picks a Gluon kernel for
 a 64-row tile). Nothing is computed: outputs are left as they were.
 
-``python bench/offline_sm90.py [--json]`` prints the table for the MLA launch configurations
+``python bench/probes/offline_sm90.py [--json]`` prints the table for the MLA launch configurations
 the backend uses at the sweep's shapes and for GQA wrappers whose split merge is fused, each
 also with the merge separate (a few seconds each, cached by Triton afterwards; not
 under ``TRITON_INTERPRET=1``, whose kernels are the interpreter's). A
