@@ -1,6 +1,6 @@
 """ForwardBatch builders of the engine: one per mode, from request rows and positions whose
 slots are already allocated in the :class:`KVMemory`. ``seq_lens`` counts the KV tokens after
-the forward (the README's layout contract); uniform modes give every request ``W`` rows."""
+the forward (the layout contract of ``attn_backends/layout.py``); uniform modes give every request ``W`` rows."""
 from __future__ import annotations
 
 from typing import Optional

@@ -7,7 +7,7 @@
 [--json FILE] [--progress-every SECONDS]``
     runs the layout suite (backend x mode x invariant), then every suite registered in the
     entry-point group ``attn_backends.suites`` (this distribution registers the runner suite of
-    ``runtime``: I7-I12, I14), prints a table per suite with a legend, the first failures per
+    ``runtime``: I7-I12, I14, I16), prints a table per suite with a legend, the first failures per
     invariant, each with the one command that replays its case alone; exit 1 on any failure.
     ``--jobs N`` runs the layout suite's cases in N processes (``cli_jobs``), with the same results.
 

@@ -2,9 +2,10 @@
 
 It shares nothing with the backends under test: no layout, no page table, no step plan. Each
 request's K/V is gathered through ``req_to_token`` and its mask is derived from the batch's
-definition (the README's layout contract: ``seq_lens`` includes this forward's tokens; causal, tree and draft-branch
-rules), so a wrong causal or tree mask in a kernel, or a mask offset taken from another request,
-shows as a difference even where replay and eager agree. Eager only; the output has q's dtype.
+definition (the layout contract of ``attn_backends/layout.py``: ``seq_lens`` includes this
+forward's tokens; causal, tree and draft-branch rules), so a wrong causal or tree mask in a kernel,
+or a mask offset taken from another request, shows as a difference even where replay and eager
+agree. Eager only; the output has q's dtype.
 """
 from __future__ import annotations
 

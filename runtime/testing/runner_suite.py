@@ -1,6 +1,7 @@
-"""Runner-level invariants (I7-I12, I14; legend in attn_backends/check/report.py) over random
-cases, and the rig that builds a case: a tiny model, a KV memory with shuffled pages, per-layer backend instances, one
-runner of a given kind, and requests that can be assembled into batches at any bucket.
+"""Runner-level invariants (I7-I12, I14, I16; legend in attn_backends/check/report.py) over random
+cases, each built on a :class:`~.rig.Rig` (a tiny model, a KV memory with shuffled pages, per-layer
+backend instances, one runner of a given kind, and requests that can be assembled into batches at
+any bucket).
 
 ``run_runner_suite(backend)`` draws ``cases`` random cases (runner kind, buckets, raw_bs,
 page size and layout, hidden mode), at least one of each runner kind the backend declares
