@@ -101,7 +101,8 @@ def build_tree(root: torch.Tensor, first_tokens: torch.Tensor, first_logp: torch
 
 
 def _tree(root, first_tokens, first_logp, branch_tokens, branch_logp, num_draft_tokens: int) -> DraftTree:
-    """The general case: top-k expansion and rerank (also right for topk 1, in 19 launches)."""
+    """The general case: top-k expansion and rerank (also right for topk 1, in many more launches
+    than :func:`_chain`)."""
     bs, k = first_tokens.shape
     toks, lps = first_tokens[:, None], first_logp[:, None].float()
     if branch_tokens is not None:

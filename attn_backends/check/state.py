@@ -1,5 +1,5 @@
 """Fingerprints of the mutable state of a backend, a step plan, a runner or a KV memory: what
-"a public call that raises leaves everything exactly as it was" is checked against (issue #11).
+"a public call that raises leaves everything exactly as it was" is checked against.
 
 A fingerprint is a plain dict of host values and tensor bytes; :func:`state_diff` names every
 entry that differs. Tensors are compared bit for bit (NaN equals NaN)."""

@@ -1,4 +1,4 @@
-"""Runner checks added by issue #11, beside those of :mod:`.runner_suite`:
+"""Runner checks beside those of :mod:`.runner_suite`:
 
 - I16 KV slots: after a step, every KV slot other than the raw rows' new slots and the reserved
   slot 0 is bitwise unchanged (a padding row pointed at a real slot corrupts another request's
@@ -122,7 +122,7 @@ class _TwinAttention:
 
 def attention_diagnosis(rig, reqs: list, hidden, tol: float) -> str:
     """Where the backend's eager attention first leaves the float64 reference on ``reqs``: the
-    layer, request, query row, head and element, both values (issue #38)."""
+    layer, request, query row, head and element, both values."""
     twin = _TwinAttention(rig, tol)
     with splitting(twin):
         rig.expected(reqs, hidden, float64=True)

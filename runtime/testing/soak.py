@@ -1,7 +1,7 @@
 """Soak: many replays of random batches across every bucket and mode of the graph runners, each
 compared with the eager forward of the same padded batch (bitwise on the GPU with the triton
 backends in bf16), with the allocated device memory of two runs of one probe batch compared,
-after warm-up and at the end (issue #11 deliverable 4).
+after warm-up and at the end.
 
 Runners: UniformGraphRunner (DECODE, TARGET_VERIFY chain and tree), DraftExtendRunner and
 MultiStepDraftRunner, on a GQA and an MLA tiny model each. Every replay draws raw_bs in 1..max
@@ -69,9 +69,9 @@ def _one(rig: Rig, pool: list, rng: random.Random, raw: int, tol: float, exact: 
 
 def soak_rig(kind: str, mla: bool, replays: int, device: str, seed: int) -> RigResult:
     # The counter is the whole process's: collect what earlier rigs left in reference cycles
-    # first (the first GPU soak saw one rig drop by 13 MB when the cyclic gc freed an earlier
-    # rig's graphs mid-run). Nothing is collected between the two probe measurements, so cycles
-    # made by the replays themselves still show as growth.
+    # first, or the cyclic gc freeing an earlier rig's graphs mid-run shows as this rig's drop.
+    # Nothing is collected between the two probe measurements, so cycles made by the replays
+    # themselves still show as growth.
     gc.collect()
     cuda = device == "cuda"
     spec = RigSpec(kind, "triton" if cuda else "torch_native", mla, BUCKETS, device=device,
