@@ -13,7 +13,7 @@ HOST_BOUNDS = {"max_seq_len_k"}   # graph mode may bake a static upper bound her
 
 
 def poison(buffers: dict) -> None:
-    """Fill static buffers with values no builder would write (I3/F: stale data must not survive)."""
+    """Fill static buffers with values no builder would write (I3: stale data must not survive a replay)."""
     for i, t in enumerate(buffers.values()):
         if t.dtype == torch.bool:
             t.fill_(True)

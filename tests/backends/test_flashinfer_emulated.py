@@ -168,7 +168,7 @@ def test_replay_after_poison_equals_eager_a_b_a(mla):
 
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa-tree", "mla-verify"])
 def test_planted_plan_made_at_capture_only_is_caught(mla, monkeypatch):
-    """C2 of BUGS.md: the plan not refreshed before replay."""
+    """A FlashInfer plan not refreshed before replay (made at capture only): the replays read a stale plan."""
     from attn_backends.backends import flashinfer_common
     real = flashinfer_common.FlashInferBase._refresh_extras
     seen = set()

@@ -53,7 +53,7 @@ def test_hybrid_suites_and_fan_out(cpu_hybrid):
 
 
 def test_planted_hybrid_that_skips_a_sub_backend_is_caught(cpu_hybrid, monkeypatch):
-    """BUGS.md C3: the delegate of the replayed mode not refreshed (the hybrid refreshes itself only).
+    """A skipped sub-backend: the delegate of the replayed mode not refreshed (the hybrid refreshes itself only).
     I12 counts the refreshes; where the replay re-runs the forward (the CPU's graph stand-in) the
     delegate's forward also refuses the metadata of another key. Both must report it."""
     monkeypatch.setattr(HybridBackend, "init_forward_metadata_replay_cuda_graph",

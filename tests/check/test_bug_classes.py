@@ -1,4 +1,4 @@
-"""The bug classes of 2026 (../shared/BUGS.md, last table; docs/bug-classes.md): each planted in
+"""The bug classes of 2026 (docs/bug-classes.md): each planted in
 a backend, a runner or the executor of ours (tests/support/planted_classes.py) is reported by the check
 that the class concerns, and the unmodified code passes the very same case.
 

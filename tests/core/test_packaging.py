@@ -1,6 +1,6 @@
 """The installed import names cannot collide with other distributions (issue #7 item 4): the
 folders kernels/ and runtime/ install as ``attn_backends_kernels`` and ``attn_backends_runtime``,
-and nothing imports the bare names. Plus the size budget of STYLE.md as a gate."""
+and nothing imports the bare names. Plus the size budget as a gate."""
 import ast
 import pathlib
 import subprocess
@@ -70,7 +70,7 @@ def _long_functions(path: pathlib.Path, limit: int) -> list:
 
 
 def test_size_budget():
-    """No module over 400 lines; no function over 60 lines outside the kernels (STYLE.md)."""
+    """The size budget: no module over 400 lines; no function over 60 lines outside the kernels."""
     big = [f"{p.relative_to(ROOT)} ({n} lines)" for p in SOURCES
            if (n := len(p.read_text().splitlines())) > 400]
     assert not big, f"modules over 400 lines: {big}"

@@ -1,6 +1,6 @@
 """The bench-size models generate on the GPU in every dtype each built-in backend declares
 (issue #38.4: float32 `--size bench` prefill on triton_mla failed to launch), graphs and EAGLE
-included; in float32 the speculative tokens equal plain decode's (the README's guarantee)."""
+included; in float32 the speculative tokens equal plain decode's (what `generate --help` promises)."""
 import re
 
 import pytest

@@ -1,4 +1,5 @@
-"""Copies of the reference backend, each with one known bug of BUGS.md planted.
+"""Copies of the reference backend, each with one known bug planted (its class and source thread
+in its docstring).
 
 The suite must report every one of them (tests/check/test_planted_bugs.py)."""
 from __future__ import annotations

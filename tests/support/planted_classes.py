@@ -1,4 +1,4 @@
-"""The bug classes of 2026 (../shared/BUGS.md, last table; docs/bug-classes.md maps all thirteen),
+"""The bug classes of 2026 (docs/bug-classes.md maps all thirteen),
 planted where tests/support/planted_bugs.py and tests/support/planted_mutants.py had none: backend copies of the
 reference (``attn-backends check --backend tests/support/planted_classes.py:<Class>``) and monkeypatches
 of our runners and executor (``plant(mp)``, as tests/support/planted_mutants.py does).
@@ -185,7 +185,7 @@ def draft_extend_graph_whitelist(mp):
 RUNNER_PLANTS = [dispatch_by_shape, capture_ladder_capped, draft_extend_graph_whitelist]
 
 # --------------------------------------------------------------------------- the thirteen classes, as data
-# (thread, BUGS.md entry, invariant that reports it, the plant, the test that holds it);
+# (thread, bug-list entry, invariant that reports it, the plant, the test that holds it);
 # docs/bug-classes.md is this table in words.
 CLASSES = [
     ("vLLM #48261", "A4, D4", "I9 (crash: metadata of another bucket)", "planted_classes.ForeignCaptureMetadata",
