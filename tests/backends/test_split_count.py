@@ -19,8 +19,8 @@ def h200(monkeypatch):
 
 
 @pytest.mark.parametrize("programs,per_sm,width,max_pages,want", [
-    (8, 16, 1, 2048, 64),      # 8 programs, 16 per SM wanted, W 1: the 64 cap (32 before 0bf745b)
-    (32, 16, 1, 2048, 32),     # 32 programs keep the 32 cap (GQA decode bs 4: 64 measured 3-8 % slower)
+    (8, 16, 1, 2048, 64),      # 8 programs, 16 per SM wanted, W 1: the 64 cap
+    (32, 16, 1, 2048, 32),     # 32 programs keep the 32 cap (64 is slower for GQA decode bs 4)
     (128, 16, 1, 2048, 16),    # 128 programs: per_sm x SMs / programs
     (8, 8, 4, 2048, 64),       # 4 query rows still take the 64 cap
     (8, 16, 8, 2048, 32),      # 8 rows (the tree) keep 32
@@ -47,7 +47,7 @@ def test_floor(h200):
 
 
 def test_exact_below(h200):
-    """Counts below ``exact_below`` are taken as they are; from it on, a power of two as before."""
+    """Counts below ``exact_below`` are taken as they are; from it on, a power of two."""
     assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1) == 4                      # 6.19 -> 4
     assert tc.choose_num_kv_splits(128, CUDA0, 2048, 6, 1, exact_below=8) == 6
     assert tc.choose_num_kv_splits(256, CUDA0, 2048, 6, 1, exact_below=8) == 3
@@ -67,15 +67,14 @@ def test_interpreter_takes_two_splits():
     (1, 64, 2), (1, 128, 2),                                          # below 8 splits, >= 2 splits
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
-    (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM, as before
+    (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM
 ])
 def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
-    """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8 (H200 probe of 2026-11-27:
-    fewer splits for decode at bs >= 16 and for chain verify at bs >= 4, the same at bs 1; decode
-    keeps 2 at bs 128, where 1 lost 23-43 % in the sweep; later probe: trees at bs 4
-    and 16 4x fewer, 32 at bs 1, 4 at bs 64 and 2 at bs 128 kept; wider extend batches unchanged;
-    H100 probe of 2026-11-28: decode 6 per SM, counts below 8 as they are: bs 8 8 splits, 16
-    six, 32 three)."""
+    """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8, per mode as the cases
+    say: decode 6 programs an SM with counts below 8 taken as they are and at least 2 splits (one
+    split is slower at bs 128), chain verify and the 8-row tree fewer splits as the batch grows,
+    extend 16 programs an SM. The counts follow the split-count probes (figures: bench/RESULTS.md,
+    'Kernels')."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.batch import ForwardMode
     from attn_backends.check.scenarios import make_memory
@@ -103,7 +102,7 @@ def test_split_pages(h200):
 
 @pytest.mark.parametrize("heads,width,bs,max_context,want", [
     (16, 4, 4, 2048, 16), (16, 4, 1, 2048, 32), (16, 4, 4, 8192, 32), (16, 4, 16, 2048, 8),
-    (16, 1, 4, 2048, 32),                         # decode: a page a split (64 tokens) as before
+    (16, 1, 4, 2048, 32),                         # decode: a page a split (64 tokens)
     (128, 4, 1, 2048, 16), (128, 4, 4, 2048, 4),  # MLA128 verify4: 8 programs a request
     (16, 1, 16, 8192, 16), (16, 1, 128, 8192, 2),  # Triton decode: two programs an SM
     ("swap", 1, 16, 8192, 8), ("swap", 1, 64, 2048, 2), ("swap", 1, 128, 8192, 1),   # transposed: one
@@ -113,11 +112,11 @@ def test_split_pages(h200):
 ])
 def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_context, want):
     """The ``triton_mla`` backend's counts (``_splits``) at the sweep's MLA rows and others (page
-    64): verify takes two 64-token tiles a split where 33 programs or more remain (H200: MLA16
-    verify4 bs 4 kv 2048 22.2 -> 19.3 us), bs 1 keeps a tile a split; 16-head decode takes two
-    programs an SM on the Triton kernel, one on the transposed kernel ("swap": where
-    ``decodes_transposed``), also where that fills the SMs unevenly (bs 80: 80 programs, bs 140:
-    two waves, bs 3: 96; H200: faster than the Triton kernel at bs 80, 96 and 140)."""
+    64): verify takes two 64-token tiles a split where 33 programs or more remain, bs 1 keeps a
+    tile a split; 16-head decode takes two programs an SM on the Triton kernel, one on the
+    transposed kernel ("swap": where ``decodes_transposed``), also where that fills the SMs
+    unevenly (bs 80: 80 programs, bs 140: two waves, bs 3: 96), where it is still the faster kernel
+    (figures: bench/RESULTS.md, 'Kernels')."""
     swap = str(heads).startswith("swap")
     heads = {"swap": 16, "swap32": 32}.get(heads, heads)
     from attn_backends import ModelConfig, get_backend
@@ -149,8 +148,8 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
 ])
 def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width, bs, max_context, want):
     """The ``triton`` backend (GQA x/8, page 16): verify and extend splits span a 64-token kernel
-    tile at least where 33 programs or more remain (H200: GQA 64/8 verify4 bs 1 kv 2048 64 splits
-    19.0 us -> 32 16.5, 32/8 16.8 -> 14.6)."""
+    tile at least where 33 programs or more remain: a split shorter than the tile leaves part
+    of it idle (figures: bench/RESULTS.md, 'Kernels')."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.check.scenarios import make_memory
 

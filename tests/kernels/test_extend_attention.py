@@ -77,9 +77,10 @@ def test_verify_cpu(mask, page_size, W, splits):
     (8, 8, 2, dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)),   # a 64-row tree tile
 ])
 def test_verify_tile_launch_cpu(monkeypatch, W, group, splits, want):
-    """The verify tiles' launch parameters (H200 sweeps, kernels/extend_attention.py): a 32-row
-    chain-verify tile runs 2 warps and 3 stages of 64-token KV tiles, other tiles 4 warps and
-    2 stages; the result still matches the reference over lengths that end inside a tile."""
+    """The verify tiles' launch parameters (kernels/extend_attention.py; figures: bench/RESULTS.md,
+    'Kernels'): a 32-row chain-verify tile runs 2 warps and 3 stages of 64-token KV tiles, other
+    tiles 4 warps and 2 stages; the result still matches the reference over lengths that end inside
+    a tile."""
     import attn_backends_kernels.extend_attention as ea
     seen = []
     launch = ea.launch

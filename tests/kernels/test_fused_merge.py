@@ -136,9 +136,10 @@ def test_the_fused_merge_takes_the_workspace_counters(monkeypatch):
 
 
 def test_the_grid_order_rule_and_its_bound():
-    """Heads first from 64 requests on for one query block a request (what was measured), where
-    CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one left, past it is
-    a ValueError. Grids: (x, y, z) of the heads-first grid, then of the batch-first one."""
+    """Heads first from 64 requests on for one query block a request (faster there: bench/RESULTS.md,
+    'Kernels'), where CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one
+    left, past it is a ValueError. Grids: (x, y, z) of the heads-first grid, then of the batch-first
+    one."""
     def rule(heads_first, bs, blocks, heads_grid, batch_grid=(1, 8, 1)):
         order, grid = heads_first_grid("k", heads_first, bs, blocks, heads_grid, batch_grid)
         assert grid == (heads_grid if order else batch_grid)
@@ -160,13 +161,13 @@ def test_the_rule_bounds_what_one_program_reads_and_holds():
     assert fuse_merge(4, 64, 128, 4) and not fuse_merge(4, 1, 128, 4)          # decode bs 1; no splits
     assert not fuse_merge(16, 64, 128, 4) and fuse_merge(16, 16, 128, 4)       # 512 KiB, 128 KiB of partials
     assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
-    assert not fuse_merge(16, 2, 128, 2) and fuse_merge(64, 2, 16, 4)          # the old bound: 16 values a thread
-    # Past it: 32-row tiles never (measured slower); 64-row tiles of one query block a request up to
-    # 128 KiB with >= 8 programs an SM
+    assert not fuse_merge(16, 2, 128, 2) and fuse_merge(64, 2, 16, 4)          # the first bound: 16 values a thread
+    # Past it: 32-row tiles never (slower fused: bench/RESULTS.md, 'Kernels'); 64-row tiles of one query
+    # block a request up to 128 KiB with >= 8 programs an SM
     assert not fuse_merge(32, 2, 128, 4, share=0.5, one_block=True, programs=1 << 20, sms=132)
     assert fuse_merge(64, 4, 128, 4, share=0.5, one_block=True, programs=2048, sms=132)     # tree8 bs 64
     assert not fuse_merge(64, 4, 128, 4, share=0.5, one_block=True, programs=512, sms=132)  # bs 16: 3.9 an SM
-    assert not fuse_merge(64, 4, 128, 4, share=0.5, programs=2048, sms=132)    # prefill, decode: not measured
+    assert not fuse_merge(64, 4, 128, 4, share=0.5, programs=2048, sms=132)    # prefill, decode: the first bound
     assert not fuse_merge(64, 8, 128, 4, one_block=True, programs=1 << 20, sms=132)         # 256 KiB
     assert fuse_merge(64, 2, 128, 4, one_block=True)                           # no SMs (the interpreter): met
     ws = decode_workspace(4, 4, 128, 64, "cpu")

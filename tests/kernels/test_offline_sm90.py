@@ -2,10 +2,9 @@
 pick the right one, each must fit one program's shared memory, the wgmma kernel must not spill
 and the warp-specialized ones spill at most a few values (bounds below). The GQA kernels
 with their split merge fused: one launch, no spill, at most 16 registers a thread more than the
-same kernel with the merge separate (a fused merge that held a [rows, splits, Dv] tile took the
-extend kernel from 103 to 163). A change that
-breaks one of these would otherwise show only on the device, as a launch failure (shared
-memory) or a silent slowdown (spills). Its dot and copy counts are fixed by the Gluon source
+same kernel with the merge separate (a fused merge that holds a [rows, splits, Dv] tile takes
+dozens more). A change that breaks one of these would otherwise show only on the device, as a
+launch failure (shared memory) or a silent slowdown (spills). Its dot and copy counts are fixed by the Gluon source
 (Gluon has no fallback): they guard against edits of the source, nothing more. The compile
 runs in a subprocess: this suite's kernels are the interpreter's (``TRITON_INTERPRET=1``
 without CUDA)."""
@@ -32,9 +31,9 @@ SEESAW_CONFIGS = ["seesaw mla16 verify4", "seesaw mla128 decode", "seesaw mla128
 SEESAW_MAX_STACK = 128
 CHUNKED_CONFIGS = ["chunked mla16 verify4", "chunked mla128 decode", "chunked mla128 verify4",
                    "chunked mla16 draft4", "chunked mla16 tree8 fp16 page 128"]
-# The chunked kernel's (8-24 bytes): with its 36 wgmma descriptors hoisted as constants ptxas
-# spilled them (496 bytes), and the reloads missed L1 (a program holds 217.5 KiB of shared memory):
-# MLA128 decode bs 128 kv 8192 took 829 us on an H200, 537 without.
+# The chunked kernel's (8-24 bytes): its wgmma descriptors spilled (hundreds of bytes) reload
+# past L1, which a program's shared memory leaves almost none of, and slow the kernel by a large
+# share (bench/RESULTS.md, 'Kernels').
 CHUNKED_MAX_STACK = 32
 DBUF_CONFIGS = ["dbuf mla16 verify4", "dbuf mla128 decode", "dbuf mla128 verify4", "dbuf mla16 draft4",
                 "dbuf mla16 tree8 fp16 page 128", "dbuf mla16 decode"]
@@ -64,12 +63,10 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
     assert first["stack"] == 0, f"spills: {first}"
     assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
     assert first["wgmma"] >= 3 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
-    # Every barrier costs this kernel (one program an SM, nothing else to switch to): 20 -> 12
-    # (12 -> 6 a tile), with the pipelining, took MLA16 verify4 bs 128 kv 8192 from 401.5 to
-    # 375.5 us on an H200. A layout
-    # conversion or a reduction across the warp groups added to the loop shows here (a compiler
-    # that adds one fails it too: look, then move the bound). None counted: the PTX spells them
-    # otherwise and the count would check nothing.
+    # Every barrier costs this kernel (one program an SM, nothing else to switch to; figures:
+    # bench/RESULTS.md, 'Kernels'). A layout conversion or a reduction across the warp groups added
+    # to the loop shows here (a compiler that adds one fails it too: look, then move the bound).
+    # None counted: the PTX spells them otherwise and the count would check nothing.
     assert 0 < first["barriers"] <= WGMMA_MAX_BARRIERS, f"barriers: {first}"
     assert all(r["kernel"] == "_merge_splits_kernel" for r in rest)
 
@@ -83,7 +80,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(compiled, label, kernel, max_
     shared memory, wgmma dots and cp.async copies, at most a few spilled values, and their
     16-bit outputs (and split partials) stored 16 bytes a thread (``mla.warpspec.STORE_L256``: 32
     such stores, 8 columns each, cover a thread's share of the 64 x 512 tile; the accumulator's
-    own layout stored 4 bytes a thread, and 16-bit partials then lost to float32 ones)."""
+    own layout stores 4 bytes a thread, where 16-bit partials lose to float32 ones)."""
     first, *rest = compiled[label]
     assert first["kernel"] == kernel and first["warps"] == 12, first
     assert first["stack"] <= max_stack, f"spills: {first}"
@@ -107,7 +104,7 @@ def test_default_gluon_kernel(compiled):
 
 def test_sixteen_head_decode_takes_the_transposed_kernel(compiled):
     """A 16-row decode tile is the transposed kernel's where pages hold whole 64-token tiles (the
-    wgmma kernel padded to 64 rows lost to the Triton kernel), the Triton kernel's elsewhere."""
+    wgmma kernel padded to 64 rows loses to the Triton kernel), the Triton kernel's elsewhere."""
     assert compiled["mla16 decode"][0]["kernel"] == "_mla_swap_kernel"
     assert compiled["mla16 decode page 16"][0]["kernel"] == "_mla_split_kernel"
 

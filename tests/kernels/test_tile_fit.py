@@ -1,5 +1,5 @@
-"""Kernel tiles fit the card's shared memory in every dtype a backend serves (issue #38.4:
-float32 MLA prefill needed 311,552 bytes on an H200, which has 232,448): the rule on the CPU
+"""Kernel tiles fit the card's shared memory in every dtype a backend serves (a float32 MLA
+prefill tile sized as for 16 bits needs more than an H200's 232,448 bytes): the rule on the CPU
 with the H200's limit patched in, the launches themselves on a GPU."""
 import pytest
 import torch
@@ -26,7 +26,7 @@ def h200(monkeypatch):
     (torch.bfloat16, 16, 16, 64),    # the same tile at 16 bits keeps its 64 tokens
     (torch.float32, 1, 128, 32),     # 64-head decode tile
     (torch.bfloat16, 1, 16, 64),     # 16-head decode tile: 3 stages of 64 tokens at 16 bits
-    (torch.float32, 4, 4, 32),       # 16-row tile: 32 tokens, as before
+    (torch.float32, 4, 4, 32),       # 16-row tile: 32 tokens
 ])
 def test_mla_tile_fits_h200(h200, dtype, W, H, want):
     q = torch.empty(W, H, 576, dtype=dtype)
