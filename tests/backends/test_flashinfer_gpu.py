@@ -2,8 +2,8 @@
 backends also need ``import flashinfer``, skipped with the reason otherwise).
 
 bf16 only, GQA 16 q / 4 KV heads d128 (tensor-core decode: the prefill kernels) and MLA 16 heads
-512 + 64, so that few FlashInfer kernel families compile (each takes 20-70 s on a fresh
-machine). For each backend and mode: capture one batch, then replay A, B, A (raw_bs < bs,
+512 + 64, so that few FlashInfer kernel families compile (each JIT compile takes tens of seconds
+on a fresh machine). For each backend and mode: capture one batch, then replay A, B, A (raw_bs < bs,
 shuffled pages) with every graph buffer and the output poisoned before replay preparation,
 which runs under ``torch.cuda.set_sync_debug_mode("error")``; replay == eager bitwise on real
 rows, within bf16 tolerance of float64. EXTEND eagerly at real sizes. A tiny model with a
@@ -11,8 +11,8 @@ different backend per layer under the full-graph runner: replay == eager bitwise
 FlashInfer plan per step.
 
 The bodies also run on the CPU (``runtime.graphs`` stand-ins for the graphs; ``NAMES`` maps the
-FlashInfer backends to the emulated ones of tests/support/fi_emulation.py): that is how they were
-checked before their first GPU run, by calling them directly where flashinfer imports.
+FlashInfer backends to the emulated ones of tests/support/fi_emulation.py): call them directly
+where flashinfer imports to check them without a GPU.
 """
 import contextlib
 import importlib.util

@@ -1,4 +1,4 @@
-"""The issue #10 sweep (bench/sweep/sweep.py) on the CPU: its smoke path end to end (our kernels in
+"""The sweep (bench/sweep/sweep.py) on the CPU: its smoke path end to end (our kernels in
 the interpreter, every FlashInfer configuration's arguments checked by emulation, the
 report built from the JSON), and, where ``import flashinfer`` works (it imports without a
 GPU), every FlashInfer call the sweep makes bound to the installed wheel's signatures."""
@@ -265,16 +265,16 @@ def test_ours_and_peers_leave_their_graphs_for_the_rounds(monkeypatch):
 
 
 def test_the_method_text_follows_how_the_data_was_timed(monkeypatch):
-    """SWEEP.md describes the timing its records show: power-capped rows settled before their graph
-    rounds, rounds alone (first medians kept aside, since a82f3c3), first medians with graph rounds
-    (7b9d8b9), or graphs timed once (before)."""
+    """SWEEP.md describes the timing its records show, whichever format they have: power-capped rows
+    settled before their graph rounds, rounds alone (first medians kept aside), first medians with
+    graph rounds, or graphs timed once (the oldest records)."""
     monkeypatch.syspath_prepend(str(BENCH))
     import sweep_report
     import sweep_timing
 
     # what a GPU sweep's header names (``sweep.environment``) is what the report describes
     assert sweep_timing.ROUNDS_TIMING in sweep_report.TIMING and sweep_timing.HOST_TIMING in sweep_report.HOST
-    header = {"timing": "settled"}           # since 3a14aae the header names it (no row need settle)
+    header = {"timing": "settled"}           # a header that names it (no row need settle)
     assert sweep_report.timing([{"graph_rounds_us": [1.0]}], header) == "settled"
     text = "\n".join(sweep_report.header_lines(header, {}, sweep_report.timing([], header)))
     assert sweep_report.TIMING["settled"] in text

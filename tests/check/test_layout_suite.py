@@ -22,7 +22,7 @@ PAIRS = [(b, m) for b in AVAILABLE for m in declared_modes(get_backend_class(b).
 # CUDA, `attn-backends check` runs 200 cases per mode on each (bench/run_gpu.sh, stage check).
 INTERPRETED = [b for b in AVAILABLE if b != "torch_native" and not torch.cuda.is_available()]
 NATIVE = [b for b in AVAILABLE if b not in INTERPRETED]
-INTERPRETED_CASES = 4   # per mode (5 until the CPU suite passed CI's 15 minutes)
+INTERPRETED_CASES = 4   # per mode: what fits the CPU suite in CI's time
 
 
 def _assert_ok(report: SuiteReport):
@@ -32,8 +32,7 @@ def _assert_ok(report: SuiteReport):
 @pytest.mark.parametrize("name", sorted(builtin_names()))
 def test_cases_stay_within_the_capabilities(name):
     """The suite draws only cases a backend declares: a topk > 1 case for a backend without
-    topk_gt1 fails capture with a LayoutError that is the suite's fault, not the backend's
-    (flashinfer_mla's draft_extend did on its first GPU run)."""
+    topk_gt1 fails capture with a LayoutError that is the suite's fault, not the backend's."""
     import random
     caps = get_backend_class(name).capabilities
     rng = random.Random(5)

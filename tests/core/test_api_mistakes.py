@@ -127,7 +127,8 @@ def test_mla_latent_k_in_another_dtype_than_the_model(no_kernel):
 @pytest.mark.parametrize("layer_id", [1, 7, -1])
 @pytest.mark.parametrize("save", [True, False])
 def test_layer_id_outside_the_model(layer_id, save, no_kernel):
-    """-1 used to write the model's last layer (a Python list index), 1 raised a bare IndexError."""
+    """Refused naming the limit: -1 would index the model's last layer (a Python list index), 1 past
+    the end would raise a bare IndexError."""
     mem, be, batch = _prepared()
     q, k, v = qkv(MHA, 2)
     layer = dataclasses.replace(MHA.layer(0), layer_id=layer_id)

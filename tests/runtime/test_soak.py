@@ -1,4 +1,4 @@
-"""Soak (issue #11 deliverable 4): 10,000 replays of random batches over every bucket and mode of
+"""Soak: 10,000 replays of random batches over every bucket and mode of
 the UniformGraphRunner (decode, verify chain, verify tree), the DraftExtendRunner and the
 MultiStepDraftRunner, triton backends in bf16, each bitwise equal to the eager forward of the
 same padded batch, no drift, no growth of allocated memory after warm-up. The CPU smoke runs the
@@ -56,8 +56,8 @@ def _soak_with_simulated_memory(monkeypatch, leak_per_replay: int):
 
 
 def test_soak_growth_ignores_the_last_batch_high_water_mark(monkeypatch):
-    """A larger batch after warm-up raises the high-water mark (the first GPU soak reported that,
-    49-204 KB, as growth); the probe batch, run again at the end, shows nothing was kept."""
+    """A larger batch after warm-up raises the high-water mark, which is not growth; the probe
+    batch, run again at the end, shows nothing was kept."""
     res = _soak_with_simulated_memory(monkeypatch, 0)
     assert res.alloc_max > res.alloc_base and res.growth == 0
 
@@ -72,7 +72,7 @@ def test_soak_growth_catches_a_leak(monkeypatch):
 def cyclic_garbage():
     """Collect what becomes cyclic garbage inside the block (gc off, DEBUG_SAVEALL), into the list
     yielded. A cycle that holds tensors keeps device memory live until Python's cyclic gc happens
-    to run: the GPU soak saw live bytes move by 12 KB to 13 MB between two runs of one batch."""
+    to run, so the soak's live bytes would move between two runs of one batch."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
