@@ -74,7 +74,7 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     say: decode 6 programs an SM with counts below 8 taken as they are and at least 2 splits (one
     split is slower at bs 128), chain verify and the 8-row tree fewer splits as the batch grows,
     extend 16 programs an SM. The counts follow the split-count probes (figures: bench/RESULTS.md,
-    'Kernels')."""
+    'Split counts')."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.batch import ForwardMode
     from attn_backends.check.scenarios import make_memory
@@ -116,7 +116,7 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
     tile a split; 16-head decode takes two programs an SM on the Triton kernel, one on the
     transposed kernel ("swap": where ``decodes_transposed``), also where that fills the SMs
     unevenly (bs 80: 80 programs, bs 140: two waves, bs 3: 96), where it is still the faster kernel
-    (figures: bench/RESULTS.md, 'Kernels')."""
+    (figures: bench/RESULTS.md, 'Split counts' and 'MLA kernels')."""
     swap = str(heads).startswith("swap")
     heads = {"swap": 16, "swap32": 32}.get(heads, heads)
     from attn_backends import ModelConfig, get_backend
@@ -149,7 +149,7 @@ def test_triton_mla_split_counts(h200, monkeypatch, heads, width, bs, max_contex
 def test_triton_split_counts_take_a_tile_a_split(h200, monkeypatch, heads, width, bs, max_context, want):
     """The ``triton`` backend (GQA x/8, page 16): verify and extend splits span a 64-token kernel
     tile at least where 33 programs or more remain: a split shorter than the tile leaves part
-    of it idle (figures: bench/RESULTS.md, 'Kernels')."""
+    of it idle (figures: bench/RESULTS.md, 'Split counts')."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.check.scenarios import make_memory
 

@@ -78,7 +78,7 @@ def test_verify_cpu(mask, page_size, W, splits):
 ])
 def test_verify_tile_launch_cpu(monkeypatch, W, group, splits, want):
     """The verify tiles' launch parameters (kernels/extend_attention.py; figures: bench/RESULTS.md,
-    'Kernels'): a 32-row chain-verify tile runs 2 warps and 3 stages of 64-token KV tiles, other
+    'GQA launch parameters'): a 32-row chain-verify tile runs 2 warps and 3 stages of 64-token KV tiles, other
     tiles 4 warps and 2 stages; the result still matches the reference over lengths that end inside
     a tile."""
     import attn_backends_kernels.extend_attention as ea

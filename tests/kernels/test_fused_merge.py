@@ -137,7 +137,7 @@ def test_the_fused_merge_takes_the_workspace_counters(monkeypatch):
 
 def test_the_grid_order_rule_and_its_bound():
     """Heads first from 64 requests on for one query block a request (faster there: bench/RESULTS.md,
-    'Kernels'), where CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one
+    'Grid order'), where CUDA's 65535 on grid axes y and z allows; an order asked for, or the only one
     left, past it is a ValueError. Grids: (x, y, z) of the heads-first grid, then of the batch-first
     one."""
     def rule(heads_first, bs, blocks, heads_grid, batch_grid=(1, 8, 1)):
@@ -162,7 +162,7 @@ def test_the_rule_bounds_what_one_program_reads_and_holds():
     assert not fuse_merge(16, 64, 128, 4) and fuse_merge(16, 16, 128, 4)       # 512 KiB, 128 KiB of partials
     assert not fuse_merge(16, 16, 128, 4, share=0.5) and fuse_merge(16, 8, 128, 4, share=0.5)   # extend
     assert not fuse_merge(16, 2, 128, 2) and fuse_merge(64, 2, 16, 4)          # the first bound: 16 values a thread
-    # Past it: 32-row tiles never (slower fused: bench/RESULTS.md, 'Kernels'); 64-row tiles of one query
+    # Past it: 32-row tiles never (slower fused: bench/RESULTS.md, 'Fused merge'); 64-row tiles of one query
     # block a request up to 128 KiB with >= 8 programs an SM
     assert not fuse_merge(32, 2, 128, 4, share=0.5, one_block=True, programs=1 << 20, sms=132)
     assert fuse_merge(64, 4, 128, 4, share=0.5, one_block=True, programs=2048, sms=132)     # tree8 bs 64

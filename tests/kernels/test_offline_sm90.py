@@ -33,7 +33,7 @@ CHUNKED_CONFIGS = ["chunked mla16 verify4", "chunked mla128 decode", "chunked ml
                    "chunked mla16 draft4", "chunked mla16 tree8 fp16 page 128"]
 # The chunked kernel's (8-24 bytes): its wgmma descriptors spilled (hundreds of bytes) reload
 # past L1, which a program's shared memory leaves almost none of, and slow the kernel by a large
-# share (bench/RESULTS.md, 'Kernels').
+# share (bench/RESULTS.md, 'MLA kernels').
 CHUNKED_MAX_STACK = 32
 DBUF_CONFIGS = ["dbuf mla16 verify4", "dbuf mla128 decode", "dbuf mla128 verify4", "dbuf mla16 draft4",
                 "dbuf mla16 tree8 fp16 page 128", "dbuf mla16 decode"]
@@ -64,7 +64,7 @@ def test_wgmma_kernel_compiles_for_sm90(compiled, label):
     assert first["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {first}"
     assert first["wgmma"] >= 3 and first["mma_sync"] == 0 and first["cp_async"] > 0, first
     # Every barrier costs this kernel (one program an SM, nothing else to switch to; figures:
-    # bench/RESULTS.md, 'Kernels'). A layout conversion or a reduction across the warp groups added
+    # bench/RESULTS.md, 'MLA kernels'). A layout conversion or a reduction across the warp groups added
     # to the loop shows here (a compiler that adds one fails it too: look, then move the bound).
     # None counted: the PTX spells them otherwise and the count would check nothing.
     assert 0 < first["barriers"] <= WGMMA_MAX_BARRIERS, f"barriers: {first}"
