@@ -23,7 +23,7 @@ def test_store_kv(loc_dtype):
 
 def test_store_kv_strided_slots():
     """out_cache_loc as a column of a [bs, steps] slot table (the draft runner's eager path):
-    a strided view; the kernel must follow its stride (it once read it as contiguous)."""
+    a strided view; the kernel must follow its stride (read as contiguous, it writes other slots)."""
     torch.manual_seed(1)
     T, Hkv, D, slots, steps = 6, 2, 8, 64, 3
     table = (torch.randperm(slots - 1)[:T * steps] + 1).view(T, steps)
