@@ -4,7 +4,7 @@ scaled_dot_product_attention``, in every mode, eagerly and under CUDA graphs.
 It subclasses :class:`attn_backends.LayoutBackend`, so the canonical layout of each step (the
 step plan's, or a private one without a runner) arrives as ``meta.layout`` and the backend
 writes one method, ``_run``. The mask rules it implements are the contract's
-(docs/plugin-guide.md, "Masks"); the KV pool is ``self.memory.pool`` (``k[layer]``,
+(the masks of docs/plugin-guide.md); the KV pool is ``self.memory.pool`` (``k[layer]``,
 ``v[layer]``: ``[num_slots, Hkv, D]``; the slot of position ``p`` of request ``i`` is
 ``page_table[i, p // page_size] * page_size + p % page_size``).
 """
