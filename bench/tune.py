@@ -17,11 +17,10 @@ def grid(**axes):
     return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
 
 
-# H200 sweeps pruned these (gqa: 8 warps never won; mla: 1 stage, block_n 16, block_w 1,
+# Pruned to what won on H200 sweeps (gqa: 8 warps never won; mla: 1 stage, block_n 16, block_w 1,
 # tl.range(warp_specialize=True), TMA loads, split output halves and 8 decode splits never won).
-# These are do_bench timings: below about 200 us they are bound by the host launch (MLA16 decode
-# bs 16 kv 8192 read 137-170 us here, 60 us replayed in a graph), so small shapes need graph
-# replay; the 2-warp wide GQA verify tile won there (GQA 64/8, not this 32/8 workload).
+# These are do_bench timings, bound by the host launch at small shapes: those need graph replay,
+# as the sweep and the probes take (bench/RESULTS.md, 'GQA launch parameters', 'MLA kernels').
 SWEEPS = {
     "gqa_decode": grid(num_kv_splits=[4, 8], block_n=[32, 64], num_warps=[4],
                        num_stages=[2, 3, 4]),

@@ -22,8 +22,8 @@ NUM_SETS = 2
 # "cpu" (with TRITON_INTERPRET=1 and small shapes) only to smoke-test this file.
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
 # Defaults: the kernel wrappers' own launch configs at these shapes (the winners of the H200
-# sweeps; bench/tune.py re-measures them). MLA decode: 64-token tiles, 8 warps, 3 stages since
-# the graph-replay probe of 2026-11-27 (bench/RESULTS.md).
+# sweeps; bench/tune.py re-measures them). MLA decode: 64-token tiles, 8 warps, 3 stages
+# (bench/RESULTS.md, 'MLA kernels').
 DEFAULTS = {
     "gqa_decode": dict(num_kv_splits=4, block_n=32, num_warps=4, num_stages=2),
     "gqa_verify4": dict(num_kv_splits=4, block_n=64, num_warps=4, num_stages=2),

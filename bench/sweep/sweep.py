@@ -273,9 +273,8 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours and every
     configuration that ran: the least of interleaved rounds (``Clock.interleaved_us``, kept in
     ``*_rounds_us``); rates from that graph time. No time is taken one implementation after the
-    other (until 3a14aae a first graph and eager median was, and kept aside as ``*_first_us``): in
-    a machine's slow spells (GPU clocks or Python; H200, bs 128: the least round 22-24 % above the
-    first median) it would favour whichever was timed first. A power-capped row settles first
+    other: in a machine's slow spells it would favour whichever was timed first (bench/RESULTS.md,
+    'Timing noise'). A power-capped row settles first
     (``sweep_timing.settle``, ``graph_settle_s``). One that fails gets ``*_error`` (and no time of
     that kind if none of its rounds ran: a time is the rounds' or none); the others are still
     written."""

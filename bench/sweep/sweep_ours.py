@@ -27,7 +27,8 @@ class Ours:
 
     def eager(self):
         """The eager call, its arguments bound once as FlashInfer's ``run()`` arguments are
-        (``row.layer`` builds an AttentionLayer on every read: 3.6 us of a call on the CPU)."""
+        (``row.layer`` builds an AttentionLayer on every read, which the bench would otherwise
+        charge to ours: bench/RESULTS.md, 'Eager host time')."""
         be, q, layer, batch = self.backend, self.row.q, self.row.layer, self.row.batch
         return lambda: be.forward(q, None, None, layer, batch, save_kv_cache=False)
 

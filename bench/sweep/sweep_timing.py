@@ -10,30 +10,20 @@
 * ``host_us(fn)``: ``perf_counter`` around each of ``HOST_ITERS + 1`` calls made back to back
   while the device runs the ones before (drained once before them), the median of all but the
   first (made from an idle GPU): the host cost of one call as a runner launching layer after
-  layer pays it (``HOST_TIMING``). The method before it drained the device before each call, and
-  the call after a long kernel's synchronize took longer the longer the kernel (the cause
-  not found). H100, GQA 32/8 decode bs 128 kv 32768 (5.7 ms a call), 5 rounds of 25 calls,
-  the least / median / most round median, us: ours 23.9 / 44.5 / 135.3 drained, 13.6 / 15.4
-  / 24.7 back to back; FlashInfer's decode 25.8 / 126.2 / 177.6 and 14.3 / 16.8 / 24.8. At
-  bs 1 kv 2048 the two agree (ours 18.8 / 18.9 / 19.2 and 17.7 / 19.1 / 20.4).
+  layer pays it (``HOST_TIMING``). Not drained before each call: after a long kernel a drained
+  call's host time grows by a varying amount, back to back it is steady (bench/RESULTS.md,
+  'Timing noise').
 * ``interleaved_us(makers, timer)``: ``timer`` (``gpu_us``, ``host_us`` or ``eager_us``) of several
-  implementations of one row in rounds, each round timing every implementation in turn. The
-  device machines have spells in which Python runs 1.5-1.8x slower for seconds at a time
-  (bench/RESULTS.md); timed one after the other, two implementations could each land in a
-  different state (one sweep had the medians of ours and FlashInfer's host times both at
-  42.6 us, the previous 33.7 and 26.6; the eager time, host launch included, moves with them:
-  GQA decode bs 1 kv 8192 read 54.4 us eagerly where its graph time 22.2 and host time 15.5
-  add to 37.7). Every round spans all of them, each round starting one implementation later,
-  and each keeps its least round.
+  implementations of one row in rounds, each round timing every implementation in turn, each
+  round starting one implementation later, and each keeps its least round: the lent machines
+  have slow spells of seconds, and implementations timed one after the other could each land in
+  a different one (bench/RESULTS.md, 'Timing noise').
 * ``settle(makers, seconds)``: before the graph rounds of a row whose calls draw the card to its
   power cap (``settle_seconds``: intensity at least half the ridge; on an H100, ridge about 263,
   the MLA-128 rows; on a card of more bandwidth per flop, such as an H200, the MLA-16 verify rows
-  too), every implementation's replay in turn (each after the L2 flush) for ``SETTLE_S``. Without
-  it the rounds began at whatever clock the host-side work before them left: H100, 700 W limit,
-  MLA-128 verify4 bs 128 kv 8192 replayed back to back drew 696-698 W at an SM clock of 1440-1665
-  MHz, ours and FlashInfer's fa3 alike (idle: 1980 MHz), and one sweep's graph times of such a row
-  moved up to 15 % from round to round. Settled, they still move (the clock falls further as the
-  card heats): the rounds start under the same load, not at one clock.
+  too), every implementation's replay in turn (each after the L2 flush) for ``SETTLE_S``, so that
+  the rounds start under the same load: unsettled, they began at whatever clock the work before
+  them left (bench/RESULTS.md, 'Power-bound rows').
 
 On the CPU (``--smoke``) every time is one ``perf_counter`` span.
 """
