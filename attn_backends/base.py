@@ -13,13 +13,11 @@ from typing import ClassVar, Optional
 
 import torch
 
-from . import layout as _layout
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .config import AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
-from .layout import Layout, LayoutError, build_layout, inputs_from_batch
-from .step import LayoutPlan
-from .validation import check_request_rows
+from .layout import Layout, LayoutError
+from .step import StandaloneStep, StepView
 
 
 class GraphSupport(enum.IntEnum):
@@ -109,17 +107,32 @@ class Capabilities:
         return None
 
 
+@dataclass(eq=False)
 class ForwardMetadata:
-    """What a forward reads: the canonical layout (the step plan's) plus backend-private extras."""
+    """What a forward reads: the step's view (its ``layout`` the canonical one) and, in a backend's
+    subclass of this record, the backend's own fields. Graph metadata is one record per
+    (backend, GraphKey, step), whose ``view`` each replay replaces; eager metadata is made per step.
 
-    def __init__(self, layout: Layout, plan: Optional[LayoutPlan] = None, **extra) -> None:
-        self.layout = layout
-        self.plan = plan              # graph mode: the plan whose static views ``layout`` is
-        self.extra = extra
-        self.batch = None             # eager: the batch it was prepared for
+    Attributes
+    ----------
+    view : StepView
+        The step as the backend was handed it (``view.layout``, ``view.raw_bs``, host lengths).
+    key : GraphKey or None
+        The graph key (None: eager).
+    batch : ForwardBatch or None
+        Eager: the batch it was prepared for (``forward`` refuses another).
+    """
+
+    view: StepView
+    key: Optional[GraphKey] = None
+    batch: Optional[ForwardBatch] = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.view.layout
 
     def as_layout(self) -> dict:
-        return self.layout.as_dict()
+        return self.view.layout.as_dict()
 
 
 class AttentionBackend(ABC):
@@ -154,7 +167,7 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eager path: prepare the metadata of ``batch`` for the ``forward`` calls of this step
         (every layer). May allocate and read host values (``seq_lens_cpu``); with
-        ``batch.plan`` set, the step's layout is already built there."""
+        ``batch.step`` set (a runner's), the step's layout is already built there."""
 
     @abstractmethod
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -165,8 +178,8 @@ class AttentionBackend(ABC):
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
         """Before capturing the graph of ``inputs.key``: bind the static buffers the graph will
         read and prepare them for the capture batch (which must pass the same validation as
-        any replay batch, I13). May sync and allocate; ``inputs.plan`` is the runner's step
-        plan (already captured for the key) or None."""
+        any replay batch, I13). May sync and allocate; ``inputs.step`` is the view of the
+        runner's step (already captured for the key) or None."""
 
     @abstractmethod
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
@@ -200,19 +213,15 @@ class AttentionBackend(ABC):
 
 
 class LayoutBackend(AttentionBackend):
-    """Metadata from the step plan (:mod:`attn_backends.step`); subclasses write ``_run`` and may
-    derive private extras (``_extras`` / ``_refresh_extras``).
+    """Metadata from the step's view (:mod:`attn_backends.step`); subclasses write ``_run`` and may
+    keep their own metadata (``_metadata``) and replay work (``_update``).
 
-    With a runner, the plan comes with the batch (``ForwardBatch.plan``, ``GraphInputs.plan``):
-    the layout is built once per step for every layer, and this backend only derives its extras.
-    Without one (a test, the suite, a third-party caller), the backend keeps a private plan and
-    prepares the layout itself, through the same builder. Capture and replay take the same
-    ``GraphInputs``; capture binds the plan's static views for the key, replay refreshes them.
+    Every method has one path: it takes the view of the step (``ForwardBatch.step`` /
+    ``GraphInputs.step``, or for a caller without a runner one made by :class:`StandaloneStep`
+    from the caller's tensors with the runner's own calls), then builds or refreshes this
+    backend's record from it. The layout is built once per step for every layer; capture binds
+    the record of the key, replay refreshes it from the new view.
     """
-
-    #: With a runner's step plan, replay preparation reads nothing the plan computes on the
-    #: device: the runner may record the plan's prep inside its step's graph (one launch).
-    reads_step_plan: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, memory: KVMemory) -> None:
         super().__init__(config, memory)
@@ -225,104 +234,79 @@ class LayoutBackend(AttentionBackend):
         if config.dtype not in caps.dtypes:
             raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
         memory.check_fits(config)
-        self._graph_size: Optional[tuple] = None          # (max_bs, max_width) of init_cuda_graph_state
-        self._own_plan: Optional[LayoutPlan] = None       # the private plan, allocated on first use
-        self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, runner plan or None) -> metadata
-        self._last_replay: tuple = (None, None, None)           # (key, plan, metadata) of the last replay
+        self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value())
+        self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record
+
+    @property
+    def replay_work(self) -> bool:
+        """Whether a replay update does work of its own (``_update`` overridden): then the runner
+        runs the step's layout prep before it (``Prep.BEFORE_UPDATE``), so what it derives from
+        the view is the current step's."""
+        return type(self)._update is not LayoutBackend._update
 
     # -- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._check_mode(batch.forward_mode, batch.spec_info)
-        if batch.plan is not None:
-            self._check_plan(batch.plan)
-            layout = batch.plan.layout_for(batch)
-        else:
-            layout = build_layout(inputs_from_batch(batch, self.memory, self.get_cuda_graph_seq_len_fill_value()))
-        self.forward_metadata = ForwardMetadata(layout, None, **self._extras(layout, None))
-        self.forward_metadata.batch = batch
+        view = self._checked_view(self._steps.eager(batch))
+        meta = self._metadata(view, None)
+        meta.batch = batch
+        self._update(meta, view)
+        self.forward_metadata = meta
 
     # -- graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if max_bs < 1 or max_num_tokens < max_bs:
             raise ValueError(f"max_bs={max_bs}, max_num_tokens={max_num_tokens}: need 1 <= max_bs <= max_num_tokens")
-        self._graph_size = (max_bs, max(1, max_num_tokens // max_bs))
-        self._own_plan = None
+        self._steps.reset(max_bs, max(1, max_num_tokens // max_bs))
         self._graph_meta.clear()
-        self._last_replay = (None, None, None)
 
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
-        key = inputs.key
-        if self._graph_size is None:
-            raise LayoutError("init_cuda_graph_state() must run before capture")
-        self._check_mode(key.forward_mode, inputs.spec_info)
-        if inputs.plan is not None:                       # a runner captured the key in its plan
-            self._check_plan(inputs.plan)
-            plan = inputs.plan
-            layout = plan.captured(key).layout
-        else:
-            if not _layout.stream_capturing():            # the caller's rows (a sync): all on row 0 is a
-                rows = inputs.req_pool_indices[:inputs.raw_bs]    # stand-in (SGLang captures so), else real
-                check_request_rows(rows, self.memory.req_to_token.shape[0], stand_in=bool((rows == 0).all()))
-            plan = self._private_plan()
-            plan.load(inputs, capture=True)               # validates first: a refusal changes nothing
-            layout = plan.capture(key, inputs.spec_info, inputs.raw_bs)
-        meta = ForwardMetadata(layout, plan, **self._extras(layout, key))
-        self._graph_meta[(key, inputs.plan)] = meta       # a runner's plan, or None: the private one
-        self._last_replay = (None, None, None)
+        self._check_mode(inputs.key.forward_mode, inputs.spec_info)
+        view = self._checked_view(self._steps.capture(inputs))
+        meta = self._metadata(view, view.key)
+        self._update(meta, view)                          # capture prepares as a replay does
+        self._graph_meta[(view.key, view.origin)] = meta
         self.forward_metadata = meta
 
     def init_forward_metadata_replay_cuda_graph(self, inputs: GraphInputs) -> None:
-        key, plan = inputs.key, inputs.plan
-        last = self._last_replay                          # a runner hands the same key and plan every replay
-        meta = last[2] if last[0] is key and last[1] is plan else self._graph_meta.get((key, plan))
+        view = self._steps.replay(inputs)
+        meta = self._graph_meta.get((view.key, view.origin))
         if meta is None:
-            captured = ", ".join(sorted(f"{k}{' (step plan)' if p is not None else ''}" for k, p in self._graph_meta))
-            where = "with this step plan" if plan is not None else "without a step plan"
-            raise LayoutError(f"no graph captured for {key} {where}; captured: {captured or 'none'}")
-        if plan is not None:
-            if plan.current is not key and plan.current != key:   # the runner updates the plan first
-                plan.check_current(key)
-        else:
-            spec = inputs.spec_info
-            meta.plan.load(inputs)
-            meta.plan.update(key, inputs.raw_bs, spec.draft_step if spec is not None else None)
-        self._refresh_extras(meta, inputs)
+            captured = ", ".join(sorted(str(k) for k, _ in self._graph_meta))
+            raise LayoutError(f"no graph captured for {view.key} with this step; captured: {captured or 'none'}")
+        meta.view = view
+        self._update(meta, view)
         self.forward_metadata = meta
-        self._last_replay = (key, plan, meta)
 
-    def _private_plan(self) -> LayoutPlan:
-        if self._own_plan is None:
-            max_bs, max_width = self._graph_size
-            self._own_plan = LayoutPlan(self.memory, self.get_cuda_graph_seq_len_fill_value(),
-                                        max_bs=max_bs, max_width=max_width)
-        return self._own_plan
-
-    def _check_plan(self, plan: LayoutPlan) -> None:
-        if plan.memory is not self.memory:
-            raise LayoutError(f"backend {self.name} reads another KV memory than the step plan it was given")
+    def _checked_view(self, view: StepView) -> StepView:
+        if view.memory is not self.memory:
+            raise LayoutError(f"backend {self.name} reads another KV memory than the step it was given")
+        return view
 
     @property
-    def graph_plans(self) -> list:
-        """The plans whose static views this backend's captured graphs read."""
-        return list({id(m.plan): m.plan for m in self._graph_meta.values() if m.plan is not None}.values())
+    def graph_steps(self) -> list:
+        """The views (one per step) whose static buffers this backend's captured graphs read."""
+        return list({m.view.origin: m.view for m in self._graph_meta.values()}.values())
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
     def graph_buffers(self) -> dict[str, torch.Tensor]:
         out = {}
-        for i, plan in enumerate(self.graph_plans):
-            out.update({(k if i == 0 else f"{k}#{i}"): v for k, v in plan.tensors().items()})
+        for i, view in enumerate(self.graph_steps):
+            out.update({(k if i == 0 else f"{k}#{i}"): v for k, v in view.tensors.items()})
         out.update(self._extra_graph_buffers())
         return out
 
     # -- hooks for subclasses
-    def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
-        """Backend-private metadata derived from host values (key alone in graph mode)."""
-        return {}
+    def _metadata(self, view: StepView, key: Optional[GraphKey]) -> ForwardMetadata:
+        """This backend's record for ``view`` (graph: of ``key``, kept for every replay; eager:
+        ``key`` None), from host values (the key alone in graph mode)."""
+        return ForwardMetadata(view, key)
 
-    def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
-        pass
+    def _update(self, meta: ForwardMetadata, view: StepView) -> None:
+        """Work of each step on the record (eager, capture and every replay), after ``meta.view``
+        is ``view``. Overriding it makes the runner build the layout before it (``replay_work``)."""
 
     def _extra_graph_buffers(self) -> dict[str, torch.Tensor]:
         return {}
@@ -348,7 +332,7 @@ class LayoutBackend(AttentionBackend):
         if meta.batch is not None and meta.batch is not batch:
             raise LayoutError("forward() got another batch than the one init_forward_metadata() prepared: "
                               "prepare each new batch first (its metadata would be the previous step's)")
-        if meta.plan is not None and (batch.forward_mode != lay.mode or batch.batch_size != lay.bs):
+        if meta.key is not None and (batch.forward_mode != lay.mode or batch.batch_size != lay.bs):
             raise LayoutError(f"forward() got a {batch.forward_mode.name} batch of bs={batch.batch_size}, the "
                               f"graph metadata was prepared for {lay.mode.name} bs={lay.bs}")
         shape, width = q.shape, lay.width       # q.shape read once: each read costs an eager call time
@@ -364,7 +348,7 @@ class LayoutBackend(AttentionBackend):
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "
                                  f"{None if k is None else tuple(k.shape)} and {tuple(batch.out_cache_loc.shape)}")
-            if meta.plan is None:           # eager (graph batches are the runner's, padded by its plan)
+            if meta.key is None:            # eager (graph batches are the runner's, padded by its step)
                 real = batch.raw_bs * lay.width if lay.width else int(batch.extend_seq_lens_cpu[:batch.raw_bs].sum())
                 self.memory.check_slots(batch.out_cache_loc, real)
             self._store_kv(layer, batch.out_cache_loc, k, v)

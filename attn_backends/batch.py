@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from .step import LayoutPlan
+    from .step import StepView
 
 
 class ForwardMode(enum.IntEnum):
@@ -132,9 +132,9 @@ class GraphInputs:
     seq_lens_cpu : Tensor      ``[bs]`` int32, host copy of ``seq_lens`` (no device sync needed).
     spec_info : SpecInfo or None
     raw_bs : int               real requests; rows ``raw_bs..bs-1`` are padding.
-    plan : LayoutPlan or None  the step plan the runner has already updated for this key: the
+    step : StepView or None    the view of the runner's step, already updated for this key: the
                                backend reads the canonical layout from it and derives only its
-                               extras. None: the backend prepares the layout itself.
+                               own metadata. None: the backend makes the view from these tensors.
     """
 
     key: GraphKey
@@ -143,7 +143,7 @@ class GraphInputs:
     seq_lens_cpu: torch.Tensor
     spec_info: Optional[SpecInfo] = None
     raw_bs: int = -1
-    plan: Optional["LayoutPlan"] = None
+    step: Optional["StepView"] = None
 
     def __post_init__(self) -> None:
         if self.raw_bs < 0:
@@ -170,8 +170,8 @@ class ForwardBatch:
     input_ids : Tensor or None    ``[num_tokens]`` int64.
     input_embeds : Tensor or None ``[num_tokens, hidden]``: overrides the embedding lookup.
     raw_bs : int                  real requests (``<= bs``); rows past it are padding.
-    plan : LayoutPlan or None     the step plan that built this batch's layout once for every
-                                  layer and backend (``LayoutPlan.build`` sets it).
+    step : StepView or None       the view of the step that built this batch's layout once for
+                                  every layer and backend (``Step.build`` sets it).
     """
 
     forward_mode: ForwardMode
@@ -188,7 +188,7 @@ class ForwardBatch:
     input_ids: Optional[torch.Tensor] = None
     input_embeds: Optional[torch.Tensor] = None
     raw_bs: int = -1
-    plan: Optional["LayoutPlan"] = None
+    step: Optional["StepView"] = None
 
     def __post_init__(self) -> None:
         if self.raw_bs < 0:
@@ -208,7 +208,7 @@ class ForwardBatch:
 
     def graph_inputs(self) -> GraphInputs:
         return GraphInputs(self.graph_key(), self.req_pool_indices, self.seq_lens,
-                           self.seq_lens_cpu, self.spec_info, self.raw_bs, self.plan)
+                           self.seq_lens_cpu, self.spec_info, self.raw_bs)
 
 
 def query_width(mode: ForwardMode, spec_info: Optional[SpecInfo]) -> int:

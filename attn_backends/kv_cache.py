@@ -125,6 +125,7 @@ class KVMemory:
         self.is_mla = is_mla
         self.req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         self.pages = PageAllocator(num_pages, page_order, seed)
+        self.library_buffers: dict = {}   # tag -> a library's workspace over this memory (FlashInfer's)
         if is_mla:
             self.pool = MLAPool(num_layers, self.num_slots, kv_lora_rank, rope_dim, dtype, device)
         else:

@@ -10,21 +10,22 @@ and each forward appends ``topk`` contiguous positions, as every uniform mode do
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo, select_rows
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo, select_rows
 from attn_backends.layout import pad_seq_len
-from attn_backends.step import LayoutPlan, load_rows_of_steps, step_plan
+from attn_backends.step import Step, StepGroup, prep_placement
 
 from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
 I32, I64 = torch.int32, torch.int64
-# Draft forwards a multi-step runner chains: a step plan loads each step's number from device
-# constants 0..max_bs+64 (layout_buffers.RowCopies), so 64 holds whatever the buckets.
+# Draft forwards a multi-step runner chains: a step loads each draft step's number from device
+# constants 0..max_bs+64 (step.buffers.RowCopies), so 64 holds whatever the buckets.
 MAX_DRAFT_STEPS = 64
 
 
@@ -71,8 +72,8 @@ class DraftExtendRunner(UniformGraphRunner):
 
 
 class MultiStepDraftRunner(GraphRunnerBase):
-    """``num_steps`` draft-decode forwards in one graph, each step with its own backends and its
-    own step plan (step ``s`` sees ``seq_lens = prefix + s*topk``)."""
+    """``num_steps`` draft-decode forwards in one graph, each with its own backends and its own
+    step of the runner's :class:`StepGroup` (draft step ``s`` sees ``seq_lens = prefix + s*topk``)."""
 
     def __init__(self, model, step_backends: list, memory, topk: int, num_steps: int, buckets,
                  capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
@@ -91,14 +92,16 @@ class MultiStepDraftRunner(GraphRunnerBase):
                     raise ValueError(f"steps {owners[id(b)] + 1} and {step + 1} share a backend instance; "
                                      "each draft step needs its own (its own metadata)")
         self.topk, self.num_steps, self.width = topk, num_steps, topk
-        self.plans = [LayoutPlan(memory, self.fill, max_bs=self.max_bs, max_width=topk, tokens=True)
-                      for _ in range(num_steps)]
-        self.input_ids = self.plans[0].input_ids          # the first token of each branch
+        self.prep = prep_placement(self.backends)
+        self.steps = StepGroup(memory, self.fill, num_steps, max_bs=self.max_bs, max_width=topk, tokens=True,
+                               prep=self.prep)
+        self._eager_steps = [Step(memory, self.fill) for _ in range(num_steps)]
+        self.input_ids = self.steps[0].input_ids          # the first token of each branch
         offsets = torch.arange(num_steps, device=memory.device)[:, None]
         self._seq_offsets = ((offsets + 1) * topk).to(I32)          # step s: seq_lens = prefix + (s+1)*topk
         self._pos_offsets = offsets                                 # step s: positions = prefix + s (int64)
         self._seq_offsets_np = self._seq_offsets.cpu().numpy()
-        self._inputs = {}
+        self._rows = {}                 # (key, draft step) -> the step's (req_pool_indices, seq_lens, seq_lens_cpu)
         for b in self.backends:
             b.init_cuda_graph_state(self.max_bs, self.max_bs * topk)
 
@@ -133,32 +136,31 @@ class MultiStepDraftRunner(GraphRunnerBase):
     def _static_batch(self, bucket: int):
         key = GraphKey(ForwardMode.DECODE, bucket, self.topk, self.capture_hidden_mode)
         n, k, batches = bucket * self.topk, self.topk, []
-        for s, p in enumerate(self.plans):
+        for s, p in enumerate(self.steps):
             # a valid capture batch: request row 0 with a prefix of 0 (seq_len >= W * step)
             seq = max(pad_seq_len(self.fill, k), k * (s + 1))
             p.seq_lens[:bucket].fill_(seq)
             p.seq_lens_cpu[:bucket] = seq
-            gi = p.graph_inputs(key, self.spec(s + 1))
-            self._inputs[(key, s)] = gi
-            batches.append(ForwardBatch(ForwardMode.DECODE, bucket, gi.req_pool_indices, gi.seq_lens, gi.seq_lens_cpu,
-                                        p.out_cache_loc[:n], p.positions[:n], spec_info=gi.spec_info,
-                                        capture_hidden_mode=self.capture_hidden_mode, raw_bs=bucket, plan=p))
+            self._rows[(key, s)] = rows = (p.req_pool_indices[:bucket], p.seq_lens[:bucket], p.seq_lens_cpu[:bucket])
+            batches.append(ForwardBatch(ForwardMode.DECODE, bucket, *rows, p.out_cache_loc[:n], p.positions[:n],
+                                        spec_info=p.spec_view(key, self.spec(s + 1)),
+                                        capture_hidden_mode=self.capture_hidden_mode, raw_bs=bucket))
         return key, batches
 
-    def _plans(self) -> list:
-        return self.plans
+    def _steps(self) -> list:
+        return list(self.steps)
 
     def _capture_metadata(self, key, static_batches) -> None:
-        for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
-            p.capture(key, sb.spec_info, key.bs, own_graph=not self.prep_in_step_graph)
+        for s, (p, sb) in enumerate(zip(self.steps, static_batches)):
+            view = p.capture(key, sb.spec_info, key.bs)
+            gi = GraphInputs(key, *self._rows[(key, s)], view.spec, view.raw_bs, view)
             for b in {id(b): b for b in self.step_backends[s]}.values():
-                b.init_forward_metadata_capture_cuda_graph(self._inputs[(key, s)])
+                b.init_forward_metadata_capture_cuda_graph(gi)
 
-    def _prepare_replay(self, key, static_batches) -> None:
-        for s, (p, sb) in enumerate(zip(self.plans, static_batches)):
-            p.update(key, sb.raw_bs, in_step_graph=self.prep_in_step_graph)
-            gi = self._inputs[(key, s)]
-            gi.raw_bs = sb.raw_bs
+    def _prepare_replay(self, key, raw_bs: int) -> None:
+        for s, p in enumerate(self.steps):
+            view = p.update(key, raw_bs)
+            gi = GraphInputs(key, *self._rows[(key, s)], view.spec, raw_bs, view)
             for b in {id(b): b for b in self.step_backends[s]}.values():
                 b.init_forward_metadata_replay_cuda_graph(gi)
 
@@ -166,8 +168,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
         ids = self.input_ids[:static_batches[0].batch_size * self.topk]
         tokens, scores, logits, hidden = [], [], None, None
         for s, sb in enumerate(static_batches):
-            sb.input_ids = ids
-            logits, hidden = self.model.forward(sb, self.step_backends[s])
+            # the graph's own step input: the previous step's tokens (a batch of this capture only)
+            logits, hidden = self.model.forward(dataclasses.replace(sb, input_ids=ids), self.step_backends[s])
             ids = logits.argmax(-1)                                     # greedy within each branch
             tokens.append(ids)
             scores.append(greedy_logprob(logits, ids))
@@ -176,7 +178,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
     def _load(self, inp: DraftInput):
         """Every step's rows from the step-1 inputs in two to four launches (step ``s`` sees
         seq_lens ``prefix + (s+1)*topk``, positions ``prefix + s`` and the slots of column ``s``),
-        then one copy launch into all the steps' plans."""
+        then one copy launch into all the steps."""
         raw, k, steps = inp.raw_bs, self.topk, self.num_steps
         key = GraphKey(ForwardMode.DECODE, self.bucket_for(raw), k, self.capture_hidden_mode)
         sbs = self.graphs[key][2]
@@ -186,11 +188,9 @@ class MultiStepDraftRunner(GraphRunnerBase):
             pos = pos.repeat_interleave(k, dim=1, output_size=raw * k)
         loc = inp.out_cache_loc.view(raw, steps, k).transpose(0, 1).reshape(steps, raw * k)
         seq_np = inp.prefix_lens_cpu.numpy()[None, :raw] + self._seq_offsets_np
-        load_rows_of_steps(self.plans, key, raw, inp.req_pool_indices, seq, seq_np,
-                           [[inp.input_ids if s == 0 else None, pos[s], loc[s]] for s in range(steps)])
-        for sb in sbs:
-            sb.raw_bs = raw
-        return key, sbs
+        self.steps.load_rows(key, raw, inp.req_pool_indices, seq, seq_np,
+                             [[inp.input_ids if s == 0 else None, pos[s], loc[s]] for s in range(steps)])
+        return key, sbs, raw
 
     def _slice(self, out, inp: DraftInput, static_batches) -> RunnerOutput:
         tokens, scores, logits, hidden = out
@@ -211,7 +211,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
                              loc[:, s].reshape(-1), (inp.prefix_lens.to(I64) + s).repeat_interleave(k),
                              spec_info=self.spec(s + 1), capture_hidden_mode=inp.capture_hidden_mode,
                              input_ids=ids)
-            b = step_plan(b, self.step_backends[s])
+            b = self._eager_steps[s].build(b)
             for be in {id(b_): b_ for b_ in self.step_backends[s]}.values():
                 be.init_forward_metadata(b)
             logits, hidden = self.model.forward(b, self.step_backends[s])

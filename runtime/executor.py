@@ -23,6 +23,7 @@ from attn_backends import (
     select_rows,
 )
 from attn_backends.registry import get_backend_class
+from attn_backends.step import Step
 
 from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from .full_graph import UniformGraphRunner
@@ -41,6 +42,7 @@ class ModelExecutor:
         self.runners = {k: r for k, r in runners.items() if r is not None}
         self.multi_step = multi_step
         self.counts: dict = defaultdict(lambda: {"graph": 0, "eager": 0})
+        self._eager_step: Optional[Step] = None     # kept across batches, with its library state
 
     def capture(self) -> None:
         for r in self.runners.values():
@@ -59,13 +61,21 @@ class ModelExecutor:
         if out is not None:
             return out
         width = 0 if batch.forward_mode == ForwardMode.EXTEND else batch.width
+        step = self._eager_step_of()
         if batch.forward_mode != ForwardMode.DRAFT_EXTEND:
-            return run_eager(self.model, self.eager_backends, batch, width)
-        out = run_eager(self.model, self.eager_backends, dataclasses.replace(batch, capture_hidden_mode=H.FULL), width)
+            return run_eager(self.model, self.eager_backends, batch, width, step)
+        out = run_eager(self.model, self.eager_backends, dataclasses.replace(batch, capture_hidden_mode=H.FULL), width,
+                        step)
         acc = batch.spec_info.accept_lens[:batch.raw_bs]
         rows = select_rows(batch.raw_bs, width, acc)
         hidden = slice_hidden(out.hidden, batch.capture_hidden_mode, batch.raw_bs * width, width, acc)
         return RunnerOutput(out.logits[rows], hidden, rows=rows)
+
+    def _eager_step_of(self) -> Step:
+        if self._eager_step is None:
+            per_layer = self.model.backends_per_layer(self.eager_backends)
+            self._eager_step = Step(per_layer[0].memory, max(b.get_cuda_graph_seq_len_fill_value() for b in per_layer))
+        return self._eager_step
 
     def draft(self, inp: DraftInput) -> RunnerOutput:
         """Multi-step draft decode: ``rows`` [bs, steps, topk] tokens, ``scores`` their log-probs."""

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphKey, SpecInfo
+from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo
 from attn_backends.layout import mask_kind
-from attn_backends.step import LayoutPlan
+from attn_backends.step import Step
 
 from .runner_base import INT_DTYPES, GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
 
@@ -21,9 +21,9 @@ _COPIED = (("req_pool_indices", False, False), ("seq_lens", False, False), ("seq
 
 
 class UniformGraphRunner(GraphRunnerBase):
-    """One graph per bucket of requests; every request owns W rows. The step plan owns the
-    static inputs (``input_ids``, ``positions``, ``out_cache_loc``, ``req_pool_indices``,
-    ``seq_lens``, ``tree_mask``, ``accept_lens`` are views of its buffers) and their padding."""
+    """One graph per bucket of requests; every request owns W rows. The step owns the static
+    inputs (``input_ids``, ``positions``, ``out_cache_loc``, ``req_pool_indices``, ``seq_lens``,
+    ``tree_mask``, ``accept_lens`` are views of its buffers) and their padding."""
 
     modes = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -38,11 +38,11 @@ class UniformGraphRunner(GraphRunnerBase):
         self.width = 1 if mode == ForwardMode.DECODE else spec.num_draft_tokens
         self.tree = spec is not None and spec.topk > 1 and mode == ForwardMode.TARGET_VERIFY
         w = self.width
-        self.plan = p = LayoutPlan(memory, self.fill, max_bs=self.max_bs, max_width=w, tokens=True)
+        self.step = p = Step(memory, self.fill, max_bs=self.max_bs, max_width=w, tokens=True, prep=self.prep)
         self.input_ids, self.positions, self.out_cache_loc = p.input_ids, p.positions, p.out_cache_loc
         self.req_pool_indices, self.seq_lens, self.seq_lens_cpu = p.req_pool_indices, p.seq_lens, p.seq_lens_cpu
         self.accept_lens, self.tree_mask = p.accept_lens, p.tree_mask(self.max_bs, w)
-        self._inputs = {}               # key -> GraphInputs handed to the backends at every replay
+        self._rows = {}                 # key -> the step's (req_pool_indices, seq_lens, seq_lens_cpu) of its bucket
         self._by_raw = {}               # raw_bs -> (key, static batch) of its bucket, once captured
         for b in self.backends:
             b.init_cuda_graph_state(self.max_bs, self.max_bs * w)
@@ -88,32 +88,30 @@ class UniformGraphRunner(GraphRunnerBase):
 
     def _static_batch(self, bucket: int):
         key = GraphKey(self.mode, bucket, self.width, self.capture_hidden_mode)
-        gi = self.plan.graph_inputs(key, self.spec)
-        n = bucket * self.width
-        sb = ForwardBatch(self.mode, bucket, gi.req_pool_indices, gi.seq_lens, gi.seq_lens_cpu,
-                          self.out_cache_loc[:n], self.positions[:n], spec_info=gi.spec_info,
-                          capture_hidden_mode=self.capture_hidden_mode, input_ids=self.input_ids[:n],
-                          raw_bs=bucket, plan=self.plan)
-        self._inputs[key] = gi
+        p, n = self.step, bucket * self.width
+        self._rows[key] = rows = (p.req_pool_indices[:bucket], p.seq_lens[:bucket], p.seq_lens_cpu[:bucket])
+        sb = ForwardBatch(self.mode, bucket, *rows, self.out_cache_loc[:n], self.positions[:n],
+                          spec_info=p.spec_view(key, self.spec), capture_hidden_mode=self.capture_hidden_mode,
+                          input_ids=self.input_ids[:n], raw_bs=bucket)
         return key, sb
 
     def _capture_metadata(self, key, static_batch) -> None:
-        self.plan.capture(key, static_batch.spec_info, static_batch.raw_bs, own_graph=not self.prep_in_step_graph)
+        view = self.step.capture(key, static_batch.spec_info, static_batch.raw_bs)
         for raw in range(1, key.bs + 1):
             if raw not in self._by_raw or self._by_raw[raw][0].bs > key.bs:
                 self._by_raw[raw] = (key, static_batch)
+        gi = GraphInputs(key, *self._rows[key], view.spec, view.raw_bs, view)
         for b in self.backends:
-            b.init_forward_metadata_capture_cuda_graph(self._inputs[key])
+            b.init_forward_metadata_capture_cuda_graph(gi)
 
-    def _prepare_replay(self, key, static_batch) -> None:
-        self.plan.update(key, static_batch.raw_bs, in_step_graph=self.prep_in_step_graph)
-        gi = self._inputs[key]
-        gi.raw_bs = static_batch.raw_bs
+    def _prepare_replay(self, key, raw_bs: int) -> None:
+        view = self.step.update(key, raw_bs)
+        gi = GraphInputs(key, *self._rows[key], view.spec, raw_bs, view)
         for b in self.backends:                  # I12: every backend instance, once
             b.init_forward_metadata_replay_cuda_graph(gi)
 
-    def _plans(self) -> list:
-        return [self.plan]
+    def _steps(self) -> list:
+        return [self.step]
 
     def _forward(self, static_batch):
         return self.model.forward(static_batch, self.layer_backends)
@@ -122,12 +120,11 @@ class UniformGraphRunner(GraphRunnerBase):
         raw = batch.raw_bs
         key, sb = self._by_raw[raw]
         spec = batch.spec_info
-        self.plan.load_rows(key, raw, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
+        self.step.load_rows(key, raw, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu,
                             tokens=[batch.input_ids, batch.positions, batch.out_cache_loc],
                             accept_lens=spec.accept_lens if self.mode == ForwardMode.DRAFT_EXTEND else None,
                             tree_mask=spec.tree_mask if self.tree else None)
-        sb.raw_bs = raw
-        return key, sb
+        return key, sb, raw
 
     def _slice(self, out, batch: ForwardBatch, static_batch) -> RunnerOutput:
         logits, hidden = out

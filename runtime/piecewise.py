@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode
-from attn_backends.step import LayoutPlan
+from attn_backends.step import Step
 
 from .graphs import make_graph
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden
@@ -22,7 +22,7 @@ class PiecewiseRunner(GraphRunnerBase):
 
     def __init__(self, model, backends, memory, token_buckets, capture_hidden_mode=CaptureHiddenMode.NULL) -> None:
         super().__init__(model, backends, memory, token_buckets, capture_hidden_mode)
-        self.plan = LayoutPlan(memory, self.fill)   # eager: EXTEND is ragged
+        self.step = Step(memory, self.fill)   # eager: EXTEND is ragged
         c, n, dev = model.config, self.max_bs, self.device
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.embeds = torch.zeros(n, c.hidden_size, dtype=c.dtype, device=dev)
@@ -77,7 +77,7 @@ class PiecewiseRunner(GraphRunnerBase):
         src = batch.input_embeds if batch.input_embeds is not None else self.model.embed(batch.input_ids)
         self.embeds[:raw].copy_(src)
         self.embeds[raw:t].zero_()
-        batch = self.plan.build(batch)           # the layout of every layer, once
+        batch = self.step.build(batch)           # the layout of every layer, once
         for b in self.backends:
             b.init_forward_metadata(batch)
         pieces = self.graphs[t]

@@ -1,8 +1,8 @@
 """What every graph runner shares: buckets (captured largest first into one memory pool),
 ``can_run`` guards, replay counting and output slicing (clones: a replay never aliases an
-earlier result). The static inputs and their padding belong to the step plan
-(:class:`attn_backends.step.LayoutPlan`): a runner writes only the real rows of a batch and
-updates the plan once per replay."""
+earlier result). The static inputs and their padding belong to the step
+(:class:`attn_backends.step.Step`): a runner writes only the real rows of a batch, updates the
+step once per replay and hands its backends the view the update returns."""
 from __future__ import annotations
 
 import bisect
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch
-from attn_backends.step import step_plan
+from attn_backends.step import Prep, Step, prep_placement
 
 from .graphs import make_graph
 
@@ -94,6 +94,7 @@ class GraphRunnerBase:
         self.graphs: dict = {}          # key -> (graph, static outputs, static batch)
         self.replay_count = 0
         self.fill = max(b.get_cuda_graph_seq_len_fill_value() for b in self.backends)
+        self.prep = prep_placement(self.backends)       # where the steps' layout prep runs, for good
 
     @property
     def max_bs(self) -> int:
@@ -120,7 +121,6 @@ class GraphRunnerBase:
         return self.refusal(batch) is None
 
     def capture(self) -> None:
-        self.prep_in_step_graph = all(getattr(b, "reads_step_plan", False) for b in self.backends)
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
             key, static_batch = self._static_batch(bucket)
             self._capture_metadata(key, static_batch)
@@ -129,21 +129,17 @@ class GraphRunnerBase:
             self.graphs[key] = (graph, out, static_batch)
 
     segmented = False
-    # Whether the step plans' prep is recorded at the start of the step's own graph (one launch
-    # per step instead of two): set at capture, when every backend declares ``reads_step_plan``
-    # (it reads the layout from the plan and prepares nothing from the device inputs itself).
-    prep_in_step_graph = False
 
     def _step(self, key, static_batch):
-        """What a captured graph holds: the step plans' prep (see ``prep_in_step_graph``), then
-        the forward."""
-        if self.prep_in_step_graph:
-            for plan in self._plans():
-                plan.prep(key)
+        """What a captured graph holds: the steps' layout prep where it runs in the step's graph
+        (``Prep.IN_STEP_GRAPH``: one launch per step instead of two), then the forward."""
+        for step in self._steps():
+            if step.prep is Prep.IN_STEP_GRAPH:
+                step.run_prep(key)
         return self._forward(static_batch)
 
-    def _plans(self) -> list:
-        """The step plans whose inputs the captured graphs read (one per forward of a step)."""
+    def _steps(self) -> list:
+        """The steps whose inputs the captured graphs read (one per forward of a step)."""
         return []
 
     def run(self, batch) -> RunnerOutput:
@@ -157,8 +153,8 @@ class GraphRunnerBase:
         return None if self.refusal(batch) else self._run(batch)
 
     def prepare(self, batch):
-        """Replay preparation of one step: the batch's real rows into the plan's inputs, one
-        plan update (padding and the layout of every layer), every backend's extras. Returns
+        """Replay preparation of one step: the batch's real rows into the step's inputs, one
+        step update (padding and the layout of every layer), every backend's update. Returns
         ``(key, static batch)``; raises :class:`RunnerRefusal` for a batch it cannot run."""
         self._refuse(batch)
         return self._prepare(batch)
@@ -169,8 +165,8 @@ class GraphRunnerBase:
             raise RunnerRefusal(f"{type(self).__name__} cannot run this batch: {reason}")
 
     def _prepare(self, batch):
-        key, static_batch = self._load(batch)
-        self._prepare_replay(key, static_batch)
+        key, static_batch, raw = self._load(batch)
+        self._prepare_replay(key, raw)
         return key, static_batch
 
     def _run(self, batch) -> RunnerOutput:
@@ -183,31 +179,34 @@ class GraphRunnerBase:
 
     # subclass hooks
     def _static_batch(self, bucket: int):
-        """``(key, static batch)`` over the plan's inputs, holding a valid capture batch."""
+        """``(key, static batch)`` over the step's inputs, holding a valid capture batch."""
         raise NotImplementedError
 
     def _capture_metadata(self, key, static_batch) -> None:
         raise NotImplementedError
 
-    def _prepare_replay(self, key, static_batch) -> None:
+    def _prepare_replay(self, key, raw_bs: int) -> None:
+        """Update the step(s) for ``raw_bs`` real rows and hand every backend the new view."""
         raise NotImplementedError
 
     def _forward(self, static_batch):
         raise NotImplementedError
 
     def _load(self, batch):
-        """Write the batch's real rows into the plan's inputs; returns ``(key, static batch)``."""
+        """Write the batch's real rows into the step's inputs; returns ``(key, static batch, raw_bs)``."""
         raise NotImplementedError
 
     def _slice(self, out, batch, static_batch) -> RunnerOutput:
         raise NotImplementedError
 
 
-def run_eager(model, backends, batch: ForwardBatch, width: int) -> RunnerOutput:
-    """The reference path: one eager step plan, eager metadata on every backend, one model
-    forward, raw rows."""
+def run_eager(model, backends, batch: ForwardBatch, width: int, step: Optional[Step] = None) -> RunnerOutput:
+    """The reference path: one eager step (``step``, kept by the caller across batches with its
+    library state, or a new one), eager metadata on every backend, one model forward, raw rows."""
     per_layer = model.backends_per_layer(backends)
-    batch = step_plan(batch, per_layer)
+    if step is None:
+        step = Step(per_layer[0].memory, max(b.get_cuda_graph_seq_len_fill_value() for b in per_layer))
+    batch = step.build(batch)
     for b in {id(b): b for b in per_layer}.values():
         b.init_forward_metadata(batch)
     logits, hidden = model.forward(batch, backends, batch.input_embeds)

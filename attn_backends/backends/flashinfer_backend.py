@@ -75,7 +75,7 @@ class DecodeCall(_Call):
             del b["qo_indptr"]          # the decode wrapper keeps its own arange(bs+1)
             kw.update(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"],
                       paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=b["kv_last_page_len"])
-        self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(float_workspace(self.memory.device), "NHD", **kw)
+        self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD", **kw)
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
         c = self.cfg
@@ -102,7 +102,7 @@ class PrefillCall(_Call):
                 kw.update(custom_mask_buf=b["custom_mask"], mask_indptr_buf=b["mask_indptr"])
             kw.update(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"], paged_kv_indptr_buf=b["kv_indptr"],
                       paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=b["kv_last_page_len"])
-        self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(float_workspace(self.memory.device), "NHD",
+        self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD",
                                                                       **kw)
 
     def packed_mask(self, layout: Layout, host: HostPlan) -> torch.Tensor:

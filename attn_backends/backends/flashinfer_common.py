@@ -2,15 +2,16 @@
 
 * The lazy import: the package imports without flashinfer; constructing a backend raises an
   ImportError naming the extra (``pip install 'attn-backends[flashinfer]'``).
-* One zeroed float workspace per device, shared by every wrapper (their runs never overlap).
+* One zeroed float workspace per KV memory, shared by every wrapper over it (their runs never
+  overlap).
 * :class:`HostPlan`: the host copies a FlashInfer ``plan()`` reads (``qo_indptr``,
   ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
   and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
   device. The device ``kv_indices`` is the step plan's layout buffer itself.
 * :class:`FlashInferBase`: one FlashInfer plan per step, one run per layer. The wrapper of a
-  (backend class, model config, GraphKey) lives in the step plan (``LayoutPlan.library_state``)
-  so every layer's instance runs the same wrapper; the first instance refreshed in a step plans
-  it (``LayoutPlan.first_in_step``), the others only run. Graph mode uses the wrappers'
+  (backend class, model config, GraphKey) lives in the step's cache (``StepView.cache``) so every
+  layer's instance runs the same wrapper; the first instance updated in a step (a new
+  ``StepView.step_id``) plans it, the others only run. Graph mode uses the wrappers'
   ``use_cuda_graph=True`` form on fixed buffers the backend allocates (listed in
   ``graph_buffers()``); capture plans exactly as replay does.
 """
@@ -18,21 +19,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
 
 from ..base import ForwardMetadata, LayoutBackend
-from ..batch import ForwardBatch, GraphInputs, GraphKey
+from ..batch import GraphKey
 from ..layout import Layout, host_seq_lens, pad_seq_len
+from ..step import LibraryKey, StepView
 
 EXTRA = "pip install 'attn-backends[flashinfer]'"
-WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per device
+WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per KV memory
 I32 = torch.int32
-EAGER_CALLS_KEPT = 16                # eager wrappers kept (one per kind and, uniform, per (bs, W))
-_workspaces: dict = {}
-_EAGER_CALLS: OrderedDict = OrderedDict()
+EAGER_CALLS_KEPT = 16                # eager wrappers a step keeps (one per kind and, uniform, per (bs, W))
 
 
 def import_flashinfer():
@@ -44,13 +44,13 @@ def import_flashinfer():
     return flashinfer
 
 
-def float_workspace(device: torch.device, tag: str = "fa") -> torch.Tensor:
-    """A zeroed ``WORKSPACE_BYTES`` uint8 buffer per (device, tag), allocated on first use
-    (FlashInfer: "must be initialized to 0 for its first use")."""
-    key = (str(device), tag)
-    ws = _workspaces.get(key)
+def float_workspace(memory, tag: str = "fa") -> torch.Tensor:
+    """A zeroed ``WORKSPACE_BYTES`` uint8 buffer per (KV memory, tag), allocated on first use
+    (FlashInfer: "must be initialized to 0 for its first use"); kept with the memory."""
+    held = memory.library_buffers
+    ws = held.get(tag)
     if ws is None:
-        ws = _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = held[tag] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=memory.device)
     return ws
 
 
@@ -84,39 +84,51 @@ def host_plan(seq: np.ndarray, q_lens: np.ndarray, page_size: int, max_kv: Optio
                     int(seq.max()) if max_kv is None else max_kv)
 
 
-def eager_host_plan(batch: ForwardBatch, layout: Layout, fill: int) -> HostPlan:
-    """Eager: from the batch's host copies, with the canonical pad rows (``layout.canonical_rows``:
+def eager_host_plan(view: StepView) -> HostPlan:
+    """Eager: from the step's host copies, with the canonical pad rows (``layout.canonical_rows``:
     ``seq_len = pad_seq_len(fill, W)``, EXTEND pad rows one query token)."""
+    layout = view.layout
     w = layout.width or 1
-    seq = host_seq_lens(batch.seq_lens_cpu, batch.raw_bs, pad_seq_len(fill, w))
+    seq = host_seq_lens(view.seq_lens_cpu, view.raw_bs, pad_seq_len(view.fill, w))
     if layout.width:
         q_lens = np.full(len(seq), layout.width, dtype=np.int64)
     else:
-        q_lens = batch.extend_seq_lens_cpu.numpy().astype(np.int64)
-        q_lens[batch.raw_bs:] = 1
+        q_lens = view.extend_seq_lens_cpu.numpy().astype(np.int64)
+        q_lens[view.raw_bs:] = 1
     return host_plan(seq, q_lens, layout.page_size)
 
 
-def graph_host_plan(plan, key: GraphKey, page_size: int, max_context_len: int,
+def graph_host_plan(view: StepView, key: GraphKey, page_size: int, max_context_len: int,
                     qo_indptr: Optional[torch.Tensor] = None) -> HostPlan:
-    """Graph mode: from the step plan's host ``seq_lens_cpu`` (canonical after ``update()`` and
+    """Graph mode: from the step's host ``seq_lens_cpu`` (canonical after ``update()`` and
     ``capture()``: pad rows hold the pad seq_len) and the key; the KV bound is the static
     ``max_context_len``. ``qo_indptr``: the key's ``arange(0, bs*W + 1, W)`` if already made."""
-    seq = plan.seq_lens_cpu[:key.bs].numpy().astype(np.int64)
+    seq = view.seq_lens_cpu[:key.bs].numpy().astype(np.int64)
     h = host_plan(seq, np.full(key.bs, key.width, dtype=np.int64), page_size, max_kv=max_context_len)
     if qo_indptr is None:
         return h
     return HostPlan(qo_indptr, h.kv_indptr, h.kv_last_page_len, h.kv_lens, h.num_pages, h.max_kv)
 
 
+@dataclass(eq=False)
+class Planned:
+    """A FlashInfer call object kept in a step's cache, and the step id it was last planned in."""
+
+    call: Any
+    step_id: int = -1
+
+
+@dataclass(eq=False)
+class FlashInferMetadata(ForwardMetadata):
+    planned: Optional[Planned] = None
+
+
 class FlashInferBase(LayoutBackend):
     """Plans once per step, runs once per layer. Subclasses define :meth:`_new_call` (a wrapper
     and its fixed buffers, for a GraphKey or eager) and :meth:`_kind` (which wrapper a layout
-    needs); the call object has ``plan(layout, host)``, ``run(q, layer)`` and ``buffers``."""
-
-    # FlashInfer's plan() reads the step plan's device layout at replay preparation (the packed
-    # mask, the indices it copies), so the plan's prep must run before it, not in the step's graph.
-    reads_step_plan: ClassVar[bool] = False
+    needs); the call object has ``plan(layout, host)``, ``run(q, layer)`` and ``buffers``.
+    FlashInfer's ``plan()`` reads the step's device layout (the packed mask, the indices it
+    copies), so planning is replay work: the step's prep runs before it (``replay_work``)."""
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)     # checks the device and dtype against the capabilities
@@ -134,52 +146,50 @@ class FlashInferBase(LayoutBackend):
         buffer, or (``key`` None) the eager form."""
         raise NotImplementedError
 
-    # -- eager: the step plan's layout, then one FlashInfer plan per step
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        super().init_forward_metadata(batch)
-        meta = self.forward_metadata
-        lay, plan = meta.layout, batch.plan
-        call, owner = self._eager_call(lay)
-        fresh = plan.first_in_step(owner) if plan is not None else True
-        if fresh:
-            fill = plan.fill if plan is not None else self.get_cuda_graph_seq_len_fill_value()
-            call.plan(lay, eager_host_plan(batch, lay, fill))
-        meta.extra["fi"] = call
+    def _metadata(self, view: StepView, key: Optional[GraphKey]) -> FlashInferMetadata:
+        if key is None:
+            return FlashInferMetadata(view, None, planned=self._eager_call(view))
+        owner = LibraryKey(type(self), self.config, key)
+        planned = view.cache.get(owner)
+        if planned is None:
+            lay = view.layout
+            planned = view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices))
+        return FlashInferMetadata(view, key, planned=planned)
 
-    def _eager_call(self, lay: Layout):
-        """``(call, owner)`` for an eager layout. FlashInfer plans a graph-form wrapper unlike an
-        eager one (split-KV always on, other query tiles), so a uniform batch runs the graph form
-        at its (bs, W), on a kv_indices buffer of its own: eager and replay then launch the same
-        kernels on the same padded batch, bitwise equal. Ragged EXTEND, never captured, runs the
-        eager form. Kept process-wide (a step plan may live one step), the last few per kind."""
+    def _update(self, meta: FlashInferMetadata, view: StepView) -> None:
+        planned = meta.planned
+        if planned.step_id == view.step_id:      # one plan per step, whichever layer comes first
+            return
+        planned.step_id = view.step_id
+        key = meta.key
+        planned.call.plan(view.layout, eager_host_plan(view) if key is None else self.graph_host_plan(view, key))
+
+    def _eager_call(self, view: StepView) -> Planned:
+        """The call of an eager layout. FlashInfer plans a graph-form wrapper unlike an eager one
+        (split-KV always on, other query tiles), so a uniform batch runs the graph form at its
+        (bs, W), on a kv_indices buffer of its own: eager and replay then launch the same kernels
+        on the same padded batch, bitwise equal. Ragged EXTEND, never captured, runs the eager
+        form. Kept in the step's cache (a step kept across batches keeps them), the last
+        ``EAGER_CALLS_KEPT``."""
+        lay = view.layout
         key = GraphKey(lay.mode, lay.bs, lay.width) if lay.width and self.eager_as_graph else None
-        owner = (type(self), self.config, self.memory, "eager", self._kind(lay), key)
-        call = _EAGER_CALLS.pop(owner, None)
-        if call is None:
+        owner = LibraryKey(type(self), (self.config, id(self.memory)), None, "eager calls")
+        kept = view.cache.get(owner)
+        if kept is None:
+            kept = view.cache[owner] = OrderedDict()
+        kind = (self._kind(lay), key)
+        planned = kept.pop(kind, None)
+        if planned is None:
             pages = lay.bs * (self.memory.max_context_len // self.memory.page_size)
             indices = None if key is None else torch.zeros(pages, dtype=I32, device=self.memory.device)
-            call = self._new_call(lay, key, indices)
-        _EAGER_CALLS[owner] = call
-        while len(_EAGER_CALLS) > EAGER_CALLS_KEPT:
-            _EAGER_CALLS.popitem(last=False)
-        return call, owner
+            planned = Planned(self._new_call(lay, key, indices))
+        kept[kind] = planned
+        while len(kept) > EAGER_CALLS_KEPT:
+            kept.popitem(last=False)
+        return planned
 
-    # -- graphs: capture plans exactly as replay does
-    def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
-        super().init_forward_metadata_capture_cuda_graph(inputs)
-        self._refresh_extras(self.forward_metadata, inputs)
-
-    def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
-        plan, key, lay = meta.plan, inputs.key, meta.layout
-        owner = (type(self), self.config, key)
-        call = meta.extra.get("fi")
-        if call is None:
-            call = meta.extra["fi"] = plan.library_state(owner, lambda: self._new_call(lay, key, lay.kv_indices))
-        if plan.first_in_step(owner):            # one plan per step, whichever layer comes first
-            call.plan(lay, self.graph_host_plan(plan, key))
-
-    def graph_host_plan(self, plan, key: GraphKey) -> HostPlan:
-        h = graph_host_plan(plan, key, self.memory.page_size, self.memory.max_context_len,
+    def graph_host_plan(self, view: StepView, key: GraphKey) -> HostPlan:
+        h = graph_host_plan(view, key, self.memory.page_size, self.memory.max_context_len,
                             self._qo.get((key.bs, key.width)))
         self._qo.setdefault((key.bs, key.width), h.qo_indptr)
         return h
@@ -187,16 +197,13 @@ class FlashInferBase(LayoutBackend):
     def _extra_graph_buffers(self) -> dict:
         out = {}
         for (key, _), meta in self._graph_meta.items():
-            call = meta.extra.get("fi")
-            if call is None:
-                continue
+            call = meta.planned.call
             tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
             out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
         return out
 
-    def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, layer, meta: FlashInferMetadata) -> torch.Tensor:
         if layer.scaling != self.config.sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
                              f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
-        return meta.extra["fi"].run(q, layer)
-
+        return meta.planned.call.run(q, layer)

@@ -43,7 +43,7 @@ class MLACall:
             b = self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_len_arr": z(key.bs)}
             kw.update(use_cuda_graph=True, qo_indptr=b["qo_indptr"], kv_indptr=b["kv_indptr"],
                       kv_indices=indices, kv_len_arr=b["kv_len_arr"])
-        self.wrapper = self.fi.mla.BatchMLAPagedAttentionWrapper(float_workspace(dev), **kw)
+        self.wrapper = self.fi.mla.BatchMLAPagedAttentionWrapper(float_workspace(self.memory), **kw)
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
         c = self.cfg

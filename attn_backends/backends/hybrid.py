@@ -80,9 +80,9 @@ class HybridBackend(AttentionBackend):
         self._active: Optional[AttentionBackend] = None
 
     @property
-    def reads_step_plan(self) -> bool:
-        """A runner may record the plan's prep in its step's graph only if every delegate allows it."""
-        return all(getattr(d, "reads_step_plan", False) for d in self.sub_backends())
+    def replay_work(self) -> bool:
+        """A runner may record the step's prep in its graph only if no delegate does replay work."""
+        return any(getattr(d, "replay_work", True) for d in self.sub_backends())
 
     @classmethod
     def extra_unavailable_reason(cls, device: str) -> Optional[str]:
@@ -143,9 +143,9 @@ class HybridBackend(AttentionBackend):
         return out
 
     @property
-    def graph_plans(self) -> list:
-        plans = [p for d in self.sub_backends() for p in getattr(d, "graph_plans", [])]
-        return list({id(p): p for p in plans}.values())
+    def graph_steps(self) -> list:
+        views = [v for d in self.sub_backends() for v in getattr(d, "graph_steps", [])]
+        return list({v.origin: v for v in views}.values())
 
     def forward(self, q, k, v, layer, batch: ForwardBatch, save_kv_cache: bool = True):
         return self._delegate(batch.forward_mode).forward(q, k, v, layer, batch, save_kv_cache)

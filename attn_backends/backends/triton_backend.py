@@ -15,11 +15,11 @@ from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
 from attn_backends_kernels.kv_store import store_kv
 
-from ..base import Capabilities, ForwardMetadata, GraphSupport
+from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
 from ..config import AttentionLayer
 from ..layout import Layout, MaskKind
-from .triton_common import TritonBackendBase
+from .triton_common import TritonBackendBase, TritonMetadata
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                        ForwardMode.DRAFT_EXTEND})
@@ -95,10 +95,10 @@ class TritonBackend(TritonBackendBase):
         return pool.k[layer.layer_id], pool.v[layer.layer_id]
 
     def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
-                meta: ForwardMetadata) -> None:
+                meta: TritonMetadata) -> None:
         lay = meta.layout
         kb, vb = kv
-        splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
+        splits, ws = meta.num_kv_splits, meta.workspace
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
                                  layer.scaling, splits, out, workspace=ws)

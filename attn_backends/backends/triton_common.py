@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -11,8 +12,9 @@ from attn_backends_kernels.attention_core import cuda_index, decode_workspace, s
 from attn_backends_kernels.launch_record import Recorded, recording
 
 from ..base import ForwardMetadata, LayoutBackend
-from ..batch import GraphInputs, GraphKey
+from ..batch import GraphKey
 from ..layout import Layout, stream_capturing
+from ..step import LibraryKey, StepView
 
 MAX_KV_SPLITS = 32
 # Up to 64 splits where a batch has too few programs to fill the GPU at 32: at most 4 x SMs / 64
@@ -57,10 +59,14 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     return count if count < exact_below else 1 << (count.bit_length() - 1)
 
 
-def _book_in_meta(meta: ForwardMetadata) -> bool:
-    """Whether the recorded launches of ``meta`` live in its ``extra`` (graph metadata, or an
-    eager batch without a step plan) rather than in the step plan."""
-    return meta.plan is not None or meta.batch is None or meta.batch.plan is None
+@dataclass(eq=False)
+class TritonMetadata(ForwardMetadata):
+    """The split count and split workspace of a key (or an eager step), and the launches recorded
+    by graph metadata called outside a capture (softmax scale -> :class:`Recorded`)."""
+
+    num_kv_splits: int = 1
+    workspace: Optional[tuple] = None
+    book: dict = field(default_factory=dict)
 
 
 class TritonBackendBase(LayoutBackend):
@@ -142,15 +148,15 @@ class TritonBackendBase(LayoutBackend):
         """The kernel wrapper's call: attention of ``q`` over ``kv`` into ``out``."""
         raise NotImplementedError
 
-    def _run(self, q: torch.Tensor, layer, meta: ForwardMetadata) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, layer, meta: TritonMetadata) -> torch.Tensor:
         kv = self._kv_buffers(layer)
-        shape = q.shape                 # torch.empty with dtype and device: 0.2-0.3 us under new_empty (H200 host)
+        shape = q.shape                 # torch.empty with dtype and device: cheaper than new_empty on the host
         out = torch.empty(shape[0], shape[1], self._out_dim(), dtype=q.dtype, device=q.device)
-        if meta.plan is not None and stream_capturing():   # captured: the graph replays the launch
+        if meta.key is not None and stream_capturing():   # captured: the graph replays the launch
             self._launch(q, kv, out, layer, meta)
             return out
         inputs = (q, *kv, out)
-        book = self._eager_book(meta)
+        book = self._book(meta)
         rec = book.get(layer.scaling)
         if rec is not None and rec.replay(inputs):
             return out
@@ -159,36 +165,37 @@ class TritonBackendBase(LayoutBackend):
             return out
         with recording() as launches:
             self._launch(q, kv, out, layer, meta)
-        # the KV buffers are the pool's (their facts checked once each), out is this call's own
+        # the KV buffers are the pool's (their facts checked once each), out is this call's own;
+        # kept once a call succeeded: a failed call changes nothing
         book[layer.scaling] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
-        if _book_in_meta(meta):                   # kept once a call succeeded: a failed call changes nothing
-            meta.extra["recorded"] = book
         return out
 
-    def _eager_book(self, meta: ForwardMetadata) -> dict:
+    def _book(self, meta: TritonMetadata) -> dict:
         """The recorded launches (softmax scale -> :class:`Recorded`) of eager calls. Graph
         metadata called outside a capture (the breakable runner's attention between its graph
-        segments): in the metadata of the key, whose every tensor but q, KV and out is static and
-        whose host values come from the key, so one recording serves every later replay. An eager
-        step: in the step plan when the batch has one, shared by every instance of this class
-        over the same config and KV memory (they read the plan's one layout: with a backend
-        instance per layer the step still records once), else in the step's metadata."""
-        if _book_in_meta(meta):
-            return meta.extra.get("recorded", {})
-        plan = meta.batch.plan
-        held = plan.library_state(("recorded launches", type(self), self.config, id(self.memory)), lambda: [None, {}])
-        if held[0] is not meta.layout:            # a plan built again: its launches read the old layout
-            held[0], held[1] = meta.layout, {}
+        segments): the key's record, whose every tensor but q, KV and out is static and whose
+        host values come from the key, so one recording serves every later replay. An eager
+        step: the step's cache, shared by every instance of this class over the same config and
+        KV memory (they read the step's one layout: with a backend instance per layer the step
+        still records once), new with each step id (a new layout)."""
+        if meta.key is not None:
+            return meta.book
+        view = meta.view
+        owner = LibraryKey(type(self), (self.config, id(self.memory)), None, "recorded launches")
+        held = view.cache.get(owner)
+        if held is None or held[0] != view.step_id:
+            held = view.cache[owner] = (view.step_id, {})
         return held[1]
 
-    def _extras(self, layout: Layout, key: Optional[GraphKey]) -> dict:
-        splits = self._splits(layout)
+    def _metadata(self, view: StepView, key: Optional[GraphKey]) -> TritonMetadata:
+        # I4: the split count is a function of the key alone (a host int), fixed with the record
+        splits = self._splits(view.layout)
         ws = None
         if key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))
-        return {"num_kv_splits": splits, "workspace": ws}
+        return TritonMetadata(view, key, num_kv_splits=splits, workspace=ws)
 
     def _extra_graph_buffers(self) -> dict:
         """The split workspaces' partials. Not their counters (the fused merge's, see
@@ -197,12 +204,7 @@ class TritonBackendBase(LayoutBackend):
         corrupted kernel state, not for stale data."""
         out = {}
         for i, ((key, _), meta) in enumerate(self._graph_meta.items()):
-            ws = meta.extra.get("workspace")
-            if ws is not None:
+            if meta.workspace is not None:
                 tag = f"{key.forward_mode.name}_{key.bs}x{key.width}#{i}"
-                out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = ws[:2]
+                out[f"workspace_part_{tag}"], out[f"workspace_lse_{tag}"] = meta.workspace[:2]
         return out
-
-    def _refresh_extras(self, meta: ForwardMetadata, inputs: GraphInputs) -> None:
-        # I4: the split count is re-derived on every replay from the key alone (a host int).
-        meta.extra["num_kv_splits"] = self._splits(meta.layout)

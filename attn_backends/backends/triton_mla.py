@@ -16,11 +16,11 @@ from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape
 from attn_backends_kernels.mla.swap import decodes_transposed
 from attn_backends_kernels.mla.warpspec import partial_dtype
 
-from ..base import Capabilities, ForwardMetadata, GraphSupport
+from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
 from ..config import AttentionLayer
 from ..layout import MaskKind
-from .triton_common import TritonBackendBase
+from .triton_common import TritonBackendBase, TritonMetadata
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                        ForwardMode.DRAFT_EXTEND})
@@ -76,9 +76,9 @@ class TritonMLABackend(TritonBackendBase):
         return (self.memory.pool.kv[layer.layer_id],)
 
     def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
-                meta: ForwardMetadata) -> None:
+                meta: TritonMetadata) -> None:
         lay = meta.layout
-        splits, ws = meta.extra["num_kv_splits"], meta.extra["workspace"]
+        splits, ws = meta.num_kv_splits, meta.workspace
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
                           splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,

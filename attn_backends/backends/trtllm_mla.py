@@ -71,7 +71,7 @@ class TrtllmMLABackend(TritonMLABackend):
         from .flashinfer_common import float_workspace
         lay, c = meta.layout, self.config
         if self._workspace is None:   # zeroed and not shared with FlashInfer's fa2/fa3 wrappers (semaphores)
-            self._workspace = float_workspace(self.memory.device, tag="trtllm-gen")
+            self._workspace = float_workspace(self.memory, tag="trtllm-gen")
         kv, ps = self.memory.pool.kv[layer.layer_id], self.memory.page_size
         out = torch.empty(*q.shape[:3], c.kv_lora_rank, dtype=q.dtype, device=q.device)
         trtllm_batch_decode_with_kv_cache_mla(

@@ -1,10 +1,11 @@
-"""Fingerprints of the mutable state of a backend, a step plan, a runner or a KV memory: what
+"""Fingerprints of the mutable state of a backend, a step, a runner or a KV memory: what
 "a public call that raises leaves everything exactly as it was" is checked against.
 
 A fingerprint is a plain dict of host values and tensor bytes; :func:`state_diff` names every
 entry that differs. Tensors are compared bit for bit (NaN equals NaN)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -17,14 +18,14 @@ def tensor_bits(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.dtype, str(t.device), t.data_ptr(), data.cpu().clone()
 
 
-def _plan(plan) -> dict:
-    out = {"current": plan.current, "loaded": getattr(plan, "_loaded", None),
-           "eager": id(plan._eager[0]) if plan._eager is not None else None,
+def _step(step) -> dict:
+    out = {"step_id": step.step_id, "loaded": getattr(step, "_loaded", None),
+           "cache": sorted(map(repr, step.cache)),
            "captured": {k: (id(e), id(e.layout), id(e.graph), e.need, e.pad, e.layout.max_seq_len_q,
-                            e.layout.max_seq_len_k) for k, e in plan._captured.items()}}
-    if plan.max_bs:
-        out.update({name: tensor_bits(t) for name, t in plan.tensors().items()})
-        out["seq_lens_cpu"] = tensor_bits(plan.seq_lens_cpu)
+                            e.layout.max_seq_len_k) for k, e in step._captured.items()}}
+    if step.max_bs:
+        out.update({name: tensor_bits(t) for name, t in step.tensors().items()})
+        out["seq_lens_cpu"] = tensor_bits(step.seq_lens_cpu)
     return out
 
 
@@ -32,11 +33,11 @@ def _backend(be) -> dict:
     out = {"forward_metadata": id(be.forward_metadata)}
     meta = getattr(be, "_graph_meta", None)
     if meta is not None:
-        out["graph_meta"] = {(k, id(p)): (id(m), id(m.layout), repr(sorted(m.extra))) for (k, p), m in meta.items()}
-        out["last_replay"] = tuple(id(x) for x in be._last_replay)
-        out["graph_size"] = be._graph_size
-        own = be._own_plan
-        out["own_plan"] = None if own is None else (id(own), _plan(own))
+        out["graph_meta"] = {k: (id(m), tuple((f.name, id(getattr(m, f.name))) for f in dataclasses.fields(m)))
+                             for k, m in meta.items()}
+        own = be._steps
+        out["graph_size"] = own._size
+        out["own_step"] = None if own.graph_step is None else (id(own.graph_step), _step(own.graph_step))
     return out
 
 
@@ -49,11 +50,9 @@ def _memory(mem) -> dict:
 
 
 def _runner(r) -> dict:
-    plans = getattr(r, "plans", None) or [r.plan]
+    steps = list(r.steps) if hasattr(r, "steps") else [r.step]
     out = {"replay_count": r.replay_count, "graphs": {k: id(v) for k, v in r.graphs.items()},
-           "plans": [_plan(p) for p in plans], "backends": [_backend(b) for b in r.backends]}
-    inputs = getattr(r, "_inputs", {})
-    out["inputs_raw_bs"] = {k: gi.raw_bs for k, gi in inputs.items()}
+           "steps": [_step(p) for p in steps], "backends": [_backend(b) for b in r.backends]}
     out["static_raw_bs"] = {k: [sb.raw_bs for sb in (v[2] if isinstance(v[2], list) else [v[2]])]
                             for k, v in r.graphs.items() if not isinstance(k, int)}
     for name in ("positions", "embeds"):
@@ -64,11 +63,11 @@ def _runner(r) -> dict:
 
 
 def fingerprint(obj: Any) -> dict:
-    """The mutable state of a runner, a backend, a step plan or a KV memory."""
+    """The mutable state of a runner, a backend, a step or a KV memory."""
     if hasattr(obj, "replay_count"):
         return _runner(obj)
     if hasattr(obj, "_captured"):
-        return _plan(obj)
+        return _step(obj)
     if hasattr(obj, "req_pool") and hasattr(obj, "pages"):
         return _memory(obj)
     return _backend(obj)

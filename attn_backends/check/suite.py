@@ -20,6 +20,7 @@ from ..batch import GraphInputs
 from ..config import ModelConfig
 from ..kinds import BATCH_KINDS, kinds_served
 from ..registry import get_backend_class, unavailable_reason
+from ..step import Prep, Step, prep_placement
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
 from .numbers import NumbersCheck
@@ -144,7 +145,8 @@ def _guarded_inputs(gi: GraphInputs) -> GraphInputs:
     spec = gi.spec_info
     if spec is not None:
         spec = type(spec)(**{**vars(spec), "accept_lens": guard(spec.accept_lens), "tree_mask": guard(spec.tree_mask)})
-    return GraphInputs(gi.key, guard(gi.req_pool_indices), guard(gi.seq_lens), gi.seq_lens_cpu, spec, gi.raw_bs)
+    return GraphInputs(gi.key, guard(gi.req_pool_indices), guard(gi.seq_lens), gi.seq_lens_cpu, spec, gi.raw_bs,
+                       gi.step)
 
 
 def _plain(d: dict) -> dict:
@@ -174,6 +176,7 @@ class _CaseRun:
         self.numbers = NumbersCheck(cfg, self.mem, c.seed)
         self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
         self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
+        self.step: Optional[Step] = None          # the graph side's step, driven as a runner drives it
         report.cases[(name, c.mode)] += 1
 
     def judge(self, inv: str, msgs: list) -> bool:
@@ -185,7 +188,7 @@ class _CaseRun:
             self.judge("I9n", self.numbers.check(be, batch, what))
 
     def _plans(self) -> list:
-        return getattr(self.graph_be, "graph_plans", [])
+        return [self.step] if self.step is not None else []
 
     def eager_history(self) -> None:
         layouts = []
@@ -198,12 +201,15 @@ class _CaseRun:
         self.judge("I14", compare_layouts(layouts[2], layouts[0], exact=True))
 
     def capture(self) -> bool:
-        """I13 (a valid capture batch is accepted) and I15 under a (simulated) stream capture."""
+        """I13 (a valid capture batch is accepted) and I15 under a (simulated) stream capture. The
+        graph side runs as a runner runs it: the suite's step holds the inputs and the layout, its
+        prep placed as a runner over this backend places it (``prep_placement``)."""
         be, w = self.graph_be, _width(self.c)
         be.init_cuda_graph_state(MAX_BS, MAX_BS * max(w, 1))
+        self.step = Step(self.mem, self.fill, max_bs=MAX_BS, max_width=max(w, 1), prep=prep_placement([be]))
         cap = self.mats[0].batch.graph_inputs()
         try:
-            be.init_forward_metadata_capture_cuda_graph(cap)
+            be.init_forward_metadata_capture_cuda_graph(self._capture_inputs(cap))
             ok13 = []
         except Exception as e:  # noqa: BLE001 - any refusal of a valid capture batch is the finding
             ok13 = [f"capture of a valid batch failed: {type(e).__name__}: {e}"]
@@ -211,9 +217,29 @@ class _CaseRun:
             return False
         found = check_layout(_plain(be.forward_metadata.as_layout()), self.mats[0], self.mem, self.fill)
         self.judge("I13", [f"captured layout: {m}" for ms in found.values() for m in ms])  # as replays' (vLLM #32645)
-        self._guarded("capture", lambda: be.init_forward_metadata_capture_cuda_graph(_guarded_inputs(cap)),
-                      simulate_capture=True)
+        self._guarded("capture", lambda: be.init_forward_metadata_capture_cuda_graph(
+            _guarded_inputs(self._capture_inputs(cap))), simulate_capture=True)
         return True
+
+    def _capture_inputs(self, cap: GraphInputs) -> GraphInputs:
+        """What a runner hands its backends at capture: the step loaded with the capture batch."""
+        step = self.step
+        step.load(cap, capture=True)
+        return step.graph_inputs(cap.key, step.capture(cap.key, cap.spec_info, cap.raw_bs))
+
+    def _replay_inputs(self, inputs: GraphInputs) -> GraphInputs:
+        """What a runner hands its backends at a replay: the rows loaded, the step updated."""
+        step, spec = self.step, inputs.spec_info
+        step.load(inputs)
+        return step.graph_inputs(inputs.key, step.update(inputs.key, inputs.raw_bs,
+                                                         spec.draft_step if spec is not None else None))
+
+    def _replay(self, gi: GraphInputs) -> None:
+        """The backend's replay update, then what the graph's replay starts with where the step's
+        prep runs in it (so what the backend derived outside the graph is one step stale there)."""
+        self.graph_be.init_forward_metadata_replay_cuda_graph(gi)
+        if self.step.prep is Prep.IN_STEP_GRAPH:
+            self.step.run_prep(gi.key)
 
     def _guarded(self, what: str, fn, simulate_capture: bool = False) -> bool:
         """Run ``fn`` with every device input guarded (I15); False if it synced."""
@@ -236,8 +262,8 @@ class _CaseRun:
         for m in [self.mats[1], self.mats[2], self.mats[1]]:
             poison(be.graph_buffers())
             inputs = m.batch.graph_inputs()
-            if not self._guarded("replay", lambda: be.init_forward_metadata_replay_cuda_graph(_guarded_inputs(inputs))):
-                be.init_forward_metadata_replay_cuda_graph(inputs)
+            if not self._guarded("replay", lambda: self._replay(_guarded_inputs(self._replay_inputs(inputs)))):
+                self._replay(self._replay_inputs(inputs))
             rep = _plain(be.forward_metadata.as_layout())
             moved = [f"layout field {k} moved: data_ptr {ptrs.get(k)} at capture, {v.data_ptr()} at replay"
                      for k, v in be.forward_metadata.as_layout().items()

@@ -1,4 +1,8 @@
-"""The step: what one forward step of every layer and backend reads, built once."""
-from .plan import LayoutPlan, load_rows_of_steps, step_plan
+"""The step: what one forward step of every layer and backend reads, built once, and the frozen
+view of it that backends are handed."""
+from .group import StepGroup
+from .standalone import StandaloneStep
+from .step import Step, eager_step
+from .view import LibraryKey, Prep, StepView, prep_placement
 
-__all__ = ["LayoutPlan", "load_rows_of_steps", "step_plan"]
+__all__ = ["LibraryKey", "Prep", "StandaloneStep", "Step", "StepGroup", "StepView", "eager_step", "prep_placement"]

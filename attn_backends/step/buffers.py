@@ -1,4 +1,4 @@
-"""The static buffers of the canonical layout, at the largest size, owned by a step plan.
+"""The static buffers of the canonical layout, at the largest size, owned by a step.
 
 Capture binds views of them for a GraphKey; replay writes the layout builder's output into the
 same storage (see :mod:`attn_backends.step`).
@@ -55,13 +55,13 @@ class LayoutBuffers:
 
 
 class RowCopies:
-    """The copies of a step plan's ``load_rows``: a batch's real rows (request rows, seq_lens and
-    the tokens) and the ``raw_bs`` and draft-step scalars (from device constants) into the plan's
+    """The copies of a step's ``load_rows``: a batch's real rows (request rows, seq_lens and
+    the tokens) and the ``raw_bs`` and draft-step scalars (from device constants) into the step's
     inputs, in one ``_foreach_copy_`` launch. The destinations of every ``raw_bs`` are views made
     once. The int64 token rows travel as pairs of int32 words (bitwise the same copy) so that one
     launch takes them all; token sources that are not contiguous int64 take a second launch.
-    :meth:`pairs` hands the copies out instead, so that the plans of a multi-step draft join one
-    launch (:func:`attn_backends.step.load_rows_of_steps`)."""
+    :meth:`pairs` hands the copies out instead, so that the steps of a multi-step draft join one
+    launch (:class:`attn_backends.step.StepGroup`)."""
 
     def __init__(self, req_pool_indices, seq_lens, raw_bs_dev, draft_step_dev, tokens, width: int) -> None:
         bs, dev = req_pool_indices.shape[0], req_pool_indices.device
@@ -80,7 +80,7 @@ class RowCopies:
 
     @staticmethod
     def launch(dst: list, src: list, rest: list) -> None:
-        """Run copies as :meth:`pairs` hands them out (those of several plans joined): one
+        """Run copies as :meth:`pairs` hands them out (those of several steps joined): one
         ``_foreach_copy_``, and one more for ``rest``."""
         if rest:
             torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
@@ -88,7 +88,7 @@ class RowCopies:
 
     def pairs(self, raw_bs: int, n: int, req_pool_indices, seq_lens, draft_step: int, tokens=None):
         """The copies of :meth:`write` without launching them: ``(dst, src, rest)``, where ``dst``
-        / ``src`` can join one ``_foreach_copy_`` with other plans' and ``rest`` lists the
+        / ``src`` can join one ``_foreach_copy_`` with other steps' and ``rest`` lists the
         ``(dst, src)`` pairs of token sources that are not contiguous int64. (The replay's hot
         path: int32 request rows and three contiguous int64 token rows take the first branch.)"""
         c = self._consts

@@ -14,7 +14,7 @@ from attn_backends.check.scenarios import dims_for, make_memory, random_tree_mas
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.registry import get_backend, get_backend_class
-from attn_backends.step import step_plan
+from attn_backends.step import eager_step
 
 from ..breakable import BreakableGraphRunner
 from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
@@ -294,7 +294,7 @@ def piecewise_eager(model, backends, batch: ForwardBatch, t: int) -> RunnerOutpu
     """EXTEND eagerly with the piecewise runner's shapes: the layers' dense parts over ``t``
     padded token rows, attention over the raw tokens (the bitwise reference on the GPU)."""
     per_layer = model.backends_per_layer(backends)
-    batch = step_plan(batch, per_layer)
+    batch = eager_step(batch, per_layer)
     for b in {id(b): b for b in per_layer}.values():
         b.init_forward_metadata(batch)
     raw, c, dev = batch.num_tokens, model.config, batch.positions.device

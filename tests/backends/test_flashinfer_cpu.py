@@ -1,7 +1,7 @@
 """The FlashInfer family on the CPU, without flashinfer (CI): the registry and its reasons, the
-capabilities and select()'s refusals, the per-step library state of the step plan, and the
+capabilities and select()'s refusals, the per-step library state of the step, and the
 plan inputs the FlashInfer backends hand ``plan()`` (host copies from seq_lens_cpu and the key)
-against the layout the step plan built on the device, with FlashInfer's own formulas
+against the layout the step built on the device, with FlashInfer's own formulas
 (``get_seq_lens``, ``_compute_page_mask_indptr``) restated; the mask packing kernel against a
 bit-by-bit reference. The backends themselves run in tests/backends/test_flashinfer_emulated.py (where
 flashinfer imports) and tests/backends/test_flashinfer_gpu.py (cuda)."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attn_backends import ForwardMode, GraphKey, ModelConfig, list_backends, select
-from attn_backends.backends.flashinfer_common import eager_host_plan, graph_host_plan
+from attn_backends.backends.flashinfer_common import Planned, eager_host_plan, graph_host_plan
 from attn_backends.check.scenarios import (
     Scenario,
     draft_decode_spec,
@@ -26,7 +26,7 @@ from attn_backends.check.scenarios import (
 )
 from attn_backends.layout import MaskKind
 from attn_backends.registry import get_backend_class
-from attn_backends.step import LayoutPlan
+from attn_backends.step import Step
 from attn_backends_kernels.mask_pack import pack_uniform_mask
 
 HAS_FI = importlib.util.find_spec("flashinfer") is not None
@@ -109,27 +109,32 @@ def test_hybrid_capabilities_are_the_intersection_per_mode():
     assert fi.refusal(MHA, ForwardMode.TARGET_VERIFY, "cuda", 90) == "mode TARGET_VERIFY not supported"
 
 
-# --------------------------------------------------------------------------- the step plan's library state
+# --------------------------------------------------------------------------- the step's library state
 
-def test_library_state_is_made_once_and_planned_once_per_step():
+def test_library_state_is_kept_per_step_and_planned_once_per_step():
+    """Every build, capture and update is a new step id, and every view of a step shares the
+    step's cache: a library's state is made once per step and planned by the first layer of each
+    step id (FlashInferBase._update), the other layers only run."""
     mem = make_memory(MHA, num_pages=64, max_reqs=8, max_context_len=128, fill=False)
-    plan = LayoutPlan(mem, 1, max_bs=4, max_width=1)
-    made = []
-    obj = plan.library_state("fi", lambda: made.append(1) or object())
-    assert plan.library_state("fi", lambda: made.append(1) or object()) is obj and made == [1]
-    assert plan.first_in_step("fi") and not plan.first_in_step("fi")      # layer 0 plans, layer 1 runs
-    assert plan.first_in_step("other")                                   # another library plans its own
+    step = Step(mem, 1, max_bs=4, max_width=1)
     m = materialize(Scenario(ForwardMode.DECODE, 4, [3, 9]), mem, 1)
-    plan.build(m.batch)                                                  # a new step
-    assert plan.first_in_step("fi") and not plan.first_in_step("fi")
     key = GraphKey(ForwardMode.DECODE, 4, 1)
     gi = m.batch.graph_inputs()
-    plan.load(gi, capture=True)
-    plan.capture(key, None, gi.raw_bs)
-    assert plan.first_in_step("fi")
-    plan.load(gi)
-    plan.update(key, gi.raw_bs)
-    assert plan.first_in_step("fi") and not plan.first_in_step("fi")
+    views = [step.build(m.batch).step]                                  # an eager step
+    step.load(gi, capture=True)
+    views.append(step.capture(key, None, gi.raw_bs))
+    step.load(gi)
+    views += [step.update(key, gi.raw_bs), step.update(key, gi.raw_bs)]
+    assert len({v.step_id for v in views}) == len(views)
+    assert all(v.cache is step.cache for v in views) and views[1].layout is views[3].layout
+    plans = []
+    planned = Planned(plans)
+    for v in views:
+        for _layer in range(3):                                         # what FlashInferBase._update does
+            if planned.step_id != v.step_id:
+                planned.step_id = v.step_id
+                plans.append(v.step_id)
+    assert plans == [v.step_id for v in views]                          # once per step, not per layer
 
 
 # --------------------------------------------------------------------------- plan inputs vs the layout
@@ -166,10 +171,8 @@ def test_eager_plan_inputs_equal_the_device_layout(ps):
     mem = make_memory(cfg, num_pages=4000 // ps + 40, max_reqs=60, max_context_len=256, fill=False)
     for scn in _scenarios(rng, 5, ps):
         m = materialize(scn, mem, 1)
-        plan = LayoutPlan(mem, 1)
-        batch = plan.build(m.batch)
-        lay = plan.layout_for(batch)
-        _check_host_plan(eager_host_plan(batch, lay, plan.fill), lay)
+        batch = Step(mem, 1).build(m.batch)
+        _check_host_plan(eager_host_plan(batch.step), batch.step.layout)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])
@@ -178,17 +181,17 @@ def test_graph_plan_inputs_equal_the_device_layout_after_capture_and_update(ps):
     cfg = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=ps)
     mem = make_memory(cfg, num_pages=6000 // ps + 40, max_reqs=90, max_context_len=256, fill=False)
     for scn in (s for s in _scenarios(rng, 6, ps) if s.mode != ForwardMode.EXTEND):
-        plan = LayoutPlan(mem, 3, max_bs=6, max_width=6)          # fill 3 > W for some keys
+        step = Step(mem, 3, max_bs=6, max_width=6)                # fill 3 > W for some keys
         cap, a = materialize(scn, mem, 3), materialize(scn, mem, 3)
         key = cap.batch.graph_key()
         gi = cap.batch.graph_inputs()
-        plan.load(gi, capture=True)
-        lay = plan.capture(key, gi.spec_info, gi.raw_bs)
-        _check_host_plan(graph_host_plan(plan, key, ps, mem.max_context_len), lay)
-        plan.load(a.batch.graph_inputs())
-        lay = plan.update(key, a.batch.raw_bs)
-        h = graph_host_plan(plan, key, ps, mem.max_context_len)
-        _check_host_plan(h, lay)
+        step.load(gi, capture=True)
+        view = step.capture(key, gi.spec_info, gi.raw_bs)
+        _check_host_plan(graph_host_plan(view, key, ps, mem.max_context_len), view.layout)
+        step.load(a.batch.graph_inputs())
+        view = step.update(key, a.batch.raw_bs)
+        h = graph_host_plan(view, key, ps, mem.max_context_len)
+        _check_host_plan(h, view.layout)
         assert h.max_kv == mem.max_context_len >= int(h.kv_lens.max())
 
 
@@ -218,10 +221,9 @@ def test_packed_mask_is_what_flashinfer_reads(kind):
     spec = verify_spec(6, bs, rng, topk=4, steps=2) if kind == "tree" else draft_decode_spec(4, 3, 2)
     scn = Scenario(ForwardMode.TARGET_VERIFY if kind == "tree" else ForwardMode.DECODE, bs,
                    [rng.randint(8, 120) for _ in range(3)], spec=spec)
-    plan = LayoutPlan(mem, 1)
-    batch = plan.build(materialize(scn, mem, 1).batch)
-    lay = plan.layout_for(batch)
-    h = eager_host_plan(batch, lay, 1)
+    batch = Step(mem, 1).build(materialize(scn, mem, 1).batch)
+    lay = batch.step.layout
+    h = eager_host_plan(batch.step)
     q_lens = (h.qo_indptr[1:] - h.qo_indptr[:-1]).long()
     kv_lens = (h.kv_indptr[1:] - h.kv_indptr[:-1] - 1).long() * lay.page_size + h.kv_last_page_len
     mask_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_lens * kv_lens, 0)])

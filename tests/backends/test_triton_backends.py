@@ -92,8 +92,8 @@ def test_eager_step_replays_its_recorded_launches(backend, name):
         err, _ = _rel_err(out, ref)
         assert err < 1e-4, f"layer {layer}, q seed {seed}: relative error {err:.2e}"
         if seed == 3:
-            first = be.forward_metadata.extra["recorded"][scale]
-    rec = be.forward_metadata.extra["recorded"][scale]
+            first = be.forward_metadata.book[scale]
+    rec = be.forward_metadata.book[scale]
     if DEVICE == "cuda":
         assert first.usable and first.replays == 2, f"usable {first.usable}, replays {first.replays} (want 2)"
         assert rec is not first and rec.facts[0][2] == wide[:, :cfg.num_q_heads].stride(), \
@@ -113,8 +113,8 @@ def test_graph_workspace_has_counters_only_where_the_merge_fuses(backend):
     cap = materialize(named_batches()["decode_padded"](), mem, be.get_cuda_graph_seq_len_fill_value())
     be.init_cuda_graph_state(8, 64)
     be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
-    ws = be.forward_metadata.extra["workspace"]
-    assert be.forward_metadata.extra["num_kv_splits"] > 1 and ws is not None
+    ws = be.forward_metadata.workspace
+    assert be.forward_metadata.num_kv_splits > 1 and ws is not None
     assert len(ws) == (3 if backend == "triton" else 2), [tuple(t.shape) for t in ws]
 
 
@@ -141,7 +141,7 @@ def test_graph_workspace_partials_dtype(backend, dtype, page_size, name, latent,
     cap = materialize(named_batches()[name](), mem, be.get_cuda_graph_seq_len_fill_value())
     be.init_cuda_graph_state(8, 64)
     be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
-    part, lse = be.forward_metadata.extra["workspace"][:2]
-    assert be.forward_metadata.extra["num_kv_splits"] > 1
+    part, lse = be.forward_metadata.workspace[:2]
+    assert be.forward_metadata.num_kv_splits > 1
     half = mla and dtype != torch.float32 and page_size == 64 and name == "verify_tree" and latent == 512
     assert part.dtype == (dtype if half else torch.float32) and lse.dtype == torch.float32

@@ -1,16 +1,16 @@
-"""The step plan (issue #7): a step with L layers builds the canonical layout once, eagerly and
-at replay, whatever the number of per-layer backend instances; the plan alone pads, so garbage
-in the pad rows of its inputs changes nothing; capture and replay hand the same plan around."""
+"""The step (issue #7): a step with L layers builds the canonical layout once, eagerly and at
+replay, whatever the number of per-layer backend instances; the step alone pads, so garbage in the
+pad rows of its inputs changes nothing; capture and replay hand views of the same step around."""
+import dataclasses
 import random
 
 import pytest
 import torch
 
-import attn_backends.base as base_mod
-import attn_backends.step.plan as plan_mod
+import attn_backends.step.step as step_mod
 from attn_backends import CaptureHiddenMode, ForwardMode, GraphKey, LayoutError, get_backend
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, random_tree_mask, verify_spec
-from attn_backends.step import LayoutPlan, step_plan
+from attn_backends.step import Step, eager_step
 from attn_backends_runtime.full_graph import UniformGraphRunner
 from attn_backends_runtime.models import TinyConfig, TinyModel
 from attn_backends_runtime.runner_base import run_eager
@@ -21,7 +21,7 @@ CUDA = pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Counts calls of the layout builder from the plan and from the backends."""
+    """Counts calls of the layout builder from the steps (the runner's, or each backend's own)."""
     calls = []
 
     def counting(fn):
@@ -30,9 +30,8 @@ def builds(monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    monkeypatch.setattr(plan_mod, "build_layout", counting(plan_mod.build_layout))
-    monkeypatch.setattr(plan_mod, "prep_layout", counting(plan_mod.prep_layout))        # the plan's prep
-    monkeypatch.setattr(base_mod, "build_layout", counting(base_mod.build_layout))
+    monkeypatch.setattr(step_mod, "build_layout", counting(step_mod.build_layout))
+    monkeypatch.setattr(step_mod, "prep_layout", counting(step_mod.prep_layout))        # the step's prep
     return calls
 
 
@@ -55,7 +54,7 @@ def test_eager_step_builds_once_for_all_layers(builds):
     batch = _decode_batch(mem, tc, [5, 40, 17])
     run_eager(model, backends, batch, 1)
     assert len(builds) == 1, f"{LAYERS} per-layer backends built the layout {len(builds)} times in one step"
-    # the counter sees per-layer builds: without a plan every instance builds its own
+    # the counter sees per-layer builds: without a step every instance builds its own
     builds.clear()
     for b in backends:
         b.init_forward_metadata(batch)
@@ -69,13 +68,13 @@ def test_replay_step_builds_once_for_all_layers(builds, device):
     runner.capture()
     batch = _decode_batch(mem, tc, [3, 70, 9])
     builds.clear()
-    before = runner.plan.builds
+    before = runner.step.builds
     out = runner.run(batch)
     if device == "cpu":      # the prep "graph" is the builder run eagerly, once
         assert len(builds) == 1, f"one replay of {LAYERS} layers built the layout {len(builds)} times"
     else:                    # the prep graph replays once; Python builds nothing
         assert builds == []
-    assert runner.plan.builds == before + 1
+    assert runner.step.builds == before + 1
     want = run_eager(model, backends, batch, 1)
     torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
 
@@ -83,15 +82,15 @@ def test_replay_step_builds_once_for_all_layers(builds, device):
 def test_eager_plan_is_bound_to_its_batch():
     tc, model, mem, backends = _model()
     a, b = _decode_batch(mem, tc, [5, 6]), _decode_batch(mem, tc, [7])
-    planned = step_plan(a, backends)
+    planned = eager_step(a, backends)
     backends[0].init_forward_metadata(planned)
-    b.plan = planned.plan                          # a plan built for another batch
+    b.step = planned.step                          # a step built for another batch
     with pytest.raises(LayoutError, match="no layout for this batch"):
         backends[0].init_forward_metadata(b)
 
 
 def _verify_plan(mem, n=4, max_bs=4):
-    plan = LayoutPlan(mem, fill=1, max_bs=max_bs, max_width=n, tokens=True)
+    plan = Step(mem, fill=1, max_bs=max_bs, max_width=n, tokens=True)
     key = GraphKey(ForwardMode.TARGET_VERIFY, max_bs, n, CaptureHiddenMode.NULL)
     rng = random.Random(3)
     spec = verify_spec(n, max_bs, rng, topk=2, steps=2)
@@ -115,11 +114,11 @@ def test_plan_pads_garbage_rows():
     plan.seq_lens[raw:] = 10 ** 6
     plan.tokens[:, raw * n:] = b.out_cache_loc[:n].repeat(2)[None]  # real slots, ids, positions
     plan.tree_mask(4, n)[raw:] = random_tree_mask(n, rng).logical_not()
-    got = {k: v.clone() for k, v in plan.update(key, raw).as_dict().items() if isinstance(v, torch.Tensor)}
-    clean = LayoutPlan(mem, fill=1, max_bs=4, max_width=n, tokens=True)
+    got = {k: v.clone() for k, v in plan.update(key, raw).layout.as_dict().items() if isinstance(v, torch.Tensor)}
+    clean = Step(mem, fill=1, max_bs=4, max_width=n, tokens=True)
     clean.capture(key, b.spec_info, 4)
     clean.load(b.graph_inputs())
-    want = clean.update(key, raw).as_dict()
+    want = clean.update(key, raw).layout.as_dict()
     for k, v in got.items():
         assert torch.equal(v, want[k]), f"{k}: garbage in the pad rows reached the layout"
     assert torch.equal(plan.tokens[:, raw * n:4 * n], torch.zeros(3, (4 - raw) * n, dtype=torch.int64))
@@ -134,17 +133,15 @@ def test_capture_and_replay_must_agree_on_the_plan():
     plan, key, _ = _verify_plan(mem)
     be = get_backend("torch_native", tc.attention(), mem)
     be.init_cuda_graph_state(4, 16)
-    gi = plan.graph_inputs(key, plan.captured(key).spec)
+    view = plan.update(key, key.bs)
+    gi = plan.graph_inputs(key, view)
     be.init_forward_metadata_capture_cuda_graph(gi)
-    assert be.forward_metadata.layout is plan.captured(key).layout   # the plan's views, no copy
-    gi.plan = None
+    assert be.forward_metadata.layout is plan.captured(key).layout   # the step's views, no copy
     with pytest.raises(LayoutError, match="without a step plan"):
-        be.init_forward_metadata_replay_cuda_graph(gi)
-    gi.plan = plan
+        be.init_forward_metadata_replay_cuda_graph(dataclasses.replace(gi, step=None))
     other = GraphKey(ForwardMode.TARGET_VERIFY, 2, key.width, CaptureHiddenMode.NULL)
-    plan.current = other
-    with pytest.raises(LayoutError, match="last prepared for"):
-        be.init_forward_metadata_replay_cuda_graph(gi)
+    with pytest.raises(LayoutError, match="step view is for .* bs=2 .*, not .* bs=4"):
+        be.init_forward_metadata_replay_cuda_graph(dataclasses.replace(gi, step=view._replace(key=other)))
 
 
 @pytest.mark.parametrize("tokens", ["int64", "int32", "strided", "partial"])
@@ -197,19 +194,19 @@ def test_load_rows_of_steps_equals_load_rows_per_plan(device):
         torch.tensor([[(s + 1) * k] for s in range(steps)], dtype=torch.int32, device=device)
     ar = torch.arange(raw * k, device=device)
     tok = [[ar + 2 ** 33 if s == 0 else None, ar * 3 - s, ar + 100 * s] for s in range(steps)]
-    before = [fingerprint(p) for p in joint.plans]
+    before = [fingerprint(p) for p in joint.steps]
     bad = seq.cpu().numpy().copy()
     bad[2, 1] = 1                                                   # step 3 needs seq_len >= topk * 3
     with pytest.raises(LayoutError, match="seq_len=1 < 6"):
-        plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, bad, tok)
-    with pytest.raises(LayoutError, match=r"3 plans: seq_lens, host, token rows \(3, 3, 2\)"):
-        plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, seq.cpu().numpy(), tok[:2])
-    assert [d for b, p in zip(before, joint.plans) for d in state_diff(b, fingerprint(p))] == []
+        joint.steps.load_rows(key, raw, req, seq, bad, tok)
+    with pytest.raises(LayoutError, match=r"3 steps: seq_lens, host, token rows \(3, 3, 2\)"):
+        joint.steps.load_rows(key, raw, req, seq, seq.cpu().numpy(), tok[:2])
+    assert [d for b, p in zip(before, joint.steps) for d in state_diff(b, fingerprint(p))] == []
     wide = torch.cat([seq.cpu(), seq.cpu()[:, :1]], 1).numpy()      # host rows past raw_bs are cut
-    plan_mod.load_rows_of_steps(joint.plans, key, raw, req, seq, wide, tok)
-    for s, p in enumerate(single.plans):
+    joint.steps.load_rows(key, raw, req, seq, wide, tok)
+    for s, p in enumerate(single.steps):
         p.load_rows(key, raw, req, seq[s], seq[s].cpu(), tokens=tok[s])
-    for s, (a, b) in enumerate(zip(joint.plans, single.plans)):
+    for s, (a, b) in enumerate(zip(joint.steps, single.steps)):
         assert a._loaded == b._loaded == (key, raw, s + 1)
         ta, tb = a.tensors(), b.tensors()
         assert all(torch.equal(ta[n], tb[n]) for n in ta), [n for n in ta if not torch.equal(ta[n], tb[n])]

@@ -1,15 +1,15 @@
-"""The step plan: the canonical layout of one forward step, built once and read by every layer
-and every backend of the step.
+"""The step: the canonical layout of one forward step, built once and read by every layer and
+every backend of the step through a frozen :class:`~attn_backends.step.view.StepView`.
 
 A step runs L layers, each through a backend instance (per-layer instances, or different
 backends per layer). They all attend over the same batch, so the canonical layout
 (:mod:`attn_backends.layout`) is built once per step, here, and each backend derives only its
-private extras from it (split counts, workspaces, a library's plan).
+private metadata from the view it is handed.
 
-Eager: :meth:`LayoutPlan.build` builds the layout of a batch (fresh tensors) and returns the
-batch with ``batch.plan`` set; every backend's ``init_forward_metadata`` reads that layout.
+Eager: :meth:`Step.build` builds the layout of a batch (fresh tensors) and returns the batch with
+``batch.step`` set to the view; every backend's ``init_forward_metadata`` reads it.
 
-Graphs: the plan owns everything of the batch that a captured graph reads:
+Graphs: the step owns everything of the batch that a captured graph reads:
 
 - the inputs at the largest size: ``req_pool_indices``, ``seq_lens`` (and the host copy
   ``seq_lens_cpu``), ``tree_mask``, ``accept_lens`` and, for runners, ``tokens`` (input ids,
@@ -19,25 +19,20 @@ Graphs: the plan owns everything of the batch that a captured graph reads:
 - one *prep* per GraphKey: the pad rule written into the input rows ``raw_bs..bs-1`` in place
   (:func:`layout.write_canonical_pad`), then the layout built into the key's views
   (:func:`layout.prep_layout`: one kernel on CUDA for the uniform modes without a tree mask).
-  A runner whose backends all read the plan records it at the start of its step's graph;
-  otherwise the plan captures it as a graph of its own.
+  Where it runs is the step's :class:`Prep`, set once by its runner: in the step's own graph, or
+  as a graph of its own replayed by :meth:`Step.update`.
 
-A runner writes only the real rows of the inputs (:meth:`load_rows`; a multi-step draft:
-:func:`load_rows_of_steps`) and calls :meth:`update` once per replay: a host check of
-``seq_lens_cpu`` and, unless the step's graph holds the prep, one prep-graph replay; no
-allocation, no host sync. Its backends' replay methods then read the layout from the plan
-(``GraphInputs.plan``). A backend used without a runner keeps a private plan and does the
-runner's part itself (:meth:`load`, then :meth:`update`). Without CUDA the prep "graph" is the
-same function run eagerly.
-
-A library's per-step state (FlashInfer's ``plan()``) is shared the same way: one per step,
-made by the first layer (:meth:`LayoutPlan.library_state`, :meth:`LayoutPlan.first_in_step`).
+A runner writes only the real rows of the inputs (:meth:`Step.load_rows`; a multi-step draft:
+:class:`~attn_backends.step.group.StepGroup`) and calls :meth:`Step.update` once per replay: a host
+check of ``seq_lens_cpu``, the prep where it runs there, and a new view; no allocation, no host
+sync. A caller without a runner goes through :class:`~attn_backends.step.standalone.StandaloneStep`,
+which does the runner's part with the same calls. Without CUDA the prep "graph" is the same
+function run eagerly.
 """
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -57,21 +52,24 @@ from ..layout import (
 )
 from ..validation import LayoutError, check_lengths, validate
 from .buffers import LayoutBuffers, RowCopies
+from .view import Prep, StepView
 
 I64 = torch.int64
+
 
 
 @dataclass
 class _Captured:
     key: GraphKey
-    spec: Optional[SpecInfo]      # the template: N, topk, steps, draft step (tensors are the plan's)
+    spec: Optional[SpecInfo]      # the template: N, topk, steps, draft step (tensors are the step's)
     layout: Layout                # views of the static buffers
     graph: object = None          # the prep graph on CUDA; None: run the prep function itself
     need: int = 1                 # the least seq_len of a real row (W, or W * draft_step)
     pad: int = 1                  # the seq_len of a pad row
+    views: dict = field(default_factory=dict)   # raw_bs -> the view of the template spec (new step ids only)
 
 
-class LayoutPlan:
+class Step:
     """The canonical layout of each step, built once for every layer and backend.
 
     Parameters
@@ -82,45 +80,37 @@ class LayoutPlan:
         The pad rows' seq_len before raising it to W (the largest fill value of the step's
         backends); see :func:`layout.pad_seq_len`.
     max_bs, max_width : int
-        Graph mode: the largest bucket and query width W; 0 for an eager-only plan.
+        Graph mode: the largest bucket and query width W; 0 for an eager-only step.
     tokens : bool
         Graph mode: also own the runner's token inputs ``tokens [3, max_bs*max_width]`` int64
-        (input ids, positions, out_cache_loc), padded by the prep graph like the rest.
+        (input ids, positions, out_cache_loc), padded by the prep like the rest.
+    prep : Prep
+        Where the prep of a graph step runs (:func:`~attn_backends.step.view.prep_placement` of
+        the step's backends); fixed for the step's life.
     """
 
-    def __init__(self, memory, fill: int = 1, *, max_bs: int = 0, max_width: int = 1, tokens: bool = False) -> None:
-        self.memory, self.fill = memory, fill
+    def __init__(self, memory, fill: int = 1, *, max_bs: int = 0, max_width: int = 1, tokens: bool = False,
+                 prep: Prep = Prep.BEFORE_UPDATE) -> None:
+        self.memory, self.fill, self.prep = memory, fill, prep
         self.max_bs, self.max_width = max_bs, max_width
-        self.current: Optional[GraphKey] = None   # the key of the last update (or capture)
         self.builds = 0                           # layouts built (eager), captures and updates (graph)
+        self.step_id = 0                          # bumped by build, capture, update
+        self.cache: dict = {}                     # library state, kept as long as the step (StepView.cache)
         self._captured: dict[GraphKey, _Captured] = {}
-        self._eager: Optional[tuple] = None       # (weakref to the batch, layout) of the last eager build
         self._pool = None
-        self.step = 0                             # bumped by build, capture, update (library plans)
-        self._libs: dict = {}                     # owner -> a library's object for this plan
-        self._planned: dict = {}                  # owner -> the step it was last prepared in
         if max_bs:
             self._allocate(tokens)
 
     # ------------------------------------------------------------------ eager
     def build(self, batch: ForwardBatch) -> ForwardBatch:
-        """Build ``batch``'s layout once for the step; returns the batch with ``plan`` set,
-        which the step's backends and layers then receive."""
+        """Build ``batch``'s layout once for the step; returns the batch with ``step`` set to the
+        view, which the step's backends and layers then receive."""
         layout = build_layout(inputs_from_batch(batch, self.memory, self.fill))
-        out = dataclasses.replace(batch, plan=self)
-        # weak: the batch holds the plan, and a cycle would keep each step's tensors live until
-        # Python's cyclic gc ran (the soak saw device memory move by up to 13 MB)
-        self._eager = (weakref.ref(out), layout)
         self.builds += 1
-        self.step += 1
-        return out
-
-    def layout_for(self, batch: ForwardBatch) -> Layout:
-        """The layout :meth:`build` made for exactly this batch object."""
-        if self._eager is None or self._eager[0]() is not batch:
-            raise LayoutError("the step plan holds no layout for this batch: call plan.build(batch) and pass "
-                              "the batch it returns to every backend of the step")
-        return self._eager[1]
+        self.step_id += 1
+        view = StepView(None, batch.raw_bs, layout, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, batch.spec_info,
+                        self.step_id, self.fill, self.memory, self.cache, id(self), self.prep, {})
+        return dataclasses.replace(batch, step=view)
 
     # ------------------------------------------------------------------ graphs
     def _allocate(self, tokens: bool) -> None:
@@ -142,6 +132,7 @@ class LayoutPlan:
         self._copies = RowCopies(self.req_pool_indices, self.seq_lens, self.raw_bs_dev, self.draft_step_dev,
                                  self.tokens, w)
         self._loaded = None                       # (key, raw_bs, draft_step) the last load_rows wrote
+        self._tensors = self.tensors()
         if dev.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -150,7 +141,7 @@ class LayoutPlan:
         return self.tree_flat[:bs * width * width].view(bs, width, width)
 
     def spec_view(self, key: GraphKey, spec: Optional[SpecInfo]) -> Optional[SpecInfo]:
-        """``spec`` with its tensors replaced by the plan's own (what a graph of ``key`` reads)."""
+        """``spec`` with its tensors replaced by the step's own (what a graph of ``key`` reads)."""
         if spec is None:
             return None
         tree = mask_kind(key.forward_mode, spec) == MaskKind.TREE
@@ -158,26 +149,27 @@ class LayoutPlan:
                         accept_lens=self.accept_lens[:key.bs] if key.forward_mode == ForwardMode.DRAFT_EXTEND else None,
                         tree_mask=self.tree_mask(key.bs, key.width) if tree else None, draft_step=spec.draft_step)
 
-    def graph_inputs(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: Optional[int] = None) -> GraphInputs:
-        """The plan's own inputs for ``key``, as the step's backends receive them."""
+    def graph_inputs(self, key: GraphKey, view: StepView) -> GraphInputs:
+        """The step's own inputs for ``key``, as the step's backends receive them with ``view``
+        (what :meth:`capture` or :meth:`update` returned)."""
         bs = key.bs
-        return GraphInputs(key, self.req_pool_indices[:bs], self.seq_lens[:bs], self.seq_lens_cpu[:bs],
-                           self.spec_view(key, spec), bs if raw_bs is None else raw_bs, self)
+        return GraphInputs(key, self.req_pool_indices[:bs], self.seq_lens[:bs], self.seq_lens_cpu[:bs], view.spec,
+                           view.raw_bs, view)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor a captured graph reads through the plan (for I2 and poisoning)."""
+        """Every tensor a captured graph reads through the step (for I2 and poisoning)."""
         if not self.max_bs:
             return {}
-        out = {f"plan.{k}": v for k, v in self.buffers.tensors().items()}
-        out.update({"plan.requests": self.requests, "plan.accept_lens": self.accept_lens,
-                    "plan.tree_mask": self.tree_flat, "plan.raw_bs": self.raw_bs_dev,
-                    "plan.draft_step": self.draft_step_dev})
+        out = {f"step.{k}": v for k, v in self.buffers.tensors().items()}
+        out.update({"step.requests": self.requests, "step.accept_lens": self.accept_lens,
+                    "step.tree_mask": self.tree_flat, "step.raw_bs": self.raw_bs_dev,
+                    "step.draft_step": self.draft_step_dev})
         if self.tokens is not None:
-            out["plan.tokens"] = self.tokens
+            out["step.tokens"] = self.tokens
         return out
 
     def load(self, inputs: GraphInputs, capture: bool = False) -> None:
-        """Copy a caller's real rows into the plan's inputs (what a runner does itself), after
+        """Copy a caller's real rows into the step's inputs (what a runner does itself), after
         validating them (device values too at capture, outside a stream capture: they sync);
         nothing is written if they are refused."""
         key, spec = inputs.key, inputs.spec_info
@@ -191,16 +183,16 @@ class LayoutPlan:
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
-        """Copy the real rows of a batch into the plan's inputs: request rows, seq_lens, ``raw_bs``,
+        """Copy the real rows of a batch into the step's inputs: request rows, seq_lens, ``raw_bs``,
         the draft step (default: the captured one) and the ``tokens`` (``[input_ids, positions,
         out_cache_loc]``, ``raw_bs * W`` rows each; None entries are left alone) in one launch
         (:class:`RowCopies`; token sources that are not contiguous int64 take a second, the accept
         lengths and the tree mask one each), then the host ``seq_lens_cpu``. Sources longer than
         the real rows are cut. The host lengths are checked first: a refused batch writes nothing."""
-        seq_np, draft_step = self._checked(key, raw_bs, seq_lens_cpu.numpy()[:raw_bs], draft_step)
+        seq_np, draft_step = self.checked_rows(key, raw_bs, seq_lens_cpu.numpy()[:raw_bs], draft_step)
         self._write_rows(key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask, draft_step)
 
-    def _checked(self, key: GraphKey, raw_bs: int, seq_np, draft_step: Optional[int] = None) -> tuple:
+    def checked_rows(self, key: GraphKey, raw_bs: int, seq_np, draft_step: Optional[int] = None) -> tuple:
         """The host checks of :meth:`load_rows`; returns ``(seq_np, draft_step)``."""
         entry = self._captured.get(key) or self.captured(key)
         if not 1 <= raw_bs <= key.bs:
@@ -214,21 +206,29 @@ class LayoutPlan:
                       entry.need if spec is entry.spec else None)
         return seq_np, draft_step
 
+    def row_copies(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, draft_step: int, tokens) -> tuple:
+        """The copies of :meth:`load_rows` without launching them (``RowCopies.pairs``), for a
+        :class:`~attn_backends.step.group.StepGroup` to join its steps' into one launch."""
+        return self._copies.pairs(raw_bs, raw_bs * key.width, req_pool_indices, seq_lens, draft_step, tokens)
+
+    def rows_written(self, key: GraphKey, raw_bs: int, seq_np, draft_step: int) -> None:
+        """Record rows that :meth:`row_copies` copied (launched by the caller): the host lengths."""
+        self._seq_np[:raw_bs] = seq_np
+        self._loaded = (key, raw_bs, draft_step)
+
     def _write_rows(self, key, raw_bs, req_pool_indices, seq_lens, seq_np, tokens, accept_lens, tree_mask,
                     draft_step: int) -> None:
         self._copies.write(raw_bs, raw_bs * key.width, req_pool_indices, seq_lens, draft_step, tokens)
-        self._seq_np[:raw_bs] = seq_np
         if accept_lens is not None:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
         if tree_mask is not None:
             self.tree_mask(key.bs, key.width)[:raw_bs].copy_(tree_mask[:raw_bs])
-        self._loaded = (key, raw_bs, draft_step)
+        self.rows_written(key, raw_bs, seq_np, draft_step)
 
-    def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int, own_graph: bool = True) -> Layout:
-        """Bind the static views of ``key``, build the layout of the inputs the plan holds (the
-        capture batch, validated like any replay batch: I13) and, on CUDA, capture the prep
-        graph (``own_graph``; a runner that records :meth:`prep` inside its step's graph needs
-        none). A refused batch changes nothing."""
+    def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int) -> StepView:
+        """Bind the static views of ``key``, build the layout of the inputs the step holds (the
+        capture batch, validated like any replay batch: I13) and, on CUDA, capture the prep graph
+        (unless the prep runs in the step's graph). A refused batch changes nothing."""
         self._check_capacity(key)
         self._check_key(key, spec, capture=True)
         step = spec.draft_step if spec is not None and spec.is_draft_decode else 1
@@ -240,25 +240,21 @@ class LayoutPlan:
         self.raw_bs_dev.fill_(raw_bs)
         self.draft_step_dev.fill_(spec.draft_step if spec is not None else 0)
         self._seq_np[raw_bs:key.bs] = entry.pad           # host copy canonical too, as update() leaves it
-        self.step += 1
         self._prep(entry)
         self.builds += 1
-        if own_graph and self._pool is not None and not _layout.stream_capturing():
+        if self.prep is Prep.BEFORE_UPDATE and self._pool is not None and not _layout.stream_capturing():
             entry.graph = _capture(lambda: self._prep(entry), self._pool)
         elif old is not None:
             entry.graph = old.graph          # same views, same inputs: its prep graph still holds
         self._captured[key] = entry
-        self.current = key
-        return entry.layout
+        return self._view(entry, raw_bs)
 
-    def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None,
-               in_step_graph: bool = False) -> Layout:
+    def update(self, key: GraphKey, raw_bs: int, draft_step: Optional[int] = None) -> StepView:
         """Replay preparation of one step: pad rows ``raw_bs..bs-1`` of the inputs and build the
-        layout of ``key`` into its views. Host checks on ``seq_lens_cpu`` only; no host sync.
-        After :meth:`load_rows` of the same ``raw_bs`` this is one graph replay (the hot path of
-        every runner: kept to a few attribute reads besides the replay). ``in_step_graph``: the
-        runner recorded :meth:`prep` at the start of the step's own graph, so the layout is
-        built when that graph replays (one launch per step); this only checks and marks."""
+        layout of ``key`` into its views (where :attr:`prep` says: here, or when the step's graph
+        replays). Host checks on ``seq_lens_cpu`` only; no host sync. After :meth:`load_rows` of
+        the same ``raw_bs`` this is one graph replay at most (the hot path of every runner: kept to
+        a few attribute reads besides the replay). Returns the step's new view."""
         entry = self._captured.get(key) or self.captured(key)
         spec = entry.spec
         if not 1 <= raw_bs <= key.bs:
@@ -275,56 +271,47 @@ class LayoutPlan:
         self._loaded = None
         self._seq_np[raw_bs:key.bs] = entry.pad
         self.builds += 1
-        self.step += 1
-        if in_step_graph:                                 # the step's own graph builds the layout
+        if self.prep is Prep.IN_STEP_GRAPH:               # the step's own graph builds the layout
             pass
         elif entry.graph is not None:
             entry.graph.replay()
         else:
             self._prep(entry)
-        self.current = key
-        return entry.layout
+        return self._view(entry, raw_bs, None if spec is entry.spec else self.spec_view(key, spec))
 
-    def prep(self, key: GraphKey) -> None:
-        """The prep of ``key`` (pad rows, then the layout), for a runner to record at the start of
-        its step's graph; its :meth:`update` calls then pass ``in_step_graph=True``."""
+    def run_prep(self, key: GraphKey) -> None:
+        """The prep of ``key`` (pad rows, then the layout), for a runner whose step's graph holds
+        it (:attr:`prep` ``IN_STEP_GRAPH``) to record at the start of that graph."""
         self._prep(self.captured(key))
+
+    def captured_keys(self) -> list:
+        return list(self._captured)
 
     def captured(self, key: GraphKey) -> _Captured:
         entry = self._captured.get(key)
         if entry is None:
             have = ", ".join(sorted(map(str, self._captured))) or "none"
-            raise LayoutError(f"the step plan has no capture for {key}; captured: {have}")
+            raise LayoutError(f"the step has no capture for {key}; captured: {have}")
         return entry
 
-    def check_current(self, key: GraphKey) -> None:
-        """Raise unless the last update (or capture) of this plan was for ``key``."""
-        if self.current != key:
-            raise LayoutError(f"the step plan was last prepared for {self.current}, not {key}: the runner "
-                              "must call plan.update() for this key before the backends' replay")
-
-    # ------------------------------------------------------------------ library state per step
-    def library_state(self, owner, make):
-        """The object a library keeps for this plan under ``owner`` (hashable, e.g. ``(backend
-        class, model config, GraphKey)``), made by ``make()`` on first use and kept as long as
-        the plan: every backend instance of the plan gets the same one."""
-        obj = self._libs.get(owner)
-        if obj is None:
-            obj = self._libs[owner] = make()
-        return obj
-
-    def first_in_step(self, owner) -> bool:
-        """True for the first call under ``owner`` since the last build, capture or update (the
-        caller then prepares the library's plan of this step), False for the other layers."""
-        if self._planned.get(owner) == self.step:
-            return False
-        self._planned[owner] = self.step
-        return True
-
     # ------------------------------------------------------------------ internals
+    def _view(self, entry: _Captured, raw_bs: int, spec: Optional[SpecInfo] = None) -> StepView:
+        """A new view of ``entry`` (``spec``: a draft step other than the template's)."""
+        self.step_id += 1
+        old = entry.views.get(raw_bs) if spec is None else None
+        if old is not None:                               # the same fields but the step id: one tuple copy
+            return old._replace(step_id=self.step_id)
+        key = entry.key
+        view = StepView(key, raw_bs, entry.layout, self.seq_lens_cpu[:key.bs], None,
+                        self.spec_view(key, entry.spec) if spec is None else spec, self.step_id, self.fill,
+                        self.memory, self.cache, id(self), self.prep, self._tensors)
+        if spec is None:
+            entry.views[raw_bs] = view
+        return view
+
     def _check_capacity(self, key: GraphKey) -> None:
         if not self.max_bs:
-            raise LayoutError("this step plan is eager-only (max_bs=0): no graph buffers")
+            raise LayoutError("this step is eager-only (max_bs=0): no graph buffers")
         self.buffers.check_capacity(key.bs, key.width)
 
     def _check_key(self, key: GraphKey, spec: Optional[SpecInfo], capture: bool) -> None:
@@ -346,7 +333,7 @@ class LayoutPlan:
                             pad_seq_len(self.fill, inputs.key.width), static=True, check_device_values=check_device)
 
     def _inputs(self, entry: _Captured, raw_bs: int = 0, check_device: bool = False) -> LayoutInputs:
-        """Builder inputs over the plan's own tensors; ``raw_bs`` 0: read it from the device."""
+        """Builder inputs over the step's own tensors; ``raw_bs`` 0: read it from the device."""
         key, m = entry.key, self.memory
         bs = key.bs
         spec = self.spec_view(key, entry.spec)
@@ -363,6 +350,7 @@ class LayoutPlan:
         tok = None if self.tokens is None else self.tokens[:, :entry.key.bs * entry.key.width]
         prep_layout(inp, entry.key.width, tok, entry.layout, max_bs=self.max_bs, max_width=self.max_width)
 
+
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""
     fn()
@@ -373,26 +361,9 @@ def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     return g
 
 
-def load_rows_of_steps(plans: list, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_np, tokens) -> None:
-    """:meth:`LayoutPlan.load_rows` of every plan of a multi-step draft (``plans[s]`` gets row ``s``
-    of ``seq_lens`` / ``seq_np`` and ``tokens[s]``), in one ``_foreach_copy_`` launch where the
-    sources allow (contiguous rows): every plan is checked before anything is written."""
-    if not len(plans) == len(seq_lens) == len(seq_np) == len(tokens):
-        raise LayoutError(f"{len(plans)} plans: seq_lens, host, token rows {len(seq_lens), len(seq_np), len(tokens)}")
-    checked = [p._checked(key, raw_bs, seq_np[s][:raw_bs]) for s, p in enumerate(plans)]
-    dst, src, rest = [], [], []
-    for p, (_, step), seq, tok in zip(plans, checked, seq_lens, tokens):
-        d, s_, r = p._copies.pairs(raw_bs, raw_bs * key.width, req_pool_indices, seq, step, tok)
-        dst, src, rest = dst + d, src + s_, rest + r
-    RowCopies.launch(dst, src, rest)
-    for p, (seq, step) in zip(plans, checked):
-        p._seq_np[:raw_bs] = seq
-        p._loaded = (key, raw_bs, step)
-
-
-def step_plan(batch: ForwardBatch, backends) -> ForwardBatch:
-    """Eager: one plan for the step of ``batch`` over ``backends`` (one or per layer); returns the
-    batch to hand to them and to the model."""
+def eager_step(batch: ForwardBatch, backends) -> ForwardBatch:
+    """Eager: one step for ``batch`` over ``backends`` (one or per layer); returns the batch to
+    hand to them and to the model (``batch.step`` set)."""
     uniq = list({id(b): b for b in backends}.values())
     fill = max(b.get_cuda_graph_seq_len_fill_value() for b in uniq)
-    return LayoutPlan(uniq[0].memory, fill).build(batch)
+    return Step(uniq[0].memory, fill).build(batch)
