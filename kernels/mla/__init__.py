@@ -1,3 +1,3 @@
-"""The MLA kernels: the Triton kernel and its wrapper (``attention``), the Gluon kernels for sm_90
-(``wgmma``; the warp-specialized ``seesaw``, ``chunked``, ``dbuf`` and ``swap``, which share
-``warpspec``)."""
+"""The MLA kernels: the Triton kernel and its wrapper (``attention``), the Gluon kernels for sm_90:
+their entry points (``prologue``), the wgmma kernel's body (``wgmma``) and the warp-specialized
+kernels' partitions (``seesaw``, ``chunked``, ``dbuf``, ``swap``; what they share: ``warpspec``)."""

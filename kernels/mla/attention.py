@@ -30,13 +30,14 @@ import triton.language as tl
 from ..attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
 from ..extend_attention import MASK_KINDS, visible_mask
 from ..launch_record import launch
-from .chunked import _mla_chunked_kernel, chunked_refusal
-from .dbuf import _mla_dbuf_kernel, dbuf_refusal
-from .seesaw import _mla_seesaw_kernel, seesaw_refusal
+from .chunked import chunked_refusal
+from .dbuf import dbuf_refusal
+from .prologue import _mla_chunked_kernel, _mla_dbuf_kernel, _mla_seesaw_kernel, _mla_swap_kernel, _mla_wgmma_kernel
+from .seesaw import seesaw_refusal
 from .swap import HEADS as SWAP_ROWS
-from .swap import _mla_swap_kernel, swap_refusal
+from .swap import swap_refusal
 from .warpspec import DEFAULT_WARPS, MAXNREG, partial_dtype
-from .wgmma import WARPS, _mla_wgmma_kernel, wgmma_refusal
+from .wgmma import WARPS, wgmma_refusal
 
 KERNELS = (None, "triton", "wgmma", "seesaw", "chunked", "dbuf", "swap")
 SPECIALIZED = dict(num_warps=DEFAULT_WARPS, maxnreg=MAXNREG)   # the warp-specialized launches

@@ -44,21 +44,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .warpspec import (
     BLOCK_M,
-    GROUP_REGS,
-    GROUP_WARPS,
     HALF,
-    LOADER_REGS,
-    LOADER_WARPS,
     _copy_q,
     _dot_a,
     _finish,
     _group_start,
+    _loader_start,
     _rescale,
     _scale,
     _softmax,
+    _softmax_args,
     warp_specialized_refusal,
 )
-from .wgmma import _program
 
 TILE_TOKENS = 64
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of a tile
@@ -123,18 +120,12 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     of tiles A (stage 0) and B (stage 1) in the order they are freed: A's latent 0..255 (left
     group), B's 256..511 (right group's own P_B . V_B), A's rope and 256..511 (right group's
     P_A . V_A), B's 0..255 and rope (left group's P_B . V_B)."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    pt_row = page_table_ptr + b * stride_pb
-    row0 = b.to(gl.int64) * W
+    start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N)
     if num_tiles > 0:   # q first (an empty split reads nothing)
-        _copy_q(q_ptr, q_lat.index(0), q_pe.index(0), wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
-                BLOCK_W, LATENT, ROPE)
+        _copy_q(q_src, q_lat.index(0), q_pe.index(0), NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
     page_a, page_b = _pages(pt_row, start, 0, num_tiles, PAGE_SIZE)
     for i in range((num_tiles + 1) // 2):
         ph = (i & 1) ^ 1
@@ -203,9 +194,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """Columns 0..255: tile A's scores and softmax (the max after A to the right group), P_A .
     V_A; then, with the max after B, P_A rescaled to it for the right group, and P_B . V_B."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -255,9 +244,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     """Columns 256..511: tile B's scores and, with the max after A, its softmax (the max after B
     and P_B to the left group); P_B . V_B from registers, then P_A . V_A with P_A from the left
     group."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -301,60 +288,6 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
             s = _scores(q_lat, q_pe, lat, rope, ready, 1, (i + 1) & 1, i // (num_tiles + 2))
     _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
             NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW64)
-
-
-@gluon.jit
-def _mla_chunked_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvs,
-    stride_pb,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
-    W, NUM_SPLITS,
-    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
-):
-    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
-    gl.static_assert((LATENT == 2 * HALF) & (HALF == LO_CHUNKS * CHUNK) & (ROPE == CHUNK))
-    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    BAR: gl.constexpr = mbarrier.MBarrierLayout()
-    q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
-    q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
-    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
-    m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
-    m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
-    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * RING, 1], BAR)
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * PARTS, 1], BAR)
-    bar_a = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # left -> right: the max, P_A
-    bar_b = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)   # right -> left: the max, P_B
-    bar_l = gl.allocate_shared_memory(gl.int64, [1], BAR)
-    for c in gl.static_range(NUM_STAGES * RING):
-        mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
-    for c in gl.static_range(NUM_STAGES * PARTS):
-        mbarrier.init(empty.index(c), count=1)                   # one group frees each part
-    for k in gl.static_range(2):
-        mbarrier.init(bar_a.index(k), count=1)
-        mbarrier.init(bar_b.index(k), count=1)
-    mbarrier.init(bar_l, count=2)
-    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
-    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
-            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
-    smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
-    bars = (ready, empty, bar_a, bar_b, bar_l)
-    gl.warp_specialize([
-        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
 def chunked_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):

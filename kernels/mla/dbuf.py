@@ -49,22 +49,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .chunked import BLOCK_N, CHUNK, RING, ROW64, S64, TILE_TOKENS, _chunk_src
 from .warpspec import (
     BLOCK_M,
-    GROUP_REGS,
-    GROUP_WARPS,
     HALF,
-    LOADER_REGS,
-    LOADER_WARPS,
     O_L,
     _copy_q,
     _dot_a,
     _group_start,
+    _loader_start,
     _row_sums,
     _scale,
     _softmax,
+    _softmax_args,
     _store_out,
+    _tile_at,
     warp_specialized_refusal,
 )
-from .wgmma import _program
 
 NUM_STAGES = gl.constexpr(2)   # tile t in stage t % 2 (tiles, chunks, barriers: the chunked kernel's)
 # The left group's output columns: it also computes the scores and the softmax, so the right
@@ -101,24 +99,16 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """The loader warp group: q (tracked by tile 0's first chunk barrier), then tile t into
     stage t % 2 once both groups have freed it."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
-    pt_row = page_table_ptr + b * stride_pb
-    row0 = b.to(gl.int64) * W
+    start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N)
     if num_tiles > 0:   # q first (an empty split reads nothing)
-        _copy_q(q_ptr, q_lat.index(0), q_pe.index(0), wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
-                BLOCK_W, LATENT, ROPE)
+        _copy_q(q_src, q_lat.index(0), q_pe.index(0), NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
     page = gl.load(pt_row + start // PAGE_SIZE, mask=num_tiles > 0, other=0)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
-        n0 = start + t * BLOCK_N
-        base = kv_ptr + (page.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
-        page = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)   # the next tile's
+        n0, base, page = _tile_at(kv_ptr, stride_kvs, pt_row, page, start, t, num_tiles, PAGE_SIZE, BLOCK_N)
         _copy_tile(lat.index(stage), rope.index(stage), base, n0, end, stride_kvs, ready, empty,
                    stage, ((t // NUM_STAGES) & 1) ^ 1, LATENT)
 
@@ -146,9 +136,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """Columns 0..127: each tile's scores and softmax, P and the rescale to the right group,
     P . V[:, :128]; the stage freed after it."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -180,9 +168,6 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """Columns 128..511 (two accumulators: 256..511 and 128..255): with each tile's P and
     rescale from the left group, P . V[:, 128:]; the stage freed after it."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -203,57 +188,6 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     l_i = _row_sums(l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, WRITE_LSE, ROW64)
     _store_out(acc, l_i, ptrs, split, wb, hb, row0, HALF, NUM_HEADS, BLOCK_H, BLOCK_W, HALF, O_L)
     _store_out(acc_x, l_i, ptrs, split, wb, hb, row0, LEFT, NUM_HEADS, BLOCK_H, BLOCK_W, EXTRA, OL_EXTRA)
-
-
-@gluon.jit
-def _mla_dbuf_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvs,
-    stride_pb,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
-    W, NUM_SPLITS,
-    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
-):
-    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
-    gl.static_assert((LATENT == 2 * HALF) & (LATENT % CHUNK == 0) & (ROPE == CHUNK))
-    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (BLOCK_M == BLOCK_N) & (ROPE == BLOCK_N))   # P in the rope
-    gl.static_assert((LATENT // CHUNK + 1 == RING) & (EXTRA > 0))
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    BAR: gl.constexpr = mbarrier.MBarrierLayout()
-    q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
-    q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
-    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
-    alpha_x = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], ROW_SH)
-    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * RING, 1], BAR)
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BAR)
-    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BAR)
-    bar_l = gl.allocate_shared_memory(gl.int64, [1], BAR)
-    for c in gl.static_range(NUM_STAGES * RING):
-        mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
-    for k in gl.static_range(NUM_STAGES):
-        mbarrier.init(empty.index(k), count=2)                   # both groups free a stage
-        mbarrier.init(p_ready.index(k), count=1)
-    mbarrier.init(bar_l, count=2)
-    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
-    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
-            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
-    smem = (q_lat, q_pe, lat, rope, alpha_x, l_x)
-    bars = (ready, empty, p_ready, bar_l)
-    gl.warp_specialize([
-        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
 def dbuf_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):

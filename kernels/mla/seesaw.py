@@ -47,22 +47,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .warpspec import (
     BLOCK_M,
-    GROUP_REGS,
-    GROUP_WARPS,
     HALF,
-    LOADER_REGS,
-    LOADER_WARPS,
     _copy_q,
     _dot_a,
     _finish,
     _group_start,
+    _loader_start,
     _rescale,
     _scale,
     _slabs,
     _softmax,
+    _softmax_args,
+    _tile_at,
     warp_specialized_refusal,
 )
-from .wgmma import _program
 
 TILE_TOKENS = 32
 BLOCK_N = gl.constexpr(TILE_TOKENS)   # KV tokens of a tile
@@ -79,26 +77,17 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
             WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups have
     freed it."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
-    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+    start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N)
     r_d, r_r, c_d, c_r = _slabs(LATENT, ROPE)   # KV tiles in the slabs of q
-    pt_row = page_table_ptr + b * stride_pb
-    row0 = b.to(gl.int64) * W
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
-        _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS, BLOCK_H,
-                BLOCK_W, LATENT, ROPE)
+        _copy_q(q_src, q_lat, q_pe, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
     page = gl.load(pt_row + start // PAGE_SIZE, mask=num_tiles > 0, other=0)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
-        n0 = start + t * BLOCK_N
-        base = kv_ptr + (page.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
-        # the next tile's page, a tile ahead (loaded here, its latency stalled every tile)
-        page = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)
+        n0, base, page = _tile_at(kv_ptr, stride_kvs, pt_row, page, start, t, num_tiles, PAGE_SIZE, BLOCK_N)
         mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
         for r in gl.static_range(0, BLOCK_N, 8):
             ok = (n0 + r + r_d) < end
@@ -145,9 +134,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
           WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """Columns 0..255: tile A's scores and softmax, P_A . V_A and P_B . V_B."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -203,9 +190,7 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
            WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
     """Columns 256..511: tile B's scores and softmax, P_A . V_A (behind which B's softmax runs)
     and P_B . V_B."""
-    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
-     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -254,57 +239,6 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
                 mbarrier.arrive(empty.index(sa + 1))
     _finish(acc, l_i, m, l_x, bar_l, 1, ptrs, rows, heads, row_ok, split, wb, hb, row0,
             NUM_HEADS, BLOCK_H, BLOCK_W, WRITE_LSE, ROW)
-
-
-@gluon.jit
-def _mla_seesaw_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvs,
-    stride_pb,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
-    W, NUM_SPLITS,
-    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
-):
-    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
-    gl.static_assert(LATENT == 2 * HALF)
-    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) & (ROPE == BLOCK_M))   # _p_view: P in the rope
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT], SH)
-    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE], SH)
-    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
-    m_a = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
-    m_b = gl.allocate_shared_memory(gl.float32, [BLOCK_M], ROW_SH)
-    l_x = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    bar_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar_b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar_l = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=LOADER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=2)
-    mbarrier.init(bar_a, count=1)
-    mbarrier.init(bar_b, count=1)
-    mbarrier.init(bar_l, count=2)
-    # (Tuples are built in the call: an assigned tuple would hold the constexprs as tensors.)
-    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
-            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
-    smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
-    bars = (ready, empty, bar_a, bar_b, bar_l)
-    gl.warp_specialize([
-        (_left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-    ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
 def seesaw_refusal(page_size: int, block_n=None, num_warps=None, num_stages=None):

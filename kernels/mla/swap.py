@@ -38,8 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .chunked import BLOCK_N, CHUNK, RING
-from .dbuf import NUM_STAGES, _loader
-from .warpspec import BLOCK_M, LOADER_REGS, LOADER_WARPS
+from .dbuf import NUM_STAGES
 from .wgmma import _program, hopper_device
 
 HEADS = gl.constexpr(16)   # wgmma N: the heads of a program
@@ -115,52 +114,6 @@ def _consumer(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, 
     cols = gl.arange(0, LATENT, layout=TOK)
     gl.store(o_ptr + row * stride_ot + heads[None, :] * stride_oh + split * stride_os + cols[:, None],
              out.to(o_ptr.dtype.element_ty), mask=ok[None, :])
-
-
-@gluon.jit
-def _mla_swap_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvs,
-    stride_pb,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
-    W, NUM_SPLITS,
-    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
-):
-    gl.static_assert((BLOCK_W == 1) & (BLOCK_H == HEADS) & (MASK == 0))   # decode, 16-head blocks
-    gl.static_assert((LATENT % CHUNK == 0) & (ROPE == CHUNK) & (PAGE_SIZE % BLOCK_N == 0))
-    gl.static_assert(LATENT // CHUNK + 1 == RING)
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ROW_SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    BAR: gl.constexpr = mbarrier.MBarrierLayout()
-    # q in the loader's 64-row layout (rows past the 16 heads zero-filled, unread)
-    q_lat = gl.allocate_shared_memory(dtype, [1, BLOCK_M, LATENT], SH)   # indexed at run time:
-    q_pe = gl.allocate_shared_memory(dtype, [1, BLOCK_M, ROPE], SH)      # descriptors not hoisted
-    lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], SH)
-    rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], SH)
-    p_t = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], SH)
-    unused = gl.allocate_shared_memory(gl.float32, [1], ROW_SH)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * RING, 1], BAR)
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], BAR)
-    unused_bar = gl.allocate_shared_memory(gl.int64, [1], BAR)
-    for c in gl.static_range(NUM_STAGES * RING):
-        mbarrier.init(ready.index(c), count=LOADER_WARPS * 32)   # each loader thread's copies
-    for k in gl.static_range(NUM_STAGES):
-        mbarrier.init(empty.index(k), count=1)                   # the consumer frees a stage
-    ptrs = (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-            scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
-            stride_os, stride_lt, stride_lh, W, NUM_SPLITS)
-    smem = (q_lat, q_pe, lat, rope, p_t, unused)
-    bars = (ready, empty, unused_bar, unused_bar)
-    gl.warp_specialize([
-        (_consumer, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (_loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-    ], [LOADER_WARPS], [LOADER_REGS])
 
 
 def swap_refusal(page_size: int, block_w: int, block_h: int, W: int, mask: str, block_n=None,

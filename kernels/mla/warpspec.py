@@ -67,10 +67,11 @@ def _slabs(LATENT: gl.constexpr, ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _copy_q(q_ptr, q_lat, q_pe, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS: gl.constexpr,
-            BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr):
+def _copy_q(q_src, q_lat, q_pe, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+            LATENT: gl.constexpr, ROPE: gl.constexpr):
     """Issue the cp.async copies of the tile's q rows (rows past W or H zero-filled) by the
-    loader warp group, in ``_slabs``."""
+    loader warp group, in ``_slabs``; ``q_src`` from ``_loader_start``."""
+    q_ptr, wb, hb, row0, W, stride_qt, stride_qh = q_src
     r_d, r_r, c_d, c_r = _slabs(LATENT, ROPE)
     for r in gl.static_range(0, BLOCK_M, 8):
         q_row, q_ok = _q_slab(q_ptr, r + r_d, wb, hb, row0, W, stride_qt, stride_qh, NUM_HEADS,
@@ -135,6 +136,41 @@ def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: 
     return (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
             b.to(gl.int64) * W * W, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_L),
             gl.zeros([BLOCK_M], gl.float32, layout=ROW_L), gl.zeros([BLOCK_M, COLS], gl.float32, layout=OL))
+
+
+@gluon.jit
+def _softmax_args(ptrs):
+    """The launch arguments a warp group's softmax and P read: (q_ptr, for q's element type,
+    mask_ptr, scale_log2, W)."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    return q_ptr, mask_ptr, scale_log2, W
+
+
+@gluon.jit
+def _loader_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+                  MASK: gl.constexpr, N: gl.constexpr):
+    """The loader's program (``_program`` on N-token tiles): (start, end, num_tiles, the request's
+    page-table row, kv_ptr, stride_kvs, and where the tile's q rows are: ``_copy_q``'s ``q_src``)."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
+    hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N)
+    pt_row = page_table_ptr + b * stride_pb
+    row0 = b.to(gl.int64) * W
+    return start, end, num_tiles, pt_row, kv_ptr, stride_kvs, (q_ptr, wb, hb, row0, W, stride_qt, stride_qh)
+
+
+@gluon.jit
+def _tile_at(kv_ptr, stride_kvs, pt_row, page, start, t, num_tiles, PAGE_SIZE: gl.constexpr, N: gl.constexpr):
+    """Tile t's first token and KV address (``page``: its page) and tile t + 1's page (0 past the
+    last tile), loaded a tile ahead: loaded where it is used, its latency stalls every tile."""
+    n0 = start + t * N
+    base = kv_ptr + (page.to(gl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
+    page = gl.load(pt_row + (n0 + N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)
+    return n0, base, page
 
 
 @gluon.jit

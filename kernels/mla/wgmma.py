@@ -160,20 +160,13 @@ def _softmax(s, m_i, l_i, S_L: gl.constexpr, n0, end, j, row_ok, prefix, draft_p
 
 
 @gluon.jit
-def _mla_wgmma_kernel(
-    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvs,
-    stride_pb,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh,
-    W, NUM_SPLITS,
-    NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-    LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
-):
-    gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
+def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
+          LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+    """``_mla_wgmma_kernel`` (``prologue``) on its launch arguments ``ptrs``."""
+    (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
+     scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
+     stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # Scores [64, 64]: warp groups side by side over the tokens (n = 32 each); output
     # [64, 512]: side by side over the columns (n = 256 each).

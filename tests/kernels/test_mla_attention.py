@@ -6,12 +6,14 @@ from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.mla import wgmma as mla_wgmma
 from attn_backends_kernels.mla.attention import _mla_split_kernel, mla_attention_fwd, mla_decode_fwd, tile_shape
-from attn_backends_kernels.mla.chunked import _mla_chunked_kernel
-from attn_backends_kernels.mla.dbuf import _mla_dbuf_kernel
-from attn_backends_kernels.mla.seesaw import _mla_seesaw_kernel
-from attn_backends_kernels.mla.swap import _mla_swap_kernel
+from attn_backends_kernels.mla.prologue import (
+    _mla_chunked_kernel,
+    _mla_dbuf_kernel,
+    _mla_seesaw_kernel,
+    _mla_swap_kernel,
+    _mla_wgmma_kernel,
+)
 from attn_backends_kernels.mla.warpspec import partial_dtype
-from attn_backends_kernels.mla.wgmma import _mla_wgmma_kernel
 
 LATENT, ROPE = 512, 64
 # The Gluon kernels' GPU cases (64-row tiles): heads, rows per request, mask, tuning knobs.
