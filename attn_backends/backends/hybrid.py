@@ -17,6 +17,7 @@ refresh covers its plans and wrappers.
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 from typing import ClassVar, Optional
 
 import torch
@@ -26,7 +27,8 @@ from ..batch import ForwardBatch, ForwardMode, GraphInputs
 from ..layout import LayoutError
 
 UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
-DEFAULT = {ForwardMode.EXTEND: ("flashinfer", "flashinfer_mla"), **{m: ("triton", "triton_mla") for m in UNIFORM}}
+DEFAULT = MappingProxyType({ForwardMode.EXTEND: ("flashinfer", "flashinfer_mla"),
+                            **{m: ("triton", "triton_mla") for m in UNIFORM}})   # read only
 
 
 def _pair(name) -> tuple:

@@ -109,4 +109,4 @@ class TritonBackend(TritonBackendBase):
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws)
 
 
-__all__ = ["TritonBackend", "MaskKind"]
+__all__ = ("TritonBackend", "MaskKind")

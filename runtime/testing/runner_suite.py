@@ -73,7 +73,7 @@ def poisoned_pads(rig: Rig, n_raw: int, rng: random.Random):
         lo, hi = n_raw * w, bucket * w
         r.input_ids[lo:hi] = rand(rig.tc.vocab_size - 1, hi - lo) + 1
         if rig.kind == "draft_decode":
-            for p in r.plans:
+            for p in r.steps:
                 p.positions[lo:hi] = rand(s.max_ctx, hi - lo)
             return
         r.positions[lo:hi] = rand(s.max_ctx, hi - lo)
