@@ -2,7 +2,8 @@
 
 A backend is a class with a ``name``, declared ``capabilities`` and the seven methods of
 :class:`AttentionBackend`. ``docs/plugin-guide.md`` walks through writing one;
-``examples/sdpa_backend`` is a complete, installable one.
+``examples/sdpa_backend`` is a complete, installable one. The invariants ``attn-backends check``
+holds every backend to (I1-I16, the legend of its reports) are in ``docs/check.md``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The layout builders: one per mode, the only place stride and extent arithmetic lives.
 
 Eager metadata, graph capture and graph replay all call :func:`build_layout`, through the
-step plan (:mod:`attn_backends.step`), which builds each step's layout once for every layer
+step (:mod:`attn_backends.step`), which builds each step's layout once for every layer
 and backend. Eager gets fresh tensors sized to the batch; capture and replay pass ``out=``
 views of the plan's static buffers and the builder writes its result there in place.
 
@@ -93,7 +93,7 @@ class LayoutInputs:
     extend_seq_lens_cpu: Optional[torch.Tensor] = None
     static: bool = False                # graph mode: host scalars from the key alone
     check_device_values: bool = False   # validate device tensors too (syncs; never in replay)
-    validated: bool = False             # the caller (the step plan) has validated it already
+    validated: bool = False             # the caller (the step) has validated it already
     # Graph mode reads raw_bs and draft_step from device scalars ([1] int32), so that the step
     # plan's captured builder serves any raw_bs of its key.
     raw_bs_dev: Optional[torch.Tensor] = None
@@ -159,7 +159,7 @@ def canonical_rows(inp: LayoutInputs):
 
 
 def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor] = None) -> None:
-    """Write the pad rule into the pad rows of the inputs, in place (the step plan's prep): request
+    """Write the pad rule into the pad rows of the inputs, in place (the step's prep): request
     row 0 and ``pad_seq_len``, accept length 1, a causal ``w x w`` tree mask, and for ``tokens``
     (``[3, bs*w]`` input ids, positions, out_cache_loc) id 0, position 0 and the reserved slot 0."""
     real, spec = real_rows(inp), inp.spec_info
@@ -179,7 +179,7 @@ def write_canonical_pad(inp: LayoutInputs, w: int, tokens: Optional[torch.Tensor
 
 def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], out: Layout,
                 fused: Optional[bool] = None, max_bs: int = 0, max_width: int = 0) -> None:
-    """The step plan's prep of a captured key: :func:`write_canonical_pad`, then the layout into
+    """The step's prep of a captured key: :func:`write_canonical_pad`, then the layout into
     ``out``. A uniform mode without a tree mask does both in one launch (``kernels/layout_prep.py``:
     the same values; a graph replays it once per forward); ``fused`` None: on CUDA. ``max_bs`` /
     ``max_width``: the plan's largest key, so that its keys share the kernel's block sizes."""

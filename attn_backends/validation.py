@@ -106,7 +106,7 @@ def _check_spec(inp: LayoutInputs) -> None:
 def check_request_rows(req: torch.Tensor, rows: int, stand_in: bool = False) -> None:
     """The real requests' rows ``req`` lie in the table of ``rows`` rows and off the reserved row 0
     (padding's, all zeros: a request there would read the reserved slot 0 as its KV). ``stand_in``:
-    a capture batch standing wholly on row 0 before any request exists (a step plan's own, or a
+    a capture batch standing wholly on row 0 before any request exists (a step's own, or a
     caller's all-zero one, as SGLang captures), which replays rewrite. Reads device values (a sync)."""
     if bool(((req < 0) | (req >= rows)).any()):
         raise LayoutError(f"req_pool_indices {req.tolist()} outside 0..{rows - 1}")
@@ -117,8 +117,7 @@ def check_request_rows(req: torch.Tensor, rows: int, stand_in: bool = False) -> 
 
 def _check_device_values(inp: LayoutInputs, seqs: list) -> None:
     req = inp.req_pool_indices[:inp.raw_bs]
-    # static inputs are a step plan's (the caller's rows of a private plan's capture are checked by
-    # the backend before it loads them, LayoutBackend.init_forward_metadata_capture_cuda_graph)
+    # static inputs are a step's (a caller's rows are checked before a StandaloneStep loads them)
     check_request_rows(req, inp.req_to_token.shape[0], stand_in=inp.static)
     if inp.seq_lens[:inp.raw_bs].tolist() != seqs:
         raise LayoutError("seq_lens and seq_lens_cpu disagree")

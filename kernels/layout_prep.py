@@ -1,4 +1,4 @@
-"""The step plan's prep of a uniform mode in one launch: the pad rule written into the pad rows
+"""The step's prep of a uniform mode in one launch: the pad rule written into the pad rows
 of the inputs, in place, and the whole canonical layout built from the result.
 
 What it computes is exactly :func:`attn_backends.layout.write_canonical_pad` followed by the
@@ -83,7 +83,7 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
     [3, >= bs*W] int64 rows of unit stride, ``accept_lens`` [bs] int32) written in place, then
     the layout buffers (int32; ``page_table`` [bs, max_pages] with unit column stride). ``raw_bs``
     and ``draft_step`` are [1] int32 device scalars; ``draft_prefix_lens`` needs ``draft_step``.
-    ``max_bs`` / ``max_width``: the largest of the caller's keys (a step plan's), so that its keys
+    ``max_bs`` / ``max_width``: the largest of the caller's keys (a step's), so that its keys
     share the block sizes (W and the page size are runtime values; Triton still compiles apart
     the integer arguments equal to 1 or divisible by 16)."""
     bs = req_pool_indices.shape[0]

@@ -10,11 +10,11 @@ draft decode topk > 1   the fa2 kernels: fa3 (SM90) rejects custom masks
 =====================  =========================================================================
 
 Every wrapper is fa2 and reads the KV pool as NHD pages (``[pages, page_size, Hkv, D]`` views of
-the pool, no copy) and the step plan's ``kv_indices``. A graph wrapper (one per GraphKey and
-step plan, shared by every layer) owns ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and,
+the pool, no copy) and the step's ``kv_indices``. A graph wrapper (one per GraphKey and
+step, shared by every layer) owns ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and,
 with a mask, the packed mask and ``mask_indptr``; ``plan()`` rewrites all of them from host
 copies on every replay (:class:`flashinfer_common.HostPlan`), and the mask is packed on the
-device from the step plan's ``custom_mask`` / ``draft_prefix_lens``.
+device from the step's ``custom_mask`` / ``draft_prefix_lens``.
 """
 from __future__ import annotations
 

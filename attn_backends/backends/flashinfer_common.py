@@ -7,7 +7,7 @@
 * :class:`HostPlan`: the host copies a FlashInfer ``plan()`` reads (``qo_indptr``,
   ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
   and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
-  device. The device ``kv_indices`` is the step plan's layout buffer itself.
+  device. The device ``kv_indices`` is the step's layout buffer itself.
 * :class:`FlashInferBase`: one FlashInfer plan per step, one run per layer. The wrapper of a
   (backend class, model config, GraphKey) lives in the step's cache (``StepView.cache``) so every
   layer's instance runs the same wrapper; the first instance updated in a step (a new

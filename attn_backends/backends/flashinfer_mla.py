@@ -3,7 +3,7 @@
 
 DECODE (and draft decode with topk = 1), TARGET_VERIFY chain, DRAFT_EXTEND and EXTEND, over the
 latent cache of ``triton_mla`` (``[slots, 1, 512 + 64]``, read as ``[pages, page_size, 576]``
-without a copy) and the step plan's ``kv_indices``; W > 1 rows are causal (bottom-right). The
+without a copy) and the step's ``kv_indices``; W > 1 rows are causal (bottom-right). The
 wrapper takes no custom mask: tree verify and multi-branch draft decode are refused
 (``Capabilities.cannot``). Calls follow flashinfer 0.7.2.post1 ``mla/_batch_mla/_wrapper.py``
 (``__init__`` graph buffers ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_len_arr``;

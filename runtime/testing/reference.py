@@ -1,6 +1,6 @@
 """An independent float64 attention backend for the runner checks (I9 against a reference).
 
-It shares nothing with the backends under test: no layout, no page table, no step plan. Each
+It shares nothing with the backends under test: no layout, no page table, no step. Each
 request's K/V is gathered through ``req_to_token`` and its mask is derived from the batch's
 definition (the layout contract of ``attn_backends/layout.py``: ``seq_lens`` includes this
 forward's tokens; causal, tree and draft-branch rules), so a wrong causal or tree mask in a kernel,

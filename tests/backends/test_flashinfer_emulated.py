@@ -121,7 +121,7 @@ def test_one_plan_per_step_for_every_layer():
 
 
 def _graph_case(cls, cfg, mem, scns):
-    """Capture C with a private plan, then replay A, B, A with every graph buffer poisoned first;
+    """Capture C without a runner (a StandaloneStep), then replay A, B, A with every graph buffer poisoned first;
     returns (replayed, eager) outputs of each replay."""
     be, eager_be = cls(cfg, mem), cls(cfg, mem)
     cap, *hist = [materialize(s, mem, 1) for s in scns]

@@ -16,7 +16,7 @@ from attn_backends.registry import builtin_names, get_backend_class
 # Our built-ins only: a plugin installed on this machine is checked by `attn-backends check`, not here.
 AVAILABLE = [b.name for b in list_backends("cpu") if b.available and b.name in builtin_names()]
 PAIRS = [(b, m) for b in AVAILABLE for m in declared_modes(get_backend_class(b).capabilities)]
-# Cases per run: the layout logic is the step plan's, shared by every LayoutBackend, so torch_native
+# Cases per run: the layout logic is the step's, shared by every LayoutBackend, so torch_native
 # takes the many cases; a Triton backend on the CPU runs its kernels in the interpreter (seconds a
 # case at MLA's 512 + 64 dims) and takes a few, its own metadata and numbers checked in each. On
 # CUDA, `attn-backends check` runs 200 cases per mode on each (bench/run_gpu.sh, stage check).

@@ -1,4 +1,4 @@
-"""Issue #11 defect 2: every public call that raises leaves the backend, the step plan and the
+"""Issue #11 defect 2: every public call that raises leaves the backend, the step and the
 runner exactly as they were (fingerprints of every tensor byte and every host field), and the
 next valid call gives, bit for bit, what it gave before the bad one."""
 import dataclasses
@@ -92,10 +92,10 @@ def test_refused_capture_or_replay_changes_nothing(what):
     _same_layout(_layout(be), want)
 
 
-def test_refused_plan_update_changes_nothing():
+def test_refused_step_update_changes_nothing():
     mem, be, mk = _tree_setup()
     be.init_forward_metadata_capture_cuda_graph(mk([5, 9, 30]).graph_inputs())
-    plan = be._own_plan
+    plan = be._steps.graph_step                # the step made for a caller without a runner
     key = GraphKey(ForwardMode.TARGET_VERIFY, 4, 4)
     _unchanged([plan], lambda: plan.update(key, 0), "raw_bs=0 outside 1..bs=4")
     _unchanged([plan], lambda: plan.update(GraphKey(ForwardMode.DECODE, 4, 1), 2), "no capture for")

@@ -137,7 +137,7 @@ def test_capture_and_replay_must_agree_on_the_plan():
     gi = plan.graph_inputs(key, view)
     be.init_forward_metadata_capture_cuda_graph(gi)
     assert be.forward_metadata.layout is plan.captured(key).layout   # the step's views, no copy
-    with pytest.raises(LayoutError, match="without a step plan"):
+    with pytest.raises(LayoutError, match="without a runner.s step"):
         be.init_forward_metadata_replay_cuda_graph(dataclasses.replace(gi, step=None))
     other = GraphKey(ForwardMode.TARGET_VERIFY, 2, key.width, CaptureHiddenMode.NULL)
     with pytest.raises(LayoutError, match="step view is for .* bs=2 .*, not .* bs=4"):

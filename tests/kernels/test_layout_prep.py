@@ -11,7 +11,7 @@ import torch
 from attn_backends import CaptureHiddenMode, ForwardMode, GraphKey, LayoutError, SpecInfo
 from attn_backends.check.scenarios import make_memory
 from attn_backends.layout import prep_layout
-from attn_backends.step import LayoutPlan
+from attn_backends.step import Step
 from attn_backends_runtime.models import TinyConfig
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")
@@ -38,7 +38,7 @@ def _plans(kind, bs, page_size, device):
     out = []
     for _ in range(2):                     # the same memory seed: identical twins
         mem = make_memory(tc.attention(), num_pages=96, max_reqs=8, max_context_len=128, seed=4, device=device)
-        plan = LayoutPlan(mem, fill=1, max_bs=MAX_BS, max_width=max(N, TOPK), tokens=True)
+        plan = Step(mem, fill=1, max_bs=MAX_BS, max_width=max(N, TOPK), tokens=True)
         mode, w, spec = _spec(kind, bs, device)
         key = GraphKey(mode, bs, w, CaptureHiddenMode.NULL)
         if spec is not None and spec.is_draft_decode:
@@ -97,7 +97,7 @@ def test_fused_prep_refuses_a_tree_mask():
     from attn_backends.check.scenarios import verify_spec
     tc = TinyConfig(page_size=16)
     mem = make_memory(tc.attention(), num_pages=64, max_reqs=8, max_context_len=128, seed=2)
-    plan = LayoutPlan(mem, fill=1, max_bs=4, max_width=N, tokens=True)
+    plan = Step(mem, fill=1, max_bs=4, max_width=N, tokens=True)
     key = GraphKey(ForwardMode.TARGET_VERIFY, 4, N, CaptureHiddenMode.NULL)
     plan.capture(key, verify_spec(N, 4, random.Random(1), topk=2, steps=2), 4)
     with pytest.raises(LayoutError, match="no fused prep for TARGET_VERIFY with a tree mask"):

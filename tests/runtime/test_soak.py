@@ -93,7 +93,7 @@ def cyclic_garbage():
 @pytest.mark.parametrize("kind", RIG_KINDS)
 def test_runner_steps_make_no_reference_cycles(kind):
     """Replays and eager forwards of every runner kind leave nothing for the cyclic gc (the eager
-    step plan and its batch referred to each other)."""
+    step and its batch referred to each other)."""
     rig = Rig(RigSpec(kind, "torch_native", False, (2, 4)))
     rng = random.Random(5)
     reqs = rig.new_requests(3, rng, tokens=5 if kind == "piecewise" else None)

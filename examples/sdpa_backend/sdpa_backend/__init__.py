@@ -1,8 +1,8 @@
 """An example plugin backend: MHA/GQA paged attention through ``torch.nn.functional.
 scaled_dot_product_attention``, in every mode, eagerly and under CUDA graphs.
 
-It subclasses :class:`attn_backends.LayoutBackend`, so the canonical layout of each step (the
-step plan's, or a private one without a runner) arrives as ``meta.layout`` and the backend
+It subclasses :class:`attn_backends.LayoutBackend`, so the canonical layout of each step (from
+the view of the step it is handed) arrives as ``meta.layout`` and the backend
 writes one method, ``_run``. The mask rules it implements are the contract's
 (the masks of docs/plugin-guide.md); the KV pool is ``self.memory.pool`` (``k[layer]``,
 ``v[layer]``: ``[num_slots, Hkv, D]``; the slot of position ``p`` of request ``i`` is
