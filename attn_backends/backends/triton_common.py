@@ -18,13 +18,8 @@ from ..step import LibraryKey, StepView
 
 MAX_KV_SPLITS = 32
 # Up to 64 splits where a batch has too few programs to fill the GPU at 32: at most 4 x SMs / 64
-# programs per split and at most 4 query rows. With the per-SM targets this gives 64 splits to GQA
-# 32/8 and 64/8 at bs 1, MLA16 decode at bs <= 4, MLA16 verify at bs <= 2, MLA128 decode at bs 1.
-# H200, graph replay, 32 -> 64 splits: GQA decode bs 1 kv 8192 27.2 -> 22.7 us, kv 32768
-# 69.1 -> 52.1; GQA 64/8 verify4 bs 1 kv 32768 76.1 -> 59.7; MLA16 decode bs 1 kv 32768
-# 74.9 -> 45.3, bs 4 80.0 -> 61.0; MLA16 verify4 bs 1 kv 32768 82.7 -> 52.9. Not wider:
-# 128 splits lost to 64 for MLA (bs 1 kv 8192 19.6 -> 34.1) and for verify; GQA decode at bs 4
-# lost 3-8 % at 64; the 8-row tree lost at every width above 32 (bs 1 kv 2048 18.5 -> 25.8).
+# programs per split and at most 4 query rows (wider did not pay: 128 lost to 64 for MLA and
+# verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
 
 
@@ -38,8 +33,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
     rounded down to a power of two, at most 32 (64 for a batch of few programs, see
     ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
-    the GraphKey. ``per_sm`` comes from H200 sweeps (GQA decode at bs 64: 2 splits; GQA chain verify
-    at bs 64: 1; MLA decode: 4; MLA verify: 2). ``floor``: the fewest splits, lowered (to 1 at
+    the GraphKey. ``per_sm`` is each backend's ``_split_rule`` (bench/RESULTS.md, 'Split counts').
+    ``floor``: the fewest splits, lowered (to 1 at
     least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
     the fewest pages a split spans, where the splits that leaves still give a quarter of the SMs
     a program (the backends' ``_split_pages``). ``exact_below``: a count below it is taken as it

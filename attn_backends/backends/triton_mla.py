@@ -37,10 +37,8 @@ class TritonMLABackend(TritonBackendBase):
         block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
         return bs * -(-width // block_w) * -(-self.config.num_q_heads // block_h)
 
-    # Verify: two 64-token tiles a split where that leaves a quarter of the SMs a program. H200,
-    # graph replay, MLA16 verify4 kv 2048 (32 pages of 64): bs 4 32 splits (a tile each) 22.2 us
-    # -> 16 19.3; bs 1 keeps 32 (16 programs at 16: 15.6 -> 16.7); at kv 8192 and 32768, and at
-    # bs >= 16, the count is below the pages anyway.
+    # Verify: two 64-token tiles a split where that leaves a quarter of the SMs a program
+    # (bench/RESULTS.md, 'Split counts').
     SPLIT_TOKENS: ClassVar[int] = 128
 
     def _split_rule(self, width: int, lay=None) -> tuple:
@@ -48,13 +46,8 @@ class TritonMLABackend(TritonBackendBase):
         of 16-head tiles: two programs an SM on the Triton kernel, one on the transposed kernel
         (``mla.swap``, which the wrapper's default takes for uniform causal rows where
         ``decodes_transposed``; a q whose strides it refuses runs on the Triton kernel at this
-        count). The transposed kernel holds a whole SM's shared memory. H200, graph replay,
-        MLA16 decode, us, the Triton kernel at two programs an SM -> the transposed one at one
-        (FlashInfer fa3): bs 16 kv 8192 59.7 -> 55.7 (56.7), bs 64 kv 2048 60.2 -> 55.7 (55.9),
-        bs 128 kv 8192 313.6 -> 291.3 (295.5); where one an SM fills the SMs unevenly, bs 80 kv
-        8192 286.8 -> 242.4 (275.8), bs 96 kv 2048 88.3 -> 73.5 (90.6), bs 140 kv 8192 (two
-        waves) 793.3 -> 514.0 (524.2). Three splits there were faster still (bs 80: 198.1, bs
-        140: 378.3; bs 96 kv 2048: 93.4, slower): not taken, measured at these points only."""
+        count). The transposed kernel holds a whole SM's shared memory, so one program an SM is its
+        full occupancy (bench/RESULTS.md, 'MLA kernels')."""
         if width > 1 or self.config.num_q_heads >= 64:
             return 1, 1, None
         uniform_causal = lay is None or (lay.mode != ForwardMode.EXTEND and lay.mask == MaskKind.CAUSAL)
