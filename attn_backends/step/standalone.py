@@ -62,7 +62,7 @@ class StandaloneStep:
     @staticmethod
     def _checked(inputs: GraphInputs) -> StepView:
         view = inputs.step
-        if view.key != inputs.key:
+        if view.key is not inputs.key and view.key != inputs.key:
             raise LayoutError(f"the step view is for {view.key}, not {inputs.key}: the runner must hand the "
                               "view that its step's capture() or update() returned for this key")
         return view

@@ -55,6 +55,8 @@ from .buffers import LayoutBuffers, RowCopies
 from .view import Prep, StepView
 
 I64 = torch.int64
+_STEP_ID = StepView._fields.index("step_id")
+_new_view = tuple.__new__          # a StepView from its fields at the cost of a tuple (the replay's hot path)
 
 
 
@@ -66,7 +68,7 @@ class _Captured:
     graph: object = None          # the prep graph on CUDA; None: run the prep function itself
     need: int = 1                 # the least seq_len of a real row (W, or W * draft_step)
     pad: int = 1                  # the seq_len of a pad row
-    views: dict = field(default_factory=dict)   # raw_bs -> the view of the template spec (new step ids only)
+    views: dict = field(default_factory=dict)   # raw_bs -> the template view's fields before and after the step id
 
 
 class Step:
@@ -298,15 +300,15 @@ class Step:
     def _view(self, entry: _Captured, raw_bs: int, spec: Optional[SpecInfo] = None) -> StepView:
         """A new view of ``entry`` (``spec``: a draft step other than the template's)."""
         self.step_id += 1
-        old = entry.views.get(raw_bs) if spec is None else None
-        if old is not None:                               # the same fields but the step id: one tuple copy
-            return old._replace(step_id=self.step_id)
+        held = entry.views.get(raw_bs) if spec is None else None
+        if held is not None:                              # the same fields but the step id: one tuple
+            return _new_view(StepView, held[0] + (self.step_id,) + held[1])
         key = entry.key
         view = StepView(key, raw_bs, entry.layout, self.seq_lens_cpu[:key.bs], None,
                         self.spec_view(key, entry.spec) if spec is None else spec, self.step_id, self.fill,
                         self.memory, self.cache, id(self), self.prep, self._tensors)
         if spec is None:
-            entry.views[raw_bs] = view
+            entry.views[raw_bs] = (view[:_STEP_ID], view[_STEP_ID + 1:])
         return view
 
     def _check_capacity(self, key: GraphKey) -> None:
