@@ -16,9 +16,8 @@ from .launch_record import launch
 LOG2E = 1.4426950408889634
 # merge_splits' grid: about this many programs where rows x heads allow; the output columns of
 # 16-bit partials are cut into blocks (of at least MIN_MERGE_DV) where one head a program leaves
-# fewer. H100, graph replay, MLA16 verify4 with bf16 partials, whole rows -> 64-column blocks:
-# bs 1 kv 8192 22.2 -> 20.4 us, kv 2048 17.0 -> 16.3; float32 partials lost to it (decode bs 4
-# kv 2048 16.3 -> 17.5, verify4 bs 1 kv 8192 21.3 -> 22.4).
+# fewer: small batches then spread the merge over more programs (float32 partials lost to it, so
+# whole rows there). Figures: bench/RESULTS.md, 'Fused merge'.
 MERGE_PROGRAMS = 256
 MIN_MERGE_DV = 64
 
@@ -153,8 +152,8 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
         return out
     block_s, full_dv = triton.next_power_of_2(S), triton.next_power_of_2(Dv)
     # Heads per program: up to 8192 partial values a program, while rows x heads leave about
-    # 256 programs (H100, GQA verify bs 64: 16,384 one-head programs 259 -> 231 us; with one
-    # row, two-head programs cost decode bs 1 a microsecond, 8.3 -> 9.4 us).
+    # 256 programs: fewer, larger programs where one head a program makes thousands; decode of
+    # one row keeps one head a program (figures: bench/RESULTS.md, 'Fused merge').
     cap = max(1, 8192 // (block_s * full_dv))
     block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
     heads_grid = triton.cdiv(H, block_hm)
@@ -236,28 +235,18 @@ def cuda_index(device: torch.device) -> int:
 
 
 # Where a tile's split partials are at most this many bytes, the split pass merges them itself
-# (``merge_if_last``: one launch instead of two, 5-7 us of an eager call's host time on the
-# H200 machine); above it the separate merge pass, which spreads the reads over many programs
-# where the fused merge has the one program that finishes last read them all. H200, graph
-# replay, separate -> fused: GQA 32/8 decode bs 1 kv 2048 (128 KiB a tile) 14.5 -> 13.8 us,
-# bs 16 kv 8192 (16 KiB) 138.9 -> 137.9; GQA 64/8 decode bs 4 (128 KiB) 23.2 -> 24.2 and
-# 51.1 -> 52.2; the extend kernel's 16-row verify tile lost more at 128 KiB (bs 4 kv 2048
-# 24.6 -> 26.9, kv 8192 52.1 -> 54.7) and tied at 32 KiB (bs 16: 51.6 -> 50.6, 140.8 -> 139.7),
-# so it fuses up to half of this.
+# (``merge_if_last``: one launch instead of two, which saves an eager call's host time); above it
+# the separate merge pass, which spreads the reads over many programs where the fused merge has
+# the one program that finishes last read them all. The extend kernel's 16-row verify tile lost
+# at this bound and tied at a quarter of it, so it fuses up to half of this. Figures:
+# bench/RESULTS.md, 'Fused merge'.
 FUSED_MERGE_BYTES = 128 << 10
 
 # From this many requests the GQA split passes put a request's KV heads on the fastest grid axis
 # (``heads_first``): a token's KV heads are one contiguous run of the paged cache, so the programs
-# that read it run side by side. H200, graph replay, us, batch first -> heads first, two machines
-# (2026-11-27): GQA 32/8 decode bs 128 kv 8192 990.8 -> 990.7 and 971.9 -> 968.1, kv 32768
-# 3905.6 -> 3892.9 and 3815.2 -> 3800.0, bs 64 kv 32768 1963.6 -> 1953.1 and 1922.9 -> 1916.1;
-# GQA 64/8 decode bs 128 kv 8192 995.7 -> 991.9 and 974.8 -> 971.1; GQA 32/8 verify4 bs 128 kv
-# 8192 992.2 -> 986.4 and 970.6 -> 965.1, bs 64 kv 32768 1960.3 -> 1945.3 and 1920.4 -> 1900.6;
-# tree8 bs 128 kv 8192 1593.9 -> 1523.7 and 1597.0 -> 1522.5. At bs 4-16 within +-0.8 % (tree8
-# bs 16 kv 8192 210.2 -> 211.9). A later probe saw no change at bs 64 kv 32768
-# (1922.1 -> 1923.7, within that probe's noise of 0.4 %). Loads that evict first moved nothing
-# (within 0.2 %).
-# Prefill (several query blocks a request) was not measured, and keeps the batch-first grid.
+# that read it run side by side: up to 1 % for decode and chain verify at 64-128 requests, 4.7 %
+# for trees; below 64 requests within noise either way. Prefill (several query blocks a request)
+# was not measured, and keeps the batch-first grid. Figures: bench/RESULTS.md, 'Grid order'.
 HEADS_FIRST_BS = 64
 MAX_GRID_YZ = 65535     # CUDA's bound on a grid's y and z extents (x: 2**31 - 1)
 
@@ -283,16 +272,9 @@ def heads_first_grid(name: str, heads_first, bs: int, query_blocks: int, heads_g
 # and tree tiles of one query block a request: fused, the 32-row tiles were slower or tied at
 # every point and chunk (0.0-18.5 %; more instructions in the KV loop: 1047 against 990 for the
 # GQA 32/8 tree tile at 64 columns) and keep the separate merge; the 64-row tiles (GQA 64/8
-# tree8) were faster where the grid has many programs an SM, up to FUSED_MERGE_BYTES of partials
-# a tile. H100, graph replay, separate -> fused (32 columns), us (2026-11-28): GQA 64/8 tree8 bs
-# 64 kv 8192 (4 splits, 15.5 programs an SM) 933.8 -> 916.6, kv 2048 294.3 -> 282.7, kv 32768
-# 3454.6 -> 3361.7; bs 128 (2 splits, 15.5) kv 8192 1789.9 -> 1742.3, kv 2048 508.8 -> 493.7;
-# slower at bs 16 kv 2048 (3.9 an SM) 84.4 -> 87.3 and bs 4 kv 8192 (1.9) 75.6 -> 83.2. GQA 32/8
-# tree8 at 16-128 columns: bs 16 kv 8192 229.2 -> 230.6-234.5, bs 64 856.1 -> 863.4-872.5, bs 128
-# 1664.2 -> 1673.7-1696.7; GQA 64/8 verify4 bs 16 kv 2048 68.5 -> 69.1-74.0. Fusing saves the
-# merge's launch: 4-5 us of an eager call's host time (GQA 64/8 tree8 bs 128 kv 8192 19.8 -> 14.6
-# us, the median of 5 rounds). Decode and prefill tiles past the old bound (16 rows at Dv 128)
-# were not measured and keep the separate merge.
+# tree8) were faster where the grid has many programs an SM (15.5 faster; 3.9 and 1.9 slower), up
+# to FUSED_MERGE_BYTES of partials a tile. Decode and prefill tiles past the old bound (16 rows at
+# Dv 128) were not measured and keep the separate merge. Figures: bench/RESULTS.md, 'Fused merge'.
 WIDE_FUSED_ROWS = 64
 WIDE_FUSED_PER_SM = 8        # between the 3.9 measured slower and the 15.5 measured faster
 

@@ -239,13 +239,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     wide = wide_verify_tile(max_q_len, block_q * group_pad)
     # The 32-row verify tile on 2 warps, 64-token KV tiles and 3 stages at every split count:
-    # H200 graph replay, GQA 64/8 verify4, against the 32-token tiles it ran before (2 warps and
-    # 3 stages over <= 4 splits, else 4 warps and 2; 2026-11-27): bs 16 kv 8192 170.4 -> 150.0 us,
-    # bs 64 605.6 -> 528.0, bs 128 1197 -> 1042, kv 2048 bs 128 316.5 -> 277.7, bs 4 24.8 -> 24.4,
-    # kv 32768 bs 1 59.0 -> 55.2, bs 4 178.0 -> 148.7. It lost at bs 1 kv 2048 (sweep: 16.9 ->
-    # 19.2): 64 splits of 32 tokens there, and a split is whole KV tiles, so half of them idle.
-    # 2 stages were within 1.5 % of 3, 128-token tiles 43-82 % slower, 4 warps 15-41 %; the
-    # 16-row tiles (GQA 32/8 verify4) were 0-2 % slower on 2 warps and 31-66 % on 1.
+    # faster than the 32-token tiles it ran before except at bs 1 kv 2048, where a split is whole
+    # KV tiles and half of its 64 splits idle. The 16-row tiles keep 4 warps (slower on 2 and 1).
+    # Figures: bench/RESULTS.md, 'GQA launch parameters'.
     if num_warps is None:
         num_warps = 2 if wide else 4
     if num_stages is None:

@@ -48,8 +48,9 @@ def _hooked(hook) -> bool:
 def _stream() -> tuple:
     """``(device index, stream handle)`` of the current CUDA stream (the handle is what Triton's
     launcher takes; the legacy default stream is 0 on every device, hence the index). The raw
-    handle, not ``torch.cuda.current_stream()``, which builds a Stream object (H200: 4.2 us of an
-    eager call's 28, against under 1)."""
+    handle, not ``torch.cuda.current_stream()``, which builds a Stream object each call: about a
+    sixth of an eager call's host time on an H200 (the call's total: bench/RESULTS.md, 'Eager host
+    time')."""
     index = torch.cuda.current_device()
     return index, _raw_stream(index)
 

@@ -271,12 +271,9 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     explicit block_n / num_warps / num_stages knobs are the wgmma kernel's, the warp-specialized
     kernels take none) and the Triton kernel elsewhere. ``streaming``: one program reads each
     request's KV (MLA16 verify with W <= 4, or decode with 64 heads: the same work a program);
-    ``STREAMING_DEFAULTS`` order the kernels there, ``dbuf`` in ``chunked``'s place.
-    H200, MLA16 verify4, dbuf against chunked: 5-10 % faster at bs 4-64 with kv 2048-8192 (bs 64
-    kv 8192: 0.5 % slower), at most 5 % at kv 32768; with one split (bs 128) 1-2 % faster since
-    its left group takes 128 output columns (``dbuf``'s docstring has the figures). 16-row
-    tiles (decode of 16 heads; ``width`` and ``mask`` say decode) take ``swap`` where it
-    serves."""
+    ``STREAMING_DEFAULTS`` order the kernels there, ``dbuf`` in ``chunked``'s place (faster where
+    a program has few tiles; figures: bench/RESULTS.md, 'MLA kernels'). 16-row tiles (decode of
+    16 heads; ``width`` and ``mask`` say decode) take ``swap`` where it serves."""
     if kernel == "triton":
         return "triton"
     knobs = (block_n, num_warps, num_stages)
@@ -358,8 +355,8 @@ def tile_shape(W: int, H: int, block_w=None, block_h=None) -> tuple:
     if block_w is None:
         block_w = min(triton.next_power_of_2(W), 4)
     if block_h is None:  # decode with >= 64 heads: one 64-head tile reads each latent tile for
-        # 64 heads (H200, 128 heads, kv 8192, Triton kernel: bs 16 301 -> 152 us, bs 128 2230
-        # -> 1025 us; the wgmma kernel, which serves it on sm_90, 116 and 789 us)
+        # 64 heads, a quarter of the tile reads of 16-head tiles (figures: bench/RESULTS.md,
+        # 'MLA kernels')
         block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
     return block_w, block_h
 
@@ -367,21 +364,19 @@ def tile_shape(W: int, H: int, block_w=None, block_h=None) -> tuple:
 def _tile_config(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> tuple:
     """(block_w, block_h, block_n, num_warps, num_stages): the caller's, None filled with the
     defaults. The launch knobs are the Triton kernel's; the Gluon kernels have their own."""
-    # Up to 4 query rows x 16 heads per tile (H200 sweeps of bench/tune.py); a 64-row tile
-    # needs 8 warps for its [64, 512] float32 accumulator. (Splitting the two output halves
-    # over two programs and TMA tile loads were measured slower on an H200, decode 101 -> 188
-    # / 300 us, and were removed.)
+    # Up to 4 query rows x 16 heads per tile (the sweeps of bench/tune.py); a 64-row tile needs
+    # 8 warps for its [64, 512] float32 accumulator. (Splitting the two output halves over two
+    # programs and TMA tile loads were slower, and were removed.)
     block_w, block_h = tile_shape(W, H, block_w, block_h)
     rows = block_w * block_h
     if rows < 16:  # tl.dot needs M >= 16
         raise ValueError(f"mla_attention_fwd: block_w={block_w} x block_h={block_h} rows < 16")
     # The Triton kernel's 64-row tiles (off sm_90, at float32, or asked for): 64 KV tokens per
-    # tile halve the q re-reads from shared memory per token (H200: verify4 226 -> 165 us).
-    # Decode tiles of fewer rows (16 heads) take 64 KV tokens, 8 warps and 3 stages (H200
-    # graph replay, MLA16 decode against 32 / 4 / 2: bs 1 kv 32768 45.4 -> 39.9 us, bs 64 kv
-    # 8192 178.2 -> 167.4, bs 128 kv 32768 1240 -> 1147; 2 of 15 points 2 % slower, bs 16 kv
-    # 2048 26.8 -> 27.3). Triton 3.6 gives that config 116,736 bytes of shared memory at bf16
-    # on sm_90: taken where fit_block_n keeps 64 tokens, so not at float32 (which `check` runs).
+    # tile halve the q re-reads from shared memory per token. Decode tiles of fewer rows (16
+    # heads) take 64 KV tokens, 8 warps and 3 stages: faster than 32 / 4 / 2 at 13 of 15 points
+    # (figures: bench/RESULTS.md, 'MLA kernels'). Triton 3.6 gives that config 116,736 bytes of
+    # shared memory at bf16 on sm_90: taken where fit_block_n keeps 64 tokens, so not at float32
+    # (which `check` runs).
     decode_tile = (W == 1 and rows < 64 and block_n in (None, 64)
                    and fit_block_n(q, 64, D * q.element_size()) == 64)
     if num_stages is None:

@@ -25,9 +25,9 @@ next tile's scores start on the chunks already landed.
 
 The stage and q descriptors are indexed at run time (by a zero the compiler cannot fold): as
 constants, the compiler hoisted all 36 of them out of the loop and ptxas spilled them (496
-bytes of stack), and beside 217.5 KiB of shared memory the reloads mostly missed L1: on an H200 (CUDA graph replay, L2
-flushed) MLA128 decode bs 128 kv 8192 took 829 us, against 537 without the spills (seesaw 666);
-MLA16 verify4 bs 128 kv 8192 575 -> 315 (349); MLA128 verify4 bs 16 kv 8192 379 -> 262 (327).
+bytes of stack), and beside 217.5 KiB of shared memory the reloads mostly missed L1, a third
+of the kernel's time (figures: bench/RESULTS.md, 'MLA kernels'; tests/kernels/test_offline_sm90.py
+bounds the stack).
 
 Same interface, masks and split outputs as ``wgmma`` where pages hold whole 64-token tiles
 (``chunked_refusal`` says why not elsewhere).
@@ -101,11 +101,9 @@ def _copy_part(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, STAGE: gl
 @gluon.jit
 def _pages(pt_row, start, t, num_tiles, PAGE_SIZE: gl.constexpr):
     """The pages of tiles ``t`` and ``t + 1`` of the split (0 past its last tile). The loader
-    loads a pass's pages during the pass before. Loaded where they were used, their latency
-    stalled the loader on every pass: on an H200, ncu put 23 % of the kernel's warp stall
-    samples (MLA16 verify4 bs 132 kv 8192) on the loader waiting for the page index. Loading
-    them a pass ahead gained 0.5-1.5 % (MLA16 verify4 bs 128 kv 8192 306.6 -> 305.0 us, MLA128
-    verify4 2004.8 -> 1976.5): the stall was mostly hidden behind the waits for freed parts."""
+    loads a pass's pages during the pass before: loaded where they were used, their latency
+    stalled the loader on every pass (a quarter of the warp stall samples in ncu; a pass ahead
+    gained 0.5-1.5 %, the rest hidden behind the waits for freed parts)."""
     n0 = start + t * BLOCK_N
     page_a = gl.load(pt_row + n0 // PAGE_SIZE, mask=t < num_tiles, other=0)
     page_b = gl.load(pt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)

@@ -4,8 +4,8 @@ byte: MLA with 16 heads).
 
 Why: ``chunked`` runs FlashMLA's seesaw, whose two groups each score their own tile, so both
 stages are read at once through a pass and a stage is refilled only as parts of it are freed:
-on an H200 (ncu, MLA16 verify4 bs 132 kv 8192) it moves the same 1.2557 GB as FlashInfer's
-Hopper MLA kernel at 71 % of the DRAM peak against that kernel's 78 %. Here both groups work on
+where a program streams a request's KV it reaches a lower share of the DRAM peak than
+FlashInfer's Hopper MLA kernel moving the same bytes (ncu on an H200). Here both groups work on
 the same tile while the loader fills the other stage, so a whole tile is in flight while one is
 in use.
 
@@ -23,15 +23,11 @@ The left group carries the scores and the row sums; the right group's row sums a
 its max unused at the end (``_row_sums``).
 
 Where it runs (``attention._pick_kernel``): where one program reads each request's KV
-(MLA16 verify with W <= 4; decode with 64 heads, the same work a program, not measured). On an H200
-(MLA16 verify4, graph replay, us, chunked -> dbuf, same call): bs 16 kv 2048 33.3 ->
-30.7, kv 8192 63.8 -> 60.4, kv 32768 171.3 -> 171.1; bs 4 kv 2048 23.2 -> 22.1, kv 8192 33.1 ->
-30.4, kv 32768 63.1 -> 60.1; bs 64 kv 2048 64.4 -> 61.2, kv 8192 172.9 -> 173.7, kv 32768 628.5
--> 621.6; bs 1 kv 8192 20.5 -> 19.6. It gains where a program has few tiles (the pipeline fills
-sooner); with one split it was no faster with 256 columns on each group (bs 128 kv 8192 311.6
--> 317.7, kv 2048 99.0 -> 98.8), and is 1-2 % faster with the left group on 128 (``LEFT``).
-Not measured where several programs share a request's KV (128 heads): those launches are
-compute-bound, and keep the chunked kernel, whose two groups both score.
+(MLA16 verify with W <= 4; decode with 64 heads, the same work a program, not measured). It
+gains over ``chunked`` where a program has few tiles (the pipeline fills sooner), up to 10 %;
+with one split only through the left group's 128 columns (``LEFT``). Not measured where several
+programs share a request's KV (128 heads): those launches are compute-bound, and keep the
+chunked kernel, whose two groups both score. Figures: bench/RESULTS.md, 'MLA kernels'.
 
 Same interface, masks and split outputs as ``wgmma`` where pages hold whole 64-token tiles
 (``dbuf_refusal`` says why not elsewhere).
@@ -66,10 +62,9 @@ from .warpspec import (
 
 NUM_STAGES = gl.constexpr(2)   # tile t in stage t % 2 (tiles, chunks, barriers: the chunked kernel's)
 # The left group's output columns: it also computes the scores and the softmax, so the right
-# group takes the other 384 (H200, MLA16 verify4, graph replay, one split, us, 256 -> 128 left
-# columns: bs 128 kv 2048 97.5 -> 95.2, kv 8192 318.3 -> 301.3; with splits within 1 %: bs 1-16
-# kv 2048-32768, bs 64 kv 8192 169.9 -> 168.1). The right group's [64, 384] is two accumulators
-# (shapes are powers of two), its half and the EXTRA columns beside the left group's.
+# group takes the other 384 (2-6 % faster with one split on an H200, within 1 % with splits).
+# The right group's [64, 384] is two accumulators (shapes are powers of two), its half and the
+# EXTRA columns beside the left group's.
 LEFT = gl.constexpr(128)
 EXTRA = gl.constexpr(HALF.value - LEFT.value)   # the right group's columns beyond its half
 OL_LEFT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

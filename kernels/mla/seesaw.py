@@ -22,11 +22,10 @@ tile's scores behind its P_B . V_B.
 
 Why 32-token tiles in 4 stages: q (72 KiB) and the stages share one program's 227 KiB. With
 64-token tiles only 2 stages fit, both in use by a pass; released whole, a stage is refilled only
-after the pass, and the loads do not overlap the products (H200, graph-free launch, MLA128
-decode bs 128 kv 8192: 1795 us; loads alone 493, products alone 628). With 32-token tiles the
-loader fills the next pass's two stages during this one: 712 us there (the lock-step
-``wgmma`` 765), MLA16 verify4 bs 128 kv 8192 376 (394), MLA128 verify4 bs 16 kv 8192 359
-(432). The cost: each group's scores run at N = 32, q read from shared memory per 32 tokens (as
+after the pass, and the loads do not overlap the products (slower than the loads and the
+products added). With 32-token tiles the loader fills the next pass's two stages during this
+one, faster than the lock-step ``wgmma`` (figures: bench/RESULTS.md, 'MLA kernels').
+The cost: each group's scores run at N = 32, q read from shared memory per 32 tokens (as
 in ``wgmma``). ``chunked`` keeps 64-token tiles and refills each stage part by part, and
 is faster (it and ``dbuf`` are the defaults where pages hold whole 64-token tiles); this kernel serves pages
 of an odd multiple of 32 tokens.

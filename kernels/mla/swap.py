@@ -17,15 +17,10 @@ alone, so the consumer frees a stage sooner and more of the ring is in flight.
 Decode only (one query row a request, causal), 16-head blocks (``BLOCK_H`` 16, heads past H
 masked), pages of whole 64-token tiles; same split outputs as the other kernels.
 
-On an H200 (MLA16 decode, graph replay, L2 flushed, us; the Triton kernel at its two programs
-an SM -> this kernel at one, the split rule of ``TritonMLABackend``; FlashInfer fa3 in the same
-run): bs 16 kv 2048 27.2 -> 24.5 (25.7), kv 8192 59.7 -> 55.7 (56.7), kv 32768 168.1 -> 158.5
-(159.9); bs 64 kv 2048 60.2 -> 55.7 (55.9), kv 8192 168.5 -> 159.3 (159.7); bs 128 kv 2048
-98.3 -> 87.4 (89.7), kv 8192 313.6 -> 291.3 (295.5); bs 1 kv 8192 18.0 -> 16.3 (27.0, 64
-splits both); bs 4 kv 2048 15.5 -> 15.2 (19.8). At the Triton kernel's split count (two programs
-an SM) it is slower at kv 2048 and at bs 16 kv 8192 (30.9, 62.4, 99.2, 61.0) and faster at kv
-8192-32768 otherwise (bs 128 kv 8192 299.0): a program of this kernel holds a whole SM's shared
-memory, so the second program an SM waits for the first.
+It runs one program an SM (the split rule of ``TritonMLABackend``): a program holds a whole SM's
+shared memory, so a second program an SM waits for the first. There it is faster than the
+Triton kernel and FlashInfer's fa3 at every decode point measured (figures: bench/RESULTS.md,
+'MLA kernels').
 """
 import torch
 from triton.experimental import gluon

@@ -259,11 +259,9 @@ def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows
     here), whose 16-bit stores are 16 bytes a thread (``STORE_L128``, ``STORE_L256``); float32 elsewhere. The
     backend sizes its graph workspaces by it and the wrapper its own, so that graph and eager
     launches round alike. As FlashInfer's MLA plan (partial_o at 2 bytes a value); the merge sums
-    in float32. Measured (H100, graph replay; ``bench/RESULTS.md``), float32 -> bf16 partials:
-    MLA16 verify4 bs 16 kv 2048 36.1 -> 32.5 us, kv 8192 77.3 -> 75.5, bs 64 kv 8192 229.3 ->
-    226.3; MLA16 decode on the transposed kernel (4-byte 16-bit stores) bs 1 kv 2048 12.9 ->
-    13.3, bs 16 28.8 -> 30.9, so float32 there. The Triton kernel (off sm_90) keeps float32:
-    not measured with 16-bit partials."""
+    in float32. 16-bit partials are faster on the warp-specialized kernels and slower on the
+    transposed kernel (4-byte 16-bit stores), so float32 there (figures: bench/RESULTS.md, 'MLA
+    kernels'). The Triton kernel (off sm_90) keeps float32: not measured with 16-bit partials."""
     warp_specialized = (dtype in (torch.float16, torch.bfloat16) and rows == BLOCK_M.value
                         and (latent, rope) == (512, 64) and hopper_device(device)
                         and warp_specialized_refusal(32, 4, page_size) is None)

@@ -11,8 +11,8 @@ row max across the two through shared memory, the row sums kept as per-thread pa
 the last tile), P goes through shared memory to both warp groups, and each accumulates 256 of
 the 512 output columns. The loop is software-pipelined: the next tile's scores run on the
 tensor cores behind this tile's P . V. Every barrier counts here (a program holds 225 KiB of
-shared memory, one per SM): 12 -> 6 barriers a tile, with the pipelining, took MLA16 verify4
-bs 128 kv 8192 from 401.5 to 375.5 us on an H200. Same interface, masks and split-KV
+shared memory, one per SM), hence 6 barriers a tile (figures: bench/RESULTS.md, 'MLA kernels').
+Same interface, masks and split-KV
 outputs as ``_mla_split_kernel`` (uniform W rows per request, no ragged EXTEND);
 ``mla_attention_fwd`` picks it where ``wgmma_refusal`` finds nothing against it and the
 warp-specialized kernels (``chunked``, ``dbuf``, ``seesaw``: the defaults on sm_90) do not
@@ -55,8 +55,8 @@ def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
     """Issue the cp.async copies of KV tokens n0 .. n0+BLOCK_N (those below ``end``; the rest
     zero-filled and never read from global memory) into one stage. The rope columns' slots are
     read from the page table again in their own layout rather than converted from the latent
-    columns' (a layout conversion goes through shared memory, with barriers: H200, MLA16 verify4
-    bs 128 kv 8192, 398.8 -> 390.2 us)."""
+    columns': a layout conversion goes through shared memory, with barriers (2 % slower on an
+    H200)."""
     slot, ok = _slots(pt_row, n0, end, PAGE_SIZE, gl.SliceLayout(1, LD))
     cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LD))
     async_copy.async_copy_global_to_shared(
@@ -147,8 +147,7 @@ def _softmax(s, m_i, l_i, S_L: gl.constexpr, n0, end, j, row_ok, prefix, draft_p
     """Online softmax of one tile's scores: (P, the rescale of the running sums, m, l). The
     row sums ``l_i`` stay a [BLOCK_M, BLOCK_N] tile of per-thread partial sums, reduced once
     after the last tile: each warp group holds half of a row's tokens, so a per-tile row sum
-    would cross the warp groups through shared memory (H200: MLA128 decode bs 64 kv 8192, 382.1
-    -> 368.9 us)."""
+    would cross the warp groups through shared memory (3.6 % slower on an H200)."""
     vis = _visible(S_L, n0, end, j, row_ok, prefix, draft_prefix, q_len, mask_ptr, mask_base,
                    MASK)
     s = gl.where(vis, s * scale_log2, float("-inf"))
@@ -214,8 +213,7 @@ def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.cons
     acc = gl.zeros([BLOCK_M, LATENT], gl.float32, layout=O_L)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     # Software-pipelined: tile t + 1's scores are issued behind tile t's P . V, so that the tensor
-    # cores run both back to back and the copies of tile t + 2 are issued while the scores run
-    # (H200: MLA128 verify4 bs 8 kv 8192 217.4 -> 212.5 us).
+    # cores run both back to back and the copies of tile t + 2 are issued while the scores run.
     l_i = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     s = s_zero
     if num_tiles > 0:
