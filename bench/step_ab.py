@@ -171,31 +171,39 @@ def run_worker(a, label, tree, rnd, links, log_path):
     """One worker for (tree, round): its records, plus an error record if it failed or timed out."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree-path", tree, "--label", label,
            "--round", str(rnd), "--steps", str(a.steps), "--impls", a.impls, "--models", a.models, "--bs", a.bs]
+    return run_cmd(cmd, label, tree, rnd, links, log_path, a.timeout)
+
+
+def run_cmd(cmd, label, tree, rnd, links, log_path, timeout, log_mode="w"):
+    """Run a worker command in ``tree``'s environment, its stderr to ``log_path``; its JSON records
+    from stdout, plus an error record if it failed or outlasted ``timeout`` seconds (the records it
+    printed before are kept)."""
     err = None
-    with open(log_path, "w") as log:
+    with open(log_path, log_mode) as log:
         try:
             p = subprocess.run(cmd, env=worker_env(tree, links, os.environ), cwd=tree, stdout=subprocess.PIPE,
-                               stderr=log, timeout=a.timeout)
+                               stderr=log, timeout=timeout)
             out = p.stdout
             if p.returncode != 0:
                 err = f"worker exited with status {p.returncode}"
         except subprocess.TimeoutExpired as e:
-            out, err = e.stdout, f"worker timed out after {a.timeout:g} s"
+            out, err = e.stdout, f"worker timed out after {timeout:g} s"
     recs = parse_records(out.decode(errors="replace") if isinstance(out, bytes) else out)
     if err:
         recs.append({"kind": "error", "label": label, "round": rnd, "error": f"{err} (see {log_path})"})
     return recs
 
 
-def cell(records, label, rnd, model, impl, bs):
-    """A round's median for one row, or "error" where that row's worker failed before timing it."""
+def cell(records, label, rnd, key, kind="step", value="median_us"):
+    """A round's ``value`` for the row ``key`` (a dict of fields), or "error" where that row's
+    worker failed before measuring it (an error record's ``of``, where given, names its kind)."""
     for r in records:
-        if (r["kind"] == "step" and r["label"] == label and r["round"] == rnd and r["model"] == model
-                and r["impl"] == impl and r["bs"] == bs):
-            return r["median_us"]
+        if (r["kind"] == kind and r["label"] == label and r["round"] == rnd
+                and all(r.get(k) == v for k, v in key.items())):
+            return r[value]
     for r in records:
-        if (r["kind"] == "error" and r["label"] == label and r["round"] == rnd
-                and all(r.get(k) in (None, v) for k, v in (("model", model), ("impl", impl), ("bs", bs)))):
+        if (r["kind"] == "error" and r["label"] == label and r["round"] == rnd and r.get("of") in (None, kind)
+                and all(r.get(k) in (None, v) for k, v in key.items())):
             return "error"
     return None
 
@@ -203,38 +211,53 @@ def cell(records, label, rnd, model, impl, bs):
 def build_table(records, labels, rounds, models, impls, bss):
     """Markdown rows: every round's median per tree, the best round, and each later tree's best
     over the first tree's (after/before)."""
-    head = ["model", "impl", "bs"]
+    keys = [{"model": m, "impl": i, "bs": b} for m in models for i in impls for b in bss]
+    return table(records, labels, rounds, keys)
+
+
+def table(records, labels, rounds, keys, kind="step", value="median_us", agg=min, agg_name="best"):
+    """Markdown rows, one per ``key``: every round's ``value`` per tree, their ``agg`` (named
+    ``agg_name``) and each later tree's ``agg`` over the first tree's."""
+    head = list(keys[0]) if keys else []
     for label in labels:
-        head += [f"{label} r{r}" for r in range(1, rounds + 1)] + [f"{label} best"]
+        head += [f"{label} r{r}" for r in range(1, rounds + 1)] + [f"{label} {agg_name}"]
     head += [f"{label}/{labels[0]}" for label in labels[1:]]
     fmt = lambda v: f"{v:.1f}" if isinstance(v, (int, float)) else (v or "-")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for model in models:
-        for impl in impls:
-            for bs in bss:
-                row, best = [model, impl, str(bs)], {}
-                for label in labels:
-                    got = [cell(records, label, r, model, impl, bs) for r in range(1, rounds + 1)]
-                    nums = [v for v in got if isinstance(v, (int, float))]
-                    best[label] = min(nums) if nums else None
-                    row += [fmt(v) for v in got] + [fmt(best[label]) if nums else ("error" if "error" in got else "-")]
-                base = best[labels[0]]
-                for label in labels[1:]:
-                    b = best[label]
-                    row.append(f"{b / base:.3f}" if b is not None and base else "-")
-                lines.append("| " + " | ".join(row) + " |")
+    for key in keys:
+        row, best = [str(v) for v in key.values()], {}
+        for label in labels:
+            got = [cell(records, label, r, key, kind, value) for r in range(1, rounds + 1)]
+            nums = [v for v in got if isinstance(v, (int, float))]
+            best[label] = agg(nums) if nums else None
+            row += [fmt(v) for v in got] + [fmt(best[label]) if nums else ("error" if "error" in got else "-")]
+        base = best[labels[0]]
+        for label in labels[1:]:
+            b = best[label]
+            row.append(f"{b / base:.3f}" if b is not None and base else "-")
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
-def header(records, trees, a):
+def context(records, trees):
+    """The card and versions the workers saw, and each tree's path and commit."""
     envs = [r for r in records if r["kind"] == "env"]
     seen = lambda key: ", ".join(sorted({str(r.get(key)) for r in envs})) or "no worker got that far"
     commits = {r["label"]: r.get("commit") for r in records if r.get("commit")}
     tree_desc = "; ".join(f"{lb} = {p} @ {commits.get(lb) or tree_commit(p)}" for lb, p in trees.items())
+    return [f"card: {seen('device')}; torch {seen('torch')}; triton {seen('triton')}", "", f"trees: {tree_desc}", ""]
+
+
+def error_lines(records, keys=("model", "impl", "bs")):
+    errors = [r for r in records if r["kind"] == "error"]
+    return ["", "Errors:"] + [
+        f"- {r['label']} round {r['round']}" + "".join(f" {k}={r[k]}" for k in keys if r.get(k) is not None)
+        + f": {r['error']}" for r in errors] if errors else []
+
+
+def header(records, trees, a):
     return [
-        "# Tiny-model decode-step latency, before vs after (bench/step_ab.py)", "",
-        f"card: {seen('device')}; torch {seen('torch')}; triton {seen('triton')}", "",
-        f"trees: {tree_desc}", "",
+        "# Tiny-model decode-step latency, before vs after (bench/step_ab.py)", "", *context(records, trees),
         f"method: host-synced step latency (each step `fn(); torch.cuda.synchronize()` timed with perf_counter, "
         f"after {WARMUP} warm-up steps), median of {a.steps} steps per round, in us; {a.rounds} rounds interleaved "
         "across trees (A,B then B,A, ...), each tree and round a separate process importing only that tree; "
@@ -246,13 +269,7 @@ def report(records, trees, a):
     labels = list(trees)
     lines = header(records, trees, a) + build_table(records, labels, a.rounds, csv(a.models), csv(a.impls),
                                                     [int(b) for b in csv(a.bs)])
-    errors = [r for r in records if r["kind"] == "error"]
-    if errors:
-        lines += ["", "Errors:"] + [
-            f"- {r['label']} round {r['round']}"
-            + "".join(f" {k}={r[k]}" for k in ("model", "impl", "bs") if r.get(k) is not None)
-            + f": {r['error']}" for r in errors]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + error_lines(records)) + "\n"
 
 
 def driver(a):
@@ -261,25 +278,9 @@ def driver(a):
         raise SystemExit("step_ab: give at least one --tree LABEL=PATH (two for a ratio)")
     out = os.path.realpath(a.out)
     os.makedirs(out, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="step_ab_links_")
-    records = []
-    try:
-        links = {lb: make_links(p, os.path.join(tmp, lb)) for lb, p in trees.items()}
-        with open(os.path.join(out, "step_ab.jsonl"), "w") as jl:
-            for rnd in range(1, a.rounds + 1):
-                for label in round_order(list(trees), rnd):
-                    t0 = time.perf_counter()
-                    got = run_worker(a, label, trees[label], rnd, links[label],
-                                     os.path.join(out, f"worker_{label}_r{rnd}.log"))
-                    for rec in got:
-                        jl.write(json.dumps(rec) + "\n")
-                    jl.flush()
-                    records += got
-                    n_err = sum(r["kind"] == "error" for r in got)
-                    print(f"step_ab: round {rnd} {label}: {sum(r['kind'] == 'step' for r in got)} rows, "
-                          f"{n_err} errors, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    run_one = lambda label, tree, rnd, links: run_worker(a, label, tree, rnd, links,
+                                                          os.path.join(out, f"worker_{label}_r{rnd}.log"))
+    records, _ = run_rounds(trees, a.rounds, os.path.join(out, "step_ab.jsonl"), run_one)
     text = report(records, trees, a)
     with open(os.path.join(out, "STEP_AB.md"), "w") as f:
         f.write(text)
@@ -287,17 +288,49 @@ def driver(a):
     return 0
 
 
-def import_tree(tree):
-    """Import ``bench_runtime`` and the packages from ``tree`` (PYTHONPATH set by the driver) and
-    check where each came from. The folder of this script (``sys.path[0]``, which Python puts ahead
-    of PYTHONPATH) is dropped first unless it is the tree's own bench/."""
+def run_rounds(trees, rounds, jsonl_path, run_one, budget_s=None, name="step_ab"):
+    """``run_one(label, tree, rnd, links)`` for every round and tree in ``round_order``, each record
+    appended to ``jsonl_path`` as it comes: (all records, rounds run). With ``budget_s``, a round
+    after the first starts only if the slowest round so far would still end within the budget."""
+    tmp = tempfile.mkdtemp(prefix=f"{name}_links_")
+    records, done, slowest, start = [], 0, 0.0, time.perf_counter()
+    try:
+        links = {lb: make_links(p, os.path.join(tmp, lb)) for lb, p in trees.items()}
+        with open(jsonl_path, "w") as jl:
+            for rnd in range(1, rounds + 1):
+                if budget_s is not None and done and time.perf_counter() - start + slowest > budget_s:
+                    print(f"{name}: rounds {rnd}-{rounds} not started: a round takes up to {slowest:.0f} s, "
+                          f"{budget_s - (time.perf_counter() - start):.0f} s of --budget-s left", file=sys.stderr)
+                    break
+                t_round = time.perf_counter()
+                for label in round_order(list(trees), rnd):
+                    t0 = time.perf_counter()
+                    got = run_one(label, trees[label], rnd, links[label])
+                    for rec in got:
+                        jl.write(json.dumps(rec) + "\n")
+                    jl.flush()
+                    records += got
+                    n_err = sum(r["kind"] == "error" for r in got)
+                    n_rows = sum(r["kind"] not in ("env", "error") for r in got)
+                    print(f"{name}: round {rnd} {label}: {n_rows} rows, {n_err} errors, "
+                          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                slowest, done = max(slowest, time.perf_counter() - t_round), rnd
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return records, done
+
+
+def import_tree(tree, extra=()):
+    """Import ``bench_runtime``, the packages and the modules ``extra`` from ``tree`` (PYTHONPATH set
+    by the driver) and check where each came from. The folder of this script (``sys.path[0]``, which
+    Python puts ahead of PYTHONPATH) is dropped first unless it is the tree's own bench/."""
     here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
     if here != os.path.join(tree, "bench"):
         sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
     br = importlib.import_module("bench_runtime")
-    for name in TREE_MODULES[:3]:
+    for name in (*TREE_MODULES[:3], *extra):
         importlib.import_module(name)
-    files = {n: os.path.realpath(sys.modules[n].__file__) for n in TREE_MODULES if n in sys.modules}
+    files = {n: os.path.realpath(sys.modules[n].__file__) for n in (*TREE_MODULES, *extra) if n in sys.modules}
     wrong = {n: f for n, f in files.items() if not f.startswith(tree + os.sep)}
     if wrong:
         raise RuntimeError(f"modules imported from outside {tree}: {wrong}")
