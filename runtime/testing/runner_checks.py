@@ -107,7 +107,7 @@ class _TwinAttention:
         out = backend.forward(q, k, v, layer, batch)          # the reference stores this step's K/V
         if self.found is None:
             ours = get_backend(self.rig.backend_name, self.rig.tc.attention(), self.rig.mem)
-            own = dataclasses.replace(batch, plan=None)           # its own layout, not the reference's plan
+            own = dataclasses.replace(batch, step=None)           # its own layout, not the reference's step
             ours.init_forward_metadata(own)
             got = ours.forward(q, k, v, layer, own, save_kv_cache=False)
             spans = batch_spans(batch)

@@ -14,7 +14,6 @@ from attn_backends import CaptureHiddenMode as H
 from attn_backends import ForwardMode, ModelConfig, SpecInfo
 from attn_backends.backends import torch_native as TN
 from attn_backends.backends.torch_native import TorchNativeBackend
-from attn_backends.base import ForwardMetadata
 from attn_backends.check.numbers import batch_spans, mismatch
 from attn_backends.check.report import SuiteReport
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
@@ -37,7 +36,7 @@ class CausalOffByOne(TorchNativeBackend):
         lay = meta.layout
         if lay.mask == MaskKind.CAUSAL:
             lay = dataclasses.replace(lay, prefix_lens=lay.prefix_lens + 1)
-        return super()._run(q, layer, ForwardMetadata(lay, meta.plan, **meta.extra))
+        return super()._run(q, layer, dataclasses.replace(meta, view=meta.view._replace(layout=lay)))
 
 
 class TreeTransposed(TorchNativeBackend):
@@ -51,7 +50,7 @@ class TreeTransposed(TorchNativeBackend):
             w = lay.width
             cm = lay.custom_mask.view(lay.bs, w, w).transpose(1, 2).reshape(-1)
             lay = dataclasses.replace(lay, custom_mask=cm)
-        return super()._run(q, layer, ForwardMetadata(lay, meta.plan, **meta.extra))
+        return super()._run(q, layer, dataclasses.replace(meta, view=meta.view._replace(layout=lay)))
 
 
 def _brute_force_worst(got, want, spans):

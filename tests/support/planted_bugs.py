@@ -4,17 +4,19 @@ in its docstring).
 The suite must report every one of them (tests/check/test_planted_bugs.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attn_backends import ForwardMode
 from attn_backends.backends.torch_native import TorchNativeBackend
-from attn_backends.base import ForwardMetadata
 
 
 class PackedReplay(TorchNativeBackend):
     """A1 (sgl #19807): replay builds cu_seqlens_q = cumsum(accept_lens), the runner strides N."""
 
     name = "bug_packed_replay"
+    replay_work = True      # its replay writes the layout: the step's prep runs before it
 
     def init_forward_metadata_replay_cuda_graph(self, inputs):
         super().init_forward_metadata_replay_cuda_graph(inputs)
@@ -28,6 +30,7 @@ class StepsStride(TorchNativeBackend):
     """A2 (sgl #27545): stride num_steps + 1 instead of N while topk > 1, in eager and replay alike."""
 
     name = "bug_steps_stride"
+    replay_work = True      # its replay writes the layout: the step's prep runs before it
 
     def _wrong_stride(self, spec):
         lay = self.forward_metadata.layout
@@ -54,6 +57,7 @@ class NoPlusW(TorchNativeBackend):
     """A3 (sgl KNOWN_FAILURES C.3): replay sets the KV extent to the prefix, without + W."""
 
     name = "bug_no_plus_w"
+    replay_work = True      # its replay writes the layout: the step's prep runs before it
 
     def init_forward_metadata_replay_cuda_graph(self, inputs):
         super().init_forward_metadata_replay_cuda_graph(inputs)
@@ -62,29 +66,50 @@ class NoPlusW(TorchNativeBackend):
 
 
 class StalePadRows(TorchNativeBackend):
-    """B1 (sgl #10892, #28569): replay refreshes rows [:raw_bs] only; pad rows keep old values."""
+    """B1 (sgl #10892, #28569): replay refreshes rows [:raw_bs] only; pad rows keep old values.
+    The backend keeps its own copies of three layout fields per key (as SGLang's backends keep
+    their metadata buffers) and copies only the real rows of the step's layout into them."""
 
     name = "bug_stale_pad_rows"
+    FIELDS = ("seq_lens_k", "page_table", "prefix_lens")
 
-    def init_forward_metadata_replay_cuda_graph(self, inputs):
-        raw, bs = inputs.raw_bs, inputs.key.bs
-        lay = self._graph_meta[(inputs.key, inputs.plan)].layout
-        saved = {n: getattr(lay, n)[raw:bs].clone() for n in ("seq_lens_k", "page_table", "prefix_lens")}
-        super().init_forward_metadata_replay_cuda_graph(inputs)
-        for n, old in saved.items():
-            getattr(lay, n)[raw:bs] = old
+    def __init__(self, config, memory):
+        super().__init__(config, memory)
+        self._own = {}                            # key -> {field: the backend's copy}
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        self._own.clear()
+
+    def _metadata(self, view, key):
+        if key is not None:
+            self._own[key] = {n: getattr(view.layout, n).clone() for n in self.FIELDS}
+        return super()._metadata(view, key)
+
+    def _update(self, meta, view):
+        own = self._own.get(meta.key) if meta.key is not None else None
+        if own is None:
+            return
+        for n, t in own.items():                  # the bug: rows raw_bs.. keep what they held
+            t[:view.raw_bs].copy_(getattr(view.layout, n)[:view.raw_bs])
+        meta.view = view._replace(layout=dataclasses.replace(view.layout, **own))
+
+    def _extra_graph_buffers(self):
+        return {f"own.{n}/{k}": t for k, fields in self._own.items() for n, t in fields.items()}
 
 
 class ReallocOnReplay(TorchNativeBackend):
     """A4 (rtp-llm #1259, sgl #37975): replay builds fresh tensors instead of writing in place."""
 
     name = "bug_realloc_on_replay"
+    replay_work = True      # its replay writes the layout: the step's prep runs before it
 
     def init_forward_metadata_replay_cuda_graph(self, inputs):
         super().init_forward_metadata_replay_cuda_graph(inputs)
-        lay = self.forward_metadata.layout
+        meta = self.forward_metadata
+        lay = meta.layout
         fresh = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(lay).items()}
-        self.forward_metadata = ForwardMetadata(type(lay)(**fresh), self.forward_metadata.plan)
+        self.forward_metadata = dataclasses.replace(meta, view=meta.view._replace(layout=type(lay)(**fresh)))
 
 
 class HostItemInReplay(TorchNativeBackend):

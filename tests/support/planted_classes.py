@@ -6,12 +6,14 @@ tests/check/test_bug_classes.py shows a check reporting each one."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import ForwardMode
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.base import ForwardMetadata
-from attn_backends.step.buffers import LayoutBuffers
 from attn_backends_runtime import engine, executor, full_graph
 
 # --------------------------------------------------------------------------- backends
@@ -24,31 +26,47 @@ class ForeignCaptureMetadata(TorchNativeBackend):
     name = "bug_foreign_capture"
 
     def init_forward_metadata_capture_cuda_graph(self, inputs):
-        key = inputs.key
-        earlier = [m for (k, p), m in self._graph_meta.items()
-                   if p is inputs.plan and k.forward_mode == key.forward_mode and k != key]
+        key, view = inputs.key, inputs.step
+        origin = view.origin if view is not None else id(self._steps.graph_step)    # the step of the capture
+        earlier = [m for (k, o), m in self._graph_meta.items()
+                   if o == origin and k.forward_mode == key.forward_mode and k != key]
         if not earlier:
             return super().init_forward_metadata_capture_cuda_graph(inputs)
-        self._graph_meta[(key, inputs.plan)] = earlier[0]
+        self._graph_meta[(key, origin)] = earlier[0]
         self.forward_metadata = earlier[0]
-        self._last_replay = (None, None, None)
 
 
 class ContextSizedBuffers(TorchNativeBackend):
     """SGLang #29695: speculative graph buffers sized by the context length (the request-to-token
-    width less the speculative headroom W), while requests index up to the full width."""
+    width less the speculative headroom W), while requests index up to the full width. The
+    backend's own page table (allocated with its graph state, as SGLang's backends do) takes the
+    columns of the step's that fit."""
 
     name = "bug_context_sized_buffers"
 
-    def _private_plan(self):
-        fresh = self._own_plan is None
-        plan = super()._private_plan()
-        max_bs, w = self._graph_size
-        if fresh and w > 1:
-            ps = self.memory.page_size
-            context = (self.memory.max_context_len - w) // ps * ps
-            plan.buffers = LayoutBuffers(max_bs, w, context, ps, self.memory.device)
-        return plan
+    def __init__(self, config, memory):
+        super().__init__(config, memory)
+        self._page_table = None
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        w = max(1, max_num_tokens // max_bs)
+        ps = self.memory.page_size
+        context = (self.memory.max_context_len - w) // ps * ps
+        self._page_table = None if w == 1 else torch.zeros(max_bs, context // ps, dtype=torch.int32,
+                                                            device=self.memory.device)
+
+    def _update(self, meta, view):
+        own = self._page_table
+        if meta.key is None or own is None:
+            return
+        lay = view.layout
+        pt = own[:lay.bs]
+        pt.copy_(lay.page_table[:, :pt.shape[1]])
+        meta.view = view._replace(layout=dataclasses.replace(lay, page_table=pt))
+
+    def _extra_graph_buffers(self):
+        return {} if self._page_table is None else {"own.page_table": self._page_table}
 
 
 class TreeMaskDoubleCounted(TorchNativeBackend):
@@ -70,6 +88,11 @@ class TreeMaskDoubleCounted(TorchNativeBackend):
             lay.custom_mask = grown[:n]
 
 
+@dataclasses.dataclass(eq=False)
+class _SliceMetadata(ForwardMetadata):
+    cache_seqlens: Optional[torch.Tensor] = None      # graph: the key's own copy, which its kernel reads
+
+
 class UnboundReplaySlice(TorchNativeBackend):
     """SGLang #26655: each captured key has its own copy of the cache lengths that the kernel
     reads; replay copies the new lengths into the copy bound last (another key's) before
@@ -77,23 +100,27 @@ class UnboundReplaySlice(TorchNativeBackend):
 
     name = "bug_unbound_replay_slice"
 
-    def _extras(self, layout, key):
-        return {} if key is None else {"cache_seqlens": layout.seq_lens_k.clone()}
+    def _metadata(self, view, key):
+        own = None if key is None else view.layout.seq_lens_k.clone()
+        return _SliceMetadata(view, key, cache_seqlens=own)
 
     def _extra_graph_buffers(self):
-        return {f"cache_seqlens/{k.bs}": m.extra["cache_seqlens"] for (k, _), m in self._graph_meta.items()}
+        return {f"cache_seqlens/{k.bs}": m.cache_seqlens for (k, _), m in self._graph_meta.items()}
 
-    def _refresh_extras(self, meta, inputs):
+    def _update(self, meta, view):
+        if meta.key is None or self._graph_meta.get((meta.key, view.origin)) is not meta:
+            return                                # eager, or a capture (its record is new): replays only
         bound = self.forward_metadata             # the bug: not yet rebound to ``meta``
-        dst = None if bound is None else bound.extra.get("cache_seqlens")
+        dst = getattr(bound, "cache_seqlens", None)
         if dst is not None:
-            n = min(dst.numel(), meta.layout.bs)
-            dst[:n].copy_(meta.layout.seq_lens_k[:n])
+            n = min(dst.numel(), view.layout.bs)
+            dst[:n].copy_(view.layout.seq_lens_k[:n])
 
     def _run(self, q, layer, meta):
-        own = meta.extra.get("cache_seqlens")
+        own = meta.cache_seqlens
         if own is not None:
-            meta = ForwardMetadata(dataclasses.replace(meta.layout, seq_lens_k=own), meta.plan, **meta.extra)
+            meta = dataclasses.replace(meta, view=meta.view._replace(
+                layout=dataclasses.replace(meta.layout, seq_lens_k=own)))
         return super()._run(q, layer, meta)
 
 

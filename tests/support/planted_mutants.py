@@ -1,4 +1,4 @@
-"""Known bug classes planted into our own code (the step plan, the layout builders, the runners,
+"""Known bug classes planted into our own code (the step, the layout builders, the runners,
 the executor, the reference backend's kernel), each as a named function that applies it with a
 ``pytest.MonkeyPatch``; tests/check/test_planted_bugs.py shows that a check reports each one and that
 the unmodified code passes the very same cases. Scopes: ``layout`` = the layout suite
@@ -41,7 +41,7 @@ graph_buffers_after_fallback   D1 sgl #22832           executor         I9 (fall
 =============================  ======================  ===============  ==================================
 
 Not planted: A7 (a token bucket not a multiple of 1+K: our uniform runners bucket requests, so
-``bs*W`` is a multiple of W by construction) and B3 (an invalid capture batch: the plan validates
+``bs*W`` is a multiple of W by construction) and B3 (an invalid capture batch: the step validates
 the capture batch with the replay validator, I13, and a capture on synthetic zeros has no
 observable effect on the CPU stand-in). The backend-level copies of tests/support/planted_bugs.py stay.
 """
@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_backends import CaptureHiddenMode as H
-from attn_backends import ForwardMode, GraphKey
+from attn_backends import ForwardMode, GraphInputs, GraphKey
 from attn_backends import layout as L
 from attn_backends.backends import torch_native as TN
 from attn_backends.layout import MaskKind, real_rows
 from attn_backends.step import buffers as LB
-from attn_backends.step import plan as P
+from attn_backends.step import step as S
 from attn_backends_runtime import draft, executor, full_graph, piecewise, runner_base
 from attn_backends_runtime.runner_base import GraphRunnerBase, RunnerOutput
 from attn_backends_runtime.testing import rig as rig_mod
@@ -78,7 +78,7 @@ class Mutant:
         return self.plant.__name__
 
 
-# --------------------------------------------------------------------------- layout builders and plan
+# --------------------------------------------------------------------------- layout builders and the step
 
 def packed_replay_stride(mp):
     orig = L.build_draft_extend
@@ -108,7 +108,7 @@ def no_plus_w_in_builder(mp):
 
 
 def fresh_layout_on_replay(mp):
-    orig = P.LayoutPlan._prep
+    orig = S.Step._prep
 
     def bug(self, entry):
         if entry.graph is None and getattr(entry, "_seen", False):   # replay: into fresh tensors
@@ -120,7 +120,7 @@ def fresh_layout_on_replay(mp):
             return
         entry._seen = True
         orig(self, entry)
-    mp.setattr(P.LayoutPlan, "_prep", bug)
+    mp.setattr(S.Step, "_prep", bug)
 
 
 def kv_indices_without_factor(mp):
@@ -144,7 +144,7 @@ def mask_indptr_of_raw_rows(mp):
 
 
 def _patch_canonical(mp, fn):
-    mp.setattr(L, "canonical_rows", fn)      # the one pad rule: the builder and the plan's prep read it there
+    mp.setattr(L, "canonical_rows", fn)      # the one pad rule: the builder and the step's prep read it there
 
 
 def pad_rows_to_real_request(mp):
@@ -156,7 +156,7 @@ def pad_rows_to_real_request(mp):
 
 
 def pad_fill_below_width(mp):
-    for mod in (L, P):
+    for mod in (L, S):
         mp.setattr(mod, "pad_seq_len", lambda fill, width: max(fill, 1))
 
 
@@ -165,45 +165,47 @@ def builder_trusts_caller_pads(mp):
 
 
 def stale_max_seq_len_k(mp):
-    cap, upd = P.LayoutPlan.capture, P.LayoutPlan.update
+    orig = S.Step._prep
 
-    def capture(self, key, spec, raw_bs):
-        lay = cap(self, key, spec, raw_bs)
-        lay.max_seq_len_k = int(self.seq_lens_cpu[:key.bs].max())      # from the capture batch
-        self.__dict__.setdefault("_stale", {})[key] = lay.max_seq_len_k
-        return lay
-
-    def update(self, key, raw_bs, draft_step=None):
-        lay = upd(self, key, raw_bs, draft_step)
-        lay.max_seq_len_k = self._stale[key]                           # what a graph would replay
-        return lay
-    mp.setattr(P.LayoutPlan, "capture", capture)
-    mp.setattr(P.LayoutPlan, "update", update)
+    def bug(self, entry):     # the host bound of the capture batch, where the prep builds the layout
+        orig(self, entry)
+        key = entry.key
+        stale = self.__dict__.setdefault("_stale", {})
+        stale.setdefault(key, int(self.seq_lens_cpu[:key.bs].max()))     # the first prep: the capture's
+        entry.layout.max_seq_len_k = stale[key]                         # what a graph would replay
+    mp.setattr(S.Step, "_prep", bug)
 
 
 def plan_not_refreshed(mp):
-    upd = P.LayoutPlan.update
+    cap, upd, run_prep = S.Step.capture, S.Step.update, S.Step.run_prep
+
+    def capture(self, key, spec, raw_bs):
+        self._last, self._skip = (key, cap(self, key, spec, raw_bs)), False
+        return self._last[1]
 
     def update(self, key, raw_bs, draft_step=None):
-        if self.current == key:                                        # "nothing changed"
-            return self.captured(key).layout
-        return upd(self, key, raw_bs, draft_step)
-    mp.setattr(P.LayoutPlan, "update", update)
+        self._skip = self.__dict__.get("_last", (None,))[0] == key      # "nothing changed": the last view
+        if not self._skip:
+            self._last = (key, upd(self, key, raw_bs, draft_step))
+        return self._last[1]
+    mp.setattr(S.Step, "capture", capture)
+    mp.setattr(S.Step, "update", update)           # nor where the step's graph holds the prep
+    mp.setattr(S.Step, "run_prep", lambda self, key: None if self.__dict__.get("_skip") else run_prep(self, key))
 
 
 def host_item_in_plan_update(mp):
-    upd = P.LayoutPlan.update
+    upd = S.Step.update
 
     def update(self, key, raw_bs, draft_step=None):
         self._hint = int(self.seq_lens[:raw_bs].max().item())
         return upd(self, key, raw_bs, draft_step)
-    mp.setattr(P.LayoutPlan, "update", update)
+    mp.setattr(S.Step, "update", update)
 
 
 # --------------------------------------------------------------------------- padding of the runners' tokens
 
 def stale_pad_out_cache_loc(mp):
-    orig = P.LayoutPlan._prep
+    orig = S.Step._prep
 
     def bug(self, entry):     # the token pad rows keep what an earlier replay left there
         tokens, self.tokens = self.tokens, None
@@ -211,11 +213,11 @@ def stale_pad_out_cache_loc(mp):
             orig(self, entry)
         finally:
             self.tokens = tokens
-    mp.setattr(P.LayoutPlan, "_prep", bug)
+    mp.setattr(S.Step, "_prep", bug)
 
 
 def pad_kv_into_real_slots(mp):
-    orig = P.LayoutPlan._prep
+    orig = S.Step._prep
 
     def bug(self, entry):
         orig(self, entry)
@@ -225,7 +227,7 @@ def pad_kv_into_real_slots(mp):
             loc = self.tokens[2, :n]       # the slot of position 0 of the first request: its cached prompt
             first = self.memory.req_to_token[self.req_pool_indices[0].long(), 0].long()
             loc.copy_(torch.where(real, loc, first))
-    mp.setattr(P.LayoutPlan, "_prep", bug)
+    mp.setattr(S.Step, "_prep", bug)
 
 
 # --------------------------------------------------------------------------- the kernel (torch_native's masks)
@@ -280,7 +282,7 @@ def key_without_hidden_mode(mp):
     def bug(self, bucket):
         key, sb = orig(self, bucket)
         plain = GraphKey(key.forward_mode, key.bs, key.width)
-        self._inputs[plain] = dataclasses.replace(self._inputs.pop(key), key=plain)
+        self._rows[plain] = self._rows.pop(key)
         return plain, sb
     mp.setattr(full_graph.UniformGraphRunner, "_static_batch", bug)
 
@@ -316,10 +318,9 @@ def can_run_always_true(mp):
 
 
 def sub_backend_skipped(mp):
-    def prepare(self, key, sb):
-        self.plan.update(key, sb.raw_bs)
-        gi = self._inputs[key]
-        gi.raw_bs = sb.raw_bs
+    def prepare(self, key, raw_bs):
+        view = self.step.update(key, raw_bs)
+        gi = GraphInputs(key, *self._rows[key], view.spec, raw_bs, view)
         self.backends[0].init_forward_metadata_replay_cuda_graph(gi)   # the other layers' instances skipped
     mp.setattr(full_graph.UniformGraphRunner, "_prepare_replay", prepare)
 
@@ -336,7 +337,7 @@ def shared_step_plan(mp):
 
     def init(self, *a, **k):
         orig(self, *a, **k)
-        self.plans = [self.plans[0]] * self.num_steps                  # one plan for every draft step
+        self.steps.steps = [self.steps[0]] * self.num_steps            # one step for every draft step
     mp.setattr(draft.MultiStepDraftRunner, "__init__", init)
 
 
