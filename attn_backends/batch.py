@@ -120,7 +120,7 @@ class GraphKey:
         return f"{self.forward_mode.name} bs={self.bs} W={self.width} hidden={self.capture_hidden_mode.name}"
 
 
-@dataclass
+@dataclass(slots=True)
 class GraphInputs:
     """What capture and replay both take, already padded to ``key.bs`` by the runner.
 

@@ -160,7 +160,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
     def _prepare_replay(self, key, raw_bs: int) -> None:
         for s, p in enumerate(self.steps):
             view = p.update(key, raw_bs)
-            gi = GraphInputs(key, *self._rows[(key, s)], view.spec, raw_bs, view)
+            req, seq, seq_cpu = self._rows[(key, s)]
+            gi = GraphInputs(key, req, seq, seq_cpu, view.spec, raw_bs, view)
             for b in {id(b): b for b in self.step_backends[s]}.values():
                 b.init_forward_metadata_replay_cuda_graph(gi)
 

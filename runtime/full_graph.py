@@ -106,7 +106,8 @@ class UniformGraphRunner(GraphRunnerBase):
 
     def _prepare_replay(self, key, raw_bs: int) -> None:
         view = self.step.update(key, raw_bs)
-        gi = GraphInputs(key, *self._rows[key], view.spec, raw_bs, view)
+        req, seq, seq_cpu = self._rows[key]              # positional: the replay's hot path
+        gi = GraphInputs(key, req, seq, seq_cpu, view.spec, raw_bs, view)
         for b in self.backends:                  # I12: every backend instance, once
             b.init_forward_metadata_replay_cuda_graph(gi)
 

@@ -225,7 +225,8 @@ class Step:
             self.accept_lens[:raw_bs].copy_(accept_lens[:raw_bs])
         if tree_mask is not None:
             self.tree_mask(key.bs, key.width)[:raw_bs].copy_(tree_mask[:raw_bs])
-        self.rows_written(key, raw_bs, seq_np, draft_step)
+        self._seq_np[:raw_bs] = seq_np                    # rows_written, inline: the replay's hot path
+        self._loaded = (key, raw_bs, draft_step)
 
     def capture(self, key: GraphKey, spec: Optional[SpecInfo], raw_bs: int) -> StepView:
         """Bind the static views of ``key``, build the layout of the inputs the step holds (the
@@ -279,7 +280,13 @@ class Step:
             entry.graph.replay()
         else:
             self._prep(entry)
-        return self._view(entry, raw_bs, None if spec is entry.spec else self.spec_view(key, spec))
+        if spec is entry.spec:
+            held = entry.views.get(raw_bs)
+            if held is not None:                          # the template's fields around a new step id: one tuple
+                self.step_id += 1
+                return _new_view(StepView, held[0] + (self.step_id,) + held[1])
+            return self._view(entry, raw_bs)
+        return self._view(entry, raw_bs, self.spec_view(key, spec))
 
     def run_prep(self, key: GraphKey) -> None:
         """The prep of ``key`` (pad rows, then the layout), for a runner whose step's graph holds
@@ -300,9 +307,6 @@ class Step:
     def _view(self, entry: _Captured, raw_bs: int, spec: Optional[SpecInfo] = None) -> StepView:
         """A new view of ``entry`` (``spec``: a draft step other than the template's)."""
         self.step_id += 1
-        held = entry.views.get(raw_bs) if spec is None else None
-        if held is not None:                              # the same fields but the step id: one tuple
-            return _new_view(StepView, held[0] + (self.step_id,) + held[1])
         key = entry.key
         view = StepView(key, raw_bs, entry.layout, self.seq_lens_cpu[:key.bs], None,
                         self.spec_view(key, entry.spec) if spec is None else spec, self.step_id, self.fill,
