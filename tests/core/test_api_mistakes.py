@@ -174,14 +174,14 @@ def test_a_real_request_on_the_reserved_row_0_at_capture():
 
 
 def test_a_runner_plan_still_captures_its_stand_in_batch_on_row_0():
-    """A runner captures before any request exists: its plan's capture batch points every row at
+    """A runner captures before any request exists: its step's capture batch points every row at
     row 0 (the replays rewrite them). That is not a user's batch and stays accepted."""
     from attn_backends import GraphKey
-    from attn_backends.step import LayoutPlan
+    from attn_backends.step import Step
     mem, be = setup()
-    plan = LayoutPlan(mem, be.get_cuda_graph_seq_len_fill_value(), max_bs=2, max_width=1)
+    step = Step(mem, be.get_cuda_graph_seq_len_fill_value(), max_bs=2, max_width=1)
     key = GraphKey(ForwardMode.DECODE, 2, 1)
-    plan.capture(key, None, raw_bs=2)
+    view = step.capture(key, None, raw_bs=2)
     be.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
-    be.init_forward_metadata_capture_cuda_graph(plan.graph_inputs(key, None))
-    assert be.forward_metadata.plan is plan
+    be.init_forward_metadata_capture_cuda_graph(step.graph_inputs(key, view))
+    assert be.forward_metadata.view is view

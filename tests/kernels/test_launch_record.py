@@ -301,11 +301,11 @@ class _Rig:
 
 def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
     """``TritonBackendBase._run`` with the stand-in kernel: one recording per step and softmax
-    scale, shared by the backend instances of one step plan (one instance per layer); a q of other
-    strides records anew; a plan built again starts a new book."""
+    scale, shared by the backend instances of one step (one instance per layer); a q of other
+    strides records anew; a step built again starts a new book."""
     from dataclasses import replace
 
-    from attn_backends.step import step_plan
+    from attn_backends.step import Step, eager_step
 
     rig = _Rig(monkeypatch)
     be, m, qs = rig.be, rig.m, rig.qs
@@ -318,16 +318,17 @@ def test_the_backends_eager_step_records_once_and_replays(monkeypatch):
             assert torch.equal(out, q * layer.scaling), "the output of another call's q or scale"
 
     l0, l1 = rig.cfg.layer(0), rig.cfg.layer(1)
-    batch = step_plan(m.batch, be)
+    kept = Step(be[0].memory, be[0].get_cuda_graph_seq_len_fill_value())   # a step kept across batches
+    batch = kept.build(m.batch)
     step(batch, [(0, l0, qs[0]), (1, l1, qs[1]), (0, l0, qs[2])])
     assert rig.counts() == (1, 2), "one recording, then replays in both instances"
     strided = torch.randn(m.batch.num_tokens, 5, 16)[:, :4]
     step(batch, [(1, l1, strided), (0, replace(l0, scaling=0.5), qs[0]), (0, l0, qs[1])])
     assert rig.counts() == (4, 2), "other strides and another scale record anew"
-    step(batch.plan.build(m.batch), [(0, l0, qs[1]), (1, l1, qs[2])])     # the plan built again
-    assert rig.counts() == (5, 3), "a plan built again replayed the old layout's launches"
-    step(step_plan(m.batch, be), [(0, l0, qs[1]), (1, l1, qs[2])])       # a new step plan
-    assert rig.counts() == (6, 4), "a new step plan must record anew"
+    step(kept.build(m.batch), [(0, l0, qs[1]), (1, l1, qs[2])])           # the step built again
+    assert rig.counts() == (5, 3), "a step built again replayed the old layout's launches"
+    step(eager_step(m.batch, be), [(0, l0, qs[1]), (1, l1, qs[2])])       # a new step
+    assert rig.counts() == (6, 4), "a new step must record anew"
 
 
 def test_graph_metadata_records_once_per_key_outside_a_capture(monkeypatch):
@@ -342,7 +343,7 @@ def test_graph_metadata_records_once_per_key_outside_a_capture(monkeypatch):
     b.init_forward_metadata_capture_cuda_graph(m.batch.graph_inputs())
     monkeypatch.setattr(tc, "stream_capturing", lambda: True)
     b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
-    assert "recorded" not in b.forward_metadata.extra and rig.counts() == (1, 0), "graph metadata recorded in a capture"
+    assert not b.forward_metadata.book and rig.counts() == (1, 0), "graph metadata recorded in a capture"
     monkeypatch.setattr(tc, "stream_capturing", lambda: False)       # the breakable runner's attention
     b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
 
@@ -352,7 +353,7 @@ def test_graph_metadata_records_once_per_key_outside_a_capture(monkeypatch):
     monkeypatch.setattr(rig.cls, "_launch", _failing)
     with pytest.raises(ValueError, match="refused"):
         b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
-    assert "recorded" not in b.forward_metadata.extra, "a failed first call left a book in the metadata"
+    assert not b.forward_metadata.book, "a failed first call left a book in the metadata"
     monkeypatch.setattr(rig.cls, "_launch", rig.launch_fn)
     for q in qs:
         out = b.forward(q, None, None, l0, m.batch, save_kv_cache=False)
