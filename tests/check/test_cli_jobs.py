@@ -17,7 +17,7 @@ from attn_backends.check import cli, cli_jobs
 from attn_backends.check.report import Failure, SuiteReport
 
 ROOT = Path(__file__).resolve().parents[2]
-BUGGY = f"{ROOT / 'tests' / 'planted_bugs.py'}:NoPlusW"     # fails checks in most modes
+BUGGY = f"{ROOT / 'tests' / 'support' / 'planted_bugs.py'}:NoPlusW"     # fails checks in most modes
 BACKENDS = """
 import os, time
 from pathlib import Path

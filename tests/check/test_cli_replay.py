@@ -12,15 +12,15 @@ import pytest
 
 from attn_backends.check import cli
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"     # the plants: planted_bugs is a module there
 SCRIPT = Path(sys.executable).parent / "attn-backends"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason=f"no console script at {SCRIPT} (pip install -e .)")
 REPLAY_SECONDS = 10
 
 
 def _first_run(monkeypatch, tmp_path, argv: list) -> dict:
-    """Run ``check`` in this process from tests/ (``planted_bugs`` is a module of that folder)."""
-    monkeypatch.chdir(TESTS)
+    """Run ``check`` in this process from tests/support/ (``planted_bugs`` is a module of that folder)."""
+    monkeypatch.chdir(SUPPORT)
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "first.json"
     assert cli.main(["check", *argv, "--progress-every", "0", "--json", str(out)]) == 1
@@ -28,12 +28,12 @@ def _first_run(monkeypatch, tmp_path, argv: list) -> dict:
 
 
 def _replay(line: str, tmp_path) -> tuple:
-    """Run a replay line with the console script from tests/; (its json, wall seconds)."""
+    """Run a replay line with the console script from tests/support/; (its json, wall seconds)."""
     argv = shlex.split(line)
     assert argv[:2] == ["attn-backends", "check"], line
     out = tmp_path / "replay.json"
     t0 = time.monotonic()
-    res = subprocess.run([str(SCRIPT), *argv[1:], "--json", str(out)], cwd=TESTS, capture_output=True, text=True)
+    res = subprocess.run([str(SCRIPT), *argv[1:], "--json", str(out)], cwd=SUPPORT, capture_output=True, text=True)
     wall = time.monotonic() - t0
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stdout + res.stderr
