@@ -6,8 +6,8 @@ bench/bench_flashinfer_backends.py $BENCH_RESULTS`` prints the table and the tar
   graph form, one plan) vs the raw wrapper (``use_cuda_graph=True`` on fixed buffers, the same
   constructor, plan and run arguments), do_bench medians; and eagerly per call (host + device),
   the overhead of our layer per layer. Target: ours within 3% at bs 64, within 2 us at bs 1.
-* ``fi_plan``: the host time of one step's FlashInfer preparation, ours (host copies from the step
-  plan, the plan, the mask when there is one) vs the raw ``wrapper.plan()`` on prepared host
+* ``fi_plan``: the host time of one step's FlashInfer preparation, ours (host copies from the
+  step's view, the plan, the mask when there is one) vs the raw ``wrapper.plan()`` on prepared host
   tensors, under ``torch.cuda.set_sync_debug_mode("error")``.
 * ``fi_runner_prep``: ``runner.prepare(batch)`` of the tiny 4-layer models (one backend instance per
   layer), the whole replay preparation of a step, FlashInfer's host plan included, beside the
@@ -27,7 +27,7 @@ from bench_runtime import host_times as _host_times
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
-from attn_backends.step import LayoutPlan
+from attn_backends.step import Step
 
 BATCH_SIZES = (1, 8, 64)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CPU: a dry run of the set-up on emulated kernels
@@ -52,7 +52,7 @@ def _config(which):
 
 
 class Case:
-    """One (family, mode, bs): our backend captured with its own step plan, a batch, q."""
+    """One (family, mode, bs): our backend captured with a step of its own, a batch, q."""
 
     def __init__(self, which, mode, bs):
         self.cfg = cfg = _config(which)
@@ -69,11 +69,11 @@ class Case:
         g = torch.Generator(device=DEVICE).manual_seed(0)
         self.q = torch.randn(self.m.batch.num_tokens, cfg.num_q_heads, cfg.qk_dim, generator=g, device=DEVICE,
                              dtype=cfg.dtype)
-        self.plan = LayoutPlan(self.mem, 1, max_bs=bs, max_width=w)
-        self.key, self.gi = self.m.batch.graph_key(), self.m.batch.graph_inputs()
-        self.plan.load(self.gi, capture=True)
-        self.plan.capture(self.key, self.gi.spec_info, self.gi.raw_bs)
-        self.gi.plan = self.plan
+        self.step = Step(self.mem, 1, max_bs=bs, max_width=w)
+        self.key, gi = self.m.batch.graph_key(), self.m.batch.graph_inputs()
+        self.step.load(gi, capture=True)
+        self.view = self.step.capture(self.key, gi.spec_info, gi.raw_bs)
+        self.gi = self.step.graph_inputs(self.key, self.view)
         self.ours = get_backend(NAMES.get(self.backend_name, self.backend_name), cfg, self.mem)
         self.ours.init_cuda_graph_state(bs, bs * w)
         self.ours.init_forward_metadata_capture_cuda_graph(self.gi)
@@ -85,9 +85,9 @@ class Case:
         """``(plan, run)`` of the raw FlashInfer wrapper on the same data: a graph-form wrapper on
         fixed buffers of its own (our kv_indices), the plan arguments prepared once, ``run``."""
         from attn_backends.backends.flashinfer_common import float_workspace, graph_host_plan
-        lay = self.plan.captured(self.key).layout
-        h = graph_host_plan(self.plan, self.key, self.mem.page_size, self.mem.max_context_len)
-        ws, c, bs = float_workspace(self.mem.device), self.cfg, self.key.bs
+        lay = self.view.layout
+        h = graph_host_plan(self.view, self.key, self.mem.page_size, self.mem.max_context_len)
+        ws, c, bs = float_workspace(self.mem), self.cfg, self.key.bs
         out = torch.empty(self.q.shape[0], self.q.shape[1], c.out_dim, dtype=self.q.dtype, device=DEVICE)
         z = lambda n: torch.zeros(n, dtype=torch.int32, device=DEVICE)  # noqa: E731
         dt = dict(q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=c.sm_scale)
@@ -164,7 +164,7 @@ def test_fi_plan(benchmark, which, mode, bs):
     raw_plan, _ = c.raw()
 
     def ours():
-        c.plan.step += 1            # a new step, as plan.update() makes: the backend plans again
+        c.ours.forward_metadata.planned.step_id = -1    # a new step, as Step.update() makes: the backend plans again
         c.ours.init_forward_metadata_replay_cuda_graph(c.gi)
     ours_us, raw_us = _host_times(ours), _host_times(raw_plan)
     row = {"kernel": f"fi_plan_{which}_{mode}_bs{bs}", "backend": c.backend_name, "ours_plan_host_us": ours_us,

@@ -1,7 +1,7 @@
 """Decode-step latency of the tiny models (GPU only): eager vs full graph vs piecewise vs
 breakable, bs 1, 8 and 64, with the ``triton`` / ``triton_mla`` backends, at
 ``TinyConfig.gpu_gqa()`` / ``gpu_mla()`` sizes; and the host time of one replay preparation
-(``runner.prepare``: the batch's real rows into the step plan, one plan update, every layer's
+(``runner.prepare``: the batch's real rows into the step, one step update, every layer's
 backend refreshed; one backend instance for all layers and one per layer) under
 ``torch.cuda.set_sync_debug_mode("error")``.
 
@@ -61,7 +61,7 @@ class Setup:
             "full_graph": UniformGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
             "breakable": BreakableGraphRunner(self.model, self.backend, self.mem, ForwardMode.DECODE, BATCH_SIZES),
             "piecewise": PiecewiseRunner(self.model, self.backend, self.mem, BATCH_SIZES),
-            # one backend instance per layer: the step plan still builds the layout once
+            # one backend instance per layer: the step still builds the layout once
             "full_graph_per_layer": UniformGraphRunner(
                 self.model, [get_backend(self.backend.name, cfg, self.mem) for _ in range(self.tc.num_layers)],
                 self.mem, ForwardMode.DECODE, BATCH_SIZES),
@@ -152,8 +152,8 @@ def _host_median(fn, n, prologue) -> float:
 
 def test_replay_preparation_host_time(benchmark):
     """``runner.prepare(batch)``: the whole step's replay preparation (the batch's real rows
-    into the step plan, one plan update, every backend's extras): median host time, no sync;
-    and the metadata part alone (plan update + backends). The points (model x runner x bs)
+    into the step, one step update, every backend's replay update): median host time, no sync;
+    and the metadata part alone (step update + backends). The points (model x runner x bs)
     are timed in turn, ``PREP_ROUNDS`` rounds of a 300-call median each with a pause between
     rounds, and a point keeps its least round: a slow spell of the lent machine (seen lasting
     seconds, the Python part 1.5-1.8x slower while a bare launch kept its time) then falls on
@@ -165,8 +165,8 @@ def test_replay_preparation_host_time(benchmark):
     calls = {}
     for which, runner, bs in points:
         r, b = setup(which).runners[runner], setup(which).batch(bs)
-        key, sb = r._load(b)
-        calls[which, runner, bs] = (lambda r=r, b=b: r.prepare(b), lambda r=r, k=key, sb=sb: r._prepare_replay(k, sb))
+        key, _, raw = r._load(b)
+        calls[which, runner, bs] = (lambda r=r, b=b: r.prepare(b), lambda r=r, k=key, n=raw: r._prepare_replay(k, n))
     rounds = {p: ([], []) for p in points}
     for _ in range(PREP_ROUNDS):
         for p in points:
@@ -190,15 +190,16 @@ def test_replay_preparation_breakdown(benchmark, which, runner):
     s = setup(which)
     r = s.runners[runner]
     b = s.batch(8)
-    key, sb = r._load(b)
-    p, gi = r.plan, r._inputs[key]
+    key, _, raw = r._load(b)
+    p = r.step
+    gi = p.graph_inputs(key, p.update(key, raw))
     x32, y32 = torch.zeros(64, dtype=torch.int32, device="cuda"), torch.ones(64, dtype=torch.int32, device="cuda")
     parts = {
         "prepare": lambda: r.prepare(b),
         "refusal": lambda: r.refusal(b),
         "load_rows": lambda: r._load(b),
-        # with the prep recorded in the step graph (every backend reads the plan) update only checks
-        "plan_update": lambda: p.update(key, 8, in_step_graph=r.prep_in_step_graph),
+        # with the prep in the step's graph (no backend does replay work) the update only checks
+        "step_update": lambda: p.update(key, 8),
         "step_graph_replay": lambda: r.graphs[key][0].replay(),
         "backends_refresh": lambda: [be.init_forward_metadata_replay_cuda_graph(gi) for be in r.backends],
         "one_copy": lambda: x32.copy_(y32),
@@ -207,7 +208,7 @@ def test_replay_preparation_breakdown(benchmark, which, runner):
     }
     out = {}
     for name, fn in parts.items():
-        pro = (lambda: r._load(b)) if name == "plan_update" else None
+        pro = (lambda: r._load(b)) if name == "step_update" else None
         out[name] = host_times(fn, 300, prologue=pro)
         record({"kernel": f"prep_part_{name}", "impl": f"{which}_bs8_{runner}", "host_us": out[name]})
     benchmark.extra_info.update(out)

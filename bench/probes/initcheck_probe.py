@@ -57,9 +57,7 @@ def probe(backend: str, mode: str, ps: int) -> None:
         for node in re.findall(r'label="([^"]*MEMCPY[^"]*)"', text):
             print(f"graph {i}: {node.replace(chr(92) + 'n', ' | ')[:400]}")
     for name, be in names.items():
-        plan = getattr(be, "_own_plan", None)
-        tensors = {**be.graph_buffers(), **(plan.tensors() if plan is not None else {})}
-        for bname, t in tensors.items():
+        for bname, t in be.graph_buffers().items():     # the steps' tensors too (their views list them)
             print(f"{name}.{bname}: {t.data_ptr():#x} .. {t.data_ptr() + t.numel() * t.element_size():#x}")
     print(flush=True)
 
