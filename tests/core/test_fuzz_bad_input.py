@@ -98,7 +98,7 @@ def _backend_world(mode: str, graph: bool):
 
 def _good(world):
     mem, be, b, (q, k, v) = world[:4]
-    if be._graph_size is None:
+    if not be.graph_steps:                 # eager world (no capture)
         be.init_forward_metadata(b)
     else:
         be.init_forward_metadata_replay_cuda_graph(b.graph_inputs())
