@@ -55,7 +55,7 @@ class StandaloneStep:
         key, step = inputs.key, self._graph
         if step is None or key not in step.captured_keys():
             have = ", ".join(sorted(map(str, step.captured_keys()))) if step is not None else ""
-            raise LayoutError(f"no graph captured for {key} without a runner's step; captured so: {have or 'none'}")
+            raise LayoutError(f"no graph captured for {key} without a runner's step; captured: {have or 'none'}")
         spec = inputs.spec_info
         step.load(inputs)
         return step.update(key, inputs.raw_bs, spec.draft_step if spec is not None else None)
