@@ -237,6 +237,7 @@ class LayoutBackend(AttentionBackend):
         memory.check_fits(config)
         self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value())
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record
+        self._replays = self.replay_work                  # read on every replay
 
     @property
     def replay_work(self) -> bool:
@@ -278,7 +279,8 @@ class LayoutBackend(AttentionBackend):
             captured = ", ".join(sorted(str(k) for k, _ in self._graph_meta))
             raise LayoutError(f"no graph captured for {view.key} with this step; captured: {captured or 'none'}")
         meta.view = view
-        self._update(meta, view)
+        if self._replays:
+            self._update(meta, view)
         self.forward_metadata = meta
 
     def _checked_view(self, view: StepView) -> StepView:

@@ -151,7 +151,7 @@ class TritonBackendBase(LayoutBackend):
             self._launch(q, kv, out, layer, meta)
             return out
         inputs = (q, *kv, out)
-        book = self._book(meta)
+        book = meta.book
         rec = book.get(layer.scaling)
         if rec is not None and rec.replay(inputs):
             return out
@@ -165,17 +165,14 @@ class TritonBackendBase(LayoutBackend):
         book[layer.scaling] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
         return out
 
-    def _book(self, meta: TritonMetadata) -> dict:
-        """The recorded launches (softmax scale -> :class:`Recorded`) of eager calls. Graph
-        metadata called outside a capture (the breakable runner's attention between its graph
-        segments): the key's record, whose every tensor but q, KV and out is static and whose
-        host values come from the key, so one recording serves every later replay. An eager
-        step: the step's cache, shared by every instance of this class over the same config and
-        KV memory (they read the step's one layout: with a backend instance per layer the step
-        still records once), new with each step id (a new layout)."""
-        if meta.key is not None:
-            return meta.book
-        view = meta.view
+    def _step_book(self, view: StepView) -> dict:
+        """The recorded launches (softmax scale -> :class:`Recorded`) of an eager step: in the
+        step's cache, shared by every instance of this class over the same config and KV memory
+        (they read the step's one layout: with a backend instance per layer the step still
+        records once), new with each step id (a new layout). Graph metadata called outside a
+        capture (the breakable runner's attention between its graph segments) keeps its own in
+        the key's record, whose every tensor but q, KV and out is static and whose host values
+        come from the key, so one recording serves every later replay."""
         owner = LibraryKey(type(self), (self.config, id(self.memory)), None, "recorded launches")
         held = view.cache.get(owner)
         if held is None or held[0] != view.step_id:
@@ -190,7 +187,8 @@ class TritonBackendBase(LayoutBackend):
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))
-        return TritonMetadata(view, key, num_kv_splits=splits, workspace=ws)
+        return TritonMetadata(view, key, num_kv_splits=splits, workspace=ws,
+                              book={} if key is not None else self._step_book(view))
 
     def _extra_graph_buffers(self) -> dict:
         """The split workspaces' partials. Not their counters (the fused merge's, see
