@@ -235,16 +235,18 @@ class LayoutBackend(AttentionBackend):
         if config.dtype not in caps.dtypes:
             raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
         memory.check_fits(config)
-        self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value())
+        self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value)
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record
-        self._replays = self.replay_work                  # read on every replay
+        self._replays = True                              # replay_work, read at init_cuda_graph_state
 
     @property
     def replay_work(self) -> bool:
-        """Whether a replay update does work of its own (``_update`` overridden): then the runner
-        runs the step's layout prep before it (``Prep.BEFORE_UPDATE``), so what it derives from
-        the view is the current step's."""
-        return type(self)._update is not LayoutBackend._update
+        """Whether a replay does work of its own (``_update`` or the replay method overridden):
+        then the runner runs the step's layout prep before it (``Prep.BEFORE_UPDATE``), so what it
+        derives from the view is the current step's."""
+        cls = type(self)
+        return cls._update is not LayoutBackend._update or \
+            cls.init_forward_metadata_replay_cuda_graph is not LayoutBackend.init_forward_metadata_replay_cuda_graph
 
     # -- eager
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -261,6 +263,8 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"max_bs={max_bs}, max_num_tokens={max_num_tokens}: need 1 <= max_bs <= max_num_tokens")
         self._steps.reset(max_bs, max(1, max_num_tokens // max_bs))
         self._graph_meta.clear()
+        self.forward_metadata = None
+        self._replays = self.replay_work
 
     def init_forward_metadata_capture_cuda_graph(self, inputs: GraphInputs) -> None:
         self._check_mode(inputs.key.forward_mode, inputs.spec_info)
@@ -287,6 +291,11 @@ class LayoutBackend(AttentionBackend):
         if view.memory is not self.memory:
             raise LayoutError(f"backend {self.name} reads another KV memory than the step it was given")
         return view
+
+    @property
+    def graph_records(self) -> list:
+        """This backend's graph metadata records (one per captured key and step)."""
+        return list(self._graph_meta.values())
 
     @property
     def graph_steps(self) -> list:

@@ -106,7 +106,7 @@ class GraphKey:
             raise ValueError(f"bs={self.bs} must be >= 1")
         if self.width < 1:
             raise ValueError(f"width={self.width} must be >= 1")
-        # Keys are looked up on every replay (plans, backends): hash once.
+        # Keys are looked up on every replay (steps, backends): hash once.
         object.__setattr__(self, "_hash", hash((self.forward_mode, self.bs, self.width, self.capture_hidden_mode)))
 
     def __hash__(self) -> int:

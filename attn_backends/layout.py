@@ -3,7 +3,7 @@
 Eager metadata, graph capture and graph replay all call :func:`build_layout`, through the
 step (:mod:`attn_backends.step`), which builds each step's layout once for every layer
 and backend. Eager gets fresh tensors sized to the batch; capture and replay pass ``out=``
-views of the plan's static buffers and the builder writes its result there in place.
+views of the step's static buffers and the builder writes its result there in place.
 
 Canonical fields (``Layout.as_dict()``), for ``bs`` requests:
 
@@ -95,7 +95,7 @@ class LayoutInputs:
     check_device_values: bool = False   # validate device tensors too (syncs; never in replay)
     validated: bool = False             # the caller (the step) has validated it already
     # Graph mode reads raw_bs and draft_step from device scalars ([1] int32), so that the step
-    # plan's captured builder serves any raw_bs of its key.
+    # step's captured builder serves any raw_bs of its key.
     raw_bs_dev: Optional[torch.Tensor] = None
     draft_step_dev: Optional[torch.Tensor] = None
 
@@ -182,7 +182,7 @@ def prep_layout(inp: LayoutInputs, width: int, tokens: Optional[torch.Tensor], o
     """The step's prep of a captured key: :func:`write_canonical_pad`, then the layout into
     ``out``. A uniform mode without a tree mask does both in one launch (``kernels/layout_prep.py``:
     the same values; a graph replays it once per forward); ``fused`` None: on CUDA. ``max_bs`` /
-    ``max_width``: the plan's largest key, so that its keys share the kernel's block sizes."""
+    ``max_width``: the step's largest key, so that its keys share the kernel's block sizes."""
     spec = inp.spec_info
     draft = out.draft_prefix_lens is not None
     can = (out.mask != MaskKind.TREE and inp.raw_bs_dev is not None and (inp.draft_step_dev is not None or not draft)

@@ -128,7 +128,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
             if reason:
                 return reason
         top = int(inp.prefix_lens_cpu.max()) + self.num_steps * self.topk    # the last step's seq_len
-        if top > self.memory.max_context_len:   # refused before any step's plan is written
+        if top > self.memory.max_context_len:   # refused before any step is written
             return (f"prefix {top - self.num_steps * self.topk} + num_steps*topk={self.num_steps * self.topk} "
                     f"exceeds max_context_len={self.memory.max_context_len}")
         return None

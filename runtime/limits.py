@@ -92,9 +92,9 @@ def engine_bytes(cfg) -> dict:
         features = c.hidden_size * max(1, len(aux))
         parts["the draft's features"] = slots * features * elt
         parts["the weights"] += (c.vocab_size + features) * c.hidden_size * elt   # its noise head and fc
-    if cfg.graphs:          # page table + kv indices of each graph plan: decode or verify, draft extend, steps
-        plans, max_bs = 1 + (spec.num_steps if spec else 0), max(cfg.buckets or (cfg.max_batch,))
-        parts["the graphs' layout buffers"] = plans * 2 * max_bs * (cfg.max_context_len // c.page_size) * 4
+    if cfg.graphs:          # page table + kv indices of each graph step: decode or verify, draft extend, steps
+        steps, max_bs = 1 + (spec.num_steps if spec else 0), max(cfg.buckets or (cfg.max_batch,))
+        parts["the graphs' layout buffers"] = steps * 2 * max_bs * (cfg.max_context_len // c.page_size) * 4
     return parts
 
 

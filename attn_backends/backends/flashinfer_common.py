@@ -160,9 +160,9 @@ class FlashInferBase(LayoutBackend):
         planned = meta.planned
         if planned.step_id == view.step_id:      # one plan per step, whichever layer comes first
             return
-        planned.step_id = view.step_id
         key = meta.key
         planned.call.plan(view.layout, eager_host_plan(view) if key is None else self.graph_host_plan(view, key))
+        planned.step_id = view.step_id           # planned: a plan() that raised is tried again
 
     def _eager_call(self, view: StepView) -> Planned:
         """The call of an eager layout. FlashInfer plans a graph-form wrapper unlike an eager one

@@ -62,18 +62,18 @@ def guard(t):
     return t.as_subclass(GuardedTensor) if isinstance(t, torch.Tensor) else t
 
 
-PLAN_INPUTS = ("requests", "req_pool_indices", "seq_lens", "accept_lens", "tree_flat", "raw_bs_dev",
+STEP_INPUTS = ("requests", "req_pool_indices", "seq_lens", "accept_lens", "tree_flat", "raw_bs_dev",
                "draft_step_dev", "tokens")
 
 
 @contextlib.contextmanager
-def no_host_sync(memory, simulate_capture: bool = False, plans=()):
-    """Guard ``memory.req_to_token`` and the device inputs of the step ``plans`` for the
+def no_host_sync(memory, simulate_capture: bool = False, steps=()):
+    """Guard ``memory.req_to_token`` and the device inputs of the ``steps`` for the
     duration; optionally pretend a capture is on."""
     pool = memory.req_pool
     plain = pool.req_to_token
     pool.req_to_token = guard(plain)
-    saved = [(p, n, getattr(p, n)) for p in plans for n in PLAN_INPUTS if getattr(p, n, None) is not None]
+    saved = [(p, n, getattr(p, n)) for p in steps for n in STEP_INPUTS if getattr(p, n, None) is not None]
     for p, n, t in saved:
         setattr(p, n, guard(t))
     stack = contextlib.ExitStack()

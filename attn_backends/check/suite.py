@@ -191,7 +191,7 @@ class _CaseRun:
                         "what the backend derived from the view outside the graph is one step stale)" for m in msgs]
             self.judge("I9n", msgs)
 
-    def _plans(self) -> list:
+    def _steps(self) -> list:
         return [self.step] if self.step is not None else []
 
     def eager_history(self) -> None:
@@ -248,7 +248,7 @@ class _CaseRun:
     def _guarded(self, what: str, fn, simulate_capture: bool = False) -> bool:
         """Run ``fn`` with every device input guarded (I15); False if it synced."""
         try:
-            with no_host_sync(self.mem, simulate_capture=simulate_capture, plans=self._plans()):
+            with no_host_sync(self.mem, simulate_capture=simulate_capture, steps=self._steps()):
                 fn()
             return self.judge("I15", [])
         except (HostSyncError, RuntimeError) as e:

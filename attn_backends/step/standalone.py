@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from .. import layout as _layout
 from ..batch import ForwardBatch, GraphInputs
 from ..validation import LayoutError, check_request_rows
@@ -19,9 +17,9 @@ class StandaloneStep:
     here from the caller's tensors: an eager step kept across batches (its library state too),
     and a graph step sized by :meth:`reset` (the backend's ``init_cuda_graph_state``)."""
 
-    def __init__(self, memory, fill: int) -> None:
-        self.memory, self.fill = memory, fill
-        self._eager = Step(memory, fill)
+    def __init__(self, memory, fill_of) -> None:
+        self.memory, self._fill_of = memory, fill_of      # the backend's fill value, read at first use
+        self._eager: Optional[Step] = None
         self._graph: Optional[Step] = None
         self._size: Optional[tuple] = None
 
@@ -31,9 +29,14 @@ class StandaloneStep:
     def eager(self, batch: ForwardBatch) -> StepView:
         view = batch.step
         if view is None:
+            if self._eager is None:
+                self._eager = Step(self.memory, self._fill_of())
             return self._eager.build(batch).step
-        if view.key is not None or view.layout.bs != batch.batch_size or view.raw_bs != batch.raw_bs or not (
-                view.seq_lens_cpu is batch.seq_lens_cpu or torch.equal(view.seq_lens_cpu, batch.seq_lens_cpu)):
+        built = view.built_from
+        if view.key is not None or view.raw_bs != batch.raw_bs or view.layout.mode != batch.forward_mode or \
+                not built or any(a is not b for a, b in zip(built, (batch.req_pool_indices, batch.seq_lens,
+                                                                    batch.seq_lens_cpu, batch.extend_seq_lens_cpu,
+                                                                    batch.spec_info))):
             raise LayoutError("the step holds no layout for this batch: build the step of each batch "
                               "(attn_backends.step.eager_step) and pass the batch it returns to every backend")
         return view
@@ -73,7 +76,7 @@ class StandaloneStep:
             raise LayoutError("init_cuda_graph_state() must run before capture")
         if self._graph is None:
             max_bs, max_width = self._size
-            self._graph = Step(self.memory, self.fill, max_bs=max_bs, max_width=max_width)
+            self._graph = Step(self.memory, self._fill_of(), max_bs=max_bs, max_width=max_width)
         return self._graph
 
     @property

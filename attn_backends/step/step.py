@@ -32,6 +32,7 @@ function run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,6 +57,7 @@ from .view import Prep, StepView
 
 I64 = torch.int64
 _STEP_ID = StepView._fields.index("step_id")
+_IDS = itertools.count(1)          # step ids and step origins, never reused in the process
 _new_view = tuple.__new__          # a StepView from its fields at the cost of a tuple (the replay's hot path)
 
 
@@ -96,7 +98,8 @@ class Step:
         self.memory, self.fill, self.prep = memory, fill, prep
         self.max_bs, self.max_width = max_bs, max_width
         self.builds = 0                           # layouts built (eager), captures and updates (graph)
-        self.step_id = 0                          # bumped by build, capture, update
+        self.step_id = 0                          # new (process-wide) at every build, capture, update
+        self.origin = next(_IDS)                  # StepView.origin: this step, never another's
         self.cache: dict = {}                     # library state, kept as long as the step (StepView.cache)
         self._captured: dict[GraphKey, _Captured] = {}
         self._pool = None
@@ -109,9 +112,11 @@ class Step:
         view, which the step's backends and layers then receive."""
         layout = build_layout(inputs_from_batch(batch, self.memory, self.fill))
         self.builds += 1
-        self.step_id += 1
+        self.step_id = next(_IDS)
         view = StepView(None, batch.raw_bs, layout, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, batch.spec_info,
-                        self.step_id, self.fill, self.memory, self.cache, id(self), self.prep, {})
+                        self.step_id, self.fill, self.memory, self.cache, self.origin, self.prep, {},
+                        (batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, batch.extend_seq_lens_cpu,
+                         batch.spec_info))
         return dataclasses.replace(batch, step=view)
 
     # ------------------------------------------------------------------ graphs
@@ -283,8 +288,8 @@ class Step:
         if spec is entry.spec:
             held = entry.views.get(raw_bs)
             if held is not None:                          # the template's fields around a new step id: one tuple
-                self.step_id += 1
-                return _new_view(StepView, held[0] + (self.step_id,) + held[1])
+                self.step_id = sid = next(_IDS)
+                return _new_view(StepView, held[0] + (sid,) + held[1])
             return self._view(entry, raw_bs)
         return self._view(entry, raw_bs, self.spec_view(key, spec))
 
@@ -306,11 +311,11 @@ class Step:
     # ------------------------------------------------------------------ internals
     def _view(self, entry: _Captured, raw_bs: int, spec: Optional[SpecInfo] = None) -> StepView:
         """A new view of ``entry`` (``spec``: a draft step other than the template's)."""
-        self.step_id += 1
+        self.step_id = next(_IDS)
         key = entry.key
         view = StepView(key, raw_bs, entry.layout, self.seq_lens_cpu[:key.bs], None,
                         self.spec_view(key, entry.spec) if spec is None else spec, self.step_id, self.fill,
-                        self.memory, self.cache, id(self), self.prep, self._tensors)
+                        self.memory, self.cache, self.origin, self.prep, self._tensors)
         if spec is None:
             entry.views[raw_bs] = (view[:_STEP_ID], view[_STEP_ID + 1:])
         return view

@@ -48,13 +48,14 @@ class StepView(NamedTuple):
     layout : Layout
         The canonical layout (graph steps: views of the step's static buffers).
     seq_lens_cpu : Tensor
-        ``[bs]`` int32 host lengths, canonical pad rows included in graph steps.
+        ``[bs]`` int32 host lengths, canonical pad rows included in graph steps (there a view of
+        the step's host buffer: valid for the step the view was made for, like the layout).
     extend_seq_lens_cpu : Tensor or None
         ``[bs]`` int32 host query lengths of an eager EXTEND step.
     spec : SpecInfo or None
         The step's speculative template (graph steps: its tensors are the step's own).
     step_id : int
-        Different for every build, capture and update of the step.
+        Different for every build, capture and update of any step in the process.
     fill : int
         The pad rows' seq_len before raising it to W (``layout.pad_seq_len``).
     memory : KVMemory
@@ -62,11 +63,16 @@ class StepView(NamedTuple):
     cache : dict
         Library state kept as long as the step, under :class:`LibraryKey` keys.
     origin : int
-        Identifies the step that made the view (graph metadata is kept per key and origin).
+        Identifies the step that made the view, never reused in the process (graph metadata is
+        kept per key and origin).
     prep : Prep
         Where the prep of a graph step runs.
     tensors : dict
         Graph steps: every tensor of the step a captured graph reads, by name (I2, poisoning).
+    built_from : tuple
+        Eager steps: the batch's tensors the layout was built from (``req_pool_indices``,
+        ``seq_lens``, ``seq_lens_cpu``, ``extend_seq_lens_cpu``, ``spec_info``): a batch handed
+        with this view must hold these very objects (a copy with other rows gets no stale layout).
     """
 
     key: Optional[GraphKey]
@@ -82,6 +88,7 @@ class StepView(NamedTuple):
     origin: int
     prep: Prep
     tensors: dict
+    built_from: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,8 @@ class LibraryKey:
 
 def prep_placement(backends) -> Prep:
     """The prep placement a runner over ``backends`` uses: in the step's graph when no backend
-    does replay work of its own (``replay_work`` False), else before the replay update, so an
-    update that reads the layout reads the current step's."""
+    does replay work of its own (``replay_work`` False: a ``LayoutBackend`` that overrides neither
+    ``_update`` nor its replay method), else before the replay update, so an update that reads
+    the layout reads the current step's."""
     return Prep.IN_STEP_GRAPH if all(getattr(b, "replay_work", True) is False for b in backends) \
         else Prep.BEFORE_UPDATE

@@ -12,6 +12,7 @@ from test_generate import BASE, SMALL, generate
 import attn_backends.check.suite as suite_mod
 import attn_backends_runtime.draft as draft_mod
 import attn_backends_runtime.runner_base as runner_base_mod
+from attn_backends.check import cli
 from attn_backends.check.report import INVARIANTS
 from attn_backends.check.suite import run_suite
 from attn_backends.registry import load_class
@@ -31,11 +32,11 @@ def guide_file(tmp_path_factory):
     return f"{path}:GuideBackend"
 
 
-def test_the_guide_backend_passes_both_suites(guide_file):
-    layout = run_suite(load_class(guide_file), cases=3, seed=4)
-    assert layout.ok, "\n".join(map(str, layout.failures[:5]))
-    runner = run_runner_suite(guide_file, cases=5, seed=2)
-    assert runner.ok, "\n".join(map(str, runner.failures[:5]))
+def test_the_guide_backend_passes_check(capsys, guide_file):
+    """``attn-backends check`` on the guide's block: both suites, exit 0."""
+    code = cli.main(["check", "--backend", guide_file, "--cases", "3", "--suite-cases", "5", "--seed", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "GuideBackend: ok" in out and "runner 5 cases" in out, out[-3000:]
 
 
 def test_the_guide_backend_serves_the_reference_tokens(capsys, guide_file):

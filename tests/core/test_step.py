@@ -89,6 +89,37 @@ def test_eager_plan_is_bound_to_its_batch():
         backends[0].init_forward_metadata(b)
 
 
+def test_a_copy_with_other_rows_gets_no_stale_layout():
+    """A batch copied from a built one (``dataclasses.replace`` keeps its ``step``) with other
+    request rows or lengths is refused, not served the first batch's layout; step ids and origins
+    are unique across steps, so a plugin comparing ids never mistakes one step for another."""
+    tc, model, mem, backends = _model()
+    a, b = _decode_batch(mem, tc, [5, 6]), _decode_batch(mem, tc, [7, 9])
+    built = eager_step(a, backends)
+    backends[0].init_forward_metadata(built)
+    for other in (dataclasses.replace(built, req_pool_indices=b.req_pool_indices),
+                  dataclasses.replace(built, seq_lens=b.seq_lens, seq_lens_cpu=b.seq_lens_cpu)):
+        with pytest.raises(LayoutError, match="no layout for this batch"):
+            backends[0].init_forward_metadata(other)
+    again = eager_step(a, backends)
+    assert again.step.step_id != built.step.step_id and again.step.origin != built.step.origin
+
+
+def test_a_backend_that_overrides_its_replay_method_gets_the_layout_first():
+    """Replay work is read from the class: overriding ``_update`` or the replay method places the
+    step's prep before the backends' replay (the plugin trap of #39 in another shape)."""
+    from attn_backends.backends.torch_native import TorchNativeBackend
+    from attn_backends.step import Prep, prep_placement
+
+    class Replays(TorchNativeBackend):
+        def init_forward_metadata_replay_cuda_graph(self, inputs):
+            super().init_forward_metadata_replay_cuda_graph(inputs)
+
+    tc, model, mem, backends = _model()
+    assert prep_placement(backends) is Prep.IN_STEP_GRAPH
+    assert prep_placement(backends + [Replays(tc.attention(), mem)]) is Prep.BEFORE_UPDATE
+
+
 def _verify_plan(mem, n=4, max_bs=4):
     plan = Step(mem, fill=1, max_bs=max_bs, max_width=n, tokens=True)
     key = GraphKey(ForwardMode.TARGET_VERIFY, max_bs, n, CaptureHiddenMode.NULL)
