@@ -96,6 +96,7 @@ class Step:
     def __init__(self, memory, fill: int = 1, *, max_bs: int = 0, max_width: int = 1, tokens: bool = False,
                  prep: Prep = Prep.BEFORE_UPDATE) -> None:
         self.memory, self.fill, self.prep = memory, fill, prep
+        self._in_graph = prep is Prep.IN_STEP_GRAPH       # read on every update
         self.max_bs, self.max_width = max_bs, max_width
         self.builds = 0                           # layouts built (eager), captures and updates (graph)
         self.step_id = 0                          # new (process-wide) at every build, capture, update
@@ -279,7 +280,7 @@ class Step:
         self._loaded = None
         self._seq_np[raw_bs:key.bs] = entry.pad
         self.builds += 1
-        if self.prep is Prep.IN_STEP_GRAPH:               # the step's own graph builds the layout
+        if self._in_graph:                                # the step's own graph builds the layout
             pass
         elif entry.graph is not None:
             entry.graph.replay()
