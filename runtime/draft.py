@@ -18,7 +18,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo, select_rows
 from attn_backends.layout import pad_seq_len
-from attn_backends.step import Step, StepGroup, prep_placement
+from attn_backends.step import Step, StepGroup, fill_of, prep_placement
 
 from .full_graph import UniformGraphRunner
 from .runner_base import GraphRunnerBase, RunnerOutput, slice_hidden, tensor_refusal
@@ -84,7 +84,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
         super().__init__(model, step_backends[0], memory, buckets, capture_hidden_mode)
         self.step_backends = [model.backends_per_layer(s) for s in step_backends]
         self.backends = list({id(b): b for s in self.step_backends for b in s}.values())
-        self.fill = max(b.get_cuda_graph_seq_len_fill_value() for b in self.backends)
+        self._step_instances = [list({id(b): b for b in s}.values()) for s in self.step_backends]   # I12: each once
+        self.fill = fill_of(self.backends)
         owners = {}
         for step, bes in enumerate(self.step_backends):
             for b in bes:
@@ -154,7 +155,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
         for s, (p, sb) in enumerate(zip(self.steps, static_batches)):
             view = p.capture(key, sb.spec_info, key.bs)
             gi = GraphInputs(key, *self._rows[(key, s)], view.spec, view.raw_bs, view)
-            for b in {id(b): b for b in self.step_backends[s]}.values():
+            for b in self._step_instances[s]:
                 b.init_forward_metadata_capture_cuda_graph(gi)
 
     def _prepare_replay(self, key, raw_bs: int) -> None:
@@ -162,7 +163,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
             view = p.update(key, raw_bs)
             req, seq, seq_cpu = self._rows[(key, s)]
             gi = GraphInputs(key, req, seq, seq_cpu, view.spec, raw_bs, view)
-            for b in {id(b): b for b in self.step_backends[s]}.values():
+            for b in self._step_instances[s]:
                 b.init_forward_metadata_replay_cuda_graph(gi)
 
     def _forward(self, static_batches):
@@ -213,7 +214,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
                              spec_info=self.spec(s + 1), capture_hidden_mode=inp.capture_hidden_mode,
                              input_ids=ids)
             b = self._eager_steps[s].build(b)
-            for be in {id(b_): b_ for b_ in self.step_backends[s]}.values():
+            for be in self._step_instances[s]:
                 be.init_forward_metadata(b)
             logits, hidden = self.model.forward(b, self.step_backends[s])
             ids = logits.argmax(-1)

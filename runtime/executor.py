@@ -23,7 +23,7 @@ from attn_backends import (
     select_rows,
 )
 from attn_backends.registry import get_backend_class
-from attn_backends.step import Step
+from attn_backends.step import Step, eager_steps_of
 
 from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
 from .full_graph import UniformGraphRunner
@@ -73,8 +73,7 @@ class ModelExecutor:
 
     def _eager_step_of(self) -> Step:
         if self._eager_step is None:
-            per_layer = self.model.backends_per_layer(self.eager_backends)
-            self._eager_step = Step(per_layer[0].memory, max(b.get_cuda_graph_seq_len_fill_value() for b in per_layer))
+            self._eager_step = eager_steps_of(self.model.backends_per_layer(self.eager_backends))
         return self._eager_step
 
     def draft(self, inp: DraftInput) -> RunnerOutput:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch
-from attn_backends.step import Prep, Step, prep_placement
+from attn_backends.step import Prep, Step, eager_steps_of, fill_of, prep_placement
 
 from .graphs import make_graph
 
@@ -93,7 +93,7 @@ class GraphRunnerBase:
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.graphs: dict = {}          # key -> (graph, static outputs, static batch)
         self.replay_count = 0
-        self.fill = max(b.get_cuda_graph_seq_len_fill_value() for b in self.backends)
+        self.fill = fill_of(self.backends)
         self.prep = prep_placement(self.backends)       # where the steps' layout prep runs, for good
 
     @property
@@ -204,9 +204,7 @@ def run_eager(model, backends, batch: ForwardBatch, width: int, step: Optional[S
     """The reference path: one eager step (``step``, kept by the caller across batches with its
     library state, or a new one), eager metadata on every backend, one model forward, raw rows."""
     per_layer = model.backends_per_layer(backends)
-    if step is None:
-        step = Step(per_layer[0].memory, max(b.get_cuda_graph_seq_len_fill_value() for b in per_layer))
-    batch = step.build(batch)
+    batch = (step or eager_steps_of(per_layer)).build(batch)
     for b in {id(b): b for b in per_layer}.values():
         b.init_forward_metadata(batch)
     logits, hidden = model.forward(batch, backends, batch.input_embeds)

@@ -227,16 +227,11 @@ class _CaseRun:
 
     def _capture_inputs(self, cap: GraphInputs) -> GraphInputs:
         """What a runner hands its backends at capture: the step loaded with the capture batch."""
-        step = self.step
-        step.load(cap, capture=True)
-        return step.graph_inputs(cap.key, step.capture(cap.key, cap.spec_info, cap.raw_bs))
+        return self.step.graph_inputs(cap.key, self.step.capture_inputs(cap))
 
     def _replay_inputs(self, inputs: GraphInputs) -> GraphInputs:
         """What a runner hands its backends at a replay: the rows loaded, the step updated."""
-        step, spec = self.step, inputs.spec_info
-        step.load(inputs)
-        return step.graph_inputs(inputs.key, step.update(inputs.key, inputs.raw_bs,
-                                                         spec.draft_step if spec is not None else None))
+        return self.step.graph_inputs(inputs.key, self.step.update_inputs(inputs))
 
     def _replay(self, gi: GraphInputs) -> None:
         """The backend's replay update, then what the graph's replay starts with where the step's

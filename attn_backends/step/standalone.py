@@ -9,7 +9,7 @@ from .. import layout as _layout
 from ..batch import ForwardBatch, GraphInputs
 from ..validation import LayoutError, check_request_rows
 from .step import Step
-from .view import StepView
+from .view import StepView, built_from
 
 
 class StandaloneStep:
@@ -34,9 +34,7 @@ class StandaloneStep:
             return self._eager.build(batch).step
         built = view.built_from
         if view.key is not None or view.raw_bs != batch.raw_bs or view.layout.mode != batch.forward_mode or \
-                not built or any(a is not b for a, b in zip(built, (batch.req_pool_indices, batch.seq_lens,
-                                                                    batch.seq_lens_cpu, batch.extend_seq_lens_cpu,
-                                                                    batch.spec_info))):
+                not built or any(a is not b for a, b in zip(built, built_from(batch))):
             raise LayoutError("the step holds no layout for this batch: build the step of each batch "
                               "(attn_backends.step.eager_step) and pass the batch it returns to every backend")
         return view
@@ -47,9 +45,7 @@ class StandaloneStep:
         if not _layout.stream_capturing():                # the caller's rows (a sync): all on row 0 is a
             rows = inputs.req_pool_indices[:inputs.raw_bs]    # stand-in (SGLang captures so), else real
             check_request_rows(rows, self.memory.req_to_token.shape[0], stand_in=bool((rows == 0).all()))
-        step = self._graph_step()
-        step.load(inputs, capture=True)                   # validates first: a refusal changes nothing
-        return step.capture(inputs.key, inputs.spec_info, inputs.raw_bs)
+        return self._graph_step().capture_inputs(inputs)   # validates first: a refusal changes nothing
 
     def replay(self, inputs: GraphInputs) -> StepView:
         view = inputs.step
@@ -59,9 +55,7 @@ class StandaloneStep:
         if step is None or key not in step.captured_keys():
             have = ", ".join(sorted(map(str, step.captured_keys()))) if step is not None else ""
             raise LayoutError(f"no graph captured for {key} without a runner's step; captured: {have or 'none'}")
-        spec = inputs.spec_info
-        step.load(inputs)
-        return step.update(key, inputs.raw_bs, spec.draft_step if spec is not None else None)
+        return step.update_inputs(inputs)
 
     @staticmethod
     def _checked(inputs: GraphInputs) -> StepView:

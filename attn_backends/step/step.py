@@ -53,7 +53,7 @@ from ..layout import (
 )
 from ..validation import LayoutError, check_lengths, validate
 from .buffers import LayoutBuffers, RowCopies
-from .view import Prep, StepView
+from .view import Prep, StepView, built_from
 
 I64 = torch.int64
 _STEP_ID = StepView._fields.index("step_id")
@@ -116,8 +116,7 @@ class Step:
         self.step_id = next(_IDS)
         view = StepView(None, batch.raw_bs, layout, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, batch.spec_info,
                         self.step_id, self.fill, self.memory, self.cache, self.origin, self.prep, {},
-                        (batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, batch.extend_seq_lens_cpu,
-                         batch.spec_info))
+                        built_from(batch))
         return dataclasses.replace(batch, step=view)
 
     # ------------------------------------------------------------------ graphs
@@ -188,6 +187,17 @@ class Step:
         tree = spec.tree_mask if spec is not None and mask_kind(key.forward_mode, spec) == MaskKind.TREE else None
         self._write_rows(key, inputs.raw_bs, inputs.req_pool_indices, inputs.seq_lens, inputs.seq_lens_cpu.numpy()
                          [:inputs.raw_bs], None, accept, tree, spec.draft_step if spec is not None else 0)
+
+    def capture_inputs(self, inputs: GraphInputs) -> StepView:
+        """:meth:`load` a caller's capture batch, then :meth:`capture` its key."""
+        self.load(inputs, capture=True)
+        return self.capture(inputs.key, inputs.spec_info, inputs.raw_bs)
+
+    def update_inputs(self, inputs: GraphInputs) -> StepView:
+        """:meth:`load` a caller's replay batch, then :meth:`update` its key."""
+        spec = inputs.spec_info
+        self.load(inputs)
+        return self.update(inputs.key, inputs.raw_bs, spec.draft_step if spec is not None else None)
 
     def load_rows(self, key: GraphKey, raw_bs: int, req_pool_indices, seq_lens, seq_lens_cpu, tokens=None,
                   accept_lens=None, tree_mask=None, draft_step: Optional[int] = None) -> None:
@@ -371,11 +381,3 @@ def _capture(fn, pool) -> torch.cuda.CUDAGraph:
         fn()
     g.replay()                       # capture records, it does not run
     return g
-
-
-def eager_step(batch: ForwardBatch, backends) -> ForwardBatch:
-    """Eager: one step for ``batch`` over ``backends`` (one or per layer); returns the batch to
-    hand to them and to the model (``batch.step`` set)."""
-    uniq = list({id(b): b for b in backends}.values())
-    fill = max(b.get_cuda_graph_seq_len_fill_value() for b in uniq)
-    return Step(uniq[0].memory, fill).build(batch)

@@ -109,3 +109,8 @@ def prep_placement(backends) -> Prep:
     the layout reads the current step's."""
     return Prep.IN_STEP_GRAPH if all(getattr(b, "replay_work", True) is False for b in backends) \
         else Prep.BEFORE_UPDATE
+
+
+def built_from(batch) -> tuple:
+    """The batch tensors an eager layout is built from (``StepView.built_from``)."""
+    return batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, batch.extend_seq_lens_cpu, batch.spec_info

@@ -14,7 +14,7 @@ from attn_backends.check.scenarios import dims_for, make_memory, random_tree_mas
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.registry import get_backend, get_backend_class
-from attn_backends.step import eager_step
+from attn_backends.step import eager_step, fill_of
 
 from ..breakable import BreakableGraphRunner
 from ..draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
@@ -152,7 +152,7 @@ class Rig:
 
     @property
     def fill(self) -> int:
-        return max(b.get_cuda_graph_seq_len_fill_value() for b in self.flat(self.backends))
+        return fill_of(self.flat(self.backends))
 
     # -- requests and batches
     def new_requests(self, count: int, rng: random.Random, tokens: Optional[int] = None) -> list:
