@@ -32,6 +32,9 @@ from .attention_core import (
     store_partial,
 )
 from .launch_record import launch
+from .schedule import chunk_of, chunk_targets, merge_chunks_if_last, min_tiles
+
+SCHEDULES = ("split", "chunks")
 
 
 @triton.jit
@@ -105,9 +108,68 @@ def _decode_split_kernel(
                       g < GROUP, stride_os, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
 
 
+@triton.jit
+def _decode_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
+    scale_log2, bs, num_chunks,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_pb,
+    stride_oc, stride_oh,
+    stride_lc, stride_lh,
+    stride_xb, stride_xh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
+):
+    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk j)."""
+    kvh = tl.program_id(0)
+    j = tl.program_id(1)
+    b, first, count, start, end = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
+    if b < bs:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < HEAD_DIM
+        mask_dv = offs_dv < HEAD_DIM_V
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            m_i, l_i, acc = paged_tile_update(
+                q, k_ptr, v_ptr, slot, mask_n, mask_n[None, :], kvh, stride_ks, stride_kh, stride_vs,
+                stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+        tile = mask_h[:, None] & mask_dv[None, :]
+        if count == 1:                   # a whole request: its output, no partial
+            store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
+                          tile, lse_ptr, mask_h, 1)
+        else:
+            jj = j.to(tl.int64)
+            store_partial(acc, m_i, l_i, o_ptr + jj * stride_oc + heads[:, None] * stride_oh + offs_dv[None, :],
+                          tile, lse_ptr + jj * stride_lc + heads * stride_lh, mask_h, 2)
+            g = tl.arange(0, GROUP_PAD)
+            hg = kvh * GROUP + g
+            f = first.to(tl.int64)
+            merge_chunks_if_last(sem_ptr + b * tl.num_programs(0) + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
+                                 lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
+                                 g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
+
+
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=32, num_warps=4,
-                         num_stages=2, heads_first=None):
+                         num_stages=2, heads_first=None, schedule="split"):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -121,6 +183,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         ``decode_workspace``; allocated here when None (not inside a graph then).
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
         requests on, where it measured faster; ``attention_core.heads_first_grid``)
+    schedule : "split": ``num_kv_splits`` equal splits of every request; "chunks": the batch's KV
+        cut into about ``bs * num_kv_splits`` equal chunks on the device (``schedule.chunk_of``),
+        ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -134,12 +199,30 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
                          f"expected ({bs}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"decode_attention_fwd: schedule={schedule!r} not in {SCHEDULES}")
     if bs == 0:
         return out
     group = H // Hkv
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
+    if schedule == "chunks":
+        part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv)
+        num_chunks = bs * num_kv_splits
+        launch(_decode_chunk_kernel, (Hkv, num_chunks + bs),
+            q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, counters,
+            sm_scale * LOG2E, bs, num_chunks,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
+            part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+            HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
+            MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs),
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
+            CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps),
+            num_warps=num_warps, num_stages=num_stages)
+        return out
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(

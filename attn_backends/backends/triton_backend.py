@@ -55,6 +55,13 @@ class TritonBackend(TritonBackendBase):
             return 4, 1, None
         return (2, 4, 16) if width <= 8 else (16, 1, None)
 
+    # Plain decode cuts the batch's KV into equal chunks on the device, whatever the lengths
+    # ("split": equal splits of every request; bench/RESULTS.md, 'Ragged batches').
+    decode_schedule: ClassVar[str] = "chunks"
+
+    def _chunked(self, lay: Layout) -> bool:
+        return self.decode_schedule == "chunks" and is_plain_decode(lay)
+
     def _exact_splits_below(self, width: int) -> int:
         return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (see _split_rule)
 
@@ -73,7 +80,7 @@ class TritonBackend(TritonBackendBase):
         splits, ws = meta.num_kv_splits, meta.workspace
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                 layer.scaling, splits, out, workspace=ws)
+                                 layer.scaling, splits, out, workspace=ws, schedule=self.decode_schedule)
             return
         extend_attention_fwd(
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,

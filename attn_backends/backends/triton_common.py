@@ -10,6 +10,7 @@ import torch
 
 from attn_backends_kernels.attention_core import cuda_index, decode_workspace, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
+from attn_backends_kernels.schedule import chunk_workspace
 
 from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphKey
@@ -135,6 +136,11 @@ class TritonBackendBase(LayoutBackend):
                                               self._exact_splits_below(width))
         return cache[key]
 
+    def _chunked(self, lay: Layout) -> bool:
+        """Whether the launch of ``lay`` balances the batch's KV over chunks on the device
+        (``kernels/schedule.py``: its workspace is a chunk workspace, needed at one split too)."""
+        return False
+
     def _kv_buffers(self, layer) -> tuple:
         """The layer's KV buffers, as the kernel wrapper takes them."""
         raise NotImplementedError
@@ -183,7 +189,10 @@ class TritonBackendBase(LayoutBackend):
         # I4: the split count is a function of the key alone (a host int), fixed with the record
         splits = self._splits(view.layout)
         ws = None
-        if key is not None and splits > 1:
+        if key is not None and self._chunked(view.layout):
+            ws = chunk_workspace(key.bs, splits, key.width, self.config.num_q_heads, self.config.num_kv_heads,
+                                 self._out_dim(), self.memory.device)
+        elif key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))

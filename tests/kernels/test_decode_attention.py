@@ -1,9 +1,12 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.schedule import chunk_of, chunk_slots, chunk_workspace, min_tiles
 
 
 def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1, seed=0,
@@ -105,3 +108,121 @@ def test_decode_cuda_graph_replay(page_size):
     cu = torch.arange(len(lens_a) + 1, dtype=torch.int32)
     ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, cu, page_size, D ** -0.5)
     assert_close(out, ref, 1e-2)
+
+
+# The chunk schedule (kernels/schedule.py): ragged, long-tail and uniform lengths, block_n 16 so
+# that the interpreter's lengths make several chunks of the long requests (their merge runs).
+CHUNK_CASES = [
+    (16, [3000, 40, 5, 300], 8, 2, 2),      # long tail: one request cut into 9 chunks
+    (1, [1, 700, 33], 4, 1, 3),
+    (64, [513, 512, 511], 4, 4, 1),         # uniform: one chunk a request at 1 a request
+    (16, [2, 900, 900, 17, 1800], 6, 2, 4),
+]
+
+
+def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_rows=1, seed=0, block_n=16):
+    torch.manual_seed(seed)
+    page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows, device=device, seed=seed)
+    bs = lens.shape[0]
+    k_buf = torch.randn(num_pages * page_size, Hkv, D, device=device).to(dtype)
+    v_buf = torch.randn(num_pages * page_size, Hkv, D, device=device).to(dtype)
+    k_buf[:page_size] = v_buf[:page_size] = float("nan")     # page 0: the pad rows' page
+    q = torch.randn(bs, H, D, device=device).to(dtype)
+    out = torch.full((bs, H, D), float("nan"), device=device, dtype=dtype)
+    ws = chunk_workspace(bs, per_request, 1, H, Hkv, D, device)
+    ws[0].fill_(float("nan"))
+    ws[1].fill_(float("nan"))
+    decode_attention_fwd(q, k_buf, v_buf, page_table, lens, page_size, D ** -0.5, per_request, out, ws,
+                         block_n=block_n, schedule="chunks")
+    n = len(seq_lens)
+    ref = ref_paged_attention(q[:n], k_buf, v_buf, page_table[:n], lens[:n], torch.arange(n + 1, dtype=torch.int32),
+                              page_size, D ** -0.5)
+    return out, ref, ws
+
+
+@pytest.mark.parametrize("page_size,seq_lens,H,Hkv,per_request", CHUNK_CASES)
+def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request):
+    out, ref, ws = run_chunked(seq_lens, page_size, H, Hkv, 16, per_request, torch.float32, "cpu")
+    assert_close(out[:len(seq_lens)], ref, 1e-5)
+    assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
+
+
+@triton.jit
+def _schedule_probe(seq_lens_ptr, out_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                    BLOCK_BS: tl.constexpr):
+    j = tl.program_id(0)
+    b, first, count, start, end = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
+    for i, x in enumerate((b, first, count, start, end)):
+        tl.store(out_ptr + j * 5 + i, x)
+
+
+@pytest.mark.parametrize("lens,per_request", [([32768, 300, 2000, 256, 1024, 700, 5, 1], 2),
+                                              ([4096] * 6, 4), ([1, 1, 1], 1), ([16384, 256, 512], 8)])
+def test_chunk_schedule_covers_every_token_once_in_equal_chunks(lens, per_request):
+    """Every request's tokens fall in its chunks exactly once, in order; chunks past the last do
+    nothing; no chunk spans more than the schedule's share (long requests are cut, short ones not)."""
+    block_n, bs = 32, len(lens)
+    num_chunks = bs * per_request
+    slots = chunk_slots(bs, per_request)
+    got = torch.full((slots, 5), -1, dtype=torch.int32)
+    _schedule_probe[(slots,)](torch.tensor(lens, dtype=torch.int32), got, bs, num_chunks, BLOCK_N=block_n,
+                              MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs))
+    tiles = [-(-n // block_n) for n in lens]
+    per = max(-(-sum(tiles) // num_chunks), min_tiles(block_n))
+    rows = got.tolist()
+    for b, n in enumerate(lens):
+        mine = [r for r in rows if r[0] == b]
+        assert [r[3] for r in mine] == list(range(0, n, per * block_n)) or (n == 0 and len(mine) == 1)
+        assert all(r[2] == len(mine) and r[1] == rows.index(mine[0]) for r in mine)
+        assert sum(r[4] - r[3] for r in mine) == n and all(0 < r[4] - r[3] <= per * block_n for r in mine)
+    assert all(r[0] >= bs for r in rows[sum(-(-t // per) for t in tiles):])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,D,group,per_request", [(torch.bfloat16, 128, 4, 2), (torch.bfloat16, 64, 8, 8),
+                                                       (torch.float16, 128, 1, 1)])
+def test_decode_chunk_schedule_gpu(dtype, D, group, per_request):
+    lens = [32768, 17, 700, 1, 4096, 129, 2000, 256]          # long tail: one request holds most tokens
+    out, ref, ws = run_chunked(lens, 16, 4 * group, 4, D, per_request, dtype, "cuda", pad_rows=2, block_n=32)
+    assert_close(out[:len(lens)], ref, 1e-2)
+    assert not ws[2].any()
+
+
+@pytest.mark.cuda
+def test_decode_chunk_schedule_graph_replays_any_lengths():
+    """One graph captured on uniform lengths replays long-tail and other lengths (a different
+    schedule each replay): each replay equals the eager launch bitwise and the float64 reference."""
+    dtype, H, Hkv, D, per_request, page_size = torch.bfloat16, 32, 8, 128, 2, 16
+    batches = [[2048] * 6, [30000, 300, 17, 1, 900, 2048], [5, 6000, 6000, 12000, 1, 64]]
+    made = [make_paged_batch(lens, page_size, device="cuda", seed=i) for i, lens in enumerate(batches)]
+    num_pages = max(m[2] for m in made)
+    page_table = torch.zeros(6, 30000 // page_size + 4, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(6, dtype=torch.int32, device="cuda")
+    k_buf = torch.randn(num_pages * page_size, Hkv, D, device="cuda").to(dtype)
+    v_buf = torch.randn(num_pages * page_size, Hkv, D, device="cuda").to(dtype)
+    q = torch.randn(6, H, D, device="cuda").to(dtype)
+    out = torch.empty(6, H, D, device="cuda", dtype=dtype)
+    ws = chunk_workspace(6, per_request, 1, H, Hkv, D, "cuda")
+    run = lambda: decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, page_size, D ** -0.5,  # noqa: E731
+                                       per_request, out, ws, schedule="chunks")
+
+    def load(m):
+        page_table.zero_()
+        page_table[:, :m[0].shape[1]] = m[0]
+        seq_lens.copy_(m[1])
+
+    load(made[0])
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for m in made[1:] + made[:1]:
+        load(m)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone()
+        run()
+        assert torch.equal(replayed, out), "replay differs from the eager launch on the same lengths"
+        ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, torch.arange(7, dtype=torch.int32),
+                                  page_size, D ** -0.5)
+        assert_close(replayed, ref, 1e-2)

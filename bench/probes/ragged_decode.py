@@ -1,0 +1,152 @@
+"""GQA decode on ragged batches at the kernel level: equal splits against the chunk schedule
+(``kernels/schedule.py``) at several chunk budgets, beside FlashInfer's decode (CUDA cores and
+tensor cores) on the same pages, and beside a uniform batch of the same total KV tokens (issue
+#40's balance line). A tuning probe: the sweep (bench/sweep/) holds the reported figures.
+
+    python bench/probes/ragged_decode.py [--rows 28/4x128:24,32/8x64:24] [--dists ragged,longtail,uniform]
+
+Every time is a CUDA-graph replay (``triton.testing.do_bench``: L2 cleared before each run), bf16,
+page 16, shuffled pages. ``S``: the split count the ``triton`` backend takes for the row's
+(bs, W); chunk budgets are ``bs * S * m`` for ``m`` in ``--mults``. ``x`` = FlashInfer's best / ours.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import triton
+
+from attn_backends.backends.triton_common import choose_num_kv_splits
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace
+
+PAGE = 16
+
+
+def lengths(dist: str, bs: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    if dist == "uniform":
+        return [16384] * bs
+    if dist == "ragged":
+        return [rng.randint(256, 16384) for _ in range(bs)]
+    if dist == "longtail":
+        lens = [rng.randint(256, 2048) for _ in range(bs)]
+        for i in rng.sample(range(bs), 2 if bs >= 32 else 1):
+            lens[i] = 32768
+        return lens
+    if dist == "bimodal":
+        lens = [rng.randint(256, 1024) for _ in range(bs // 2)]
+        lens += [rng.randint(8192, 16384) for _ in range(bs - bs // 2)]
+        rng.shuffle(lens)
+        return lens
+    raise ValueError(f"--dists: {dist!r} not in uniform, ragged, longtail, bimodal")
+
+
+def paged(lens: list, Hkv: int, D: int, gen):
+    counts = [-(-n // PAGE) for n in lens]
+    num_pages = 1 + sum(counts)
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).int()
+    table = torch.zeros(len(lens), max(counts), dtype=torch.int32)
+    indptr = [0]
+    for i, c in enumerate(counts):
+        table[i, :c] = perm[indptr[-1]:indptr[-1] + c]
+        indptr.append(indptr[-1] + c)
+    last = [n - (c - 1) * PAGE for n, c in zip(lens, counts)]
+    dev = dict(device="cuda", dtype=torch.int32)
+    return dict(table=table.cuda(), lens=torch.tensor(lens, **dev), indptr=torch.tensor(indptr, **dev),
+                indices=perm.cuda(), last=torch.tensor(last, **dev), num_pages=num_pages)
+
+
+def graph_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
+
+
+def ours(pg, q, kb, vb, S: int, schedule: str):
+    bs, H, D = q.shape
+    out = torch.empty_like(q)
+    ws = (chunk_workspace(bs, S, 1, H, kb.shape[1], D, "cuda") if schedule == "chunks"
+          else decode_workspace(bs, H, D, S, "cuda") if S > 1 else None)
+    return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
+                                             schedule=schedule)
+
+
+def flashinfer_calls(pg, q, kb, vb, fi, ws):
+    bs, H, D = q.shape
+    Hkv = kb.shape[1]
+    calls = {}
+    for tc in (False, True):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                                                  paged_kv_indptr_buffer=pg["indptr"].clone(),
+                                                  paged_kv_indices_buffer=pg["indices"].clone(),
+                                                  paged_kv_last_page_len_buffer=pg["last"].clone())
+        w.plan(pg["indptr"], pg["indices"], pg["last"], H, Hkv, D, PAGE, data_type=q.dtype, q_data_type=q.dtype)
+        out = torch.empty_like(q)
+        cache = (kb.view(-1, PAGE, Hkv, D), vb.view(-1, PAGE, Hkv, D))
+        calls["fi_tc" if tc else "fi"] = (out, lambda w=w, out=out, cache=cache: w.run(q, cache, out=out))
+    return calls
+
+
+def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws) -> dict:
+    gen = torch.Generator().manual_seed(bs)
+    lens = lengths(dist, bs)
+    pg = paged(lens, Hkv, D, gen)
+    kb = torch.randn(pg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn_like(kb)
+    q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
+    S = choose_num_kv_splits(bs * Hkv, torch.device("cuda"), max(lens) // PAGE + 1, 6, 1, 2, None, 1, 8)
+    res = {"row": f"{H}/{Hkv} d{D} bs{bs} {dist}", "S": S, "tokens": sum(lens)}
+    out0, split = ours(pg, q, kb, vb, S, "split")
+    res["split"] = graph_us(split)
+    for m in mults:
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks")
+        res[f"chunks x{m}"] = graph_us(fn)
+        assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} differ from split"
+    if fi is not None:
+        for name, (out, fn) in flashinfer_calls(pg, q, kb, vb, fi, fi_ws).items():
+            res[name] = graph_us(fn)
+            assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from ours"
+    mean = -(-sum(lens) // bs)
+    upg = paged([mean] * bs, Hkv, D, gen)
+    ukb = torch.randn(upg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * mults[0], "chunks")[1])
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
+    p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
+    p.add_argument("--mults", default="1,2,4")
+    args = p.parse_args(argv)
+    try:
+        import flashinfer as fi
+        fi_ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    except Exception as e:      # ours alone
+        print(f"flashinfer not importable: {e}")
+        fi, fi_ws = None, None
+    mults = [int(m) for m in args.mults.split(",")]
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
+          "flashinfer", getattr(fi, "__version__", None))
+    for spec in args.rows.split(","):
+        heads, rest = spec.split("x")
+        H, Hkv = map(int, heads.split("/"))
+        D, bs = map(int, rest.split(":"))
+        for dist in args.dists.split(","):
+            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws)
+            best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
+            best = min(v for k, v in r.items() if k.startswith("chunks"))
+            times = " ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float))
+            x = f"x split {best_fi / r['split']:.2f} x chunks {best_fi / best:.2f}" if best_fi else ""
+            print(f"{r['row']:<28} S={r['S']:<3} {times}  {x}  balance {best / r['uniform same tokens']:.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""KV work balanced over a fixed grid from the device's lengths: the chunk schedule (issue #40).
+
+A chunk-scheduled split pass launches ``num_chunks + bs`` programs a KV head, host ints fixed by
+the GraphKey, and every program finds its work on the device from ``seq_lens_k``: the batch's KV
+tiles (``BLOCK_N`` tokens) are cut into chunks of ``per = max(cdiv(tiles, num_chunks), MIN_TILES)``
+tiles, a request of ``t`` tiles taking ``cdiv(t, per)`` of them (at least one), numbered request
+after request. ``sum(cdiv(t_b, per)) <= tiles / per + bs <= num_chunks + bs``, so the grid covers
+every chunk; programs past the last do nothing. A long request is cut into many chunks and short
+ones stay whole, so programs read about the same KV whatever the lengths, and one captured graph
+serves any lengths its buffers allow: no host plan, no host sync, no schedule buffer (each
+program recomputes it from ``bs`` lengths, cheaper than a launch that would write one).
+
+A request of one chunk writes its output directly. A request of several writes a partial per chunk
+(normalised output, log2-sum-exp) to the chunk's workspace slot, and of its chunk programs the one
+that finishes last merges them in chunk order (``merge_chunks_if_last``; a counter per request and
+KV head), so the result is a function of the lengths and ``num_chunks`` alone: replay equals eager.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
+# little KV (today's split passes never split finer either; bench/RESULTS.md, 'Split counts').
+MIN_CHUNK_TOKENS = 256
+
+
+def min_tiles(block_n: int) -> int:
+    return max(1, MIN_CHUNK_TOKENS // block_n)
+
+
+@triton.jit
+def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+             BLOCK_BS: tl.constexpr):
+    """Chunk ``j`` of the schedule: ``(b, first, count, start, end)``, its request (``b >= bs``:
+    past the last chunk), the index of the request's first chunk, the request's chunk count and
+    the chunk's KV token range ``[start, end)``."""
+    offs = tl.arange(0, BLOCK_BS)
+    lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    per = tl.maximum((tl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
+    n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
+    ends = tl.cumsum(n, 0)
+    b = tl.sum((ends <= j).to(tl.int32), 0)
+    mine = offs == b
+    count = tl.sum(tl.where(mine, n, 0), 0)
+    first = tl.sum(tl.where(mine, ends, 0), 0) - count
+    start = (j - first) * per * BLOCK_N
+    end = tl.minimum(start + per * BLOCK_N, tl.sum(tl.where(mine, lens, 0), 0))
+    return b, first, count, start, end
+
+
+@triton.jit
+def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok, stride_pc, stride_lc,
+                         HEAD_DIM_V: tl.constexpr, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         CHUNK_DV: tl.constexpr):
+    """The merge of a request's ``count`` chunk partials by the chunk program that finishes last
+    (the rule of ``attention_core.merge_if_last``, with a count read on the device): ``part_rows``
+    / ``lse_rows`` / ``out_rows`` are [ROWS] pointers to the first chunk's partial and log2-sum-exp
+    of each row and to its output; chunk ``i``'s are ``i * stride_pc`` / ``i * stride_lc`` on.
+    ``sem_ptr``: the request's counter (0 before the launch, left 0)."""
+    tl.static_assert(BLOCK_DV % CHUNK_DV == 0)
+    tl.debug_barrier()                  # every thread's partial stores precede the release below
+    done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == count - 1:
+        tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for i in range(count):
+            m = tl.maximum(m, tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+        m = tl.where(m == float("-inf"), 0.0, m)    # a row no chunk saw anything of: zeros
+        w_sum = tl.zeros([ROWS], tl.float32)
+        for i in range(count):
+            w_sum += tl.exp2(tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
+                                     cache_modifier=".cg") - m)
+        den = tl.where(w_sum > 0, w_sum, 1.0)
+        for c in tl.static_range(BLOCK_DV // CHUNK_DV):
+            offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
+            mask = rows_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+            acc = tl.zeros([ROWS, CHUNK_DV], tl.float32)
+            for i in range(count):
+                w = tl.exp2(tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
+                                    cache_modifier=".cg") - m)
+                part = tl.load(part_rows[:, None] + i * stride_pc + offs_dv[None, :], mask=mask, other=0.0,
+                               cache_modifier=".cg")
+                acc += w[:, None] * part
+            tl.store(out_rows[:, None] + offs_dv[None, :], acc / den[:, None], mask=mask)
+
+
+def chunk_slots(bs: int, chunks_per_request: int) -> int:
+    """Workspace slots of a chunk schedule of ``bs`` requests: ``num_chunks + bs``."""
+    return bs * chunks_per_request + bs
+
+
+def chunk_workspace(bs: int, chunks_per_request: int, rows_per_chunk: int, num_heads: int,
+                    num_kv_heads: int, head_dim_v: int, device) -> tuple:
+    """The workspace of a chunk schedule, allocated once (at graph capture): ``(part [slots *
+    rows_per_chunk, H, Dv] float32, lse [slots * rows_per_chunk, H] float32, counters [bs * Hkv]
+    int32 zeros)``, slots from :func:`chunk_slots`; ``rows_per_chunk``: the query rows of a
+    request (1 for decode)."""
+    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
+    return (torch.empty(rows, num_heads, head_dim_v, dtype=torch.float32, device=device),
+            torch.empty(rows, num_heads, dtype=torch.float32, device=device),
+            torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=device))
+
+
+def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_request: int,
+                  rows_per_chunk: int, num_kv_heads: int) -> tuple:
+    """The workspace a chunk-scheduled pass writes, checked (allocated where None, which a graph
+    must avoid): ``(part, lse, counters)``."""
+    H, Dv = out.shape[1], out.shape[2]
+    if workspace is None:
+        return chunk_workspace(bs, chunks_per_request, rows_per_chunk, H, num_kv_heads, Dv, out.device)
+    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
+    if len(workspace) != 3:
+        raise ValueError(f"{name}: a chunk workspace is (part, lse, counters) as chunk_workspace returns, "
+                         f"got {len(workspace)} tensors")
+    part, lse, counters = workspace
+    if (part.shape[0] < rows or tuple(part.shape[1:]) != (H, Dv) or part.dtype != torch.float32
+            or lse.shape[0] < rows or tuple(lse.shape[1:]) != (H,) or lse.dtype != torch.float32
+            or part.stride(-1) != 1 or lse.stride(-1) != 1 or counters.dtype != torch.int32
+            or counters.numel() < bs * num_kv_heads or counters.stride(0) != 1
+            or any(t.device != out.device for t in workspace)):
+        raise ValueError(f"{name}: chunk workspace {tuple(part.shape)} {part.dtype} / {tuple(lse.shape)} / "
+                         f"counters {tuple(counters.shape)} does not fit {rows} rows, H={H}, Dv={Dv}, "
+                         f"{bs * num_kv_heads} counters (float32, float32, int32 zeros on {out.device})")
+    return workspace
