@@ -1,8 +1,11 @@
-"""Issue #10 sweep: ours against every FlashInfer configuration that can run each row.
+"""The sweep (issues #10, #40): ours against every FlashInfer configuration that can run each row.
 
 Usage (repository root)::
 
-    python bench/sweep/sweep.py [--out DIR] [--quick] [--only gqa|mla] [--budget-s S]
+    python bench/sweep/sweep.py [--out DIR] [--grid issue40|issue10] [--quick] [--only gqa|mla]
+        [--dist ragged,longtail,bimodal,uniform] [--workloads NAME|PATTERN,...] [--bs 8,24,48]
+        [--kv 16384] [--seed N] [--budget-s S]
+    python bench/sweep/sweep.py --grid issue10          # issue #10's uniform grid, as it was
     STAGES="sweep" bash bench/run_gpu.sh DIR            # the same, from the GPU script
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep/sweep.py --smoke --out DIR
     python bench/sweep/sweep_report.py DIR/sweep.jsonl  # bench/sweep/SWEEP.md + bench/sweep/sweep.png
@@ -10,11 +13,14 @@ Usage (repository root)::
 ``--out`` defaults to bench/sweep/ (``--smoke``: /tmp/attn-sweep-smoke). On a GPU machine without
 matplotlib (the lent ones) run with ``--out $OUT`` and redraw the table and plot with ``sweep_report.py``.
 
-Matrix (``sweep_rows``): GQA 32/8 and 64/8 heads (d 128, page 16) decode, verify N=4 (chain) and N=8
-tree (topk 4); MLA 16 and 128 heads (512 + 64, page 64) decode and verify N=4; bs 1, 4, 16, 64, 128 x
-kv 2048, 8192, 32768 (``--quick``: bs 1, 16, 128 x kv 8192; those points run first in a full sweep
-too). bf16, shuffled pages, every request at exactly ``kv`` tokens, the same data for ours and
-FlashInfer. A group whose memory estimate exceeds 90% of the free device memory is skipped, with the reason.
+Matrix (``sweep_matrix``, workloads and lengths in ``sweep_rows``): GQA (page 16) decode, verify N=4
+(chain) and N=8 tree (topk 4); MLA 16 and 128 heads (512 + 64, page 64) decode and verify N=4; each
+row's KV lengths from a distribution (uniform: every request ``kv``; ragged; longtail; bimodal).
+``--grid issue40`` (the default): GQA 8/1, 28/4, 32/8, 64/8 at d64 and d128, bs 1, 3, 8, 24, 48, 64,
+100, 128, every distribution; ``--grid issue10``: issue #10's uniform grid. ``--dist``, ``--workloads``,
+``--bs`` and ``--kv`` (the uniform rows' kv) pick a subset. bf16, shuffled pages, the pool holding
+exactly the pages the lengths need, the same data for ours and FlashInfer. A group whose memory
+estimate exceeds 90% of the free device memory is skipped, with the reason.
 
 Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flashinfer``):
 ``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an idle GPU, host
@@ -24,8 +30,9 @@ least of interleaved rounds over ours and every configuration (``interleaved_tim
 power-capped row start after ``graph_settle_s`` seconds of replays of each in turn, ``sweep_timing.settle``);
 output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every JIT module and
 Triton kernel is built in parallel processes (``sweep_prewarm``).
-``--smoke`` (CPU, interpreter): a tiny shape of each workload, ours eager only, and each
-FlashInfer configuration's arguments checked by ``sweep_fi_emulate`` instead of run.
+``--smoke`` (CPU, interpreter): a tiny shape of each workload (uniform) and of a few workloads for every
+other distribution (lengths / 128), ours eager only, and each FlashInfer configuration's arguments
+checked by ``sweep_fi_emulate`` instead of run.
 
 Output: ``DIR/sweep.jsonl``, JSON lines:
 
@@ -34,7 +41,8 @@ Output: ``DIR/sweep.jsonl``, JSON lines:
   "date", "copy_gbs", "matmul_tflops", "ridge_flop_per_byte", "args", "smoke",
   "prewarm": {job: {"rc", "s", "tail"?}}, "not_swept": {config: reason}, "host_timing", "timing"}``
 * one ``{"type": "result", "workload", "family", "mode", "heads", "kv_heads", "qk_dim",
-  "v_dim", "page_size", "width", "topk", "bs", "kv", "impl" ("ours" | a FlashInfer config
+  "v_dim", "page_size", "width", "topk", "bs", "kv" (non-uniform: the lengths' mean), "dist", "kv_min",
+  "kv_max", "kv_sum", "lens" (non-uniform), "impl" ("ours" | a FlashInfer config
   | "row" for a skipped group), "status" ("ok" | "skipped" | "error" | "emulated"),
   "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_rounds_us", "host_rounds_us",
   "eager_rounds_us", "graph_settle_s", "graph_error", "host_error", "eager_error", "err", "err_graph",
@@ -52,12 +60,9 @@ if "--smoke" in sys.argv:
 if os.environ.get("BENCH_DEVICE") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
 
-import argparse  # noqa: E402
 import collections  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,12 +70,13 @@ from pathlib import Path  # noqa: E402
 import sweep_prewarm  # noqa: E402
 import sweep_report  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
+from sweep_args import environment, import_flashinfer, parse_args  # noqa: E402
 from sweep_fi_emulate import emulate  # noqa: E402
-from sweep_flashinfer import NOT_SWEPT, Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
+from sweep_flashinfer import Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
+from sweep_matrix import points  # noqa: E402
 from sweep_ours import Ours  # noqa: E402
-from sweep_rows import BATCHES, QUICK_BATCHES, build_group, build_row, estimate_bytes, matrix, roofline  # noqa: E402
-from sweep_timing import HOST_TIMING, ROUNDS_TIMING, Clock, capture, settle_seconds  # noqa: E402
+from sweep_rows import build_group, build_row, estimate_bytes, roofline  # noqa: E402
+from sweep_timing import Clock, capture, settle_seconds  # noqa: E402
 
 TOLERANCE = 2e-2
 MAX_FAILURES = 3            # a configuration failing on this many rows is not tried again
@@ -92,55 +98,6 @@ class Ctx:
     results: int = 0
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="folder for sweep.jsonl, SWEEP.md, sweep.png and prewarm/ logs "
-                                 "(default: bench/sweep/; --smoke: /tmp/attn-sweep-smoke)")
-    p.add_argument("--quick", action="store_true", help="bs 1, 16, 128 x kv 8192 only")
-    p.add_argument("--only", choices=("gqa", "mla"), help="one family only")
-    p.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny shapes, ours only)")
-    p.add_argument("--no-flashinfer", action="store_true", help="ours only")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="start no new (family, bs, kv) group after this many seconds (default 420; "
-                        "the groups left are recorded as skipped)")
-    p.add_argument("--prewarm-timeout-s", type=float, default=300.0)
-    p.add_argument("--prewarm", help=argparse.SUPPRESS)     # internal: one prewarm job
-    p.add_argument("--bs", help=argparse.SUPPRESS)          # internal: batches of a prewarm job
-    return p.parse_args(argv)
-
-
-def import_flashinfer():
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", f"{major}.{minor}" + ("a" if major >= 9 else ""))
-    try:
-        import flashinfer
-        return flashinfer, None
-    except Exception as e:  # recorded in the header; the sweep runs ours alone
-        return None, f"{type(e).__name__}: {e}"[:300]
-
-
-def environment(args, device: str, fi, fi_error) -> dict:
-    env = dict(type="header", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-               flashinfer=getattr(fi, "__version__", None), flashinfer_error=fi_error,
-               flashinfer_cuda_arch_list=os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
-               args=vars(args), smoke=bool(args.smoke), not_swept=NOT_SWEPT)
-    try:   # SWEEP_COMMIT names the commit where the tree was copied without its git metadata
-        env["git"] = os.environ.get("SWEEP_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except Exception:
-        env["git"] = None
-    if device == "cuda":
-        prop = torch.cuda.get_device_properties(0)
-        env.update(device=prop.name, sm=prop.major * 10 + prop.minor, num_sms=prop.multi_processor_count,
-                   memory_gb=round(prop.total_memory / 2 ** 30, 1), host_timing=HOST_TIMING, timing=ROUNDS_TIMING)
-    else:
-        env.update(device="cpu (Triton interpreter)", sm=0)
-    return env
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     if not bool(torch.isfinite(out).all()):
@@ -154,20 +111,33 @@ def write(ctx: Ctx, rec: dict) -> None:
     ctx.results += 1
 
 
+def label(row) -> str:
+    """The row in messages: ``workload bs=.. kv=..``, then the distribution unless uniform."""
+    return f"{row.wl.name} bs={row.bs} kv={row.kv}" + ("" if row.dist == "uniform" else f" {row.dist}")
+
+
+def lens_record(dist: str, lens) -> dict:
+    """A row's lengths in its records: the distribution, min, max and sum; the lengths themselves
+    unless uniform."""
+    out = dict(dist=dist, kv_min=min(lens), kv_max=max(lens), kv_sum=sum(lens))
+    return out if dist == "uniform" else dict(out, lens=list(lens))
+
+
 def base_record(row, impl: str, **kw) -> dict:
-    return dict(type="result", **row.wl.describe(), bs=row.bs, kv=row.kv, impl=impl, **kw)
+    return dict(type="result", **row.wl.describe(), bs=row.bs, kv=row.kv, **lens_record(row.dist, row.lens),
+                impl=impl, **kw)
 
 
 def finish(ctx: Ctx, row, rec: dict) -> dict:
     """Bytes, flops, intensity and bound (rates too where the record has a time: the CPU smoke's
     eager call; on a GPU the rounds' times come later, and their rates with them), the check,
     loud mismatches (``measure_row`` writes the record, once the row's rounds are in)."""
-    rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
+    rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env, row.lens))
     errs = [e for e in (rec.get("err"), rec.get("err_graph")) if e is not None]
     if errs:
         rec["check"] = "pass" if max(errs) < TOLERANCE else "FAIL"
         if rec["check"] == "FAIL":
-            msg = f"{row.wl.name} bs={row.bs} kv={row.kv} {rec['impl']}: err {max(errs):.3g} vs ours"
+            msg = f"{label(row)} {rec['impl']}: err {max(errs):.3g} vs ours"
             ctx.mismatches.append(msg)
             print(f"!! MISMATCH {msg}", flush=True)
             print(f"!! MISMATCH {msg}", file=sys.stderr, flush=True)
@@ -222,7 +192,7 @@ def time_peer(ctx: Ctx, row, config: str, inp, ref, graphs: dict) -> dict:
     except Exception as e:  # recorded in the row and the footer, never hidden
         _drain()
         rec.update(status="error", reason=f"{stage}: {type(e).__name__}: {e}"[:500])
-        ctx.errors.append(f"{row.wl.name} bs={row.bs} kv={row.kv} {config} {rec['reason'][:160]}")
+        ctx.errors.append(f"{label(row)} {config} {rec['reason'][:160]}")
         ctx.failures[config] += 1
         if ctx.failures[config] >= MAX_FAILURES:
             ctx.broken[config] = f"failed on {MAX_FAILURES} rows, last: {rec['reason'][:200]}"
@@ -250,8 +220,8 @@ def _measure_row(ctx: Ctx, row) -> list:
     except Exception as e:  # no reference and no layout: the peers of this row are skipped
         _drain()
         reason = f"ours: {type(e).__name__}: {e}"[:500]
-        ctx.errors.append(f"{row.wl.name} bs={row.bs} kv={row.kv} {reason[:160]}")
-        print(f"!! ERROR {row.wl.name} bs={row.bs} kv={row.kv} {reason}", file=sys.stderr, flush=True)
+        ctx.errors.append(f"{label(row)} {reason[:160]}")
+        print(f"!! ERROR {label(row)} {reason}", file=sys.stderr, flush=True)
         return [finish(ctx, row, base_record(row, "ours", status="error", reason=reason))]
     recs = [ours]
     if ctx.fi is None and not ctx.env["smoke"]:
@@ -296,7 +266,7 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
                 rec.update({f"{kind}_us": min(got), f"{kind}_rounds_us": [round(v, 2) for v in got]})
             if rec["impl"] in errors:
                 rec[f"{kind}_error"] = errors[rec["impl"]]
-                ctx.errors.append(f"{row.wl.name} bs={row.bs} kv={row.kv} {kind} time of {rec['impl']}: "
+                ctx.errors.append(f"{label(row)} {kind} time of {rec['impl']}: "
                                   f"{errors[rec['impl']][:160]}")
                 _drain()
         if kind == "graph":
@@ -304,38 +274,42 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     for rec in (r for r in recs if r["status"] == "ok"):      # rates of the times kept, or none
         for k in ("gbs", "tflops", "frac_copy", "frac_matmul"):
             rec.pop(k, None)
-        rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env))
+        rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env, row.lens))
     return recs
 
 
-def skip_rows(ctx: Ctx, wls, bs: int, kv: int, reason: str, status: str = "skipped") -> None:
+def skip_rows(ctx: Ctx, wls, pt, reason: str, status: str = "skipped") -> None:
+    """One record per workload of point ``pt`` that was not measured, with the reason."""
     for wl in wls:
-        write(ctx, dict(type="result", **wl.describe(), bs=bs, kv=kv, impl="row", status=status, reason=reason))
-    print(f"{','.join(w.name for w in wls)} bs={bs} kv={kv}: {status} ({reason})", flush=True)
+        write(ctx, dict(type="result", **wl.describe(), bs=pt.bs, kv=pt.kv, **lens_record(pt.dist, pt.lens),
+                        impl="row", status=status, reason=reason))
+    where = f"bs={pt.bs} kv={pt.kv}" + ("" if pt.dist == "uniform" else f" {pt.dist}")
+    print(f"{','.join(w.name for w in wls)} {where}: {status} ({reason})", flush=True)
     if status == "error":
-        ctx.errors.append(f"{wls[0].family} bs={bs} kv={kv}: {reason[:160]}")
+        ctx.errors.append(f"{wls[0].family} {where}: {reason[:160]}")
 
 
-def measure_group(ctx: Ctx, key) -> None:
-    family, bs, kv, wls = key
+def measure_group(ctx: Ctx, pt) -> None:
+    """The rows of point ``pt`` (``sweep_matrix.Point``) over one memory and one set of requests."""
+    wls = pt.wls
     if time.time() > ctx.deadline:
-        return skip_rows(ctx, wls, bs, kv, "time budget (--budget-s) spent")
+        return skip_rows(ctx, wls, pt, "time budget (--budget-s) spent")
     if ctx.device == "cuda":
-        need, free = estimate_bytes(family, bs, kv), torch.cuda.mem_get_info()[0]
+        need, free = estimate_bytes(wls, pt.lens), torch.cuda.mem_get_info()[0]
         if need > 0.9 * free:
-            return skip_rows(ctx, wls, bs, kv, f"needs ~{need / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB free")
+            return skip_rows(ctx, wls, pt, f"needs ~{need / 2 ** 30:.1f} GiB, {free / 2 ** 30:.1f} GiB free")
     try:
-        group = build_group(wls[0], bs, kv, ctx.device)
+        group = build_group(wls[0], pt.bs, pt.kv, ctx.device, lens=list(pt.lens), dist=pt.dist)
     except Exception as e:  # e.g. out of memory: the group is skipped, the sweep goes on
         _drain()
-        return skip_rows(ctx, wls, bs, kv, f"build: {type(e).__name__}: {e}"[:400], status="error")
+        return skip_rows(ctx, wls, pt, f"build: {type(e).__name__}: {e}"[:400], status="error")
     for wl in wls:
         try:
             row = build_row(group, wl)
             print(sweep_report.row_summary(measure_row(ctx, row)), flush=True)
         except Exception as e:  # a failure outside the timed calls: recorded, never hidden
             _drain()
-            skip_rows(ctx, [wl], bs, kv, f"{type(e).__name__}: {e}"[:400], status="error")
+            skip_rows(ctx, [wl], pt, f"{type(e).__name__}: {e}"[:400], status="error")
         row = None
     del group
     gc.collect()
@@ -356,12 +330,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cpu" if (args.smoke or os.environ.get("BENCH_DEVICE") == "cpu") else "cuda"
     if args.prewarm:
-        sweep_prewarm.run_job(args.prewarm, [int(b) for b in args.bs.split(",")], device)
+        sweep_prewarm.run_job(args.prewarm, [int(b) for b in args.prewarm_bs.split(",")], device)
         return 0
+    try:                                   # a bad selection is refused before anything starts
+        groups = points(args.grid, quick=args.quick, only=args.only, dists=args.dist, workloads=args.workloads,
+                        batches=args.bs, kvs=args.kv, smoke=args.smoke, seed=args.seed)
+    except ValueError as e:
+        print(f"sweep.py: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.time()
     out_dir = Path(args.out or ("/tmp/attn-sweep-smoke" if args.smoke else Path(__file__).parent))
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = matrix(quick=args.quick, only=args.only, smoke=args.smoke)
     fi, fi_error = (None, "not used (--smoke / --no-flashinfer)")
     if device == "cuda" and not args.no_flashinfer:
         fi, fi_error = import_flashinfer()
@@ -369,8 +348,7 @@ def main(argv=None) -> int:
     if device == "cuda":
         jobs = sweep_prewarm.jobs(groups, fi is not None, env["sm"])
         print(f"prewarm: {len(jobs)} jobs in parallel ...", flush=True)
-        env["prewarm"] = sweep_prewarm.launch(jobs, out_dir, QUICK_BATCHES if args.quick else BATCHES,
-                                              args.prewarm_timeout_s)
+        env["prewarm"] = sweep_prewarm.launch(jobs, out_dir, sorted({p.bs for p in groups}), args.prewarm_timeout_s)
         print(f"prewarm: {time.time() - t0:.0f} s {env['prewarm']}", flush=True)
     path = out_dir / "sweep.jsonl"
     with open(path, "w") as f:
@@ -378,7 +356,7 @@ def main(argv=None) -> int:
                   deadline=t0 + args.budget_s)
         for job, res in env.get("prewarm", {}).items():
             if res["rc"] not in (0, -9) and not job.startswith("ours:"):
-                ctx.failures[job] = MAX_FAILURES - 1    # its prewarm failed: one more try only
+                ctx.failures[sweep_prewarm.config_of(job)] = MAX_FAILURES - 1   # its prewarm failed: one more try only
         calibrate(ctx)
         write(ctx, env)
         print(json.dumps({k: env.get(k) for k in ("device", "torch", "triton", "flashinfer", "cuda",

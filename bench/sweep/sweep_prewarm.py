@@ -4,7 +4,8 @@ will launch, in parallel processes (one per module, one per workload of ours).
 A fresh machine compiles each FlashInfer kernel family for 20-70 s and each of our Triton
 variants (one per split count) for about a second; in parallel the wall time is about the
 slowest one. The main process then finds them in the on-disk caches (FlashInfer's JIT
-directory, Triton's cache). Logs go to ``OUT/prewarm/<job>.log``.
+directory, Triton's cache). Logs go to ``OUT/prewarm/<job>.log``. FlashInfer's GQA modules are
+built per head dim (``fi_decode:d64``), its MLA modules once.
 """
 from __future__ import annotations
 
@@ -18,18 +19,39 @@ from pathlib import Path
 import torch
 from sweep_flashinfer import PREWARM, Peer, fi_inputs, new_workspace, refusal
 from sweep_ours import Ours
-from sweep_rows import BY_NAME, build_group, build_row
+from sweep_rows import BY_NAME, WORKLOADS, build_group, build_row
 
 PREWARM_KV = 4096      # >= 64 pages at page 64: the split counts (up to 64) are those of every row
 
 
+def config_of(job: str) -> str:
+    """The FlashInfer configuration of a prewarm job (``fi_decode:d64`` -> ``fi_decode``)."""
+    return job.split(":")[0]
+
+
+def job_workload(job: str):
+    """The workload a FlashInfer job plans: ``PREWARM``'s, at the job's head dim (a JIT module per head dim)."""
+    wl = BY_NAME[PREWARM[config_of(job)]]
+    if ":d" not in job:
+        return wl
+    dim = int(job.split(":d")[1])
+    return next(w for w in WORKLOADS if w.family == "gqa" and w.mode == wl.mode and w.qk_dim == dim)
+
+
 def jobs(groups, with_fi: bool, sm: int) -> list:
-    names = sorted({w.name for _, _, _, wls in groups for w in wls})
+    """Ours per workload of ``groups`` (``sweep_matrix.Point``), FlashInfer per configuration
+    (and head dim, for GQA) that can run one of them."""
+    names = sorted({w.name for p in groups for w in p.wls})
     out = [f"ours:{n}" for n in names]
-    families = {fam for fam, *_ in groups}
-    if with_fi:
-        out += [c for c, wl in PREWARM.items()
-                if BY_NAME[wl].family in families and refusal(c, BY_NAME[wl], sm) is None]
+    if not with_fi:
+        return out
+    dims = sorted({w.qk_dim for p in groups for w in p.wls if w.family == "gqa"})
+    families = {p.family for p in groups}
+    for c, name in PREWARM.items():
+        wl = BY_NAME[name]
+        for job in ([f"{c}:d{d}" for d in dims] if wl.family == "gqa" else [c]):
+            if wl.family in families and refusal(c, job_workload(job), sm) is None:
+                out.append(job)
     return out
 
 
@@ -48,7 +70,7 @@ def launch(job_names, out_dir: Path, batches, timeout_s: float) -> dict:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for job in job_names:
-            cmd = [sys.executable, script, "--prewarm", job, "--bs", ",".join(map(str, batches))]
+            cmd = [sys.executable, script, "--prewarm", job, "--prewarm-bs", ",".join(map(str, batches))]
             with open(logs[job], "w") as log:
                 procs[job] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         for job, p in procs.items():
@@ -85,14 +107,14 @@ def run_job(job: str, batches, device: str) -> None:
             del row, ours
             torch.cuda.empty_cache()
         return
-    from sweep import import_flashinfer
+    from sweep_args import import_flashinfer
     flashinfer, error = import_flashinfer()
     if flashinfer is None:
         raise RuntimeError(f"flashinfer: {error}")
-    wl = BY_NAME[PREWARM[job]]
+    wl = job_workload(job)
     row = build_row(build_group(wl, 2, PREWARM_KV, device), wl)
     inp = fi_inputs(row, Ours(row).layout())
     t0 = time.time()
-    Peer(flashinfer, job, inp, new_workspace(device)).fn()()
+    Peer(flashinfer, config_of(job), inp, new_workspace(device)).fn()()
     torch.cuda.synchronize()
     print(f"{job}: plan + run {time.time() - t0:.1f} s", flush=True)

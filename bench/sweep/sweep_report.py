@@ -5,7 +5,8 @@ nothing but the standard library; the plot needs matplotlib, ``pip install -e '.
 and is skipped, with a note, without it).
 
 Ratios are FlashInfer's best time over ours (above 1: ours is faster); "FI best" is the
-fastest FlashInfer configuration of the row, chosen separately for graph and eager times.
+fastest FlashInfer configuration of the row, chosen separately for graph and eager times. Rows are
+grouped by their KV-length distribution (``sweep_rows.DISTS``; records without one are uniform).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ flushed before each call); `eager` = one eager call from an idle GPU, host launc
 (L2 flushed, device drained, events around the call); `host` = {host}. Medians of 8-30 calls
 (host: 25); {timing}. Ours eager: `forward()` after
 one `init_forward_metadata()`; FlashInfer eager: `run()` after one `plan()`. bytes = KV read
-once + q + out; flops = 2*bs*W*H*kv*(Dqk+Dv). GB/s, % copy and TFLOPs are ours, from the
+once + q + out; flops = 2*W*H*S*(Dqk+Dv), S the sum of the requests' KV lengths (bs*kv when uniform;
+a non-uniform row's kv is the lengths' mean). GB/s, % copy and TFLOPs are ours, from the
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
 compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory
 otherwise. check: our output against the fastest FlashInfer configuration's
@@ -33,8 +35,10 @@ otherwise. check: our output against the fastest FlashInfer configuration's
 def row_summary(recs: list) -> str:
     """One console line of a measured row (``sweep.measure_row``'s records, ours first)."""
     ours = recs[0]
+    where = f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d}" + (
+        "" if dist_of(ours) == "uniform" else f" {dist_of(ours)} {ours['kv_min']}-{ours['kv_max']}")
     if ours["status"] != "ok":
-        return f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours {ours['status']}"
+        return f"{where} ours {ours['status']}"
     us = lambda r, k: f"{r[k]:.1f}" if r.get(k) is not None else "-"  # noqa: E731
     peers = [r for r in recs[1:] if r.get("graph_us")]
     best = min(peers, key=lambda r: r["graph_us"], default=None)
@@ -43,7 +47,7 @@ def row_summary(recs: list) -> str:
         fi = (f"FI best {best['impl']} {us(best, 'graph_us')}/{us(best, 'eager_us')} us "
               f"({best['graph_us'] / ours['graph_us']:.2f}x)")
     checks = ",".join(sorted({r["check"] for r in recs if r.get("check")}))
-    return (f"{ours['workload']:15s} bs={ours['bs']:<3d} kv={ours['kv']:<5d} ours graph/eager "
+    return (f"{where} ours graph/eager "
             f"{us(ours, 'graph_us')}/{us(ours, 'eager_us')} us host {us(ours, 'host_us')} | {fi} "
             f"| check {checks or '-'}")
 
@@ -100,12 +104,49 @@ def load(path) -> tuple:
     return header, results, footer
 
 
+DIST_ORDER = ("uniform", "ragged", "longtail", "bimodal")   # sweep_rows.DISTS (no torch import here)
+
+
+def dist_of(rec: dict) -> str:
+    return rec.get("dist", "uniform")           # records from before issue #40 are uniform
+
+
 def group(results) -> dict:
-    """``{(workload, bs, kv): {impl: record}}`` in sweep order."""
+    """``{(dist, workload, bs, kv): {impl: record}}``, grouped by distribution, in sweep order within."""
     out = collections.OrderedDict()
     for r in results:
-        out.setdefault((r["workload"], r["bs"], r["kv"]), {})[r["impl"]] = r
+        out.setdefault((dist_of(r), r["workload"], r["bs"], r["kv"]), {})[r["impl"]] = r
+    rank = lambda d: DIST_ORDER.index(d) if d in DIST_ORDER else len(DIST_ORDER)  # noqa: E731
+    return collections.OrderedDict(sorted(out.items(), key=lambda kv: rank(kv[0][0])))
+
+
+def x_rows(grouped: dict) -> dict:
+    """``{dist: [(label, x graph, x eager)]}``: FlashInfer's best time over ours per measured row
+    (None where either has no time), the data of the x plot and of the per-distribution summary."""
+    out = collections.OrderedDict()
+    for (dist, wl, bs, kv), recs in grouped.items():
+        ours = recs.get("ours")
+        if not ours or ours["status"] != "ok":
+            continue
+        x = []
+        for key in ("graph_us", "eager_us"):
+            b = best(recs, key)
+            x.append(b[key] / ours[key] if b and ours.get(key) else None)
+        out.setdefault(dist, []).append((f"{wl} bs {bs} kv {kv}", *x))
     return out
+
+
+def x_summary(grouped: dict) -> list:
+    lines = ["| dist | rows | x graph min | median | max | rows < 1.0x | x eager min | median |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    f = lambda v: f"{v:.2f}x" if v is not None else "-"  # noqa: E731
+    for dist, rows in x_rows(grouped).items():
+        g = sorted(x for _, x, _ in rows if x is not None)
+        e = sorted(x for _, _, x in rows if x is not None)
+        mid = lambda v: v[len(v) // 2] if v else None  # noqa: E731
+        lines.append(f"| {dist} | {len(rows)} | {f(g[0] if g else None)} | {f(mid(g))} | {f(g[-1] if g else None)} "
+                     f"| {sum(x < 1.0 for x in g)} | {f(e[0] if e else None)} | {f(mid(e))} |")
+    return lines
 
 
 def best(recs: dict, key: str):
@@ -123,6 +164,11 @@ def _ratio(peer, ours, key) -> str:
     return f"{peer[key] / ours[key]:.2f}x"
 
 
+def _range(rec: dict) -> str:
+    """A non-uniform row's lengths beside its mean kv."""
+    return f" ({rec['kv_min']}-{rec['kv_max']})" if dist_of(rec) != "uniform" and "kv_min" in rec else ""
+
+
 def _short(impl: str) -> str:
     return impl[3:] if impl.startswith("fi_") else impl
 
@@ -137,14 +183,14 @@ def _check(recs: dict, fastest) -> str:
 
 
 def main_table(grouped: dict) -> list:
-    lines = ["| workload | bs | kv | bound (flop/B) | ours graph | ours eager | ours host | FI best graph "
+    lines = ["| dist | workload | bs | kv | bound (flop/B) | ours graph | ours eager | ours host | FI best graph "
              "| FI best eager | FI host | x graph | x eager | GB/s | % copy | TFLOPs | check |",
-             "|---|---:|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for (wl, bs, kv), recs in grouped.items():
+             "|---|---|---:|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for (dist, wl, bs, kv), recs in grouped.items():
         ours = recs.get("ours")
         if ours is None or ours["status"] != "ok":
             why = (ours or recs.get("row") or {}).get("reason", "")
-            lines.append(f"| {wl} | {bs} | {kv} | {why} |" + " |" * 12)
+            lines.append(f"| {dist} | {wl} | {bs} | {kv} | {why} |" + " |" * 12)
             continue
         bg, be = best(recs, "graph_us"), best(recs, "eager_us")
         frac = f"{ours['frac_copy']:.0%}" if ours.get("frac_copy") else "-"
@@ -152,7 +198,7 @@ def main_table(grouped: dict) -> list:
         if ours.get("bound") == "compute" and ours.get("frac_matmul"):
             tflops += f" ({ours['frac_matmul']:.0%} mm)"
         lines.append(
-            f"| {wl} | {bs} | {kv} | {ours.get('bound') or '-'} ({ours['intensity']:.0f}) "
+            f"| {dist} | {wl} | {bs} | {kv}{_range(ours)} | {ours.get('bound') or '-'} ({ours['intensity']:.0f}) "
             f"| {_us(ours.get('graph_us'))} | {_us(ours.get('eager_us'))} | {_us(ours.get('host_us'))} "
             f"| {_us(bg and bg['graph_us'])} {'(' + _short(bg['impl']) + ')' if bg else ''} "
             f"| {_us(be and be['eager_us'])} {'(' + _short(be['impl']) + ')' if be else ''} "
@@ -162,15 +208,16 @@ def main_table(grouped: dict) -> list:
 
 
 def config_table(grouped: dict) -> list:
-    lines = ["| workload | bs | kv | config | graph | eager | eager (GPU) | host | err vs ours | status |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    for (wl, bs, kv), recs in grouped.items():
+    lines = ["| dist | workload | bs | kv | config | graph | eager | eager (GPU) | host | err vs ours | status |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for (dist, wl, bs, kv), recs in grouped.items():
         for impl, r in recs.items():
             if impl in ("ours", "row"):
                 continue
             err = max((e for e in (r.get("err"), r.get("err_graph")) if e is not None), default=None)
             status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
-            lines.append(f"| {wl} | {bs} | {kv} | {_short(impl)} | {_us(r.get('graph_us'))} | {_us(r.get('eager_us'))} "
+            lines.append(f"| {dist} | {wl} | {bs} | {kv} | {_short(impl)} | {_us(r.get('graph_us'))} "
+                         f"| {_us(r.get('eager_us'))} "
                          f"| {_us(r.get('eager_gpu_us'))} | {_us(r.get('host_us'))} "
                          f"| {'-' if err is None else f'{err:.1e}'} | {status[:140]} |")
     return lines
@@ -190,8 +237,8 @@ def _target(name: str, items: list) -> list:
 
 def targets(grouped: dict) -> list:
     graph, mla128, verify, eager, host = [], [], [], [], []
-    for (wl, bs, kv), recs in grouped.items():
-        ours, label = recs.get("ours"), f"{wl} bs {bs} kv {kv}"
+    for (dist, wl, bs, kv), recs in grouped.items():
+        ours, label = recs.get("ours"), f"{wl} bs {bs} kv {kv}" + ("" if dist == "uniform" else f" {dist}")
         if not ours or ours["status"] != "ok":
             continue
         bg, be, fa3 = best(recs, "graph_us"), best(recs, "eager_us"), recs.get("fi_mla_fa3")
@@ -201,7 +248,7 @@ def targets(grouped: dict) -> list:
         if wl.startswith("mla128") and fa3 and fa3.get("graph_us") and ours.get("graph_us"):
             r = fa3["graph_us"] / ours["graph_us"]
             mla128.append((label, f"{r:.2f}x, ours {ours.get('tflops', 0):.0f} TFLOPs", r >= 0.8))
-        dec = grouped.get((wl.split("_")[0] + "_decode", bs, kv), {}).get("ours")
+        dec = grouped.get((dist, wl.rsplit("_", 1)[0] + "_decode", bs, kv), {}).get("ours")
         if "_verify4" in wl and dec and dec.get("graph_us") and ours.get("graph_us"):
             r = ours["graph_us"] / dec["graph_us"]
             verify.append((label, f"{r:.2f}x our decode", r <= 1.15))
@@ -222,7 +269,7 @@ def problems(results: list, footer: dict) -> list:
     out = [f"- mismatch: {m}" for m in footer.get("mismatches", [])]
     out += [f"- error: {r['workload']} bs {r['bs']} kv {r['kv']} {r['impl']}: {r.get('reason', '')[:200]}"
             for r in results if r["status"] == "error"]
-    out += [f"- skipped row: {r['workload']} bs {r['bs']} kv {r['kv']}: {r.get('reason')}"
+    out += [f"- skipped row: {r['workload']} bs {r['bs']} kv {r['kv']} {dist_of(r)}: {r.get('reason')}"
             for r in results if r["impl"] == "row"]
     reasons = collections.Counter((r["impl"], r.get("reason")) for r in results
                                   if r["status"] == "skipped" and r["impl"] != "row")
@@ -259,7 +306,8 @@ def header_lines(h: dict, footer: dict, how: str = "rounds") -> list:
 def markdown(header: dict, results: list, footer: dict) -> str:
     grouped = group(results)
     parts = header_lines(header, footer, timing(results, header))
-    parts += ["## Rows (times in us)", ""] + main_table(grouped)
+    parts += ["## x by distribution (FlashInfer's best / ours)", ""] + x_summary(grouped)
+    parts += ["", "## Rows (times in us)", ""] + main_table(grouped)
     parts += ["", "## Targets", ""] + targets(grouped)
     parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)
     parts += ["", "## Every FlashInfer configuration (times in us)", ""] + config_table(grouped)
@@ -273,8 +321,10 @@ def write_all(path, out_dir) -> None:
     print(f"table -> {out_dir / 'SWEEP.md'}")
     try:
         import sweep_plot
-        sweep_plot.plot(header, group(results), out_dir / "sweep.png")
-        print(f"plot -> {out_dir / 'sweep.png'}")
+        grouped = group(results)
+        sweep_plot.plot(header, grouped, out_dir / "sweep.png")
+        sweep_plot.plot_x(header, x_rows(grouped), out_dir / "sweep_x.png")
+        print(f"plot -> {out_dir / 'sweep.png'}, {out_dir / 'sweep_x.png'}")
     except ImportError as e:
         print(f"no plot ({e}); pip install -e '.[bench]' and rerun bench/sweep/sweep_report.py")
     except Exception as e:  # the table is written; a plot failure must not fail the sweep

@@ -1,16 +1,26 @@
-"""The sweep's workload matrix (issue #10), one row's data, and its byte and flop counts.
+"""The sweep's workload matrix (issues #10, #40), one row's KV lengths and data, and its byte and flop counts.
 
-A row is (workload, bs, kv): ``bs`` requests, each attending to exactly ``kv`` KV tokens
-(its prefix plus this forward's ``W`` tokens), bf16, pages shuffled (``make_memory`` with
-``page_order="shuffled"``). Ours and every FlashInfer configuration read the same KV pool,
-the same q and the same page tables.
+A row is (workload, bs, distribution): ``bs`` requests whose KV lengths (prefix plus this forward's
+``W`` tokens) are drawn by ``lengths`` from a named distribution, bf16, pages shuffled (``make_memory``
+with ``page_order="shuffled"``), the pool holding exactly the pages the lengths need. Ours and every
+FlashInfer configuration read the same KV pool, the same q and the same page tables.
 
-Counts (``Workload.nbytes`` / ``Workload.flops``), per row:
+Distributions (``lengths(name, bs, seed)``, a pure function of its arguments; serving batches are
+ragged, and a long request among short ones is the everyday case of a server, issue #40):
+
+* ``uniform``: every request ``kv`` tokens (the row's ``kv``; issue #10's rows);
+* ``ragged``: each uniform in [256, 16384];
+* ``longtail``: one request of 32768 (two from bs 32), at random positions, the rest in [256, 2048];
+* ``bimodal``: half (rounded) in [256, 1024], the rest in [8192, 16384], shuffled.
+
+A non-uniform row's ``kv`` is the lengths' mean (rounded); its records carry the lengths and their
+min, max and sum. Counts (``Workload.nbytes`` / ``Workload.flops``), per row, over the sum of the
+lengths ``S`` (``bs*kv`` for a uniform row):
 
 * bytes = the KV of every request read once + q + out
-  (GQA ``bs*kv*Hkv*(D+Dv)*2``; MLA ``bs*kv*576*2``; q ``bs*W*H*Dqk*2``; out ``bs*W*H*Dv*2``);
-* flops = ``2*bs*W*H*kv*(Dqk+Dv)`` (QK^T and PV over the full kv for every query row;
-  causal verify skips at most W-1 keys of kv, below 0.4% here).
+  (GQA ``S*Hkv*(D+Dv)*2``; MLA ``S*576*2``; q ``bs*W*H*Dqk*2``; out ``bs*W*H*Dv*2``);
+* flops = ``2*W*H*S*(Dqk+Dv)`` (QK^T and PV over every request's keys for every query row;
+  causal verify skips at most W-1 keys per request, below 0.4% here).
 
 The roofline rule: with ``ridge = matmul_tflops*1e12 / (copy_gbs*1e9)`` (both measured in
 the same run: a bf16 8192^3 matmul and a 1 GiB device-to-device copy), a row is
@@ -36,6 +46,41 @@ SMOKE_BS, SMOKE_KV = 2, {"gqa": 40, "mla": 100}   # CPU interpreter; last pages 
 TREE_N, TREE_TOPK, TREE_STEPS = 8, 4, 3
 BF16 = 2                             # bytes per element
 
+DISTS = ("uniform", "ragged", "longtail", "bimodal")
+LONG = 32768                         # longtail: the long requests' length
+LONGTAIL_TWO_FROM = 32               # longtail: two long requests from this batch size
+SMOKE_DIV = 128                      # --smoke: lengths / 128, at least the widest W (TREE_N)
+
+
+def lengths(dist: str, bs: int, seed: int = 0, kv: Optional[int] = None) -> list:
+    """The KV lengths of ``bs`` requests drawn from ``dist`` (module docstring), a pure function of
+    ``(dist, bs, seed)`` (``kv`` too for ``uniform``): a string seed hashes the same in every process."""
+    if dist not in DISTS:
+        raise ValueError(f"dist={dist!r} is not one of {', '.join(DISTS)}")
+    if bs < 1:
+        raise ValueError(f"bs={bs} is below 1")
+    if dist == "uniform":
+        if kv is None or kv < 1:
+            raise ValueError(f"uniform lengths need kv >= 1, got kv={kv}")
+        return [kv] * bs
+    rng = random.Random(f"{dist}:{bs}:{seed}")
+    if dist == "ragged":
+        return [rng.randint(256, 16384) for _ in range(bs)]
+    if dist == "longtail":
+        out = [rng.randint(256, 2048) for _ in range(bs)]
+        for i in rng.sample(range(bs), min(bs, 2 if bs >= LONGTAIL_TWO_FROM else 1)):
+            out[i] = LONG                  # at random positions: a kernel must not count on the first
+        return out
+    short = (bs + 1) // 2                  # bimodal: half, rounded up, short
+    out = [rng.randint(256, 1024) for _ in range(short)] + [rng.randint(8192, 16384) for _ in range(bs - short)]
+    rng.shuffle(out)
+    return out
+
+
+def smoke_lengths(lens: list) -> list:
+    """The interpreter's lengths: ``lens / SMOKE_DIV``, at least ``TREE_N`` (every W fits)."""
+    return [max(TREE_N, n // SMOKE_DIV) for n in lens]
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -44,8 +89,8 @@ class Workload:
     mode: str            # "decode" | "verify" (chain, causal) | "tree"
     heads: int
     kv_heads: int        # 1 for MLA (one latent head)
-    qk_dim: int          # 128 | 576 (latent 512 + rope 64)
-    v_dim: int           # 128 | 512
+    qk_dim: int          # 64 | 128 | 576 (latent 512 + rope 64)
+    v_dim: int           # 64 | 128 | 512
     page_size: int
     width: int           # W: query rows per request
     topk: int = 1
@@ -53,6 +98,11 @@ class Workload:
     @property
     def backend(self) -> str:
         return "triton_mla" if self.family == "mla" else "triton"
+
+    @property
+    def geometry(self) -> tuple:
+        """What the KV pool depends on: workloads of one geometry share a group's memory."""
+        return (self.family, self.kv_heads, self.qk_dim, self.v_dim, self.page_size)
 
     def config(self, dtype=torch.bfloat16) -> ModelConfig:
         if self.family == "mla":
@@ -66,12 +116,15 @@ class Workload:
             return self.qk_dim * BF16
         return self.kv_heads * (self.qk_dim + self.v_dim) * BF16
 
-    def nbytes(self, bs: int, kv: int) -> int:
+    def nbytes(self, bs: int, kv: int, lens: Optional[list] = None) -> int:
+        """Bytes of a row: ``lens`` (the requests' lengths) where given, else ``bs`` requests of ``kv``."""
         rows = bs * self.width * self.heads
-        return bs * kv * self.kv_bytes_per_token() + rows * (self.qk_dim + self.v_dim) * BF16
+        tokens = sum(lens) if lens is not None else bs * kv
+        return tokens * self.kv_bytes_per_token() + rows * (self.qk_dim + self.v_dim) * BF16
 
-    def flops(self, bs: int, kv: int) -> int:
-        return 2 * bs * self.width * self.heads * kv * (self.qk_dim + self.v_dim)
+    def flops(self, bs: int, kv: int, lens: Optional[list] = None) -> int:
+        tokens = sum(lens) if lens is not None else bs * kv
+        return 2 * self.width * self.heads * tokens * (self.qk_dim + self.v_dim)
 
     def describe(self) -> dict:
         return dict(workload=self.name, family=self.family, mode=self.mode, heads=self.heads,
@@ -79,9 +132,17 @@ class Workload:
                     page_size=self.page_size, width=self.width, topk=self.topk)
 
 
-def _gqa(heads: int, mode: str, width: int, topk: int = 1) -> Workload:
-    name = f"gqa{heads}_{mode}" + (str(width) if mode != "decode" else "")
-    return Workload(name, "gqa", mode, heads, 8, 128, 128, 16, width, topk)
+ISSUE10_GQA = ((32, 8, 128), (64, 8, 128))        # issue #10's shapes keep their names (gqa32_decode)
+GQA_SHAPES = ((8, 1), (28, 4), (32, 8), (64, 8))  # (heads, KV heads); 28/4 is a group of 7
+GQA_DIMS = (64, 128)
+MODES = (("decode", 1, 1), ("verify", 4, 1), ("tree", TREE_N, TREE_TOPK))
+
+
+def _gqa(heads: int, kv_heads: int, dim: int, mode: str, width: int, topk: int = 1) -> Workload:
+    tail = mode + (str(width) if mode != "decode" else "")
+    short = (heads, kv_heads, dim) in ISSUE10_GQA
+    name = f"gqa{heads}_{tail}" if short else f"gqa{heads}_{kv_heads}_d{dim}_{tail}"
+    return Workload(name, "gqa", mode, heads, kv_heads, dim, dim, 16, width, topk)
 
 
 def _mla(heads: int, mode: str, width: int) -> Workload:
@@ -89,23 +150,17 @@ def _mla(heads: int, mode: str, width: int) -> Workload:
     return Workload(name, "mla", mode, heads, 1, 576, 512, 64, width)
 
 
+ISSUE10_WORKLOADS = tuple(
+    [_gqa(h, hkv, d, *m) for h, hkv, d in ISSUE10_GQA for m in MODES]
+    + [w for h in (16, 128) for w in (_mla(h, "decode", 1), _mla(h, "verify", 4))])
 WORKLOADS = tuple(
-    [w for h in (32, 64) for w in (_gqa(h, "decode", 1), _gqa(h, "verify", 4),
-                                   _gqa(h, "tree", TREE_N, TREE_TOPK))]
+    [_gqa(h, hkv, d, *m) for h, hkv in GQA_SHAPES for d in GQA_DIMS for m in MODES]
     + [w for h in (16, 128) for w in (_mla(h, "decode", 1), _mla(h, "verify", 4))])
 BY_NAME = {w.name: w for w in WORKLOADS}
-
-
-def matrix(quick: bool = False, only: Optional[str] = None, smoke: bool = False) -> list:
-    """``[(family, bs, kv, [workloads])]``, the quick points first (a run cut short keeps
-    them). The workloads of a group share one KV memory and one set of requests."""
-    families = [f for f in ("gqa", "mla") if only in (None, f)]
-    group = lambda fam, bs, kv: (fam, bs, kv, [w for w in WORKLOADS if w.family == fam])  # noqa: E731
-    if smoke:
-        return [(f, SMOKE_BS, SMOKE_KV[f], [smoke_workload(w) for w in group(f, 0, 0)[3]]) for f in families]
-    first = [(f, bs, kv) for kv in QUICK_KVS for f in families for bs in QUICK_BATCHES]
-    rest = [(f, bs, kv) for kv in KVS for f in families for bs in BATCHES if (f, bs, kv) not in first]
-    return [group(*key) for key in first + ([] if quick else rest)]
+# the long form of issue #10's GQA names: gqa32_8_d128_decode is gqa32_decode
+ALIASES = {f"gqa{w.heads}_{w.kv_heads}_d{w.qk_dim}_{w.name.split('_', 1)[1]}": w.name
+           for w in ISSUE10_WORKLOADS if w.family == "gqa"}
+BY_NAME.update({long: BY_NAME[short] for long, short in ALIASES.items()})
 
 
 def smoke_workload(wl: Workload) -> Workload:
@@ -116,28 +171,29 @@ def smoke_workload(wl: Workload) -> Workload:
     return replace(wl, heads=wl.heads // wl.kv_heads, kv_heads=1)
 
 
-def estimate_bytes(family: str, bs: int, kv: int) -> int:
+def estimate_bytes(wls, lens: list) -> int:
     """Device memory a group needs at most: the KV pool, FlashInfer's flattened tree mask,
     our split-KV workspace (WIDE_MAX_KV_SPLITS at most) and 1 GiB for workspaces and graph pools."""
-    wls = [w for w in WORKLOADS if w.family == family]
-    wl = wls[0]
-    pool = (bs * (kv // wl.page_size) + 1) * wl.page_size * wl.kv_bytes_per_token()
-    mask = max(bs * w.width * kv if w.mode == "tree" else 0 for w in wls)
+    wl, bs = wls[0], len(lens)
+    pool = (sum(-(-n // wl.page_size) for n in lens) + 1) * wl.page_size * wl.kv_bytes_per_token()
+    mask = max(w.width * sum(lens) if w.mode == "tree" else 0 for w in wls)
     split_ws = max(bs * w.width * w.heads * WIDE_MAX_KV_SPLITS * (w.v_dim + 1) * 4 for w in wls)
     return pool + mask + split_ws + (1 << 30)
 
 
 @dataclass
 class Group:
-    """The KV memory and the requests of one (family, bs, kv): every request holds exactly
-    ``kv`` tokens on shuffled pages (``materialize`` of a DECODE scenario)."""
+    """The KV memory and the requests of one point: request ``i`` holds ``lens[i]`` tokens on
+    shuffled pages (``materialize`` of a DECODE scenario)."""
 
     family: str
     bs: int
-    kv: int
+    kv: int              # uniform: every request's length; else the lengths' mean, rounded
     mem: object          # KVMemory
     base: object         # ForwardBatch of the DECODE scenario (raw_bs == bs: no padding)
     dtype: torch.dtype
+    lens: tuple = ()
+    dist: str = "uniform"
 
 
 @dataclass
@@ -149,27 +205,33 @@ class Row:
     mem: object          # KVMemory (the group's)
     batch: object        # ForwardBatch of this workload's mode over the group's requests
     q: torch.Tensor      # [bs*W, H, qk_dim], the group's dtype
+    lens: tuple = ()     # each request's KV length
+    dist: str = "uniform"
 
     @property
     def layer(self):
         return self.cfg.layer(0)
 
 
-def build_group(wl: Workload, bs: int, kv: int, device, seed: int = 0, dtype=None) -> Group:
-    """The KV memory of ``wl``'s family (every workload of a group has the same KV heads,
-    head dims and page size), pages shuffled, filled on the device (no host copy), and
-    ``bs`` requests of ``kv`` tokens each. bf16, except in the Triton interpreter (CPU),
-    which misreads bf16 (triton 3.6): float16 there."""
+def build_group(wl: Workload, bs: int, kv: int, device, seed: int = 0, dtype=None,
+                lens: Optional[list] = None, dist: str = "uniform") -> Group:
+    """The KV memory of ``wl``'s geometry (every workload of a group has the same KV heads,
+    head dims and page size) holding exactly the pages of ``bs`` requests of ``lens`` tokens
+    (``kv`` each where ``lens`` is None), pages shuffled, filled on the device (no host copy).
+    bf16, except in the Triton interpreter (CPU), which misreads bf16 (triton 3.6): float16 there."""
+    lens = [kv] * bs if lens is None else [int(n) for n in lens]
+    if len(lens) != bs or min(lens) < 1:
+        raise ValueError(f"lens: {len(lens)} lengths, min {min(lens, default=0)}; need bs={bs} lengths >= 1")
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16)
-    pages = -(-kv // wl.page_size)
-    mem = make_memory(wl.config(dtype), num_pages=bs * pages + 1, max_reqs=bs,
-                      max_context_len=pages * wl.page_size, page_order="shuffled", seed=seed,
+    pages = [-(-n // wl.page_size) for n in lens]
+    mem = make_memory(wl.config(dtype), num_pages=sum(pages) + 1, max_reqs=bs,
+                      max_context_len=max(pages) * wl.page_size, page_order="shuffled", seed=seed,
                       device=device, fill=False)              # page 0 is reserved
     gen = torch.Generator(device=device).manual_seed(seed)
     for buf in (mem.pool.kv if wl.family == "mla" else mem.pool.k + mem.pool.v):
         buf.normal_(generator=gen)
-    m = materialize(Scenario(ForwardMode.DECODE, bs, [kv - 1] * bs), mem, 1)
-    return Group(wl.family, bs, kv, mem, m.batch, dtype)
+    m = materialize(Scenario(ForwardMode.DECODE, bs, [n - 1 for n in lens]), mem, 1)
+    return Group(wl.family, bs, kv, mem, m.batch, dtype, tuple(lens), dist)
 
 
 def _spec(wl: Workload, bs: int, rng: random.Random, device) -> Optional[SpecInfo]:
@@ -181,28 +243,30 @@ def _spec(wl: Workload, bs: int, rng: random.Random, device) -> Optional[SpecInf
 
 
 def build_row(group: Group, wl: Workload, seed: int = 0) -> Row:
-    """``wl``'s batch over the group's requests: the last ``W`` of each request's ``kv``
-    tokens are this forward's (``out_cache_loc`` and ``positions`` name them, as
-    ``materialize`` would), and q is drawn for ``wl``'s heads."""
-    base, mem, w, kv = group.base, group.mem, wl.width, group.kv
+    """``wl``'s batch over the group's requests: the last ``W`` of each request's tokens are
+    this forward's (``out_cache_loc`` and ``positions`` name them, as ``materialize`` would),
+    and q is drawn for ``wl``'s heads."""
+    base, mem, w = group.base, group.mem, wl.width
+    if min(group.lens) < w:
+        raise ValueError(f"{wl.name}: a request of {min(group.lens)} tokens is shorter than W={w}")
     device = base.seq_lens.device
     mode = ForwardMode.DECODE if wl.mode == "decode" else ForwardMode.TARGET_VERIFY
     req = base.req_pool_indices
-    loc = mem.req_to_token[req.long(), kv - w:kv].reshape(-1).to(torch.int64)   # [bs*W]
-    pos = torch.arange(kv - w, kv, device=device).repeat(group.bs)
+    idx = base.seq_lens.long()[:, None] - w + torch.arange(w, device=device)            # [bs, W]
+    loc = mem.req_to_token[req.long()[:, None], idx].reshape(-1).to(torch.int64)       # [bs*W]
     batch = ForwardBatch(forward_mode=mode, batch_size=group.bs, req_pool_indices=req,
                          seq_lens=base.seq_lens, seq_lens_cpu=base.seq_lens_cpu, out_cache_loc=loc,
-                         positions=pos, spec_info=_spec(wl, group.bs, random.Random(seed), device),
+                         positions=idx.reshape(-1), spec_info=_spec(wl, group.bs, random.Random(seed), device),
                          raw_bs=group.bs)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     dtype = group.dtype
     q = torch.randn(group.bs * w, wl.heads, wl.qk_dim, generator=gen, device=device, dtype=dtype)
-    return Row(wl, group.bs, kv, wl.config(dtype), mem, batch, q)
+    return Row(wl, group.bs, group.kv, wl.config(dtype), mem, batch, q, group.lens, group.dist)
 
 
-def roofline(wl: Workload, bs: int, kv: int, us: Optional[float], env: dict) -> dict:
-    """bytes, flops, intensity and bound of a row; GB/s, % copy and TFLOPs of a time."""
-    nbytes, flops = wl.nbytes(bs, kv), wl.flops(bs, kv)
+def roofline(wl: Workload, bs: int, kv: int, us: Optional[float], env: dict, lens: Optional[list] = None) -> dict:
+    """bytes, flops, intensity and bound of a row (over ``lens`` where given); GB/s, % copy and TFLOPs of a time."""
+    nbytes, flops = wl.nbytes(bs, kv, lens), wl.flops(bs, kv, lens)
     out = dict(bytes=nbytes, flops=flops, intensity=round(flops / nbytes, 2))
     ridge = env.get("ridge_flop_per_byte")
     out["bound"] = None if ridge is None else ("compute" if flops / nbytes > ridge else "memory")
@@ -214,3 +278,10 @@ def roofline(wl: Workload, bs: int, kv: int, us: Optional[float], env: dict) -> 
         if env.get("matmul_tflops"):
             out["frac_matmul"] = out["tflops"] / env["matmul_tflops"]
     return out
+
+
+def matrix(quick: bool = False, only: Optional[str] = None, smoke: bool = False) -> list:
+    """Issue #10's uniform grid as ``[(family, bs, kv, [workloads])]``, quick points first
+    (``sweep_matrix.points(grid="issue10")``; bench_sweep.py and the probes' callers read it)."""
+    from sweep_matrix import points  # sweep_matrix builds on this module
+    return [(p.family, p.bs, p.kv, list(p.wls)) for p in points("issue10", quick=quick, only=only, smoke=smoke)]

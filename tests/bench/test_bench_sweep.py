@@ -26,7 +26,17 @@ def test_smoke_sweep_and_report(tmp_path):
     assert "timing" not in header and "host_timing" not in header, "the smoke run times nothing in rounds"
     assert footer["mismatches"] == [] and footer["errors"] == []
     ours = [r for r in results if r["impl"] == "ours"]
-    assert len(ours) == 10 and all(r["status"] == "ok" and r["eager_us"] > 0 for r in ours)
+    assert all(r["status"] == "ok" and r["eager_us"] > 0 for r in ours)
+    assert len([r for r in ours if r["dist"] == "uniform"]) == 10
+    assert {r["dist"] for r in ours} == {"uniform", "ragged", "longtail", "bimodal"}, "a distribution not run"
+    for r in ours:   # bytes over the sum of the lengths, kv their mean; lengths / 128, at least W = 8
+        assert r["kv_sum"] == sum(r.get("lens", [r["kv"]] * r["bs"])) and r["kv_min"] >= 8
+        per_token = r["qk_dim"] * 2 if r["family"] == "mla" else r["kv_heads"] * (r["qk_dim"] + r["v_dim"]) * 2
+        kv_bytes = r["kv_sum"] * per_token
+        assert r["bytes"] == kv_bytes + r["bs"] * r["width"] * r["heads"] * (r["qk_dim"] + r["v_dim"]) * 2
+        if r["dist"] != "uniform":
+            assert len(r["lens"]) == r["bs"] and r["kv"] == round(sum(r["lens"]) / r["bs"])
+            assert r["kv_min"] < r["kv_max"], "a non-uniform smoke row of equal lengths"
     peers = [r for r in results if r["impl"].startswith("fi_")]
     emulated = [r for r in peers if r["status"] == "emulated"]
     # every workload has at least one FlashInfer configuration, each agreeing with ours
@@ -37,18 +47,23 @@ def test_smoke_sweep_and_report(tmp_path):
                              "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr[-2000:]
     table = (tmp_path / "SWEEP.md").read_text()
-    assert "| workload | bs | kv |" in table and "SMOKE DATA" in table
-    assert all(f"| {r['workload']} | 2 |" in table for r in ours)
+    assert "| dist | workload | bs | kv |" in table and "SMOKE DATA" in table
+    assert all(f"| {r['dist']} | {r['workload']} | {r['bs']} | {r['kv']}" in table for r in ours)
+    rows = [line.split(" | ")[0].strip("| ") for line in table.split("## Rows")[1].split("## Targets")[0].splitlines()
+            if line.startswith(("| uniform", "| ragged", "| longtail", "| bimodal"))]
+    assert rows == sorted(rows, key=["uniform", "ragged", "longtail", "bimodal"].index), "rows not grouped by dist"
 
 
 def _calls():
     """Every (config, workload) call of the sweep at the smoke shape, eager and graph form."""
     sys.path.insert(0, str(BENCH))
     import sweep_flashinfer as F
+    from sweep_matrix import points
     from sweep_ours import Ours
-    from sweep_rows import build_group, build_row, matrix
-    for _, bs, kv, wls in matrix(smoke=True):
-        group = build_group(wls[0], bs, kv, "cpu")
+    from sweep_rows import build_group, build_row
+    for pt in points(smoke=True):             # every distribution: ragged page tables and masks too
+        wls = pt.wls
+        group = build_group(wls[0], pt.bs, pt.kv, "cpu", lens=list(pt.lens), dist=pt.dist)
         for wl in wls:
             row = build_row(group, wl)
             inp = F.fi_inputs(row, Ours(row).layout())
@@ -174,9 +189,9 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
-    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {"gbs": us} if us else {})
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env, lens=None: {"gbs": us} if us else {})
     ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={})
-    row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64)
+    row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64, lens=(64,), dist="uniform")
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
     recs[0]["eager_us"], recs[1]["graph_us"] = 0.0, 1.0      # times from before the rounds: never kept
@@ -249,12 +264,13 @@ def test_ours_and_peers_leave_their_graphs_for_the_rounds(monkeypatch):
     monkeypatch.setattr(sweep, "Ours", _Ours)
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "capture", lambda fn: (_Graph(), fn()))
-    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {})
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env, lens=None: {})
     monkeypatch.setattr(sweep, "_drain", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     ctx = SimpleNamespace(device="cuda", clock=sweep_timing.Clock("cpu"), fi=None, ws=None, errors=[], env={},
                           mismatches=[], failures=collections.Counter(), broken={})
-    row = SimpleNamespace(wl=SimpleNamespace(name="w", describe=lambda: {"workload": "w"}), bs=1, kv=64)
+    row = SimpleNamespace(wl=SimpleNamespace(name="w", describe=lambda: {"workload": "w"}), bs=1, kv=64, lens=(64,),
+                          dist="uniform")
     graphs: dict = {}
     ours, ref, _, _ = sweep.time_ours(ctx, row, graphs)
     peers = [sweep.time_peer(ctx, row, config, None, ref, graphs) for config in ("fa2", "nograph")]
@@ -336,14 +352,14 @@ def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
 
     monkeypatch.setattr(sweep_timing, "SETTLE_S", 0.05)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
-    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env: {})
+    monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env, lens=None: {})
     for intensity, ridge, settles in ((50.0, 100.0, True), (49.9, 100.0, False), (60.0, None, False)):
         order, released, refs, tries = [], [], [], []
         clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
         monkeypatch.setattr(sweep, "Peer", _Peer)
         ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[],
                               env={"ridge_flop_per_byte": ridge} if ridge else {})
-        row = SimpleNamespace(wl=SimpleNamespace(name="mla128_verify4"), bs=1, kv=64)
+        row = SimpleNamespace(wl=SimpleNamespace(name="mla128_verify4"), bs=1, kv=64, lens=(64,), dist="uniform")
         recs = [dict(impl="ours", status="ok", intensity=intensity), dict(impl="fa3", status="ok"),
                 dict(impl="broken", status="ok"), dict(impl="fa2", status="skipped")]
         graphs = {name: (_Graph(name), None) for name in ("ours", "fa3", "broken")}
