@@ -41,6 +41,7 @@ from .attention_core import (
     store_partial,
 )
 from .launch_record import launch
+from .schedule import chunk_of, chunk_targets, merge_chunks_if_last, min_tiles
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 
@@ -157,11 +158,86 @@ def _extend_split_kernel(
                       BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
 
 
+@triton.jit
+def _extend_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
+    o_ptr, lse_ptr, out_ptr, sem_ptr,
+    scale_log2, bs, num_chunks, rows_per_chunk,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
+    stride_ot, stride_oh, stride_lt, stride_lh, stride_xt, stride_xh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
+):
+    """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
+    draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
+    chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    kvh = tl.program_id(0)
+    c = tl.program_id(1)
+    b, first, count, start, end = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
+    if b < bs:
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + b)
+        draft_prefix = 0
+        if MASK == 2:
+            draft_prefix = tl.load(draft_prefix_ptr + b)
+        offs_m = tl.arange(0, BLOCK_M)
+        j = offs_m // GROUP_PAD
+        g = offs_m % GROUP_PAD
+        row_ok = (j < q_len) & (g < GROUP)
+        heads = kvh * GROUP + g
+        rows = (q_start + j).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < HEAD_DIM
+        mask_dv = offs_dv < HEAD_DIM_V
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, seq_len - q_len, draft_prefix,
+                                                 mask_ptr, b.to(tl.int64) * q_len * q_len, MASK)
+            m_i, l_i, acc = paged_tile_update(
+                q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+        tile = row_ok[:, None] & mask_dv[None, :]
+        if count == 1:                   # a whole request: its output, no partial
+            store_partial(acc, m_i, l_i, out_ptr + rows[:, None] * stride_xt + heads[:, None] * stride_xh
+                          + offs_dv[None, :], tile, lse_ptr, row_ok, 1)
+        else:
+            mine = c.to(tl.int64) * rows_per_chunk + j
+            store_partial(acc, m_i, l_i, o_ptr + mine[:, None] * stride_ot + heads[:, None] * stride_oh
+                          + offs_dv[None, :], tile, lse_ptr + mine * stride_lt + heads * stride_lh, row_ok, 2)
+            at = first.to(tl.int64) * rows_per_chunk + j
+            sem = sem_ptr + b * tl.num_programs(0) + kvh
+            outs = out_ptr + rows * stride_xt + heads * stride_xh
+            merge_chunks_if_last(sem, count, o_ptr + at * stride_ot + heads * stride_oh,
+                                 lse_ptr + at * stride_lt + heads * stride_lh, outs, row_ok,
+                                 rows_per_chunk * stride_ot, rows_per_chunk * stride_lt, HEAD_DIM_V, BLOCK_M,
+                                 BLOCK_DV, CHUNK_DV)
+
+
 def pick_block_q(max_q_len, group_pad, max_rows=64):
     """Query rows per tile: all W rows of a verify request when they fit in max_rows,
     and at least 16 rows in all (tl.dot needs M >= 16)."""
     block_q = min(triton.next_power_of_2(max(max_q_len, 1)), max(1, max_rows // group_pad))
     return max(block_q, 16 // min(group_pad, 16))
+
+
+def chunk_fits(max_q_len, group) -> bool:
+    """Whether requests of at most ``max_q_len`` rows of a KV group of ``group`` heads fit one
+    tile, as the chunk schedule needs (verify, draft rows; not prefill)."""
+    return triton.cdiv(max_q_len, pick_block_q(max_q_len, triton.next_power_of_2(group))) == 1
 
 
 def wide_verify_tile(max_q_len, rows):
@@ -174,7 +250,8 @@ def wide_verify_tile(max_q_len, rows):
 def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
-                         block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None):
+                         block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None,
+                         schedule="split"):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
@@ -196,6 +273,10 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         ``attention_core.fuse_merge``'s rule; True: fused, where there are splits to merge (with
         one split nothing is merged), the workspace holding counters or None; False: the
         separate merge pass)
+    schedule : "split" (``num_kv_splits`` equal splits of every request) or "chunks" (the batch's
+        KV cut into about ``bs * num_kv_splits`` equal chunks on the device, ``schedule.chunk_of``;
+        every request's rows in one tile, ``chunk_fits``; ``workspace`` from
+        ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -213,6 +294,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if mask not in MASK_KINDS:
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
+    if schedule not in ("split", "chunks"):
+        raise ValueError(f"{name}: schedule={schedule!r} not in ('split', 'chunks')")
     if num_kv_splits < 1 or max_q_len < 1:
         raise ValueError(f"{name}: num_kv_splits={num_kv_splits} and max_q_len={max_q_len} "
                          f"must be >= 1")
@@ -250,6 +333,25 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         tile_dims = triton.next_power_of_2(D) + triton.next_power_of_2(Dv)    # one token of K and of V
         block_n = fit_block_n(q, 64, tile_dims * q.element_size())
     num_qb = triton.cdiv(max_q_len, block_q)
+    if schedule == "chunks":
+        if num_qb != 1:
+            raise ValueError(f"{name}: the chunk schedule needs every request's rows in one tile: "
+                             f"max_q_len={max_q_len} > block_q={block_q}")
+        part, lse, counters = chunk_targets(name, out, workspace, bs, num_kv_splits, max_q_len, Hkv)
+        num_chunks = bs * num_kv_splits
+        launch(_extend_chunk_kernel, (Hkv, num_chunks + bs),
+            q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out, counters,
+            sm_scale * LOG2E, bs, num_chunks, max_q_len,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+            page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+            HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
+            MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
+            num_warps=num_warps, num_stages=num_stages)
+        return out
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None
              else bool(fuse) and num_kv_splits > 1)

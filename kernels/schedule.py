@@ -22,6 +22,8 @@ import triton.language as tl
 # The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
 # little KV (today's split passes never split finer either; bench/RESULTS.md, 'Split counts').
 MIN_CHUNK_TOKENS = 256
+MERGE_LSE = tl.constexpr(32)      # chunks' log-sum-exps a load in the merge
+MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
 
 
 def min_tiles(block_n: int) -> int:
@@ -57,32 +59,41 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
     (the rule of ``attention_core.merge_if_last``, with a count read on the device): ``part_rows``
     / ``lse_rows`` / ``out_rows`` are [ROWS] pointers to the first chunk's partial and log2-sum-exp
     of each row and to its output; chunk ``i``'s are ``i * stride_pc`` / ``i * stride_lc`` on.
-    ``sem_ptr``: the request's counter (0 before the launch, left 0)."""
+    ``sem_ptr``: the request's counter (0 before the launch, left 0). The log-sum-exps are read
+    MERGE_LSE chunks a load and the partials MERGE_UNROLL chunks a step, so that loads are in
+    flight together: one chunk a step left the merge bound by load latency."""
     tl.static_assert(BLOCK_DV % CHUNK_DV == 0)
     tl.debug_barrier()                  # every thread's partial stores precede the release below
     done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
     if done == count - 1:
         tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
+        offs_c = tl.arange(0, MERGE_LSE)
         m = tl.full([ROWS], float("-inf"), tl.float32)
-        for i in range(count):
-            m = tl.maximum(m, tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
+        for c0 in range(0, count, MERGE_LSE):
+            ok = rows_ok[:, None] & (c0 + offs_c < count)[None, :]
+            lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(lse, 1))
         m = tl.where(m == float("-inf"), 0.0, m)    # a row no chunk saw anything of: zeros
         w_sum = tl.zeros([ROWS], tl.float32)
-        for i in range(count):
-            w_sum += tl.exp2(tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
-                                     cache_modifier=".cg") - m)
+        for c0 in range(0, count, MERGE_LSE):
+            ok = rows_ok[:, None] & (c0 + offs_c < count)[None, :]
+            lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            w_sum += tl.sum(tl.exp2(lse - m[:, None]), 1)
         den = tl.where(w_sum > 0, w_sum, 1.0)
         for c in tl.static_range(BLOCK_DV // CHUNK_DV):
             offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
             mask = rows_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
             acc = tl.zeros([ROWS, CHUNK_DV], tl.float32)
-            for i in range(count):
-                w = tl.exp2(tl.load(lse_rows + i * stride_lc, mask=rows_ok, other=float("-inf"),
-                                    cache_modifier=".cg") - m)
-                part = tl.load(part_rows[:, None] + i * stride_pc + offs_dv[None, :], mask=mask, other=0.0,
-                               cache_modifier=".cg")
-                acc += w[:, None] * part
+            for c0 in range(0, count, MERGE_UNROLL):
+                for u in tl.static_range(MERGE_UNROLL):
+                    ok = c0 + u < count
+                    w = tl.exp2(tl.load(lse_rows + (c0 + u) * stride_lc, mask=rows_ok & ok, other=float("-inf"),
+                                        cache_modifier=".cg") - m)
+                    part = tl.load(part_rows[:, None] + (c0 + u) * stride_pc + offs_dv[None, :], mask=mask & ok,
+                                   other=0.0, cache_modifier=".cg")
+                    acc += w[:, None] * part
             tl.store(out_rows[:, None] + offs_dv[None, :], acc / den[:, None], mask=mask)
 
 

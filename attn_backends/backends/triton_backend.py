@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.extend_attention import chunk_fits, extend_attention_fwd
 from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, GraphSupport
@@ -55,12 +55,16 @@ class TritonBackend(TritonBackendBase):
             return 4, 1, None
         return (2, 4, 16) if width <= 8 else (16, 1, None)
 
-    # Plain decode cuts the batch's KV into equal chunks on the device, whatever the lengths
-    # ("split": equal splits of every request; bench/RESULTS.md, 'Ragged batches').
-    decode_schedule: ClassVar[str] = "chunks"
+    # Decode and the uniform modes whose rows fit one tile (verify, draft rows) cut the batch's KV
+    # into equal chunks on the device, whatever the lengths ("split": equal splits of every
+    # request; bench/RESULTS.md, 'Ragged batches').
+    schedule: ClassVar[str] = "chunks"
 
     def _chunked(self, lay: Layout) -> bool:
-        return self.decode_schedule == "chunks" and is_plain_decode(lay)
+        if self.schedule != "chunks":
+            return False
+        group = self.config.num_q_heads // self.config.num_kv_heads
+        return is_plain_decode(lay) or (bool(lay.width) and chunk_fits(lay.width, group))
 
     def _exact_splits_below(self, width: int) -> int:
         return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (see _split_rule)
@@ -80,12 +84,13 @@ class TritonBackend(TritonBackendBase):
         splits, ws = meta.num_kv_splits, meta.workspace
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                 layer.scaling, splits, out, workspace=ws, schedule=self.decode_schedule)
+                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule)
             return
         extend_attention_fwd(
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
-            draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws)
+            draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws,
+            schedule="chunks" if self._chunked(lay) else "split")
 
 
 __all__ = ("TritonBackend", "MaskKind")

@@ -82,6 +82,8 @@ def flashinfer_calls(pg, q, kb, vb, fi, ws):
     Hkv = kb.shape[1]
     calls = {}
     for tc in (False, True):
+        if not tc and (H // Hkv) not in (1, 2, 3, 4, 8):      # FlashInfer's CUDA-core decode groups
+            continue
         w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
                                                   paged_kv_indptr_buffer=pg["indptr"].clone(),
                                                   paged_kv_indices_buffer=pg["indices"].clone(),
@@ -124,8 +126,12 @@ def main(argv=None):
     p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
     p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
     p.add_argument("--mults", default="1,2,4")
+    p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
+    fi = fi_ws = None
     try:
+        if args.no_flashinfer:
+            raise ImportError("--no-flashinfer")
         import flashinfer as fi
         fi_ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     except Exception as e:      # ours alone

@@ -4,10 +4,11 @@ from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref
 
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace
 
 
 def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,
-               pad_rows=1, draft_prefix=None, seed=0, block_q=None):
+               pad_rows=1, draft_prefix=None, seed=0, block_q=None, schedule="split", block_n=None):
     """Requests with q_lens[i] rows over seq_lens[i] KV tokens, plus padding rows that
     own W = q_lens[0] rows over page 0 (seq_len = W)."""
     torch.manual_seed(seed)
@@ -30,17 +31,28 @@ def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSA
                                   device=device)
     out = torch.full((T, H, D), float("nan"), device=device, dtype=dtype)
     ws = None
-    if splits > 1:
+    if schedule == "chunks":
+        ws = chunk_workspace(bs, splits, max(all_q), H, Hkv, D, device)
+        k_buf[:page_size] = v_buf[:page_size] = float("nan")     # page 0: the pad rows' page
+        ws[0].fill_(float("nan"))
+        ws[1].fill_(float("nan"))
+    elif splits > 1:
         ws = decode_workspace(T, H, D, splits, device)
         ws[0].fill_(float("nan"))
         ws[1].fill_(float("nan"))
     scale = D ** -0.5
     extend_attention_fwd(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, max(all_q),
                          out, mask=mask, custom_mask=custom_mask, draft_prefix_lens=draft_lens,
-                         num_kv_splits=splits, workspace=ws, block_q=block_q)
-    ref = ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
+                         num_kv_splits=splits, workspace=ws, block_q=block_q, schedule=schedule, block_n=block_n)
+    if schedule == "split":
+        return out, ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
+                                        custom_mask, draft_lens)
+    assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
+    n = len(q_lens)       # the pad rows read page 0 (NaN here): their rows are not compared
+    T = int(cu[n])
+    ref = ref_paged_attention(q[:T], k_buf, v_buf, page_table[:n], lens[:n], cu[:n + 1], page_size, scale, mask,
                               custom_mask, draft_lens)
-    return out, ref
+    return out[:T], ref
 
 
 @pytest.mark.parametrize("page_size,q_lens,seq_lens,H,Hkv,splits", [
@@ -146,4 +158,37 @@ def test_draft_branch_gpu(dtype, page_size):
     draft_prefix = [1, 300, 5000]
     out, ref = run_extend([4] * 3, [p + 12 for p in draft_prefix], page_size, 32, 8, 128,
                           dtype, "cuda", mask=DRAFT, draft_prefix=draft_prefix)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
+@pytest.mark.parametrize("page_size,W,H,Hkv,per_request", [(16, 4, 4, 1, 2), (1, 3, 8, 2, 1), (64, 8, 4, 2, 3)])
+def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request):
+    """The chunk schedule on a long-tail batch (one request cut into many chunks, the rest
+    whole), every mask; NaN in the workspace and in page 0 (the pad rows')."""
+    seq_lens = [2500, W + 3, W, 300]
+    draft = [max(n - W * 2, 0) for n in seq_lens] if mask == DRAFT else None
+    out, ref = run_extend([W] * 4, seq_lens, page_size, H, Hkv, 16, torch.float32, "cpu", mask=mask,
+                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks", block_n=16)
+    assert_close(out, ref, 1e-5)
+
+
+def test_chunk_schedule_refuses_requests_wider_than_a_tile():
+    q = torch.zeros(40, 4, 16)
+    kv = torch.zeros(64, 1, 16)
+    with pytest.raises(ValueError, match="max_q_len=20 > block_q=16"):
+        extend_attention_fwd(q, kv, kv, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32),
+                             torch.tensor([0, 20, 40], dtype=torch.int32), 16, 1.0, 20, torch.zeros(40, 4, 16),
+                             schedule="chunks")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
+@pytest.mark.parametrize("W,H,Hkv,D,per_request", [(4, 28, 4, 128, 2), (4, 32, 8, 64, 4), (8, 32, 8, 128, 1),
+                                                   (4, 8, 1, 128, 8)])
+def test_verify_chunk_schedule_gpu(mask, W, H, Hkv, D, per_request):
+    seq_lens = [30000, W + 3, 700, 4096, W, 129]
+    draft = [max(n - W * 2, 0) for n in seq_lens] if mask == DRAFT else None
+    out, ref = run_extend([W] * len(seq_lens), seq_lens, 16, H, Hkv, D, torch.bfloat16, "cuda", mask=mask,
+                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks")
     assert_close(out, ref, 1e-2)
