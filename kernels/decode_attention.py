@@ -32,9 +32,15 @@ from .attention_core import (
     store_partial,
 )
 from .launch_record import launch
-from .schedule import chunk_of, chunk_targets, merge_chunks_if_last, min_tiles
-
-SCHEDULES = ("split", "chunks")
+from .schedule import (
+    SCHEDULES,
+    chunk_of,
+    chunk_targets,
+    fixed_tiles,
+    merge_chunks_if_last,
+    min_tiles,
+    slots_per_request,
+)
 
 
 @triton.jit
@@ -122,21 +128,23 @@ def _decode_chunk_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
+    BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
 ):
-    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk j)."""
+    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, j) takes chunks
+    j, j + grid, ... (one at most but in the invariant schedule)."""
     kvh = tl.program_id(0)
-    j = tl.program_id(1)
-    b, first, count, start, end = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
-    if b < bs:
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < GROUP
-        heads = kvh * GROUP + offs_h
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        mask_d = offs_d < HEAD_DIM
-        mask_dv = offs_dv < HEAD_DIM_V
+    c = tl.program_id(1)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
+                                                  BLOCK_BS)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = kvh * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
+    while c < total:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -156,7 +164,7 @@ def _decode_chunk_kernel(
             store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
                           tile, lse_ptr, mask_h, 1)
         else:
-            jj = j.to(tl.int64)
+            jj = c.to(tl.int64)
             store_partial(acc, m_i, l_i, o_ptr + jj * stride_oc + heads[:, None] * stride_oh + offs_dv[None, :],
                           tile, lse_ptr + jj * stride_lc + heads * stride_lh, mask_h, 2)
             g = tl.arange(0, GROUP_PAD)
@@ -165,6 +173,9 @@ def _decode_chunk_kernel(
             merge_chunks_if_last(sem_ptr + b * tl.num_programs(0) + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
                                  lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
                                  g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
+        c += tl.num_programs(1)
+        b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
+                                                      FIXED_TILES, BLOCK_BS)
 
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
@@ -185,7 +196,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         requests on, where it measured faster; ``attention_core.heads_first_grid``)
     schedule : "split": ``num_kv_splits`` equal splits of every request; "chunks": the batch's KV
         cut into about ``bs * num_kv_splits`` equal chunks on the device (``schedule.chunk_of``),
-        ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1)
+        ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1, chunks a request
+        ``schedule.slots_per_request``); "invariant": chunks of ``INVARIANT_CHUNK_TOKENS`` whatever
+        the batch (a request's output bitwise the same in any batch and bucket)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -207,8 +220,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    if schedule == "chunks":
-        part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv)
+    if schedule != "split":
+        per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
+        part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, per_request, 1, Hkv)
         num_chunks = bs * num_kv_splits
         launch(_decode_chunk_kernel, (Hkv, num_chunks + bs),
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, counters,
@@ -218,7 +232,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
-            MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs),
+            MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
+            BLOCK_BS=triton.next_power_of_2(bs),
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps),
             num_warps=num_warps, num_stages=num_stages)

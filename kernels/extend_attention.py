@@ -41,7 +41,15 @@ from .attention_core import (
     store_partial,
 )
 from .launch_record import launch
-from .schedule import chunk_of, chunk_targets, merge_chunks_if_last, min_tiles
+from .schedule import (
+    SCHEDULES,
+    chunk_of,
+    chunk_targets,
+    fixed_tiles,
+    merge_chunks_if_last,
+    min_tiles,
+    slots_per_request,
+)
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 
@@ -167,8 +175,8 @@ def _extend_chunk_kernel(
     stride_ot, stride_oh, stride_lt, stride_lh, stride_xt, stride_xh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
-    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
+    BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
 ):
     """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
@@ -176,24 +184,25 @@ def _extend_chunk_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kvh = tl.program_id(0)
     c = tl.program_id(1)
-    b, first, count, start, end = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
-    if b < bs:
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
+                                                  BLOCK_BS)
+    offs_m = tl.arange(0, BLOCK_M)
+    j = offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    heads = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
+    while c < total:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + b)
         draft_prefix = 0
         if MASK == 2:
             draft_prefix = tl.load(draft_prefix_ptr + b)
-        offs_m = tl.arange(0, BLOCK_M)
-        j = offs_m // GROUP_PAD
-        g = offs_m % GROUP_PAD
         row_ok = (j < q_len) & (g < GROUP)
-        heads = kvh * GROUP + g
         rows = (q_start + j).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        mask_d = offs_d < HEAD_DIM
-        mask_dv = offs_dv < HEAD_DIM_V
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -225,6 +234,9 @@ def _extend_chunk_kernel(
                                  lse_ptr + at * stride_lt + heads * stride_lh, outs, row_ok,
                                  rows_per_chunk * stride_ot, rows_per_chunk * stride_lt, HEAD_DIM_V, BLOCK_M,
                                  BLOCK_DV, CHUNK_DV)
+        c += tl.num_programs(1)
+        b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
+                                                      FIXED_TILES, BLOCK_BS)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
@@ -276,7 +288,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     schedule : "split" (``num_kv_splits`` equal splits of every request) or "chunks" (the batch's
         KV cut into about ``bs * num_kv_splits`` equal chunks on the device, ``schedule.chunk_of``;
         every request's rows in one tile, ``chunk_fits``; ``workspace`` from
-        ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk)
+        ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk and
+        ``schedule.slots_per_request`` chunks a request), or "invariant" (fixed chunks: a
+        request's output bitwise the same in any batch and bucket)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -294,8 +308,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if mask not in MASK_KINDS:
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
-    if schedule not in ("split", "chunks"):
-        raise ValueError(f"{name}: schedule={schedule!r} not in ('split', 'chunks')")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{name}: schedule={schedule!r} not in {SCHEDULES}")
     if num_kv_splits < 1 or max_q_len < 1:
         raise ValueError(f"{name}: num_kv_splits={num_kv_splits} and max_q_len={max_q_len} "
                          f"must be >= 1")
@@ -333,11 +347,12 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         tile_dims = triton.next_power_of_2(D) + triton.next_power_of_2(Dv)    # one token of K and of V
         block_n = fit_block_n(q, 64, tile_dims * q.element_size())
     num_qb = triton.cdiv(max_q_len, block_q)
-    if schedule == "chunks":
+    if schedule != "split":
         if num_qb != 1:
             raise ValueError(f"{name}: the chunk schedule needs every request's rows in one tile: "
                              f"max_q_len={max_q_len} > block_q={block_q}")
-        part, lse, counters = chunk_targets(name, out, workspace, bs, num_kv_splits, max_q_len, Hkv)
+        per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
+        part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, max_q_len, Hkv)
         num_chunks = bs * num_kv_splits
         launch(_extend_chunk_kernel, (Hkv, num_chunks + bs),
             q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out, counters,
@@ -347,7 +362,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
-            MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
+            MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
+            BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
             num_warps=num_warps, num_stages=num_stages)

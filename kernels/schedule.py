@@ -26,20 +26,43 @@ MERGE_LSE = tl.constexpr(32)      # chunks' log-sum-exps a load in the merge
 MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
 
 
+# The batch-invariant schedule's chunk: a request's output is the same bits whatever else is in
+# the batch and whatever bucket it is padded to (a chunk's work and the merge order depend on its
+# own length alone).
+INVARIANT_CHUNK_TOKENS = 1024
+SCHEDULES = ("split", "chunks", "invariant")
+
+
 def min_tiles(block_n: int) -> int:
     return max(1, MIN_CHUNK_TOKENS // block_n)
 
 
+def fixed_tiles(schedule: str, block_n: int) -> int:
+    """``FIXED_TILES`` of ``chunk_of`` for a schedule: the invariant chunk in tiles, else 0."""
+    return max(1, INVARIANT_CHUNK_TOKENS // block_n) if schedule == "invariant" else 0
+
+
+def slots_per_request(schedule: str, num_kv_splits: int, max_tokens: int) -> int:
+    """``chunks_per_request`` of a chunk workspace: the balanced schedule's chunks a request
+    (``num_kv_splits``), or the invariant one's for the longest request (``max_tokens``: what
+    the page table's width holds)."""
+    return -(-max_tokens // INVARIANT_CHUNK_TOKENS) if schedule == "invariant" else num_kv_splits
+
+
 @triton.jit
 def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-             BLOCK_BS: tl.constexpr):
-    """Chunk ``j`` of the schedule: ``(b, first, count, start, end)``, its request (``b >= bs``:
-    past the last chunk), the index of the request's first chunk, the request's chunk count and
-    the chunk's KV token range ``[start, end)``."""
+             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
+    """Chunk ``j`` of the schedule: ``(b, first, count, start, end, total)``, its request (``b >=
+    bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
+    the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
+    chunks of that many tiles whatever the batch (the batch-invariant schedule; the chunks may
+    then outnumber the grid, whose programs take every grid-th chunk)."""
     offs = tl.arange(0, BLOCK_BS)
     lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + BLOCK_N - 1) // BLOCK_N
     per = tl.maximum((tl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
+    if FIXED_TILES > 0:
+        per = per * 0 + FIXED_TILES
     n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
     ends = tl.cumsum(n, 0)
     b = tl.sum((ends <= j).to(tl.int32), 0)
@@ -48,7 +71,7 @@ def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: 
     first = tl.sum(tl.where(mine, ends, 0), 0) - count
     start = (j - first) * per * BLOCK_N
     end = tl.minimum(start + per * BLOCK_N, tl.sum(tl.where(mine, lens, 0), 0))
-    return b, first, count, start, end
+    return b, first, count, start, end, tl.sum(n, 0)
 
 
 @triton.jit
@@ -74,14 +97,16 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
             lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
                           cache_modifier=".cg")
             m = tl.maximum(m, tl.max(lse, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)    # a row no chunk saw anything of: zeros
+        # Each reduced loop result is read once (Triton 3.6's thread-locality pass asserts it on
+        # sm_90): a finite floor instead of a where, so a row no chunk saw anything of is zeros.
+        m = tl.maximum(m, -1e30)
         w_sum = tl.zeros([ROWS], tl.float32)
         for c0 in range(0, count, MERGE_LSE):
             ok = rows_ok[:, None] & (c0 + offs_c < count)[None, :]
             lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
                           cache_modifier=".cg")
             w_sum += tl.sum(tl.exp2(lse - m[:, None]), 1)
-        den = tl.where(w_sum > 0, w_sum, 1.0)
+        den = tl.maximum(w_sum, 1e-30)
         for c in tl.static_range(BLOCK_DV // CHUNK_DV):
             offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
             mask = rows_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]

@@ -56,15 +56,25 @@ class TritonBackend(TritonBackendBase):
         return (2, 4, 16) if width <= 8 else (16, 1, None)
 
     # Decode and the uniform modes whose rows fit one tile (verify, draft rows) cut the batch's KV
-    # into equal chunks on the device, whatever the lengths ("split": equal splits of every
-    # request; bench/RESULTS.md, 'Ragged batches').
-    schedule: ClassVar[str] = "chunks"
+    # into equal chunks on the device, whatever the lengths (bench/RESULTS.md, 'Ragged batches');
+    # batch_invariant=True: into fixed chunks, a request's output then the same bits in any batch.
+    schedule = "chunks"
+
+    def __init__(self, config, memory, batch_invariant: bool = False) -> None:
+        super().__init__(config, memory)
+        if batch_invariant:
+            self.schedule = "invariant"
 
     def _chunked(self, lay: Layout) -> bool:
-        if self.schedule != "chunks":
+        if self.schedule == "split":
             return False
         group = self.config.num_q_heads // self.config.num_kv_heads
         return is_plain_decode(lay) or (bool(lay.width) and chunk_fits(lay.width, group))
+
+    def _splits(self, lay: Layout) -> int:
+        if self.schedule == "invariant" and not self._chunked(lay):
+            return 1              # prefill: a split count from the batch would make its bits the batch's
+        return super()._splits(lay)
 
     def _exact_splits_below(self, width: int) -> int:
         return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (see _split_rule)
@@ -90,7 +100,17 @@ class TritonBackend(TritonBackendBase):
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws,
-            schedule="chunks" if self._chunked(lay) else "split")
+            schedule=self.schedule if self._chunked(lay) else "split")
 
 
-__all__ = ("TritonBackend", "MaskKind")
+class BatchInvariantTritonBackend(TritonBackend):
+    """``triton`` with ``batch_invariant=True``, by name for ``attn-backends check --backend
+    attn_backends.backends.triton_backend:BatchInvariantTritonBackend``."""
+
+    name: ClassVar[str] = "triton_invariant"
+
+    def __init__(self, config, memory) -> None:
+        super().__init__(config, memory, batch_invariant=True)
+
+
+__all__ = ("TritonBackend", "BatchInvariantTritonBackend", "MaskKind")

@@ -10,7 +10,7 @@ import torch
 
 from attn_backends_kernels.attention_core import cuda_index, decode_workspace, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
-from attn_backends_kernels.schedule import chunk_workspace
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphKey
@@ -82,6 +82,8 @@ class TritonBackendBase(LayoutBackend):
     fuses_merge: ClassVar[bool] = True
     # The fewest KV tokens a verify or extend split spans where enough programs remain (``_split_pages``).
     SPLIT_TOKENS: ClassVar[int] = 1
+    # How a launch that ``_chunked`` names spreads the KV (``kernels/schedule.py``): "chunks" or "invariant".
+    schedule: str = "split"
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -190,8 +192,9 @@ class TritonBackendBase(LayoutBackend):
         splits = self._splits(view.layout)
         ws = None
         if key is not None and self._chunked(view.layout):
-            ws = chunk_workspace(key.bs, splits, key.width, self.config.num_q_heads, self.config.num_kv_heads,
-                                 self._out_dim(), self.memory.device)
+            tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
+            ws = chunk_workspace(key.bs, slots_per_request(self.schedule, splits, tokens), key.width,
+                                 self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device)
         elif key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,

@@ -68,13 +68,13 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
-def ours(pg, q, kb, vb, S: int, schedule: str):
+def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32):
     bs, H, D = q.shape
     out = torch.empty_like(q)
     ws = (chunk_workspace(bs, S, 1, H, kb.shape[1], D, "cuda") if schedule == "chunks"
           else decode_workspace(bs, H, D, S, "cuda") if S > 1 else None)
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
-                                             schedule=schedule)
+                                             schedule=schedule, block_n=block_n)
 
 
 def flashinfer_calls(pg, q, kb, vb, fi, ws):
@@ -95,7 +95,7 @@ def flashinfer_calls(pg, q, kb, vb, fi, ws):
     return calls
 
 
-def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws) -> dict:
+def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs)
     pg = paged(lens, Hkv, D, gen)
@@ -107,9 +107,12 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws) -> dict:
     out0, split = ours(pg, q, kb, vb, S, "split")
     res["split"] = graph_us(split)
     for m in mults:
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks")
-        res[f"chunks x{m}"] = graph_us(fn)
-        assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} differ from split"
+        for bn in block_ns:
+            out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn)
+            res[f"chunks x{m} n{bn}"] = graph_us(fn)
+            assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} differ from split"
+    out, fn = ours(pg, q, kb, vb, S, "invariant")
+    res["invariant"] = graph_us(fn)
     if fi is not None:
         for name, (out, fn) in flashinfer_calls(pg, q, kb, vb, fi, fi_ws).items():
             res[name] = graph_us(fn)
@@ -126,6 +129,7 @@ def main(argv=None):
     p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
     p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
     p.add_argument("--mults", default="1,2,4")
+    p.add_argument("--block-ns", default="32", help="the chunk passes' KV tile sizes to try")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -145,7 +149,7 @@ def main(argv=None):
         H, Hkv = map(int, heads.split("/"))
         D, bs = map(int, rest.split(":"))
         for dist in args.dists.split(","):
-            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws)
+            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")])
             best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
             best = min(v for k, v in r.items() if k.startswith("chunks"))
             times = " ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float))

@@ -6,7 +6,7 @@ from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.schedule import chunk_of, chunk_slots, chunk_workspace, min_tiles
+from attn_backends_kernels.schedule import chunk_of, chunk_slots, chunk_workspace, min_tiles, slots_per_request
 
 
 def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1, seed=0,
@@ -120,7 +120,8 @@ CHUNK_CASES = [
 ]
 
 
-def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_rows=1, seed=0, block_n=16):
+def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_rows=1, seed=0, block_n=16,
+                schedule="chunks"):
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows, device=device, seed=seed)
     bs = lens.shape[0]
@@ -129,11 +130,12 @@ def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_
     k_buf[:page_size] = v_buf[:page_size] = float("nan")     # page 0: the pad rows' page
     q = torch.randn(bs, H, D, device=device).to(dtype)
     out = torch.full((bs, H, D), float("nan"), device=device, dtype=dtype)
-    ws = chunk_workspace(bs, per_request, 1, H, Hkv, D, device)
+    ws = chunk_workspace(bs, slots_per_request(schedule, per_request, page_table.shape[1] * page_size), 1, H, Hkv, D,
+                         device)
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     decode_attention_fwd(q, k_buf, v_buf, page_table, lens, page_size, D ** -0.5, per_request, out, ws,
-                         block_n=block_n, schedule="chunks")
+                         block_n=block_n, schedule=schedule)
     n = len(seq_lens)
     ref = ref_paged_attention(q[:n], k_buf, v_buf, page_table[:n], lens[:n], torch.arange(n + 1, dtype=torch.int32),
                               page_size, D ** -0.5)
@@ -151,7 +153,7 @@ def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request):
 def _schedule_probe(seq_lens_ptr, out_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                     BLOCK_BS: tl.constexpr):
     j = tl.program_id(0)
-    b, first, count, start, end = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, BLOCK_BS)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, 0, BLOCK_BS)
     for i, x in enumerate((b, first, count, start, end)):
         tl.store(out_ptr + j * 5 + i, x)
 
@@ -226,3 +228,49 @@ def test_decode_chunk_schedule_graph_replays_any_lengths():
         ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, torch.arange(7, dtype=torch.int32),
                                   page_size, D ** -0.5)
         assert_close(replayed, ref, 1e-2)
+
+
+def _shared_pool_batches(lens, batches, page_size, H, Hkv, D, dtype, device, seed=0):
+    """One pool holding requests of ``lens`` on shuffled pages; for each ``(ids, pad_rows)`` of
+    ``batches`` the page table, lengths and q of those requests (q rows per request fixed) plus
+    ``pad_rows`` pad rows on page 0 (length 1)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-n // page_size) for n in lens]
+    perm = (torch.randperm(sum(counts), generator=g) + 1).tolist()
+    pages, at = [], 0
+    for c in counts:
+        pages.append(perm[at:at + c])
+        at += c
+    k_buf = torch.randn((sum(counts) + 1) * page_size, Hkv, D, generator=g).to(dtype).to(device)
+    v_buf = torch.randn((sum(counts) + 1) * page_size, Hkv, D, generator=g).to(dtype).to(device)
+    q_all = torch.randn(len(lens), H, D, generator=g).to(dtype).to(device)
+    out = []
+    for ids, pad in batches:
+        table = torch.zeros(len(ids) + pad, max(counts) + 2, dtype=torch.int32)
+        for r, i in enumerate(ids):
+            table[r, :counts[i]] = torch.tensor(pages[i], dtype=torch.int32)
+        sl = torch.tensor([lens[i] for i in ids] + [1] * pad, dtype=torch.int32)
+        q = torch.cat([q_all[list(ids)], torch.randn(pad, H, D, generator=g).to(dtype).to(device)])
+        out.append((table.to(device), sl.to(device), q))
+    return k_buf, v_buf, out
+
+
+INVARIANT_BATCHES = [((0,), 0), ((0, 1, 2), 0), ((3, 4, 0, 5, 1), 0), ((0, 1, 2), 3)]   # alone, 3 batches, 2 buckets
+
+
+@pytest.mark.parametrize("per_request", [1, 4])
+def test_invariant_schedule_is_bitwise_the_same_in_any_batch_and_bucket(per_request):
+    """Request 0 (3 invariant chunks at block_n 16 ... merged) alone, in three batches and padded
+    to another bucket: the same bits each time (the balanced schedule cuts it by the batch)."""
+    lens = [3000, 50, 7000, 9000, 12, 400]
+    k_buf, v_buf, batches = _shared_pool_batches(lens, INVARIANT_BATCHES, 16, 4, 2, 16, torch.float32, "cpu")
+    got = []
+    for (ids, _), (table, sl, q) in zip(INVARIANT_BATCHES, batches):
+        out = torch.empty_like(q)
+        decode_attention_fwd(q, k_buf, v_buf, table, sl, 16, 0.25, per_request, out, None, block_n=16,
+                             schedule="invariant")
+        got.append(out[ids.index(0)])
+    assert all(torch.equal(got[0], o) for o in got[1:]), "request 0's output depends on its batch or bucket"
+    ref = ref_paged_attention(batches[0][2], k_buf, v_buf, batches[0][0], batches[0][1],
+                              torch.arange(2, dtype=torch.int32), 16, 0.25)
+    assert_close(got[0][None], ref, 1e-5)
