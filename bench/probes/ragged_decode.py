@@ -20,7 +20,7 @@ import triton
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.schedule import chunk_workspace
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 PAGE = 16
 
@@ -71,7 +71,8 @@ def graph_us(fn) -> float:
 def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32):
     bs, H, D = q.shape
     out = torch.empty_like(q)
-    ws = (chunk_workspace(bs, S, 1, H, kb.shape[1], D, "cuda") if schedule == "chunks"
+    per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
+    ws = (chunk_workspace(bs, per_request, 1, H, kb.shape[1], D, "cuda") if schedule != "split"
           else decode_workspace(bs, H, D, S, "cuda") if S > 1 else None)
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
                                              schedule=schedule, block_n=block_n)
