@@ -4,7 +4,7 @@ Usage (repository root)::
 
     python bench/sweep/sweep.py [--out DIR] [--grid issue40|issue10] [--quick] [--only gqa|mla]
         [--dist ragged,longtail,bimodal,uniform] [--workloads NAME|PATTERN,...] [--bs 8,24,48]
-        [--kv 16384] [--seed N] [--budget-s S]
+        [--kv 16384] [--seed N] [--budget-s S] [--no-invariant]
     python bench/sweep/sweep.py --grid issue10          # issue #10's uniform grid, as it was
     STAGES="sweep" bash bench/run_gpu.sh DIR            # the same, from the GPU script
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep/sweep.py --smoke --out DIR
@@ -22,16 +22,18 @@ row's KV lengths from a distribution (uniform: every request ``kv``; ragged; lon
 exactly the pages the lengths need, the same data for ours and FlashInfer. A group whose memory
 estimate exceeds 90% of the free device memory is skipped, with the reason.
 
-Per row, ours (``sweep_ours``) and every FlashInfer configuration (``sweep_flashinfer``):
+Per row, ours (``sweep_ours``), on GQA rows our batch-invariant mode too (``ours_invariant``, issue #40.5:
+``BatchInvariantTritonBackend``; not with ``--no-invariant``; never counted as a FlashInfer
+configuration), and every FlashInfer configuration (``sweep_flashinfer``):
 ``graph_us`` (replay of a captured graph, GPU time), ``eager_us`` (one eager call from an idle GPU, host
 launch included), ``eager_gpu_us`` (eager calls back to back, GPU time) and ``host_us`` (host time of one
 eager call), all medians with L2 flushed (``sweep_timing``); ``graph_us``, ``host_us`` and ``eager_us`` the
-least of interleaved rounds over ours and every configuration (``interleaved_times``; the graph rounds of a
-power-capped row start after ``graph_settle_s`` seconds of replays of each in turn, ``sweep_timing.settle``);
-output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before timing, every JIT module and
-Triton kernel is built in parallel processes (``sweep_prewarm``).
+least of interleaved rounds over ours, ours_invariant and every configuration (``interleaved_times``; the
+graph rounds of a power-capped row start after ``graph_settle_s`` seconds of replays of each in turn,
+``sweep_timing.settle``); output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before
+timing, every JIT module and Triton kernel is built in parallel processes (``sweep_prewarm``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload (uniform) and of a few workloads for every
-other distribution (lengths / 128), ours eager only, and each FlashInfer configuration's arguments
+other distribution (lengths / 128), ours (and ours_invariant) eager only, and each FlashInfer configuration's arguments
 checked by ``sweep_fi_emulate`` instead of run.
 
 Output: ``DIR/sweep.jsonl``, JSON lines:
@@ -42,7 +44,7 @@ Output: ``DIR/sweep.jsonl``, JSON lines:
   "prewarm": {job: {"rc", "s", "tail"?}}, "not_swept": {config: reason}, "host_timing", "timing"}``
 * one ``{"type": "result", "workload", "family", "mode", "heads", "kv_heads", "qk_dim",
   "v_dim", "page_size", "width", "topk", "bs", "kv" (non-uniform: the lengths' mean), "dist", "kv_min",
-  "kv_max", "kv_sum", "lens" (non-uniform), "impl" ("ours" | a FlashInfer config
+  "kv_max", "kv_sum", "lens" (non-uniform), "impl" ("ours" | "ours_invariant" | a FlashInfer config
   | "row" for a skipped group), "status" ("ok" | "skipped" | "error" | "emulated"),
   "reason", "graph_us", "eager_us", "eager_gpu_us", "host_us", "graph_rounds_us", "host_rounds_us",
   "eager_rounds_us", "graph_settle_s", "graph_error", "host_error", "eager_error", "err", "err_graph",
@@ -74,7 +76,8 @@ from sweep_args import environment, import_flashinfer, parse_args  # noqa: E402
 from sweep_fi_emulate import emulate  # noqa: E402
 from sweep_flashinfer import Peer, call_spec, candidates, fi_inputs, new_workspace, refusal  # noqa: E402
 from sweep_matrix import points  # noqa: E402
-from sweep_ours import Ours  # noqa: E402
+from sweep_ours import INVARIANT, Ours, has_invariant  # noqa: E402
+from sweep_records import base_record, calibrate, label, rel_err, skip_rows, write  # noqa: E402
 from sweep_rows import build_group, build_row, estimate_bytes, roofline  # noqa: E402
 from sweep_timing import Clock, capture, settle_seconds  # noqa: E402
 
@@ -91,41 +94,12 @@ class Ctx:
     fi: object = None                    # the flashinfer module (None: not importable / smoke)
     ws: object = None                    # FlashInfer's float workspace
     deadline: float = float("inf")
+    invariant: bool = True               # GQA rows: our batch-invariant mode too (--no-invariant: not)
     broken: dict = field(default_factory=dict)
     failures: collections.Counter = field(default_factory=collections.Counter)
     mismatches: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     results: int = 0
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
-
-
-def write(ctx: Ctx, rec: dict) -> None:
-    ctx.out.write(json.dumps(rec) + "\n")
-    ctx.out.flush()
-    ctx.results += 1
-
-
-def label(row) -> str:
-    """The row in messages: ``workload bs=.. kv=..``, then the distribution unless uniform."""
-    return f"{row.wl.name} bs={row.bs} kv={row.kv}" + ("" if row.dist == "uniform" else f" {row.dist}")
-
-
-def lens_record(dist: str, lens) -> dict:
-    """A row's lengths in its records: the distribution, min, max and sum; the lengths themselves
-    unless uniform."""
-    out = dict(dist=dist, kv_min=min(lens), kv_max=max(lens), kv_sum=sum(lens))
-    return out if dist == "uniform" else dict(out, lens=list(lens))
-
-
-def base_record(row, impl: str, **kw) -> dict:
-    return dict(type="result", **row.wl.describe(), bs=row.bs, kv=row.kv, **lens_record(row.dist, row.lens),
-                impl=impl, **kw)
 
 
 def finish(ctx: Ctx, row, rec: dict) -> dict:
@@ -162,6 +136,35 @@ def time_ours(ctx: Ctx, row, graphs: dict) -> tuple:
     rec["err_graph"] = rel_err(out, ref)
     graphs["ours"] = (g, ours)
     return finish(ctx, row, rec), ref, ours.layout(), fn
+
+
+def time_invariant(ctx: Ctx, row, ref, graphs: dict) -> tuple:
+    """``(record, eager call)`` of our batch-invariant mode (impl ``INVARIANT``, the call None where it
+    failed), as ``time_ours``: its eager and graph outputs checked against ours (``err``,
+    ``err_graph``), its graph left in ``graphs`` for the rounds. A failure is recorded in the row and
+    the footer; the row goes on."""
+    rec, stage = base_record(row, INVARIANT, status="ok"), "eager"
+    try:
+        inv = Ours(row, invariant=True)
+        fn = inv.eager()
+        t0 = time.perf_counter()
+        rec["err"] = rel_err(fn(), ref)
+        if ctx.device != "cuda":               # the interpreter: one call is the measurement
+            rec["eager_us"] = (time.perf_counter() - t0) * 1e6
+            return finish(ctx, row, rec), fn
+        rec["eager_gpu_us"] = ctx.clock.gpu_us(fn)
+        stage = "graph"
+        g, out = inv.graph()
+        g.replay()
+        torch.cuda.synchronize()
+        rec["err_graph"] = rel_err(out, ref)
+        graphs[INVARIANT] = (g, inv)
+        return finish(ctx, row, rec), fn
+    except Exception as e:  # recorded in the row and the footer, never hidden
+        _drain()
+        rec.update(status="error", reason=f"{stage}: {type(e).__name__}: {e}"[:500])
+        ctx.errors.append(f"{label(row)} {INVARIANT} {rec['reason'][:160]}")
+        return finish(ctx, row, rec), None
 
 
 def _drain() -> None:
@@ -223,9 +226,13 @@ def _measure_row(ctx: Ctx, row) -> list:
         ctx.errors.append(f"{label(row)} {reason[:160]}")
         print(f"!! ERROR {label(row)} {reason}", file=sys.stderr, flush=True)
         return [finish(ctx, row, base_record(row, "ours", status="error", reason=reason))]
-    recs = [ours]
+    recs, mine = [ours], {}
+    if ctx.invariant and has_invariant(row.wl):
+        inv, inv_fn = time_invariant(ctx, row, ref, graphs)
+        recs.append(inv)
+        mine = {INVARIANT: inv_fn} if inv_fn else {}
     if ctx.fi is None and not ctx.env["smoke"]:
-        return interleaved_times(ctx, row, recs, ours_fn, None, graphs)
+        return interleaved_times(ctx, row, recs, ours_fn, None, graphs, mine)
     inp = fi_inputs(row, layout)
     sm = ctx.env["sm"] if not ctx.env["smoke"] else 90      # smoke: check the SM90 set
     for config in candidates(row.wl):
@@ -236,11 +243,12 @@ def _measure_row(ctx: Ctx, row) -> list:
             recs.append(emulated_peer(ctx, row, config, inp, ref))
         else:
             recs.append(time_peer(ctx, row, config, inp, ref, graphs))
-    return interleaved_times(ctx, row, recs, ours_fn, inp, graphs)
+    return interleaved_times(ctx, row, recs, ours_fn, inp, graphs, mine)
 
 
-def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> list:
-    """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours and every
+def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict, mine=None) -> list:
+    """``graph_us`` (replays of ``graphs``), ``host_us`` and ``eager_us`` of ours, of our other modes
+    that ran (``mine``: ``{impl: eager call}``, the batch-invariant one) and of every FlashInfer
     configuration that ran: the least of interleaved rounds (``Clock.interleaved_us``, kept in
     ``*_rounds_us``); rates from that graph time. No time is taken one implementation after the
     other: in a machine's slow spells it would favour whichever was timed first (bench/RESULTS.md,
@@ -250,8 +258,10 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
     written."""
     if ctx.device != "cuda":
         return recs
-    makers = {"ours": lambda: ours_fn} | {rec["impl"]: lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
-                                          for rec in recs[1:] if rec["status"] == "ok"}
+    own = {"ours": ours_fn} | (mine or {})
+    makers = {impl: lambda f=f: f for impl, f in own.items()} | {
+        rec["impl"]: lambda c=rec["impl"]: Peer(ctx.fi, c, inp, ctx.ws).fn()
+        for rec in recs[1:] if rec["status"] == "ok" and rec["impl"] not in ("ours", INVARIANT)}
     replays = {impl: lambda impl=impl: graphs[impl][0].replay for impl in graphs}   # no graph held
     settle = settle_seconds(recs[0].get("intensity"), ctx.env.get("ridge_flop_per_byte"))
     for kind, made, timer in (("graph", replays, ctx.clock.gpu_us), ("host", makers, ctx.clock.host_us),
@@ -276,17 +286,6 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict) -> 
             rec.pop(k, None)
         rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env, row.lens))
     return recs
-
-
-def skip_rows(ctx: Ctx, wls, pt, reason: str, status: str = "skipped") -> None:
-    """One record per workload of point ``pt`` that was not measured, with the reason."""
-    for wl in wls:
-        write(ctx, dict(type="result", **wl.describe(), bs=pt.bs, kv=pt.kv, **lens_record(pt.dist, pt.lens),
-                        impl="row", status=status, reason=reason))
-    where = f"bs={pt.bs} kv={pt.kv}" + ("" if pt.dist == "uniform" else f" {pt.dist}")
-    print(f"{','.join(w.name for w in wls)} {where}: {status} ({reason})", flush=True)
-    if status == "error":
-        ctx.errors.append(f"{wls[0].family} {where}: {reason[:160]}")
 
 
 def measure_group(ctx: Ctx, pt) -> None:
@@ -317,15 +316,6 @@ def measure_group(ctx: Ctx, pt) -> None:
         torch.cuda.empty_cache()
 
 
-def calibrate(ctx: Ctx) -> None:
-    if ctx.device != "cuda":
-        return
-    copy, mm = ctx.clock.copy_gbs(), ctx.clock.matmul_tflops()
-    ctx.env.update(copy_gbs=round(copy, 1), matmul_tflops=round(mm, 1),
-                   ridge_flop_per_byte=round(mm * 1e12 / (copy * 1e9), 1))
-    torch.cuda.empty_cache()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cpu" if (args.smoke or os.environ.get("BENCH_DEVICE") == "cpu") else "cuda"
@@ -346,16 +336,16 @@ def main(argv=None) -> int:
         fi, fi_error = import_flashinfer()
     env = environment(args, device, fi, fi_error)
     if device == "cuda":
-        jobs = sweep_prewarm.jobs(groups, fi is not None, env["sm"])
+        jobs = sweep_prewarm.jobs(groups, fi is not None, env["sm"], invariant=not args.no_invariant)
         print(f"prewarm: {len(jobs)} jobs in parallel ...", flush=True)
         env["prewarm"] = sweep_prewarm.launch(jobs, out_dir, sorted({p.bs for p in groups}), args.prewarm_timeout_s)
         print(f"prewarm: {time.time() - t0:.0f} s {env['prewarm']}", flush=True)
     path = out_dir / "sweep.jsonl"
     with open(path, "w") as f:
         ctx = Ctx(device, Clock(device), env, f, fi, new_workspace(device) if fi else None,
-                  deadline=t0 + args.budget_s)
+                  deadline=t0 + args.budget_s, invariant=not args.no_invariant)
         for job, res in env.get("prewarm", {}).items():
-            if res["rc"] not in (0, -9) and not job.startswith("ours:"):
+            if res["rc"] not in (0, -9) and not job.startswith(("ours:", f"{INVARIANT}:")):
                 ctx.failures[sweep_prewarm.config_of(job)] = MAX_FAILURES - 1   # its prewarm failed: one more try only
         calibrate(ctx)
         write(ctx, env)

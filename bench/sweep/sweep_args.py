@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the lengths' seed (default 0)")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check (tiny shapes, ours only)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours only")
+    p.add_argument("--no-invariant", action="store_true",
+                   help="skip our batch-invariant mode (ours_invariant, measured on GQA rows by default)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new group after this many seconds (default 420; "
                         "the groups left are recorded as skipped)")

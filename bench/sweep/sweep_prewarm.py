@@ -1,5 +1,6 @@
 """Before any timing: build every FlashInfer JIT module and every Triton kernel the sweep
-will launch, in parallel processes (one per module, one per workload of ours).
+will launch, in parallel processes (one per module, one per workload of ours and, for GQA, of
+our batch-invariant mode: its kernels are other Triton variants).
 
 A fresh machine compiles each FlashInfer kernel family for 20-70 s and each of our Triton
 variants (one per split count) for about a second; in parallel the wall time is about the
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 from sweep_flashinfer import PREWARM, Peer, fi_inputs, new_workspace, refusal
-from sweep_ours import Ours
+from sweep_ours import INVARIANT, Ours, has_invariant
 from sweep_rows import BY_NAME, WORKLOADS, build_group, build_row
 
 PREWARM_KV = 4096      # >= 64 pages at page 64: the split counts (up to 64) are those of every row
@@ -38,11 +39,13 @@ def job_workload(job: str):
     return next(w for w in WORKLOADS if w.family == "gqa" and w.mode == wl.mode and w.qk_dim == dim)
 
 
-def jobs(groups, with_fi: bool, sm: int) -> list:
-    """Ours per workload of ``groups`` (``sweep_matrix.Point``), FlashInfer per configuration
-    (and head dim, for GQA) that can run one of them."""
-    names = sorted({w.name for p in groups for w in p.wls})
-    out = [f"ours:{n}" for n in names]
+def jobs(groups, with_fi: bool, sm: int, invariant: bool = False) -> list:
+    """Ours per workload of ``groups`` (``sweep_matrix.Point``), our batch-invariant mode per GQA
+    workload (``invariant``), FlashInfer per configuration (and head dim, for GQA) that can run one
+    of them."""
+    wls = {w.name: w for p in groups for w in p.wls}
+    out = [f"ours:{n}" for n in sorted(wls)]
+    out += [f"{INVARIANT}:{n}" for n in sorted(wls) if invariant and has_invariant(wls[n])]
     if not with_fi:
         return out
     dims = sorted({w.qk_dim for p in groups for w in p.wls if w.family == "gqa"})
@@ -92,14 +95,16 @@ def launch(job_names, out_dir: Path, batches, timeout_s: float) -> dict:
 
 
 def run_job(job: str, batches, device: str) -> None:
-    """One job, in its own process: our workload at every batch size, or one FlashInfer
-    configuration once (its ``plan()`` builds the module)."""
-    if job.startswith("ours:"):
-        wl = BY_NAME[job[5:]]
+    """One job, in its own process: our workload (``ours:``, or ``ours_invariant:`` for our
+    batch-invariant mode) at every batch size, or one FlashInfer configuration once (its ``plan()``
+    builds the module)."""
+    mode, _, name = job.partition(":")
+    if mode in ("ours", INVARIANT):
+        wl = BY_NAME[name]
         for bs in batches:
             t0 = time.time()
             row = build_row(build_group(wl, bs, PREWARM_KV, device), wl)
-            ours = Ours(row)
+            ours = Ours(row, invariant=mode == INVARIANT)
             ours.eager()()
             ours.graph()
             torch.cuda.synchronize()

@@ -7,6 +7,9 @@ and is skipped, with a note, without it).
 Ratios are FlashInfer's best time over ours (above 1: ours is faster); "FI best" is the
 fastest FlashInfer configuration of the row, chosen separately for graph and eager times. Rows are
 grouped by their KV-length distribution (``sweep_rows.DISTS``; records without one are uniform).
+Our batch-invariant mode (``ours_invariant``, GQA rows) is shown beside ours as inv/ours (its time
+over ours): it is ours, never a FlashInfer configuration (not in FI best, x, the targets or the
+configurations' table).
 """
 from __future__ import annotations
 
@@ -29,7 +32,16 @@ a non-uniform row's kv is the lengths' mean). GB/s, % copy and TFLOPs are ours, 
 graph time; "mm" is the fraction of the measured matmul rate (compute-bound rows). Bound:
 compute when flops/bytes exceeds the ridge (measured matmul TFLOPs / copy GB/s), memory
 otherwise. check: our output against the fastest FlashInfer configuration's
-(max abs diff / max abs < 2e-2; `!` marks a mismatch of any configuration)."""
+(max abs diff / max abs < 2e-2; `!` marks a mismatch of any configuration). `invariant graph`: our
+batch-invariant mode (`ours_invariant`, GQA rows) replayed in a graph, in the same rounds, its
+output checked against ours at the same tolerance (`!`: a mismatch); inv/ours = its time / ours."""
+
+INVARIANT = "ours_invariant"    # sweep_ours.INVARIANT (no torch import here)
+
+
+def is_fi(impl: str) -> bool:
+    """A FlashInfer configuration's record (not ours, ``ours_invariant`` or a skipped ``row``)."""
+    return impl.startswith("fi_")
 
 
 def row_summary(recs: list) -> str:
@@ -40,12 +52,15 @@ def row_summary(recs: list) -> str:
     if ours["status"] != "ok":
         return f"{where} ours {ours['status']}"
     us = lambda r, k: f"{r[k]:.1f}" if r.get(k) is not None else "-"  # noqa: E731
-    peers = [r for r in recs[1:] if r.get("graph_us")]
+    peers = [r for r in recs[1:] if is_fi(r["impl"]) and r.get("graph_us")]
     best = min(peers, key=lambda r: r["graph_us"], default=None)
     fi = "FI -"
     if best and ours.get("graph_us"):
         fi = (f"FI best {best['impl']} {us(best, 'graph_us')}/{us(best, 'eager_us')} us "
               f"({best['graph_us'] / ours['graph_us']:.2f}x)")
+    inv = next((r for r in recs if r["impl"] == INVARIANT), None)
+    if inv:
+        fi = f"inv {us(inv, 'graph_us')}/{us(inv, 'eager_us')} us ({inv['status']}) | " + fi
     checks = ",".join(sorted({r["check"] for r in recs if r.get("check")}))
     return (f"{where} ours graph/eager "
             f"{us(ours, 'graph_us')}/{us(ours, 'eager_us')} us host {us(ours, 'host_us')} | {fi} "
@@ -136,21 +151,29 @@ def x_rows(grouped: dict) -> dict:
     return out
 
 
+def inv_ratio(recs: dict, key: str = "graph_us"):
+    """Our batch-invariant mode's time over ours (None where either has no time)."""
+    ours, inv = recs.get("ours"), recs.get(INVARIANT)
+    return inv[key] / ours[key] if ours and inv and ours.get(key) and inv.get(key) else None
+
+
 def x_summary(grouped: dict) -> list:
-    lines = ["| dist | rows | x graph min | median | max | rows < 1.0x | x eager min | median |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| dist | rows | x graph min | median | max | rows < 1.0x | x eager min | median "
+             "| inv/ours graph median |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v: f"{v:.2f}x" if v is not None else "-"  # noqa: E731
+    mid = lambda v: v[len(v) // 2] if v else None  # noqa: E731
     for dist, rows in x_rows(grouped).items():
         g = sorted(x for _, x, _ in rows if x is not None)
         e = sorted(x for _, _, x in rows if x is not None)
-        mid = lambda v: v[len(v) // 2] if v else None  # noqa: E731
+        inv = sorted(r for key, recs in grouped.items() if key[0] == dist and (r := inv_ratio(recs)) is not None)
         lines.append(f"| {dist} | {len(rows)} | {f(g[0] if g else None)} | {f(mid(g))} | {f(g[-1] if g else None)} "
-                     f"| {sum(x < 1.0 for x in g)} | {f(e[0] if e else None)} | {f(mid(e))} |")
+                     f"| {sum(x < 1.0 for x in g)} | {f(e[0] if e else None)} | {f(mid(e))} | {f(mid(inv))} |")
     return lines
 
 
 def best(recs: dict, key: str):
-    peers = [r for impl, r in recs.items() if impl.startswith("fi_") and r.get(key)]
+    peers = [r for impl, r in recs.items() if is_fi(impl) and r.get(key)]
     return min(peers, key=lambda r: r[key], default=None)
 
 
@@ -174,25 +197,29 @@ def _short(impl: str) -> str:
 
 
 def _check(recs: dict, fastest) -> str:
-    fail = any(r.get("check") == "FAIL" for r in recs.values())
+    fail = any(r.get("check") == "FAIL" for r in recs.values() if is_fi(r["impl"]))
     if fastest is None:
-        checked = [r for r in recs.values() if r.get("check") and r["impl"] != "ours"]
+        checked = [r for r in recs.values() if r.get("check") and is_fi(r["impl"])]
         mark = ("FAIL" if fail else "pass") + (" (emulated)" if any(r["status"] == "emulated" for r in checked) else "")
         return mark if checked else "-"
     return (fastest.get("check") or "-") + (" !" if fail and fastest.get("check") != "FAIL" else "")
 
 
 def main_table(grouped: dict) -> list:
-    lines = ["| dist | workload | bs | kv | bound (flop/B) | ours graph | ours eager | ours host | FI best graph "
-             "| FI best eager | FI host | x graph | x eager | GB/s | % copy | TFLOPs | check |",
-             "|---|---|---:|---:|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| dist | workload | bs | kv | bound (flop/B) | ours graph | ours eager | ours host | invariant graph "
+             "| inv/ours | FI best graph | FI best eager | FI host | x graph | x eager | GB/s | % copy | TFLOPs "
+             "| check |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for (dist, wl, bs, kv), recs in grouped.items():
         ours = recs.get("ours")
         if ours is None or ours["status"] != "ok":
             why = (ours or recs.get("row") or {}).get("reason", "")
-            lines.append(f"| {dist} | {wl} | {bs} | {kv} | {why} |" + " |" * 12)
+            lines.append(f"| {dist} | {wl} | {bs} | {kv} | {why} |" + " |" * 14)
             continue
-        bg, be = best(recs, "graph_us"), best(recs, "eager_us")
+        bg, be, inv = best(recs, "graph_us"), best(recs, "eager_us"), recs.get(INVARIANT)
+        inv_us = "-" if not inv else _us(inv.get("graph_us")) + (" !" if inv.get("check") == "FAIL" else "")
+        ratio = inv_ratio(recs)
+        inv_us += f" | {'-' if ratio is None else f'{ratio:.2f}x'}"
         frac = f"{ours['frac_copy']:.0%}" if ours.get("frac_copy") else "-"
         tflops = f"{ours.get('tflops', 0):.1f}"
         if ours.get("bound") == "compute" and ours.get("frac_matmul"):
@@ -200,7 +227,7 @@ def main_table(grouped: dict) -> list:
         lines.append(
             f"| {dist} | {wl} | {bs} | {kv}{_range(ours)} | {ours.get('bound') or '-'} ({ours['intensity']:.0f}) "
             f"| {_us(ours.get('graph_us'))} | {_us(ours.get('eager_us'))} | {_us(ours.get('host_us'))} "
-            f"| {_us(bg and bg['graph_us'])} {'(' + _short(bg['impl']) + ')' if bg else ''} "
+            f"| {inv_us} | {_us(bg and bg['graph_us'])} {'(' + _short(bg['impl']) + ')' if bg else ''} "
             f"| {_us(be and be['eager_us'])} {'(' + _short(be['impl']) + ')' if be else ''} "
             f"| {_us(be and be.get('host_us'))} | {_ratio(bg, ours, 'graph_us')} | {_ratio(be, ours, 'eager_us')} "
             f"| {ours.get('gbs', 0):.0f} | {frac} | {tflops} | {_check(recs, bg)} |")
@@ -212,7 +239,7 @@ def config_table(grouped: dict) -> list:
              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for (dist, wl, bs, kv), recs in grouped.items():
         for impl, r in recs.items():
-            if impl in ("ours", "row"):
+            if not is_fi(impl):
                 continue
             err = max((e for e in (r.get("err"), r.get("err_graph")) if e is not None), default=None)
             status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
@@ -220,6 +247,24 @@ def config_table(grouped: dict) -> list:
                          f"| {_us(r.get('eager_us'))} "
                          f"| {_us(r.get('eager_gpu_us'))} | {_us(r.get('host_us'))} "
                          f"| {'-' if err is None else f'{err:.1e}'} | {status[:140]} |")
+    return lines
+
+
+def invariant_table(grouped: dict) -> list:
+    """Our batch-invariant mode on each row that ran it: its times, each over ours, its error against ours."""
+    lines = ["| dist | workload | bs | kv | graph | eager | eager (GPU) | host | inv/ours graph | inv/ours eager "
+             "| err vs ours | status |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for (dist, wl, bs, kv), recs in grouped.items():
+        if (r := recs.get(INVARIANT)) is None:
+            continue
+        err = max((e for e in (r.get("err"), r.get("err_graph")) if e is not None), default=None)
+        err = "-" if err is None else f"{err:.1e} ({r.get('check', '-')})"
+        ratios = [inv_ratio(recs, k) for k in ("graph_us", "eager_us")]
+        lines.append(f"| {dist} | {wl} | {bs} | {kv} | {_us(r.get('graph_us'))} | {_us(r.get('eager_us'))} "
+                     f"| {_us(r.get('eager_gpu_us'))} | {_us(r.get('host_us'))} "
+                     + "".join(f"| {'-' if x is None else f'{x:.2f}x'} " for x in ratios)
+                     + f"| {err} | {r['status']}"
+                     + (f": {r['reason'][:140]}" if r.get("reason") else "") + " |")
     return lines
 
 
@@ -311,6 +356,7 @@ def markdown(header: dict, results: list, footer: dict) -> str:
     parts += ["", "## Targets", ""] + targets(grouped)
     parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)
     parts += ["", "## Every FlashInfer configuration (times in us)", ""] + config_table(grouped)
+    parts += ["", "## Our batch-invariant mode, ours_invariant (times in us)", ""] + invariant_table(grouped)
     return "\n".join(parts) + "\n"
 
 
