@@ -27,14 +27,15 @@ from .attention_core import (
     merge_chunk,
     merge_if_last,
     merge_splits,
-    paged_tile_update,
     split_targets,
     store_partial,
 )
+from .kv_walk import NO_MASK, walk_paged
 from .launch_record import launch
 from .schedule import (
     SCHEDULES,
     chunk_of,
+    chunk_slots,
     chunk_targets,
     fixed_tiles,
     merge_chunks_if_last,
@@ -94,14 +95,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot*stride can pass 2^31
-        m_i, l_i, acc = paged_tile_update(
-            q, k_ptr, v_ptr, slot, mask_n, mask_n[None, :], kvh, stride_ks, stride_kh, stride_vs,
-            stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+    m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, 0, 0, 0, 0, 0, pt_row, 0,
+                               PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
 
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
@@ -130,11 +126,19 @@ def _decode_chunk_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, j) takes chunks
-    j, j + grid, ... (one at most but in the invariant schedule)."""
-    kvh = tl.program_id(0)
-    c = tl.program_id(1)
+    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk c); the grid
+    covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
+    last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining."""
+    if HEADS_FIRST:  # a chunk's KV heads adjacent: they read the same pages' rows
+        kvh = tl.program_id(0)
+        c = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    else:
+        c = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kvh = tl.num_programs(1)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
                                                   BLOCK_BS)
     offs_h = tl.arange(0, BLOCK_H)
@@ -144,21 +148,16 @@ def _decode_chunk_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < HEAD_DIM
     mask_dv = offs_dv < HEAD_DIM_V
-    while c < total:
+    if c < total:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            m_i, l_i, acc = paged_tile_update(
-                q, k_ptr, v_ptr, slot, mask_n, mask_n[None, :], kvh, stride_ks, stride_kh, stride_vs,
-                stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+        m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
+                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, 0, 0, 0, 0,
+                                   0, pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
         tile = mask_h[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
@@ -170,13 +169,9 @@ def _decode_chunk_kernel(
             g = tl.arange(0, GROUP_PAD)
             hg = kvh * GROUP + g
             f = first.to(tl.int64)
-            merge_chunks_if_last(sem_ptr + b * tl.num_programs(0) + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
+            merge_chunks_if_last(sem_ptr + b * num_kvh + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
                                  lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
                                  g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
-        c += tl.num_programs(1)
-        b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
-                                                      FIXED_TILES, BLOCK_BS)
-
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=32, num_warps=4,
@@ -223,8 +218,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if schedule != "split":
         per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
         part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, per_request, 1, Hkv)
-        num_chunks = bs * num_kv_splits
-        launch(_decode_chunk_kernel, (Hkv, num_chunks + bs),
+        num_chunks, slots = bs * num_kv_splits, chunk_slots(bs, per_request)
+        heads_first, grid = heads_first_grid("decode_attention_fwd", heads_first, bs, 1, (Hkv, slots), (slots, Hkv))
+        launch(_decode_chunk_kernel, grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, counters,
             sm_scale * LOG2E, bs, num_chunks,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -235,7 +231,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
             BLOCK_BS=triton.next_power_of_2(bs),
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
-            CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps),
+            CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), HEADS_FIRST=heads_first,
             num_warps=num_warps, num_stages=num_stages)
         return out
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)

@@ -36,40 +36,21 @@ from .attention_core import (
     merge_chunk,
     merge_if_last,
     merge_splits,
-    paged_tile_update,
     split_targets,
     store_partial,
 )
+from .kv_walk import MASK_KINDS, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
 from .launch_record import launch
 from .schedule import (
     SCHEDULES,
     chunk_of,
+    chunk_slots,
     chunk_targets,
     fixed_tiles,
     merge_chunks_if_last,
     min_tiles,
     slots_per_request,
 )
-
-MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
-
-
-@triton.jit
-def visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base,
-                 MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] visibility of KV positions offs_n for query indices j."""
-    vis = (offs_n[None, :] < seq_len) & (j[:, None] < q_len)
-    if MASK == 0:
-        vis = vis & (offs_n[None, :] <= prefix + j[:, None])
-    elif MASK == 1:
-        rel = offs_n[None, :] - prefix
-        in_tail = vis & (rel >= 0)
-        bits = tl.load(mask_ptr + mask_base + j[:, None] * q_len + rel, mask=in_tail, other=0)
-        vis = vis & ((rel < 0) | (bits != 0))
-    else:
-        rel = offs_n[None, :] - draft_prefix
-        vis = vis & ((rel < 0) | (rel % q_len == j[:, None]))
-    return vis
 
 
 @triton.jit
@@ -144,16 +125,9 @@ def _extend_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-        vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix,
-                                             mask_ptr, mask_base, MASK)
-        m_i, l_i, acc = paged_tile_update(
-            q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-            offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+    m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, j, q_len, seq_len,
+                               prefix, draft_prefix, mask_ptr, mask_base, PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
 
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
@@ -177,13 +151,20 @@ def _extend_chunk_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
     chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    kvh = tl.program_id(0)
-    c = tl.program_id(1)
+    if HEADS_FIRST:  # a chunk's KV heads adjacent: they read the same pages' rows
+        kvh = tl.program_id(0)
+        c = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    else:
+        c = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kvh = tl.num_programs(1)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
                                                   BLOCK_BS)
     offs_m = tl.arange(0, BLOCK_M)
@@ -194,7 +175,7 @@ def _extend_chunk_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < HEAD_DIM
     mask_dv = offs_dv < HEAD_DIM_V
-    while c < total:
+    if c < total:                # one chunk a program (see _decode_chunk_kernel)
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + b)
@@ -209,16 +190,10 @@ def _extend_chunk_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            vis = mask_n[None, :] & visible_mask(offs_n, j, q_len, seq_len, seq_len - q_len, draft_prefix,
-                                                 mask_ptr, b.to(tl.int64) * q_len * q_len, MASK)
-            m_i, l_i, acc = paged_tile_update(
-                q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+        m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
+                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, j, q_len,
+                                   seq_len, seq_len - q_len, draft_prefix, mask_ptr, b.to(tl.int64) * q_len * q_len,
+                                   PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
         tile = row_ok[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + rows[:, None] * stride_xt + heads[:, None] * stride_xh
@@ -228,15 +203,12 @@ def _extend_chunk_kernel(
             store_partial(acc, m_i, l_i, o_ptr + mine[:, None] * stride_ot + heads[:, None] * stride_oh
                           + offs_dv[None, :], tile, lse_ptr + mine * stride_lt + heads * stride_lh, row_ok, 2)
             at = first.to(tl.int64) * rows_per_chunk + j
-            sem = sem_ptr + b * tl.num_programs(0) + kvh
+            sem = sem_ptr + b * num_kvh + kvh
             outs = out_ptr + rows * stride_xt + heads * stride_xh
             merge_chunks_if_last(sem, count, o_ptr + at * stride_ot + heads * stride_oh,
                                  lse_ptr + at * stride_lt + heads * stride_lh, outs, row_ok,
                                  rows_per_chunk * stride_ot, rows_per_chunk * stride_lt, HEAD_DIM_V, BLOCK_M,
                                  BLOCK_DV, CHUNK_DV)
-        c += tl.num_programs(1)
-        b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
-                                                      FIXED_TILES, BLOCK_BS)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
@@ -353,8 +325,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                              f"max_q_len={max_q_len} > block_q={block_q}")
         per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
         part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, max_q_len, Hkv)
-        num_chunks = bs * num_kv_splits
-        launch(_extend_chunk_kernel, (Hkv, num_chunks + bs),
+        num_chunks, slots = bs * num_kv_splits, chunk_slots(bs, per_request)
+        heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (Hkv, slots), (slots, Hkv))
+        launch(_extend_chunk_kernel, grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out, counters,
             sm_scale * LOG2E, bs, num_chunks, max_q_len,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -366,7 +339,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
-            num_warps=num_warps, num_stages=num_stages)
+            HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages)
         return out
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None

@@ -55,8 +55,8 @@ def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: 
     """Chunk ``j`` of the schedule: ``(b, first, count, start, end, total)``, its request (``b >=
     bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
     the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
-    chunks of that many tiles whatever the batch (the batch-invariant schedule; the chunks may
-    then outnumber the grid, whose programs take every grid-th chunk)."""
+    chunks of that many tiles whatever the batch (the batch-invariant schedule, whose grid covers
+    as many chunks a request as the page table's width allows: ``slots_per_request``)."""
     offs = tl.arange(0, BLOCK_BS)
     lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + BLOCK_N - 1) // BLOCK_N
