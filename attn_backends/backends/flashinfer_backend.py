@@ -11,15 +11,19 @@ draft decode topk > 1   the fa2 kernels: fa3 (SM90) rejects custom masks
 
 Every wrapper is fa2 and reads the KV pool as NHD pages (``[pages, page_size, Hkv, D]`` views of
 the pool, no copy) and the step's ``kv_indices``. A graph wrapper (one per GraphKey and
-step, shared by every layer) owns ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and,
-with a mask, the packed mask and ``mask_indptr``; ``plan()`` rewrites all of them from host
-copies on every replay (:class:`flashinfer_common.HostPlan`), and the mask is packed on the
-device from the step's ``custom_mask`` / ``draft_prefix_lens``.
+step, shared by every layer) reads the step layout's ``cu_seqlens_q``, ``kv_indptr``,
+``kv_indices`` and ``kv_last_page_len``, which the step's prep writes on the device, and owns,
+with a mask, the packed mask and ``mask_indptr``. Capture runs ``plan()``; a replay runs
+``replan()``, the scheduler call of ``plan()`` alone on the step's host lengths
+(:class:`flashinfer_common.HostPlan`), after packing the mask on the device from the step's
+``custom_mask`` / ``draft_prefix_lens`` and copying its offsets. An eager uniform batch runs a
+graph-form wrapper on buffers of its own, planned in full.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Optional
 
+import numpy as np
 import torch
 
 from attn_backends_kernels.mask_pack import pack_uniform_mask, packed_mask_bytes
@@ -35,25 +39,37 @@ TENSOR_CORE_MIN_GROUP = 4      # GQA group from which tensor-core decode is fast
 
 
 class _Call:
-    """One FlashInfer wrapper and the buffers it reads (graph mode: ours, fixed)."""
+    """One FlashInfer wrapper and the buffers it reads. Graph form: bound to the step's layout
+    (``bound``: its ``cu_seqlens_q``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, which
+    the step's prep writes on the device) or, for an eager batch, buffers of its own.
+    ``buffers``: the fixed buffers the call owns (``graph_buffers`` lists them)."""
 
-    def __init__(self, backend: "FlashInferBackend", key: Optional[GraphKey], indices) -> None:
+    def __init__(self, backend: "FlashInferBackend", layout: Layout, key: Optional[GraphKey], indices,
+                 bound: bool) -> None:
         self.cfg, self.memory = backend.config, backend.memory
-        self.graph = key is not None
+        self.graph, self.bound = key is not None, bound and key is not None
         self.buffers: dict = {}
+        self.reads: dict = {}
         dev = self.memory.device
-        if self.graph:
+        if self.bound:
+            self.reads = {"qo_indptr": layout.cu_seqlens_q, "kv_indptr": layout.kv_indptr,
+                          "kv_last_page_len": layout.kv_last_page_len}
+        elif self.graph:
             z = lambda n: torch.zeros(n, dtype=I32, device=dev)  # noqa: E731
             self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_last_page_len": z(key.bs)}
+            self.reads = dict(self.buffers)
 
-    def kv_pages(self, layer_id: int):
-        pool, ps = self.memory.pool, self.memory.page_size
-        k, v = pool.k[layer_id], pool.v[layer_id]
-        return (k.view(k.shape[0] // ps, ps, *k.shape[1:]), v.view(v.shape[0] // ps, ps, *v.shape[1:]))
+    def run(self, q: torch.Tensor, pages) -> torch.Tensor:
+        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.v_head_dim))
+        return self.wrapper.run(q, pages, out=out)
 
-    def run(self, q: torch.Tensor, layer) -> torch.Tensor:
-        out = torch.empty(q.shape[0], q.shape[1], self.cfg.v_head_dim, dtype=q.dtype, device=q.device)
-        return self.wrapper.run(q, self.kv_pages(layer.layer_id), out=out)
+    def light_ok(self, host: HostPlan) -> bool:
+        """Whether replays may replan light (the checks the full plan made hold for the key)."""
+        return True
+
+    def _workspaces(self) -> tuple:
+        w = self.wrapper
+        return w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer
 
     def _dtypes(self) -> dict:
         c = self.cfg
@@ -65,43 +81,56 @@ class DecodeCall(_Call):
     """W = 1 rows: ``BatchDecodeWithPagedKVCacheWrapper`` (decode.py ``__init__``, ``plan`` ->
     ``_plan_impl``, ``run`` of flashinfer 0.7.2.post1)."""
 
-    def __init__(self, backend, key, indices) -> None:
-        super().__init__(backend, key, indices)
+    def __init__(self, backend, layout, key, indices, bound) -> None:
+        super().__init__(backend, layout, key, indices, bound)
         c = self.cfg
         self.tensor_cores = c.num_q_heads // c.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         kw = dict(use_tensor_cores=self.tensor_cores, backend="fa2")
         if self.graph:
-            b = self.buffers
-            del b["qo_indptr"]          # the decode wrapper keeps its own arange(bs+1)
-            kw.update(use_cuda_graph=True, paged_kv_indptr_buffer=b["kv_indptr"],
-                      paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=b["kv_last_page_len"])
+            r = self.reads
+            self.buffers.pop("qo_indptr", None)     # the decode wrapper keeps its own arange(bs+1)
+            kw.update(use_cuda_graph=True, paged_kv_indptr_buffer=r["kv_indptr"],
+                      paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=r["kv_last_page_len"])
         self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD", **kw)
+        self._empty = (torch.empty(0, dtype=c.dtype), torch.empty(0, dtype=c.dtype))  # plan's dtype tags
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
         c = self.cfg
         self.wrapper.plan(host.kv_indptr, layout.kv_indices, host.kv_last_page_len, c.num_q_heads, c.num_kv_heads,
                           c.head_dim, layout.page_size, q_len_per_req=1, **self._dtypes())
 
+    def replan(self, layout: Layout, host: HostPlan) -> None:
+        """``_plan_impl``'s scheduler call alone, with the arguments it passes in graph mode."""
+        c, w, bs = self.cfg, self.wrapper, host.bs
+        heads = (c.num_q_heads, c.num_kv_heads, layout.page_size, True)
+        if self.tensor_cores:
+            w._plan_info = w._cached_module.plan(*self._workspaces(), host.qo_indptr, host.kv_indptr, host.kv_lens,
+                                                 bs, bs, *heads, c.head_dim, c.head_dim, False, -1, -1, False, 0, 0)
+            w._max_kv_len = host.longest
+        else:
+            w._plan_info = w._cached_module.plan(*self._workspaces(), host.kv_indptr, bs, *heads, -1, 0.0,
+                                                 c.head_dim, c.head_dim, *self._empty)
+
 
 class PrefillCall(_Call):
     """Causal rows, or a packed custom mask: ``BatchPrefillWithPagedKVCacheWrapper``
     (prefill.py ``__init__``, ``plan``, ``run`` of flashinfer 0.7.2.post1), fa2."""
 
-    def __init__(self, backend, key, indices, masked: bool) -> None:
-        super().__init__(backend, key, indices)
+    def __init__(self, backend, layout, key, indices, bound, masked: bool) -> None:
+        super().__init__(backend, layout, key, indices, bound)
         if masked and not self.graph:
             raise ValueError("a masked FlashInfer call needs the graph form (a uniform batch)")
         self.masked = masked
         kw = dict(backend="fa2")
         if self.graph:
-            b = self.buffers
+            b, r = self.buffers, self.reads
             if masked:                  # sparse blocks: W * sum(kv) <= W * bs * max_context_len bytes
                 cap = packed_mask_bytes(key.width, key.bs * self.memory.max_context_len) + 8
                 b["custom_mask"] = torch.zeros(cap, dtype=torch.uint8, device=self.memory.device)
                 b["mask_indptr"] = torch.zeros(key.bs + 1, dtype=I32, device=self.memory.device)
                 kw.update(custom_mask_buf=b["custom_mask"], mask_indptr_buf=b["mask_indptr"])
-            kw.update(use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"], paged_kv_indptr_buf=b["kv_indptr"],
-                      paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=b["kv_last_page_len"])
+            kw.update(use_cuda_graph=True, qo_indptr_buf=r["qo_indptr"], paged_kv_indptr_buf=r["kv_indptr"],
+                      paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=r["kv_last_page_len"])
         self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD",
                                                                       **kw)
 
@@ -122,6 +151,23 @@ class PrefillCall(_Call):
                           c.num_q_heads, c.num_kv_heads, c.head_dim, layout.page_size, head_dim_vo=c.v_head_dim,
                           causal=not self.masked, **kw)
 
+    def replan(self, layout: Layout, host: HostPlan) -> None:
+        """``plan``'s scheduler call alone (fa2, graph mode), after the mask: packed on the device
+        into the wrapper's buffer, its byte offsets ``cumsum(q_len * kv_len)`` from the host lengths
+        (``_compute_page_mask_indptr``) copied once."""
+        c, w, bs = self.cfg, self.wrapper, host.bs
+        if self.masked:
+            self.packed_mask(layout, host)
+            q = (host.qo_indptr[1:] - host.qo_indptr[:-1]).numpy().astype(np.int64)
+            offsets = np.zeros(bs + 1, dtype=np.int32)
+            np.cumsum(q * host.kv_lens.numpy(), out=offsets[1:])
+            self.buffers["mask_indptr"].copy_(torch.from_numpy(offsets), non_blocking=True)
+        w._plan_info = w._cached_module.plan(
+            *self._workspaces(), host.qo_indptr, host.kv_indptr, host.kv_lens, w._max_total_num_rows, bs,
+            c.num_q_heads, c.num_kv_heads, layout.page_size, True, c.head_dim, c.v_head_dim, not self.masked, -1,
+            -1, False, 0, layout.width if layout.width > 1 else 0)
+        w._max_kv_len = host.longest
+
 
 class FlashInferBackend(FlashInferBase):
     name: ClassVar[str] = "flashinfer"
@@ -141,8 +187,18 @@ class FlashInferBackend(FlashInferBase):
             return "masked"
         return "decode" if layout.mode == ForwardMode.DECODE and layout.width == 1 else "prefill"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False):
         kind = self._kind(layout)
         if kind == "decode":
-            return DecodeCall(self, key, indices)
-        return PrefillCall(self, key, indices, masked=kind == "masked")
+            return DecodeCall(self, layout, key, indices, bound)
+        return PrefillCall(self, layout, key, indices, bound, masked=kind == "masked")
+
+    def _kv_pages(self, layer_id: int):
+        pool = self.memory.pool
+        k, v = pool.k[layer_id], pool.v[layer_id]
+        hit = self._pages.get(layer_id)
+        if hit is None or hit[0] is not k or hit[1] is not v:
+            ps = self.memory.page_size
+            hit = self._pages[layer_id] = (k, v, (k.view(k.shape[0] // ps, ps, *k.shape[1:]),
+                                                  v.view(v.shape[0] // ps, ps, *v.shape[1:])))
+        return hit[2]

@@ -12,8 +12,14 @@
   (backend class, model config, GraphKey) lives in the step's cache (``StepView.cache``) so every
   layer's instance runs the same wrapper; the first instance updated in a step (a new
   ``StepView.step_id``) plans it, the others only run. Graph mode uses the wrappers'
-  ``use_cuda_graph=True`` form on fixed buffers the backend allocates (listed in
-  ``graph_buffers()``); capture plans exactly as replay does.
+  ``use_cuda_graph=True`` form reading the step layout's own device tensors (``kv_indptr``,
+  ``kv_indices``, ...), which the step's prep rewrites before every replay.
+* The light replay plan (SGLang's ``fast_decode_plan`` idea): capture runs FlashInfer's full
+  ``plan()`` once per key; every replay after it only reruns the host scheduler
+  (``_cached_module.plan``) on this step's host lengths. What it skips is work whose result
+  cannot change within a key: host-to-device copies into buffers the prep already wrote, the
+  device copy of ``kv_indices`` onto itself, module look-ups, and argument checks of values
+  fixed per key (batch size, dtypes, heads, page size).
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class HostPlan:
     kv_lens: torch.Tensor            # [bs] KV tokens (this forward's included)
     num_pages: int                   # kv_indptr[-1]
     max_kv: int                      # host bound on kv_lens (graph mode: the static bound)
+    longest: int = 0                 # max(kv_lens) itself
 
     @property
     def bs(self) -> int:
@@ -79,9 +86,10 @@ def host_plan(seq: np.ndarray, q_lens: np.ndarray, page_size: int, max_kv: Optio
     qo_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=qo_indptr[1:])
     last = (seq - (npages - 1) * page_size).astype(np.int32)
+    longest = int(seq.max())
     return HostPlan(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last),
                     torch.from_numpy(seq.astype(np.int32)), int(kv_indptr[-1]),
-                    int(seq.max()) if max_kv is None else max_kv)
+                    longest if max_kv is None else max_kv, longest)
 
 
 def eager_host_plan(view: StepView) -> HostPlan:
@@ -102,12 +110,19 @@ def graph_host_plan(view: StepView, key: GraphKey, page_size: int, max_context_l
                     qo_indptr: Optional[torch.Tensor] = None) -> HostPlan:
     """Graph mode: from the step's host ``seq_lens_cpu`` (canonical after ``update()`` and
     ``capture()``: pad rows hold the pad seq_len) and the key; the KV bound is the static
-    ``max_context_len``. ``qo_indptr``: the key's ``arange(0, bs*W + 1, W)`` if already made."""
-    seq = view.seq_lens_cpu[:key.bs].numpy().astype(np.int64)
-    h = host_plan(seq, np.full(key.bs, key.width, dtype=np.int64), page_size, max_kv=max_context_len)
+    ``max_context_len``. ``qo_indptr``: the key's ``arange(0, bs*W + 1, W)`` if already made.
+    Every replay computes this, so it is ``host_plan`` in int32 (lengths and page counts are
+    bounded by the static ``max_context_len`` and the pool) with the query part per key."""
+    bs = key.bs
     if qo_indptr is None:
-        return h
-    return HostPlan(qo_indptr, h.kv_indptr, h.kv_last_page_len, h.kv_lens, h.num_pages, h.max_kv)
+        qo_indptr = torch.arange(0, bs * key.width + 1, key.width, dtype=I32)
+    seq = view.seq_lens_cpu[:bs].numpy().astype(np.int32)          # a copy: the step's buffer changes
+    npages = (seq + (page_size - 1)) // page_size
+    kv_indptr = np.zeros(bs + 1, dtype=np.int32)
+    np.cumsum(npages, out=kv_indptr[1:])
+    last = seq - (npages - 1) * page_size
+    return HostPlan(qo_indptr, torch.from_numpy(kv_indptr), torch.from_numpy(last), torch.from_numpy(seq),
+                    int(kv_indptr[-1]), max_context_len, int(seq.max()))
 
 
 @dataclass(eq=False)
@@ -116,6 +131,7 @@ class Planned:
 
     call: Any
     step_id: int = -1
+    light: bool = False       # planned in full once and bound to the step's layout: replays replan light
 
 
 @dataclass(eq=False)
@@ -134,6 +150,7 @@ class FlashInferBase(LayoutBackend):
         super().__init__(config, memory)     # checks the device and dtype against the capabilities
         self.fi = import_flashinfer()
         self._qo: dict = {}            # (bs, W) -> qo_indptr host copy (a function of the key alone)
+        self._pages: dict = {}         # layer_id -> (the pool's tensors, their page views): see _kv_pages
 
     # -- hooks
     eager_as_graph: ClassVar[bool] = True   # uniform eager batches plan like graphs (FlashInfer plans differ)
@@ -141,9 +158,17 @@ class FlashInferBase(LayoutBackend):
     def _kind(self, layout: Layout) -> str:
         raise NotImplementedError
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor]):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor],
+                  bound: bool = False):
         """The wrapper for ``layout``: graph form for ``key`` reading the fixed ``indices``
-        buffer, or (``key`` None) the eager form."""
+        buffer, or (``key`` None) the eager form. ``bound``: a graph wrapper of the step's own
+        layout, reading its device tensors (``indices`` is ``layout.kv_indices``); a call has
+        ``replan(layout, host)``, the light plan of its replays."""
+        raise NotImplementedError
+
+    def _kv_pages(self, layer_id: int):
+        """The pool of ``layer_id`` as FlashInfer pages (views, no copy), made again only when the
+        pool's tensors of the layer are other objects (forward runs per layer: views cost host time)."""
         raise NotImplementedError
 
     def _metadata(self, view: StepView, key: Optional[GraphKey]) -> FlashInferMetadata:
@@ -153,15 +178,20 @@ class FlashInferBase(LayoutBackend):
         planned = view.cache.get(owner)
         if planned is None:
             lay = view.layout
-            planned = view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices))
+            planned = view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices, bound=True))
         return FlashInferMetadata(view, key, planned=planned)
 
     def _update(self, meta: FlashInferMetadata, view: StepView) -> None:
         planned = meta.planned
         if planned.step_id == view.step_id:      # one plan per step, whichever layer comes first
             return
-        key = meta.key
-        planned.call.plan(view.layout, eager_host_plan(view) if key is None else self.graph_host_plan(view, key))
+        key, call = meta.key, planned.call
+        host = eager_host_plan(view) if key is None else self.graph_host_plan(view, key)
+        if planned.light:                        # a replay of a key planned in full at capture
+            call.replan(view.layout, host)
+        else:
+            call.plan(view.layout, host)
+            planned.light = call.bound and call.light_ok(host)
         planned.step_id = view.step_id           # planned: a plan() that raised is tried again
 
     def _eager_call(self, view: StepView) -> Planned:
@@ -206,4 +236,4 @@ class FlashInferBase(LayoutBackend):
         if layer.scaling != self.config.sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
                              f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
-        return meta.planned.call.run(q, layer)
+        return meta.planned.call.run(q, self._kv_pages(layer.layer_id))

@@ -8,8 +8,10 @@ wrapper takes no custom mask: tree verify and multi-branch draft decode are refu
 (``Capabilities.cannot``). Calls follow flashinfer 0.7.2.post1 ``mla/_batch_mla/_wrapper.py``
 (``__init__`` graph buffers ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_len_arr``;
 ``plan(metadata=MLAPlanMetadata.csr(...))`` with host CSR copies, packed query and cache;
-``run(query=, kv_cache=, out=)``): graph plans copy the host metadata into the fixed buffers
-(``_fa_common._stage_metadata``), the ``kv_indices`` source being the fixed buffer itself.
+``run(query=, kv_cache=, out=)``). A graph wrapper's buffers are the step layout's
+(``cu_seqlens_q``, ``kv_indptr``, ``kv_indices``, ``seq_lens_k``): the capture's full plan
+stages the host metadata into them (``_fa_common._stage_metadata``, the same values the prep
+wrote); a replay reruns the scheduler alone (:meth:`MLACall.replan`).
 """
 from __future__ import annotations
 
@@ -33,12 +35,21 @@ def mla_backend_for(device: torch.device) -> str:
 
 
 class MLACall:
-    def __init__(self, backend: "FlashInferMLABackend", key: Optional[GraphKey], indices) -> None:
+    """One ``BatchMLAPagedAttentionWrapper``. Graph form: bound to the step's layout (its
+    ``cu_seqlens_q``, ``kv_indptr``, ``kv_indices``, ``seq_lens_k``) or, for an eager batch,
+    buffers of its own (``buffers``)."""
+
+    def __init__(self, backend: "FlashInferMLABackend", layout: Layout, key: Optional[GraphKey], indices,
+                 bound: bool) -> None:
         self.cfg, self.memory, self.fi = backend.config, backend.memory, backend.fi
+        self.bound = bound and key is not None
         dev = self.memory.device
         self.buffers: dict = {}
         kw = dict(backend=mla_backend_for(dev))
-        if key is not None:
+        if self.bound:
+            kw.update(use_cuda_graph=True, qo_indptr=layout.cu_seqlens_q, kv_indptr=layout.kv_indptr,
+                      kv_indices=indices, kv_len_arr=layout.seq_lens_k)
+        elif key is not None:
             z = lambda n: torch.zeros(n, dtype=I32, device=dev)  # noqa: E731
             b = self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_len_arr": z(key.bs)}
             kw.update(use_cuda_graph=True, qo_indptr=b["qo_indptr"], kv_indptr=b["kv_indptr"],
@@ -52,11 +63,35 @@ class MLACall:
                           head_dim_kpe=c.qk_rope_head_dim, page_size=layout.page_size,
                           causal=layout.max_seq_len_q > 1, sm_scale=c.sm_scale, q_data_type=c.dtype,
                           kv_data_type=c.dtype)
+        self.causal = layout.max_seq_len_q > 1
 
-    def run(self, q: torch.Tensor, layer) -> torch.Tensor:
-        kv, ps = self.memory.pool.kv[layer.layer_id], self.memory.page_size
-        pages = kv.view(kv.shape[0] // ps, ps, kv.shape[-1])                   # [pages, page_size, 576]
-        out = torch.empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank, dtype=q.dtype, device=q.device)
+    def light_ok(self, host: HostPlan) -> bool:
+        """The checks the full plan makes per batch hold for every batch of the key: its work
+        items (_fa_plan_work_count) are at most the SMs plus the query tiles (each request's KV
+        cut at a limit >= the average per cluster), tiles fixed by (bs, W, heads); the causal
+        tile check passes for any lengths when a tile holds whole head groups (power-of-two
+        heads <= 128, the constructor's rule); KV lengths stay within int32 arithmetic."""
+        from flashinfer.mla._batch_mla._backends import _fa_common as fa
+        h, bs = self.cfg.num_q_heads, host.bs
+        w = int(host.qo_indptr[1] - host.qo_indptr[0])
+        tile = 128 if w * h > 64 else 64
+        tiles = bs * -(-w * h // tile)
+        sms = fa.get_device_sm_count(self.memory.device)
+        return sms + tiles <= fa._FA_MAX_WORK_ITEMS and tile % h == 0 and 2 * host.max_kv + 256 < 2 ** 31
+
+    def replan(self, layout: Layout, host: HostPlan) -> None:
+        """``_plan_generated_fa``'s scheduler call alone: the kernel reads the plan's copies of the
+        CSR arrays in the int workspace and ``kv_indices`` from the layout, so the staging copies
+        (and snapshots) of the bound buffers are not needed."""
+        pb = self.wrapper._planned_backend
+        args = (pb._float_workspace_buffer, pb._int_workspace_buffer, pb._pin_memory_int_workspace_buffer,
+                host.qo_indptr, host.kv_indptr, host.kv_lens, self.cfg.num_q_heads, self.cfg.kv_lora_rank,
+                self.causal)
+        pb._plan_info, pb._staged_int_workspace_bytes = pb._cached_module.plan_with_staged_workspace_bytes(*args)
+        self.wrapper._plan_info = pb._plan_info
+
+    def run(self, q: torch.Tensor, pages) -> torch.Tensor:
+        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.kv_lora_rank))
         return self.wrapper.run(query=q, kv_cache=pages, out=out)
 
 
@@ -84,5 +119,13 @@ class FlashInferMLABackend(FlashInferBase):
     def _kind(self, layout: Layout) -> str:
         return "mla"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices):
-        return MLACall(self, key, indices)
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False):
+        return MLACall(self, layout, key, indices, bound)
+
+    def _kv_pages(self, layer_id: int):
+        kv = self.memory.pool.kv[layer_id]
+        hit = self._pages.get(layer_id)
+        if hit is None or hit[0] is not kv:
+            ps = self.memory.page_size
+            hit = self._pages[layer_id] = (kv, kv.view(kv.shape[0] // ps, ps, kv.shape[-1]))  # [pages, ps, 576]
+        return hit[1]

@@ -28,6 +28,7 @@ from attn_backends.backends.flashinfer_backend import FlashInferBackend
 from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
 
 PLANS: list = []          # (kind, batch size, graph form) of every emulated plan() call, in order
+PLAN_ARGS: list = []      # the arguments of each of those scheduler calls, as passed
 
 
 def _kv_rows(cache, indptr, indices, last, ps, i):
@@ -58,6 +59,7 @@ def _visible(n, kv, mode, mask, moff):
 class _Prefill:
     def plan(self, *args):
         PLANS.append(("prefill", args[7], args[11]))
+        PLAN_ARGS.append(args)
         return [0]
 
     def paged_run(self, *a):
@@ -75,6 +77,7 @@ class _Prefill:
 class _Decode:
     def plan(self, *args):
         PLANS.append(("decode", args[4], args[8]))
+        PLAN_ARGS.append(args)
         return [0]
 
     def run(self, *a):
@@ -88,6 +91,7 @@ class _Decode:
 class _MLA:
     def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal):
         PLANS.append(("mla", len(kvl), None))
+        PLAN_ARGS.append((fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal))
         meta = torch.cat([torch.tensor([len(kvl)]), qo, kvp, kvl]).to(torch.int32)
         iws.view(torch.int32)[:meta.numel()] = meta      # what the kernel reads comes from the plan
         return [0], 0
@@ -118,6 +122,7 @@ def install(monkeypatch) -> None:
     """Swap FlashInfer's kernel modules and device queries for the CPU emulations."""
     pytest.importorskip("flashinfer", reason="flashinfer is not importable here (Python 3.12 wheels)")
     PLANS.clear()
+    PLAN_ARGS.clear()
     monkeypatch.setattr(torch, "empty", _no_pin(torch.empty))
     dec, pre = importlib.import_module("flashinfer.decode"), importlib.import_module("flashinfer.prefill")
     monkeypatch.setattr(dec, "get_batch_decode_module", lambda *a: _Decode())
