@@ -174,7 +174,7 @@ def _decode_chunk_kernel(
                                  g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
-                         num_kv_splits, out, workspace=None, block_n=32, num_warps=4,
+                         num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
                          num_stages=2, heads_first=None, schedule="split"):
     """Paged GQA decode attention, written into ``out``.
 
@@ -187,6 +187,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     out : [bs, H, Dv], dtype of q
     workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32, counters)`` from
         ``decode_workspace``; allocated here when None (not inside a graph then).
+    block_n : KV tokens a tile (None: 64 in the chunk passes where the head dims are <= 64, else 32)
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
         requests on, where it measured faster; ``attention_core.heads_first_grid``)
     schedule : "split": ``num_kv_splits`` equal splits of every request; "chunks": the batch's KV
@@ -215,6 +216,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
+    if block_n is None:   # 64-token tiles for head dims <= 64 in the chunk passes (bench/RESULTS.md, 'Ragged batches')
+        block_n = 64 if schedule != "split" and max(D, Dv) <= 64 else 32
     if schedule != "split":
         per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
         part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, per_request, 1, Hkv)
