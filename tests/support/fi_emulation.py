@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections import deque
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from attn_backends.backends.flashinfer_backend import FlashInferBackend
 from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
 
 PLANS: list = []          # (kind, batch size, graph form) of every emulated plan() call, in order
-PLAN_ARGS: list = []      # the arguments of each of those scheduler calls, as passed
+PLAN_ARGS: deque = deque(maxlen=4)   # the arguments of the last scheduler calls, as passed (they hold workspaces)
 
 
 def _kv_rows(cache, indptr, indices, last, ps, i):
