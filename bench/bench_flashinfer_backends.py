@@ -17,7 +17,7 @@ bench/bench_flashinfer_backends.py $BENCH_RESULTS`` prints the table and the tar
   same batch in the same run (target: prepare <= plan() + 20 us).
 
 Host figures alternate their parts over 3 rounds and keep each part's least median.
-``python bench/bench_flashinfer_backends.py --emulated`` prints the same host comparisons on the
+``python bench/bench_flashinfer_backends.py --emulated [gqa|mla]`` prints the same host comparisons on the
 CPU through FlashInfer's Python with no-op kernel modules (tests/support/fi_emulation.py; host
 overhead of our code over the wrapper's, not GPU figures).
 
@@ -256,7 +256,7 @@ def _target(ours, raw, slack) -> str:
     return f" target <= +{slack} us: {'PASS' if ours <= raw + slack else 'MISS'}"
 
 
-def emulated_host() -> None:
+def emulated_host(families=("gqa", "mla")) -> None:
     """CPU host microseconds, FlashInfer's wrappers with no-op kernels: our forward vs the wrapper's
     run, our replay preparation and replan vs its full plan(), on the fi_plan batches."""
     import statistics
@@ -281,7 +281,7 @@ def emulated_host() -> None:
             fn()
             t.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(t)
-    for which in ("gqa", "mla"):
+    for which in families:
         for mode in MODES:
             for bs in BATCH_SIZES:
                 c = Case(which, mode, bs)
@@ -301,4 +301,4 @@ def emulated_host() -> None:
                       f"run() {a:5.1f} | replay prep {p:6.1f}, replan {u:6.1f} vs plan() {rp:7.1f} us", flush=True)
 
 if __name__ == "__main__":
-    emulated_host() if sys.argv[1] == "--emulated" else summarize(sys.argv[1])
+    emulated_host(tuple(sys.argv[2:]) or ("gqa", "mla")) if sys.argv[1] == "--emulated" else summarize(sys.argv[1])
