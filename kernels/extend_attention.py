@@ -262,7 +262,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         every request's rows in one tile, ``chunk_fits``; ``workspace`` from
         ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk and
         ``schedule.slots_per_request`` chunks a request), or "invariant" (fixed chunks: a
-        request's output bitwise the same in any batch and bucket)
+        request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -282,6 +282,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"{name}: schedule={schedule!r} not in {SCHEDULES}")
+    if schedule != "split" and fuse is not None:
+        raise ValueError(f"{name}: fuse={fuse} applies to the split schedule; schedule={schedule!r} always merges "
+                         f"in its last chunk program")
     if num_kv_splits < 1 or max_q_len < 1:
         raise ValueError(f"{name}: num_kv_splits={num_kv_splits} and max_q_len={max_q_len} "
                          f"must be >= 1")

@@ -1,7 +1,8 @@
 """KV work balanced over a fixed grid from the device's lengths: the chunk schedule (issue #40).
 
-A chunk-scheduled split pass launches ``num_chunks + bs`` programs a KV head, host ints fixed by
-the GraphKey, and every program finds its work on the device from ``seq_lens_k``: the batch's KV
+A chunk-scheduled split pass launches ``num_chunks + bs`` programs a KV head (the invariant schedule:
+as many as the page table's width allows, ``slots_per_request``), host ints fixed by the GraphKey, and
+every program finds its work on the device from ``seq_lens_k``: the batch's KV
 tiles (``BLOCK_N`` tokens) are cut into chunks of ``per = max(cdiv(tiles, num_chunks), MIN_TILES)``
 tiles, a request of ``t`` tiles taking ``cdiv(t, per)`` of them (at least one), numbered request
 after request. ``sum(cdiv(t_b, per)) <= tiles / per + bs <= num_chunks + bs``, so the grid covers
@@ -94,8 +95,8 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
         m = tl.full([ROWS], float("-inf"), tl.float32)
         for c0 in range(0, count, MERGE_LSE):
             ok = rows_ok[:, None] & (c0 + offs_c < count)[None, :]
-            lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
-                          cache_modifier=".cg")
+            lse = tl.load(lse_rows[:, None] + (c0 + offs_c).to(tl.int64)[None, :] * stride_lc, mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
             m = tl.maximum(m, tl.max(lse, 1))
         # Each reduced loop result is read once (Triton 3.6's thread-locality pass asserts it on
         # sm_90): a finite floor instead of a where, so a row no chunk saw anything of is zeros.
@@ -103,8 +104,8 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
         w_sum = tl.zeros([ROWS], tl.float32)
         for c0 in range(0, count, MERGE_LSE):
             ok = rows_ok[:, None] & (c0 + offs_c < count)[None, :]
-            lse = tl.load(lse_rows[:, None] + (c0 + offs_c)[None, :] * stride_lc, mask=ok, other=float("-inf"),
-                          cache_modifier=".cg")
+            lse = tl.load(lse_rows[:, None] + (c0 + offs_c).to(tl.int64)[None, :] * stride_lc, mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
             w_sum += tl.sum(tl.exp2(lse - m[:, None]), 1)
         den = tl.maximum(w_sum, 1e-30)
         for c in tl.static_range(BLOCK_DV // CHUNK_DV):
@@ -113,10 +114,11 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
             acc = tl.zeros([ROWS, CHUNK_DV], tl.float32)
             for c0 in range(0, count, MERGE_UNROLL):
                 for u in tl.static_range(MERGE_UNROLL):
-                    ok = c0 + u < count
-                    w = tl.exp2(tl.load(lse_rows + (c0 + u) * stride_lc, mask=rows_ok & ok, other=float("-inf"),
+                    i = c0 + u + tl.zeros([], tl.int64)   # int64: i * stride can pass 2**31 (thousands of wide chunks)
+                    ok = i < count
+                    w = tl.exp2(tl.load(lse_rows + i * stride_lc, mask=rows_ok & ok, other=float("-inf"),
                                         cache_modifier=".cg") - m)
-                    part = tl.load(part_rows[:, None] + (c0 + u) * stride_pc + offs_dv[None, :], mask=mask & ok,
+                    part = tl.load(part_rows[:, None] + i * stride_pc + offs_dv[None, :], mask=mask & ok,
                                    other=0.0, cache_modifier=".cg")
                     acc += w[:, None] * part
             tl.store(out_rows[:, None] + offs_dv[None, :], acc / den[:, None], mask=mask)

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import triton
 
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.extend_attention import chunk_fits, extend_attention_fwd
+from attn_backends_kernels.extend_attention import chunk_fits, extend_attention_fwd, pick_block_q
 from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, GraphSupport
@@ -21,6 +22,8 @@ from ..config import AttentionLayer
 from ..layout import Layout, MaskKind
 from .triton_common import TritonBackendBase, TritonMetadata
 
+# The batch-invariant prefill tile: query rows of a 64-row tile, whatever the batch's longest query.
+INVARIANT_TILE_ROWS = 64
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                        ForwardMode.DRAFT_EXTEND})
 
@@ -73,7 +76,7 @@ class TritonBackend(TritonBackendBase):
 
     def _splits(self, lay: Layout) -> int:
         if self.schedule == "invariant" and not self._chunked(lay):
-            return 1              # prefill: a split count from the batch would make its bits the batch's
+            return 1              # prefill and wide trees: a split count from the batch would make its bits the batch's
         return super()._splits(lay)
 
     def _exact_splits_below(self, width: int) -> int:
@@ -96,11 +99,16 @@ class TritonBackend(TritonBackendBase):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
                                  layer.scaling, splits, out, workspace=ws, schedule=self.schedule)
             return
+        chunked, tile = self._chunked(lay), {}
+        if self.schedule == "invariant" and not chunked:   # the batch's longest query would pick the tile
+            group = self.config.num_q_heads // self.config.num_kv_heads
+            tile = dict(block_q=pick_block_q(INVARIANT_TILE_ROWS, triton.next_power_of_2(group)), num_warps=4,
+                        num_stages=2)
         extend_attention_fwd(
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws,
-            schedule=self.schedule if self._chunked(lay) else "split")
+            schedule=self.schedule if chunked else "split", **tile)
 
 
 class BatchInvariantTritonBackend(TritonBackend):

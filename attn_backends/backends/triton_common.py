@@ -181,7 +181,8 @@ class TritonBackendBase(LayoutBackend):
         capture (the breakable runner's attention between its graph segments) keeps its own in
         the key's record, whose every tensor but q, KV and out is static and whose host values
         come from the key, so one recording serves every later replay."""
-        owner = LibraryKey(type(self), (self.config, id(self.memory)), None, "recorded launches")
+        # the schedule too: a batch_invariant instance and a default one on one step launch other kernels
+        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule), None, "recorded launches")
         held = view.cache.get(owner)
         if held is None or held[0] != view.step_id:
             held = view.cache[owner] = (view.step_id, {})

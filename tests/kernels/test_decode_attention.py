@@ -115,7 +115,7 @@ def test_decode_cuda_graph_replay(page_size):
 CHUNK_CASES = [
     (16, [3000, 40, 5, 300], 8, 2, 2),      # long tail: one request cut into 9 chunks
     (1, [1, 700, 33], 4, 1, 3),
-    (64, [513, 512, 511], 4, 4, 1),         # uniform: one chunk a request at 1 a request
+    (64, [513, 512, 511], 4, 4, 1),         # near-uniform: two chunks a request (the pad row counts in the budget)
     (16, [2, 900, 900, 17, 1800], 6, 2, 4),
 ]
 

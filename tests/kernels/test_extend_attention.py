@@ -192,3 +192,39 @@ def test_verify_chunk_schedule_gpu(mask, W, H, Hkv, D, per_request):
     out, ref = run_extend([W] * len(seq_lens), seq_lens, 16, H, Hkv, D, torch.bfloat16, "cuda", mask=mask,
                           splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks")
     assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
+def test_invariant_verify_is_bitwise_the_same_in_any_batch(mask):
+    """Request 0 (three invariant chunks) alone and inside two other batches, every mask: the same
+    bits, and the float64 reference."""
+    W, H, Hkv, D, ps = 3, 6, 2, 16, 16
+    table, lens, num_pages = make_paged_batch([2100, 7, 300, 40, 9, 1000], ps, seed=4)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(num_pages * ps, Hkv, D, generator=g), torch.randn(num_pages * ps, Hkv, D, generator=g)
+    q_req = torch.randn(6, W, H, D, generator=g)
+    tree = torch.rand(6, W, W, generator=g) < 0.5
+    tree.diagonal(dim1=1, dim2=2).fill_(True)
+    got = []
+    for ids in ([0], [0, 1, 2], [3, 0, 4, 5]):
+        bs = len(ids)
+        cu = torch.arange(0, (bs + 1) * W, W, dtype=torch.int32)
+        q = q_req[ids].reshape(bs * W, H, D)
+        out = torch.full((bs * W, H, D), float("nan"))
+        draft = (lens[ids] - 2 * W).clamp(min=0).to(torch.int32) if mask == DRAFT else None
+        custom = tree[ids].reshape(-1) if mask == TREE else None
+        extend_attention_fwd(q, k, v, table[ids], lens[ids], cu, ps, D ** -0.5, W, out, mask=mask, custom_mask=custom,
+                             draft_prefix_lens=draft, num_kv_splits=2, schedule="invariant")
+        assert_close(out, ref_paged_attention(q, k, v, table[ids], lens[ids], cu, ps, D ** -0.5, mask, custom, draft),
+                     1e-5)
+        got.append(out[ids.index(0) * W:(ids.index(0) + 1) * W])
+    assert all(torch.equal(got[0], o) for o in got[1:]), "request 0's rows depend on the batch"
+
+
+def test_chunk_schedule_refuses_fuse():
+    q = torch.zeros(8, 4, 16)
+    kv = torch.zeros(64, 1, 16)
+    with pytest.raises(ValueError, match="fuse=True applies to the split schedule"):
+        extend_attention_fwd(q, kv, kv, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32),
+                             torch.tensor([0, 4, 8], dtype=torch.int32), 16, 1.0, 4, torch.zeros(8, 4, 16),
+                             schedule="chunks", fuse=True)
