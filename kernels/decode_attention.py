@@ -194,7 +194,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         cut into about ``bs * num_kv_splits`` equal chunks on the device (``schedule.chunk_of``),
         ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1, chunks a request
         ``schedule.slots_per_request``); "invariant": chunks of ``INVARIANT_CHUNK_TOKENS`` whatever
-        the batch (a request's output bitwise the same in any batch and bucket)
+        the batch (a request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
