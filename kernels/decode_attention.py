@@ -30,7 +30,7 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
-from .kv_walk import NO_MASK, walk_paged
+from .kv_walk import NO_MASK, head_and_item, walk_paged
 from .launch_record import launch
 from .schedule import (
     SCHEDULES,
@@ -63,14 +63,7 @@ def _decode_split_kernel(
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
 ):
-    if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        num_kvh = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kvh = tl.num_programs(1)
+    kvh, b, num_kvh = head_and_item(HEADS_FIRST)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -131,14 +124,7 @@ def _decode_chunk_kernel(
     """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining."""
-    if HEADS_FIRST:  # a chunk's KV heads adjacent: they read the same pages' rows
-        kvh = tl.program_id(0)
-        c = tl.program_id(1)
-        num_kvh = tl.num_programs(0)
-    else:
-        c = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kvh = tl.num_programs(1)
+    kvh, c, num_kvh = head_and_item(HEADS_FIRST)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
                                                   BLOCK_BS)
     offs_h = tl.arange(0, BLOCK_H)

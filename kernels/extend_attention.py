@@ -39,7 +39,7 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
-from .kv_walk import MASK_KINDS, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
+from .kv_walk import MASK_KINDS, head_and_item, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
 from .launch_record import launch
 from .schedule import (
     SCHEDULES,
@@ -157,14 +157,7 @@ def _extend_chunk_kernel(
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
     chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    if HEADS_FIRST:  # a chunk's KV heads adjacent: they read the same pages' rows
-        kvh = tl.program_id(0)
-        c = tl.program_id(1)
-        num_kvh = tl.num_programs(0)
-    else:
-        c = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kvh = tl.num_programs(1)
+    kvh, c, num_kvh = head_and_item(HEADS_FIRST)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
                                                   BLOCK_BS)
     offs_m = tl.arange(0, BLOCK_M)

@@ -31,6 +31,21 @@ def visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask
 
 
 @triton.jit
+def head_and_item(HEADS_FIRST: tl.constexpr):
+    """``(KV head, item, KV heads)`` of a program of the grid ``(Hkv, items, ...)`` where
+    ``HEADS_FIRST`` (an item's KV heads adjacent: they read the same tokens' rows of the cache),
+    else ``(items, Hkv, ...)``; the item is a request or a chunk."""
+    kvh = tl.program_id(1)
+    item = tl.program_id(0)
+    num_kvh = tl.num_programs(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        item = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    return kvh, item, num_kvh
+
+
+@triton.jit
 def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc,
                j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base,

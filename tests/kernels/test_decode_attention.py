@@ -121,7 +121,7 @@ CHUNK_CASES = [
 
 
 def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_rows=1, seed=0, block_n=16,
-                schedule="chunks"):
+                schedule="chunks", heads_first=None):
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows, device=device, seed=seed)
     bs = lens.shape[0]
@@ -135,16 +135,18 @@ def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     decode_attention_fwd(q, k_buf, v_buf, page_table, lens, page_size, D ** -0.5, per_request, out, ws,
-                         block_n=block_n, schedule=schedule)
+                         block_n=block_n, schedule=schedule, heads_first=heads_first)
     n = len(seq_lens)
     ref = ref_paged_attention(q[:n], k_buf, v_buf, page_table[:n], lens[:n], torch.arange(n + 1, dtype=torch.int32),
                               page_size, D ** -0.5)
     return out, ref, ws
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("page_size,seq_lens,H,Hkv,per_request", CHUNK_CASES)
-def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request):
-    out, ref, ws = run_chunked(seq_lens, page_size, H, Hkv, 16, per_request, torch.float32, "cpu")
+def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request, heads_first):
+    out, ref, ws = run_chunked(seq_lens, page_size, H, Hkv, 16, per_request, torch.float32, "cpu",
+                               heads_first=heads_first)
     assert_close(out[:len(seq_lens)], ref, 1e-5)
     assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
 

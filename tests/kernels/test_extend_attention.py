@@ -8,7 +8,8 @@ from attn_backends_kernels.schedule import chunk_workspace
 
 
 def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,
-               pad_rows=1, draft_prefix=None, seed=0, block_q=None, schedule="split", block_n=None):
+               pad_rows=1, draft_prefix=None, seed=0, block_q=None, schedule="split", block_n=None,
+               heads_first=None):
     """Requests with q_lens[i] rows over seq_lens[i] KV tokens, plus padding rows that
     own W = q_lens[0] rows over page 0 (seq_len = W)."""
     torch.manual_seed(seed)
@@ -43,7 +44,8 @@ def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSA
     scale = D ** -0.5
     extend_attention_fwd(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, max(all_q),
                          out, mask=mask, custom_mask=custom_mask, draft_prefix_lens=draft_lens,
-                         num_kv_splits=splits, workspace=ws, block_q=block_q, schedule=schedule, block_n=block_n)
+                         num_kv_splits=splits, workspace=ws, block_q=block_q, schedule=schedule, block_n=block_n,
+                         heads_first=heads_first)
     if schedule == "split":
         return out, ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
                                         custom_mask, draft_lens)
@@ -162,14 +164,16 @@ def test_draft_branch_gpu(dtype, page_size):
 
 
 @pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
-@pytest.mark.parametrize("page_size,W,H,Hkv,per_request", [(16, 4, 4, 1, 2), (1, 3, 8, 2, 1), (64, 8, 4, 2, 3)])
-def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request):
+@pytest.mark.parametrize("page_size,W,H,Hkv,per_request,heads_first", [(16, 4, 4, 1, 2, False), (1, 3, 8, 2, 1, True),
+                                                                       (64, 8, 4, 2, 3, True)])
+def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request, heads_first):
     """The chunk schedule on a long-tail batch (one request cut into many chunks, the rest
     whole), every mask; NaN in the workspace and in page 0 (the pad rows')."""
     seq_lens = [2500, W + 3, W, 300]
     draft = [max(n - W * 2, 0) for n in seq_lens] if mask == DRAFT else None
     out, ref = run_extend([W] * 4, seq_lens, page_size, H, Hkv, 16, torch.float32, "cpu", mask=mask,
-                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks", block_n=16)
+                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks", block_n=16,
+                          heads_first=heads_first)
     assert_close(out, ref, 1e-5)
 
 
