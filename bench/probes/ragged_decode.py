@@ -107,11 +107,13 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     res = {"row": f"{H}/{Hkv} d{D} bs{bs} {dist}", "S": S, "tokens": sum(lens)}
     out0, split = ours(pg, q, kb, vb, S, "split")
     res["split"] = graph_us(split)
+    best = None
     for m in mults:
         for bn in block_ns:
             out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn)
-            res[f"chunks x{m} n{bn}"] = graph_us(fn)
+            res[f"chunks x{m} n{bn}"] = t = graph_us(fn)
             assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} differ from split"
+            best = min(best or (t, m, bn), (t, m, bn))
     out, fn = ours(pg, q, kb, vb, S, "invariant")
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -121,7 +123,8 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     mean = -(-sum(lens) // bs)
     upg = paged([mean] * bs, Hkv, D, gen)
     ukb = torch.randn(upg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * mults[0], "chunks")[1])
+    # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
+    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * best[1], "chunks", best[2])[1])
     return res
 
 
