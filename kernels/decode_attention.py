@@ -33,11 +33,13 @@ from .attention_core import (
 from .kv_walk import NO_MASK, head_and_item, walk_paged
 from .launch_record import launch
 from .schedule import (
+    MERGES,
     SCHEDULES,
     chunk_of,
     chunk_slots,
     chunk_targets,
     fixed_tiles,
+    merge_chunk_pass,
     merge_chunks_if_last,
     min_tiles,
     slots_per_request,
@@ -119,7 +121,7 @@ def _decode_chunk_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
 ):
     """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
@@ -152,16 +154,18 @@ def _decode_chunk_kernel(
             jj = c.to(tl.int64)
             store_partial(acc, m_i, l_i, o_ptr + jj * stride_oc + heads[:, None] * stride_oh + offs_dv[None, :],
                           tile, lse_ptr + jj * stride_lc + heads * stride_lh, mask_h, 2)
-            g = tl.arange(0, GROUP_PAD)
-            hg = kvh * GROUP + g
-            f = first.to(tl.int64)
-            merge_chunks_if_last(sem_ptr + b * num_kvh + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
-                                 lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
-                                 g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
+            if MERGE_LAST:           # else the separate pass merges (schedule.merge_chunk_pass)
+                g = tl.arange(0, GROUP_PAD)
+                hg = kvh * GROUP + g
+                f = first.to(tl.int64)
+                merge_chunks_if_last(sem_ptr + b * num_kvh + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
+                                     lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
+                                     g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
+
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
-                         num_stages=2, heads_first=None, schedule="split"):
+                         num_stages=2, heads_first=None, schedule="split", merge="last"):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -181,6 +185,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1, chunks a request
         ``schedule.slots_per_request``); "invariant": chunks of ``INVARIANT_CHUNK_TOKENS`` whatever
         the batch (a request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
+    merge : the chunk schedules' merge: "last" (a request's last chunk program, one launch) or
+        "pass" (a second launch spread over rows, heads and columns: ``schedule.merge_chunk_pass``)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -196,6 +202,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     if schedule not in SCHEDULES:
         raise ValueError(f"decode_attention_fwd: schedule={schedule!r} not in {SCHEDULES}")
+    if merge not in MERGES or (merge != "last" and schedule == "split"):
+        raise ValueError(f"decode_attention_fwd: merge={merge!r} not in {MERGES} (the split schedule: 'last')")
     if bs == 0:
         return out
     group = H // Hkv
@@ -221,7 +229,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             BLOCK_BS=triton.next_power_of_2(bs),
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), HEADS_FIRST=heads_first,
-            num_warps=num_warps, num_stages=num_stages)
+            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages)
+        if merge == "pass":
+            merge_chunk_pass(seq_lens_k, None, part, lse, out, bs, num_chunks, 1, block_n, schedule)
         return out
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)

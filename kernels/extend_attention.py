@@ -42,11 +42,13 @@ from .attention_core import (
 from .kv_walk import MASK_KINDS, head_and_item, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
 from .launch_record import launch
 from .schedule import (
+    MERGES,
     SCHEDULES,
     chunk_of,
     chunk_slots,
     chunk_targets,
     fixed_tiles,
+    merge_chunk_pass,
     merge_chunks_if_last,
     min_tiles,
     slots_per_request,
@@ -151,7 +153,7 @@ def _extend_chunk_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
 ):
     """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
@@ -195,13 +197,14 @@ def _extend_chunk_kernel(
             mine = c.to(tl.int64) * rows_per_chunk + j
             store_partial(acc, m_i, l_i, o_ptr + mine[:, None] * stride_ot + heads[:, None] * stride_oh
                           + offs_dv[None, :], tile, lse_ptr + mine * stride_lt + heads * stride_lh, row_ok, 2)
-            at = first.to(tl.int64) * rows_per_chunk + j
-            sem = sem_ptr + b * num_kvh + kvh
-            outs = out_ptr + rows * stride_xt + heads * stride_xh
-            merge_chunks_if_last(sem, count, o_ptr + at * stride_ot + heads * stride_oh,
-                                 lse_ptr + at * stride_lt + heads * stride_lh, outs, row_ok,
-                                 rows_per_chunk * stride_ot, rows_per_chunk * stride_lt, HEAD_DIM_V, BLOCK_M,
-                                 BLOCK_DV, CHUNK_DV)
+            if MERGE_LAST:           # else the separate pass merges (schedule.merge_chunk_pass)
+                at = first.to(tl.int64) * rows_per_chunk + j
+                sem = sem_ptr + b * num_kvh + kvh
+                outs = out_ptr + rows * stride_xt + heads * stride_xh
+                merge_chunks_if_last(sem, count, o_ptr + at * stride_ot + heads * stride_oh,
+                                     lse_ptr + at * stride_lt + heads * stride_lh, outs, row_ok,
+                                     rows_per_chunk * stride_ot, rows_per_chunk * stride_lt, HEAD_DIM_V, BLOCK_M,
+                                     BLOCK_DV, CHUNK_DV)
 
 
 def pick_block_q(max_q_len, group_pad, max_rows=64):
@@ -228,7 +231,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
                          block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None,
-                         schedule="split"):
+                         schedule="split", merge="last"):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
@@ -256,6 +259,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk and
         ``schedule.slots_per_request`` chunks a request), or "invariant" (fixed chunks: a
         request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
+    merge : the chunk schedules' merge, "last" or "pass" (as ``decode_attention_fwd``'s)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -275,6 +279,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"{name}: schedule={schedule!r} not in {SCHEDULES}")
+    if merge not in MERGES or (merge != "last" and schedule == "split"):
+        raise ValueError(f"{name}: merge={merge!r} not in {MERGES} (the split schedule: 'last')")
     if schedule != "split" and fuse is not None:
         raise ValueError(f"{name}: fuse={fuse} applies to the split schedule; schedule={schedule!r} always merges "
                          f"in its last chunk program")
@@ -335,7 +341,9 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
-            HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages)
+            HEADS_FIRST=heads_first, MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages)
+        if merge == "pass":
+            merge_chunk_pass(seq_lens_k, cu_seqlens_q, part, lse, out, bs, num_chunks, max_q_len, block_n, schedule)
         return out
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None

@@ -20,11 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_record import launch
+
 # The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
 # little KV (today's split passes never split finer either; bench/RESULTS.md, 'Split counts').
 MIN_CHUNK_TOKENS = 256
 MERGE_LSE = tl.constexpr(32)      # chunks' log-sum-exps a load in the merge
 MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
+# The separate merge pass: chunks a load ([chunks, 128 columns] of one row and head). A request's
+# merge by its last chunk program reads its chunks serially; the pass spreads them over programs.
+MERGE_PASS_CHUNKS = 16
+MERGES = ("last", "pass")
 
 
 # The batch-invariant schedule's chunk: a request's output is the same bits whatever else is in
@@ -51,13 +57,10 @@ def slots_per_request(schedule: str, num_kv_splits: int, max_tokens: int) -> int
 
 
 @triton.jit
-def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
-    """Chunk ``j`` of the schedule: ``(b, first, count, start, end, total)``, its request (``b >=
-    bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
-    the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
-    chunks of that many tiles whatever the batch (the batch-invariant schedule, whose grid covers
-    as many chunks a request as the page table's width allows: ``slots_per_request``)."""
+def _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                  FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
+    """The schedule of the batch: ``(offs, lens, per, n, ends)``, each request's length, the chunk
+    in tiles, each request's chunk count and their running sum."""
     offs = tl.arange(0, BLOCK_BS)
     lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + BLOCK_N - 1) // BLOCK_N
@@ -65,7 +68,18 @@ def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: 
     if FIXED_TILES > 0:
         per = per * 0 + FIXED_TILES
     n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
-    ends = tl.cumsum(n, 0)
+    return offs, lens, per, n, tl.cumsum(n, 0)
+
+
+@triton.jit
+def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
+    """Chunk ``j`` of the schedule: ``(b, first, count, start, end, total)``, its request (``b >=
+    bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
+    the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
+    chunks of that many tiles whatever the batch (the batch-invariant schedule, whose grid covers
+    as many chunks a request as the page table's width allows: ``slots_per_request``)."""
+    offs, lens, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS)
     b = tl.sum((ends <= j).to(tl.int32), 0)
     mine = offs == b
     count = tl.sum(tl.where(mine, n, 0), 0)
@@ -122,6 +136,67 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
                                    other=0.0, cache_modifier=".cg")
                     acc += w[:, None] * part
             tl.store(out_rows[:, None] + offs_dv[None, :], acc / den[:, None], mask=mask)
+
+
+@triton.jit
+def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr, bs, num_chunks, rows_per_chunk,
+                             stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
+                             NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                             BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr):
+    """The separate merge (``merge="pass"``): program (query row j of request b, head, column
+    block) merges that row's chunk partials, BLOCK_C chunks a load, in chunk order, where the
+    request has more than one chunk (one chunk wrote its output itself). ``cu_q_ptr``: the rows
+    of each request (HAS_CU; else one row a request, decode)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    b = r // rows_per_chunk
+    j = r % rows_per_chunk
+    offs, lens, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS)
+    count = tl.sum(tl.where(offs == b, n, 0), 0)
+    first = tl.sum(tl.where(offs == b, ends, 0), 0) - count
+    q_start = b
+    q_len = 1
+    if HAS_CU:
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if (count > 1) & (j < q_len):
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < HEAD_DIM_V
+        m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for c0 in range(0, count, BLOCK_C):
+            rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+            m = tl.maximum(m, tl.load(lse_ptr + rows * stride_lt + h * stride_lh, mask=c0 + offs_c < count,
+                                      other=float("-inf")))
+        top = tl.maximum(tl.max(m, 0), -1e30)            # a row no chunk saw anything of: zeros
+        w_sum = tl.zeros([BLOCK_C], tl.float32)
+        acc = tl.zeros([BLOCK_C, BLOCK_DV], tl.float32)
+        for c0 in range(0, count, BLOCK_C):
+            ok = c0 + offs_c < count
+            rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+            w = tl.exp2(tl.load(lse_ptr + rows * stride_lt + h * stride_lh, mask=ok, other=float("-inf")) - top)
+            part = tl.load(part_ptr + rows[:, None] * stride_pt + h * stride_ph + offs_dv[None, :],
+                           mask=ok[:, None] & mask_dv[None, :], other=0.0)
+            w_sum += w                                   # elementwise: the sums over chunks come after the loop
+            acc += w[:, None] * part
+        out = tl.sum(acc, 0) / tl.maximum(tl.sum(w_sum, 0), 1e-30)
+        tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + h * stride_oh + offs_dv, out, mask=mask_dv)
+
+
+def merge_chunk_pass(seq_lens_k, cu_seqlens_q, part, lse, out, bs: int, num_chunks: int, rows_per_chunk: int,
+                     block_n: int, schedule: str) -> None:
+    """Launch the separate merge of a chunk pass's partials (``merge="pass"``) into ``out [T, H,
+    Dv]``: the same schedule (``num_chunks``, ``block_n``, ``schedule``) as the pass; ``cu_seqlens_q``
+    None for decode (one row a request)."""
+    H, Dv = out.shape[1], out.shape[2]
+    block_dv = min(triton.next_power_of_2(Dv), 128)
+    launch(_merge_chunk_pass_kernel, (bs * rows_per_chunk, H, triton.cdiv(Dv, block_dv)),
+           seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, bs, num_chunks,
+           rows_per_chunk, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+           NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=block_n,
+           MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
+           BLOCK_BS=triton.next_power_of_2(bs), HAS_CU=cu_seqlens_q is not None)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

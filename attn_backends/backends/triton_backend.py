@@ -62,6 +62,9 @@ class TritonBackend(TritonBackendBase):
     # into equal chunks on the device, whatever the lengths (bench/RESULTS.md, 'Ragged batches');
     # batch_invariant=True: into fixed chunks, a request's output then the same bits in any batch.
     schedule = "chunks"
+    # How a request's chunks are merged: "last" (its last chunk program, one launch) or "pass" (a
+    # second launch spread over rows, heads and columns; kernels/schedule.py, merge_chunk_pass).
+    chunk_merge = "last"
 
     def __init__(self, config, memory, batch_invariant: bool = False) -> None:
         super().__init__(config, memory)
@@ -95,11 +98,12 @@ class TritonBackend(TritonBackendBase):
         lay = meta.layout
         kb, vb = kv
         splits, ws = meta.num_kv_splits, meta.workspace
+        chunked, tile = self._chunked(lay), {}
+        merge = self.chunk_merge if chunked else "last"
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule)
+                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule, merge=merge)
             return
-        chunked, tile = self._chunked(lay), {}
         if self.schedule == "invariant" and not chunked:   # the batch's longest query would pick the tile
             group = self.config.num_q_heads // self.config.num_kv_heads
             tile = dict(block_q=pick_block_q(INVARIANT_TILE_ROWS, triton.next_power_of_2(group)), num_warps=4,
@@ -108,7 +112,7 @@ class TritonBackend(TritonBackendBase):
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws,
-            schedule=self.schedule if chunked else "split", **tile)
+            schedule=self.schedule if chunked else "split", merge=merge, **tile)
 
 
 class BatchInvariantTritonBackend(TritonBackend):

@@ -7,7 +7,9 @@ tensor cores) on the same pages, and beside a uniform batch of the same total KV
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench``: L2 cleared before each run), bf16,
 page 16, shuffled pages. ``S``: the split count the ``triton`` backend takes for the row's
-(bs, W); chunk budgets are ``bs * S * m`` for ``m`` in ``--mults``. ``x`` = FlashInfer's best / ours.
+(bs, W); chunk budgets are ``bs * S * m`` for ``m`` in ``--mults``; ``--merges``: a request's chunks
+merged by its last chunk program ("last") or by a second launch ("pass", shown as such). ``x`` =
+FlashInfer's best / ours.
 """
 from __future__ import annotations
 
@@ -68,14 +70,15 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
-def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32):
+def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last"):
     bs, H, D = q.shape
     out = torch.empty_like(q)
     per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
     ws = (chunk_workspace(bs, per_request, 1, H, kb.shape[1], D, "cuda") if schedule != "split"
           else decode_workspace(bs, H, D, S, "cuda") if S > 1 else None)
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
-                                             schedule=schedule, block_n=block_n)
+                                             schedule=schedule, block_n=block_n,
+                                             merge=merge if schedule != "split" else "last")
 
 
 def flashinfer_calls(pg, q, kb, vb, fi, ws):
@@ -96,7 +99,7 @@ def flashinfer_calls(pg, q, kb, vb, fi, ws):
     return calls
 
 
-def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,)) -> dict:
+def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs)
     pg = paged(lens, Hkv, D, gen)
@@ -108,12 +111,11 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     out0, split = ours(pg, q, kb, vb, S, "split")
     res["split"] = graph_us(split)
     best = None
-    for m in mults:
-        for bn in block_ns:
-            out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn)
-            res[f"chunks x{m} n{bn}"] = t = graph_us(fn)
-            assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} differ from split"
-            best = min(best or (t, m, bn), (t, m, bn))
+    for m, bn, mg in ((m, bn, mg) for m in mults for bn in block_ns for mg in merges):
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg)
+        res[f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass")] = t = graph_us(fn)
+        assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} {mg} differ from split"
+        best = min(best or (t, m, bn, mg), (t, m, bn, mg))
     out, fn = ours(pg, q, kb, vb, S, "invariant")
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -124,7 +126,8 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     upg = paged([mean] * bs, Hkv, D, gen)
     ukb = torch.randn(upg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
-    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * best[1], "chunks", best[2])[1])
+    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * best[1], "chunks", best[2],
+                                               best[3])[1])
     return res
 
 
@@ -134,6 +137,7 @@ def main(argv=None):
     p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
     p.add_argument("--mults", default="1,2,4")
     p.add_argument("--block-ns", default="32", help="the chunk passes' KV tile sizes to try")
+    p.add_argument("--merges", default="last,pass", help="the chunk merges to try (last, pass)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -153,7 +157,8 @@ def main(argv=None):
         H, Hkv = map(int, heads.split("/"))
         D, bs = map(int, rest.split(":"))
         for dist in args.dists.split(","):
-            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")])
+            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
+                    args.merges.split(","))
             best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
             best = min(v for k, v in r.items() if k.startswith("chunks"))
             times = " ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float))

@@ -1,7 +1,7 @@
 """The ``triton`` backend's chunk schedule through the backend contract, with requests long enough
 that a request's chunks are merged (the other backend tests' contexts are shorter than a chunk):
-every uniform mode it serves, both schedules, eager against the float64 reference and the graph
-metadata path (capture another batch, replay this one) equal to eager bitwise."""
+every uniform mode it serves, both schedules and both merges, eager against the float64 reference and
+the graph metadata path (capture another batch, replay this one) equal to eager bitwise."""
 import random
 
 import pytest
@@ -32,13 +32,14 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("invariant,merge", [(False, "last"), (True, "last"), (False, "pass")])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_chunk_schedule_through_the_backend(name, invariant):
+def test_chunk_schedule_through_the_backend(name, invariant, merge):
     cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
     mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
                       seed=1, device=DEVICE)
     be = TritonBackend(cfg, mem, batch_invariant=invariant)
+    be.chunk_merge = merge
     fill = be.get_cuda_graph_seq_len_fill_value()
     m = materialize(SCENARIOS[name](), mem, fill)
     g = torch.Generator().manual_seed(3)

@@ -52,6 +52,8 @@ def test_decode_rejects_bad_inputs():
         decode_attention_fwd(q, kv, kv, pt, lens, 1, 1.0, 2, out)
     with pytest.raises(ValueError, match="num_kv_splits=0"):
         decode_attention_fwd(q, kv, kv, pt.int(), lens, 1, 1.0, 0, out)
+    with pytest.raises(ValueError, match="merge='pass' not in"):
+        decode_attention_fwd(q, kv, kv, pt.int(), lens, 1, 1.0, 2, out, merge="pass")
 
 
 # dtype x head_dim x group in full; page sizes rotate through the cases (each kernel
@@ -121,7 +123,7 @@ CHUNK_CASES = [
 
 
 def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_rows=1, seed=0, block_n=16,
-                schedule="chunks", heads_first=None):
+                schedule="chunks", heads_first=None, merge="last"):
     torch.manual_seed(seed)
     page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=pad_rows, device=device, seed=seed)
     bs = lens.shape[0]
@@ -135,18 +137,18 @@ def run_chunked(seq_lens, page_size, H, Hkv, D, per_request, dtype, device, pad_
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     decode_attention_fwd(q, k_buf, v_buf, page_table, lens, page_size, D ** -0.5, per_request, out, ws,
-                         block_n=block_n, schedule=schedule, heads_first=heads_first)
+                         block_n=block_n, schedule=schedule, heads_first=heads_first, merge=merge)
     n = len(seq_lens)
     ref = ref_paged_attention(q[:n], k_buf, v_buf, page_table[:n], lens[:n], torch.arange(n + 1, dtype=torch.int32),
                               page_size, D ** -0.5)
     return out, ref, ws
 
 
-@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("heads_first,merge", [(False, "last"), (True, "last"), (False, "pass")])
 @pytest.mark.parametrize("page_size,seq_lens,H,Hkv,per_request", CHUNK_CASES)
-def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request, heads_first):
+def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request, heads_first, merge):
     out, ref, ws = run_chunked(seq_lens, page_size, H, Hkv, 16, per_request, torch.float32, "cpu",
-                               heads_first=heads_first)
+                               heads_first=heads_first, merge=merge)
     assert_close(out[:len(seq_lens)], ref, 1e-5)
     assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
 
@@ -183,11 +185,13 @@ def test_chunk_schedule_covers_every_token_once_in_equal_chunks(lens, per_reques
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("merge", ["last", "pass"])
 @pytest.mark.parametrize("dtype,D,group,per_request", [(torch.bfloat16, 128, 4, 2), (torch.bfloat16, 64, 8, 8),
                                                        (torch.float16, 128, 1, 1)])
-def test_decode_chunk_schedule_gpu(dtype, D, group, per_request):
+def test_decode_chunk_schedule_gpu(dtype, D, group, per_request, merge):
     lens = [32768, 17, 700, 1, 4096, 129, 2000, 256]          # long tail: one request holds most tokens
-    out, ref, ws = run_chunked(lens, 16, 4 * group, 4, D, per_request, dtype, "cuda", pad_rows=2, block_n=32)
+    out, ref, ws = run_chunked(lens, 16, 4 * group, 4, D, per_request, dtype, "cuda", pad_rows=2, block_n=32,
+                               merge=merge)
     assert_close(out[:len(lens)], ref, 1e-2)
     assert not ws[2].any()
 

@@ -9,7 +9,7 @@ from attn_backends_kernels.schedule import chunk_workspace
 
 def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSAL, splits=1,
                pad_rows=1, draft_prefix=None, seed=0, block_q=None, schedule="split", block_n=None,
-               heads_first=None):
+               heads_first=None, merge="last"):
     """Requests with q_lens[i] rows over seq_lens[i] KV tokens, plus padding rows that
     own W = q_lens[0] rows over page 0 (seq_len = W)."""
     torch.manual_seed(seed)
@@ -45,7 +45,7 @@ def run_extend(q_lens, seq_lens, page_size, H, Hkv, D, dtype, device, mask=CAUSA
     extend_attention_fwd(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, max(all_q),
                          out, mask=mask, custom_mask=custom_mask, draft_prefix_lens=draft_lens,
                          num_kv_splits=splits, workspace=ws, block_q=block_q, schedule=schedule, block_n=block_n,
-                         heads_first=heads_first)
+                         heads_first=heads_first, merge=merge)
     if schedule == "split":
         return out, ref_paged_attention(q, k_buf, v_buf, page_table, lens, cu, page_size, scale, mask,
                                         custom_mask, draft_lens)
@@ -164,16 +164,16 @@ def test_draft_branch_gpu(dtype, page_size):
 
 
 @pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
-@pytest.mark.parametrize("page_size,W,H,Hkv,per_request,heads_first", [(16, 4, 4, 1, 2, False), (1, 3, 8, 2, 1, True),
-                                                                       (64, 8, 4, 2, 3, True)])
-def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request, heads_first):
+@pytest.mark.parametrize("page_size,W,H,Hkv,per_request,heads_first,merge", [
+    (16, 4, 4, 1, 2, False, "last"), (1, 3, 8, 2, 1, True, "last"), (64, 8, 4, 2, 3, True, "pass")])
+def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request, heads_first, merge):
     """The chunk schedule on a long-tail batch (one request cut into many chunks, the rest
     whole), every mask; NaN in the workspace and in page 0 (the pad rows')."""
     seq_lens = [2500, W + 3, W, 300]
     draft = [max(n - W * 2, 0) for n in seq_lens] if mask == DRAFT else None
     out, ref = run_extend([W] * 4, seq_lens, page_size, H, Hkv, 16, torch.float32, "cpu", mask=mask,
                           splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks", block_n=16,
-                          heads_first=heads_first)
+                          heads_first=heads_first, merge=merge)
     assert_close(out, ref, 1e-5)
 
 
@@ -188,13 +188,13 @@ def test_chunk_schedule_refuses_requests_wider_than_a_tile():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mask", [CAUSAL, TREE, DRAFT])
-@pytest.mark.parametrize("W,H,Hkv,D,per_request", [(4, 28, 4, 128, 2), (4, 32, 8, 64, 4), (8, 32, 8, 128, 1),
-                                                   (4, 8, 1, 128, 8)])
-def test_verify_chunk_schedule_gpu(mask, W, H, Hkv, D, per_request):
+@pytest.mark.parametrize("W,H,Hkv,D,per_request,merge", [(4, 28, 4, 128, 2, "last"), (4, 32, 8, 64, 4, "pass"),
+                                                         (8, 32, 8, 128, 1, "last"), (4, 8, 1, 128, 8, "pass")])
+def test_verify_chunk_schedule_gpu(mask, W, H, Hkv, D, per_request, merge):
     seq_lens = [30000, W + 3, 700, 4096, W, 129]
     draft = [max(n - W * 2, 0) for n in seq_lens] if mask == DRAFT else None
     out, ref = run_extend([W] * len(seq_lens), seq_lens, 16, H, Hkv, D, torch.bfloat16, "cuda", mask=mask,
-                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks")
+                          splits=per_request, pad_rows=2, draft_prefix=draft, schedule="chunks", merge=merge)
     assert_close(out, ref, 1e-2)
 
 
