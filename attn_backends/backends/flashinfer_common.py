@@ -77,18 +77,23 @@ class HostPlan:
         return int(self.kv_lens.shape[0])
 
 
-def host_plan(seq: np.ndarray, q_lens: np.ndarray, page_size: int, max_kv: Optional[int] = None) -> HostPlan:
-    """The plan inputs of rows with KV lengths ``seq`` and query lengths ``q_lens`` (int64 numpy),
-    computed as the layout builder computes them on the device (``layout._write_kv``)."""
-    npages = (seq + page_size - 1) // page_size
+def host_plan(seq: np.ndarray, q_lens, page_size: int, max_kv: Optional[int] = None) -> HostPlan:
+    """The plan inputs of rows with KV lengths ``seq`` (int32 or int64 numpy, owned by the plan)
+    and query lengths ``q_lens`` (numpy), or the ``qo_indptr`` tensor itself where a caller keeps
+    it, computed as the layout builder computes them on the device (``layout._write_kv``)."""
+    npages = (seq + (page_size - 1)) // page_size
     kv_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(npages, out=kv_indptr[1:])
-    qo_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=qo_indptr[1:])
-    last = (seq - (npages - 1) * page_size).astype(np.int32)
+    if isinstance(q_lens, torch.Tensor):
+        qo_indptr = q_lens
+    else:
+        qo = np.zeros(len(seq) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qo[1:])
+        qo_indptr = torch.from_numpy(qo)
+    last = (seq - (npages - 1) * page_size).astype(np.int32, copy=False)
     longest = int(seq.max())
-    return HostPlan(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), torch.from_numpy(last),
-                    torch.from_numpy(seq.astype(np.int32)), int(kv_indptr[-1]),
+    return HostPlan(qo_indptr, torch.from_numpy(kv_indptr), torch.from_numpy(last),
+                    torch.from_numpy(seq.astype(np.int32, copy=False)), int(kv_indptr[-1]),
                     longest if max_kv is None else max_kv, longest)
 
 
@@ -117,12 +122,7 @@ def graph_host_plan(view: StepView, key: GraphKey, page_size: int, max_context_l
     if qo_indptr is None:
         qo_indptr = torch.arange(0, bs * key.width + 1, key.width, dtype=I32)
     seq = view.seq_lens_cpu[:bs].numpy().astype(np.int32)          # a copy: the step's buffer changes
-    npages = (seq + (page_size - 1)) // page_size
-    kv_indptr = np.zeros(bs + 1, dtype=np.int32)
-    np.cumsum(npages, out=kv_indptr[1:])
-    last = seq - (npages - 1) * page_size
-    return HostPlan(qo_indptr, torch.from_numpy(kv_indptr), torch.from_numpy(last), torch.from_numpy(seq),
-                    int(kv_indptr[-1]), max_context_len, int(seq.max()))
+    return host_plan(seq, qo_indptr, page_size, max_kv=max_context_len)
 
 
 @dataclass(eq=False)
