@@ -32,18 +32,7 @@ from .attention_core import (
 )
 from .kv_walk import NO_MASK, head_and_item, walk_paged
 from .launch_record import launch
-from .schedule import (
-    MERGES,
-    SCHEDULES,
-    chunk_of,
-    chunk_slots,
-    chunk_targets,
-    fixed_tiles,
-    merge_chunk_pass,
-    merge_chunks_if_last,
-    min_tiles,
-    slots_per_request,
-)
+from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
 
 @triton.jit
@@ -154,7 +143,7 @@ def _decode_chunk_kernel(
             jj = c.to(tl.int64)
             store_partial(acc, m_i, l_i, o_ptr + jj * stride_oc + heads[:, None] * stride_oh + offs_dv[None, :],
                           tile, lse_ptr + jj * stride_lc + heads * stride_lh, mask_h, 2)
-            if MERGE_LAST:           # else the separate pass merges (schedule.merge_chunk_pass)
+            if MERGE_LAST:           # else the separate pass merges (schedule.ChunkLaunch.merge_pass)
                 g = tl.arange(0, GROUP_PAD)
                 hg = kvh * GROUP + g
                 f = first.to(tl.int64)
@@ -186,7 +175,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         ``schedule.slots_per_request``); "invariant": chunks of ``INVARIANT_CHUNK_TOKENS`` whatever
         the batch (a request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
     merge : the chunk schedules' merge: "last" (a request's last chunk program, one launch) or
-        "pass" (a second launch spread over rows, heads and columns: ``schedule.merge_chunk_pass``)
+        "pass" (a second launch spread over rows, heads and columns: ``schedule.ChunkLaunch.merge_pass``)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -200,10 +189,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
                          f"expected ({bs}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"decode_attention_fwd: schedule={schedule!r} not in {SCHEDULES}")
-    if merge not in MERGES or (merge != "last" and schedule == "split"):
-        raise ValueError(f"decode_attention_fwd: merge={merge!r} not in {MERGES} (the split schedule: 'last')")
+    check_schedule("decode_attention_fwd", schedule, merge)
     if bs == 0:
         return out
     group = H // Hkv
@@ -213,25 +199,22 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if block_n is None:   # 64-token tiles for head dims <= 64 in the chunk passes (bench/RESULTS.md, 'Ragged batches')
         block_n = 64 if schedule != "split" and max(D, Dv) <= 64 else 32
     if schedule != "split":
-        per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
-        part, lse, counters = chunk_targets("decode_attention_fwd", out, workspace, bs, per_request, 1, Hkv)
-        num_chunks, slots = bs * num_kv_splits, chunk_slots(bs, per_request)
-        heads_first, grid = heads_first_grid("decode_attention_fwd", heads_first, bs, 1, (Hkv, slots), (slots, Hkv))
-        launch(_decode_chunk_kernel, grid,
-            q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, counters,
-            sm_scale * LOG2E, bs, num_chunks,
+        cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
+                          schedule, block_n, heads_first)
+        part, lse = cl.part, cl.lse
+        launch(_decode_chunk_kernel, cl.grid,
+            q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,
+            sm_scale * LOG2E, bs, cl.num_chunks,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
-            MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
-            BLOCK_BS=triton.next_power_of_2(bs),
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
-            CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), HEADS_FIRST=heads_first,
-            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages)
+            CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), MERGE_LAST=merge == "last",
+            num_warps=num_warps, num_stages=num_stages, **cl.consts)
         if merge == "pass":
-            merge_chunk_pass(seq_lens_k, None, part, lse, out, bs, num_chunks, 1, block_n, schedule)
+            cl.merge_pass(seq_lens_k, None, out)
         return out
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)

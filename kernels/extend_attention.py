@@ -41,18 +41,7 @@ from .attention_core import (
 )
 from .kv_walk import MASK_KINDS, head_and_item, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
 from .launch_record import launch
-from .schedule import (
-    MERGES,
-    SCHEDULES,
-    chunk_of,
-    chunk_slots,
-    chunk_targets,
-    fixed_tiles,
-    merge_chunk_pass,
-    merge_chunks_if_last,
-    min_tiles,
-    slots_per_request,
-)
+from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
 
 @triton.jit
@@ -197,7 +186,7 @@ def _extend_chunk_kernel(
             mine = c.to(tl.int64) * rows_per_chunk + j
             store_partial(acc, m_i, l_i, o_ptr + mine[:, None] * stride_ot + heads[:, None] * stride_oh
                           + offs_dv[None, :], tile, lse_ptr + mine * stride_lt + heads * stride_lh, row_ok, 2)
-            if MERGE_LAST:           # else the separate pass merges (schedule.merge_chunk_pass)
+            if MERGE_LAST:           # else the separate pass merges (schedule.ChunkLaunch.merge_pass)
                 at = first.to(tl.int64) * rows_per_chunk + j
                 sem = sem_ptr + b * num_kvh + kvh
                 outs = out_ptr + rows * stride_xt + heads * stride_xh
@@ -277,10 +266,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          f"({T}, {H}, {Dv}) {q.dtype} with contiguous last dim")
     if mask not in MASK_KINDS:
         raise ValueError(f"{name}: mask={mask!r} not in {sorted(MASK_KINDS)}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"{name}: schedule={schedule!r} not in {SCHEDULES}")
-    if merge not in MERGES or (merge != "last" and schedule == "split"):
-        raise ValueError(f"{name}: merge={merge!r} not in {MERGES} (the split schedule: 'last')")
+    check_schedule(name, schedule, merge)
     if schedule != "split" and fuse is not None:
         raise ValueError(f"{name}: fuse={fuse} applies to the split schedule; schedule={schedule!r} always merges "
                          f"in its last chunk program")
@@ -325,25 +311,22 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         if num_qb != 1:
             raise ValueError(f"{name}: the chunk schedule needs every request's rows in one tile: "
                              f"max_q_len={max_q_len} > block_q={block_q}")
-        per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
-        part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, max_q_len, Hkv)
-        num_chunks, slots = bs * num_kv_splits, chunk_slots(bs, per_request)
-        heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (Hkv, slots), (slots, Hkv))
-        launch(_extend_chunk_kernel, grid,
-            q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out, counters,
-            sm_scale * LOG2E, bs, num_chunks, max_q_len,
+        cl = chunk_launch(name, out, workspace, bs, num_kv_splits, max_q_len, Hkv, page_table, page_size, schedule,
+                          block_n, heads_first)
+        part, lse = cl.part, cl.lse
+        launch(_extend_chunk_kernel, cl.grid,
+            q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out,
+            cl.counters, sm_scale * LOG2E, bs, cl.num_chunks, max_q_len,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
-            MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
-            BLOCK_BS=triton.next_power_of_2(bs), MASK=MASK_KINDS[mask],
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
-            HEADS_FIRST=heads_first, MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages)
+            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts)
         if merge == "pass":
-            merge_chunk_pass(seq_lens_k, cu_seqlens_q, part, lse, out, bs, num_chunks, max_q_len, block_n, schedule)
+            cl.merge_pass(seq_lens_k, cu_seqlens_q, out)
         return out
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None

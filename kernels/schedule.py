@@ -16,10 +16,13 @@ A request of one chunk writes its output directly. A request of several writes a
 that finishes last merges them in chunk order (``merge_chunks_if_last``; a counter per request and
 KV head), so the result is a function of the lengths and ``num_chunks`` alone: replay equals eager.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from .attention_core import heads_first_grid
 from .launch_record import launch
 
 # The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
@@ -184,19 +187,60 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
         tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + h * stride_oh + offs_dv, out, mask=mask_dv)
 
 
-def merge_chunk_pass(seq_lens_k, cu_seqlens_q, part, lse, out, bs: int, num_chunks: int, rows_per_chunk: int,
-                     block_n: int, schedule: str) -> None:
-    """Launch the separate merge of a chunk pass's partials (``merge="pass"``) into ``out [T, H,
-    Dv]``: the same schedule (``num_chunks``, ``block_n``, ``schedule``) as the pass; ``cu_seqlens_q``
-    None for decode (one row a request)."""
-    H, Dv = out.shape[1], out.shape[2]
-    block_dv = min(triton.next_power_of_2(Dv), 128)
-    launch(_merge_chunk_pass_kernel, (bs * rows_per_chunk, H, triton.cdiv(Dv, block_dv)),
-           seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, bs, num_chunks,
-           rows_per_chunk, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-           NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv, BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=block_n,
-           MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
-           BLOCK_BS=triton.next_power_of_2(bs), HAS_CU=cu_seqlens_q is not None)
+def check_schedule(name: str, schedule: str, merge: str) -> None:
+    """A wrapper's ``schedule`` and ``merge`` arguments, refused in one line before any launch."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{name}: schedule={schedule!r} not in {SCHEDULES}")
+    if merge not in MERGES or (merge != "last" and schedule == "split"):
+        raise ValueError(f"{name}: merge={merge!r} not in {MERGES} (the split schedule: 'last')")
+
+
+@dataclass(frozen=True)
+class ChunkLaunch:
+    """What a chunk pass launches with (``chunk_launch``): the workspace, the chunk budget, the
+    grid, the schedule's constexprs (``consts``: ``MIN_TILES``, ``FIXED_TILES``, ``BLOCK_BS``,
+    ``HEADS_FIRST``), and what the separate merge (``merge_pass``) needs of the schedule."""
+
+    part: torch.Tensor
+    lse: torch.Tensor
+    counters: torch.Tensor
+    num_chunks: int
+    grid: tuple
+    consts: dict
+    bs: int
+    rows_per_chunk: int
+    block_n: int
+    schedule: str
+
+    def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor) -> None:
+        """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
+        one program a (query row, head, column block); ``cu_seqlens_q`` None for decode."""
+        H, Dv = out.shape[1], out.shape[2]
+        block_dv = min(triton.next_power_of_2(Dv), 128)
+        part, lse = self.part, self.lse
+        launch(_merge_chunk_pass_kernel, (self.bs * self.rows_per_chunk, H, triton.cdiv(Dv, block_dv)),
+               seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
+               self.num_chunks, self.rows_per_chunk, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+               out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
+               BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
+               FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
+               HAS_CU=cu_seqlens_q is not None)
+
+
+def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
+                 num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
+                 heads_first) -> ChunkLaunch:
+    """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
+    query rows: its workspace (``chunk_targets``: as many chunks a request as
+    ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
+    grid (``(Hkv, slots)`` or ``(slots, Hkv)``, ``attention_core.heads_first_grid``)."""
+    per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
+    part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, rows_per_chunk, num_kv_heads)
+    slots = chunk_slots(bs, per_request)
+    heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (num_kv_heads, slots), (slots, num_kv_heads))
+    consts = dict(MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
+                  BLOCK_BS=triton.next_power_of_2(bs), HEADS_FIRST=heads_first)
+    return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

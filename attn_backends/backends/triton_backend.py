@@ -63,7 +63,7 @@ class TritonBackend(TritonBackendBase):
     # batch_invariant=True: into fixed chunks, a request's output then the same bits in any batch.
     schedule = "chunks"
     # How a request's chunks are merged: "last" (its last chunk program, one launch) or "pass" (a
-    # second launch spread over rows, heads and columns; kernels/schedule.py, merge_chunk_pass).
+    # second launch spread over rows, heads and columns; kernels/schedule.py, ChunkLaunch.merge_pass).
     chunk_merge = "last"
 
     def __init__(self, config, memory, batch_invariant: bool = False) -> None:
