@@ -62,9 +62,9 @@ class TritonBackend(TritonBackendBase):
     # into equal chunks on the device, whatever the lengths (bench/RESULTS.md, 'Ragged batches');
     # batch_invariant=True: into fixed chunks, a request's output then the same bits in any batch.
     schedule = "chunks"
-    # How a request's chunks are merged: "last" (its last chunk program, one launch) or "pass" (a
-    # second launch spread over rows, heads and columns; kernels/schedule.py, ChunkLaunch.merge_pass).
-    chunk_merge = "last"
+    # A request's chunks merged by a second launch spread over rows, heads and columns ("pass"): with
+    # "last" one program reads a long request's hundred chunks in a row (RESULTS.md, 'Ragged batches').
+    chunk_merge = "pass"
 
     def __init__(self, config, memory, batch_invariant: bool = False) -> None:
         super().__init__(config, memory)

@@ -84,6 +84,8 @@ class TritonBackendBase(LayoutBackend):
     SPLIT_TOKENS: ClassVar[int] = 1
     # How a launch that ``_chunked`` names spreads the KV (``kernels/schedule.py``): "chunks" or "invariant".
     schedule: str = "split"
+    # How a request's chunks are merged (``kernels/schedule.py``): "last" or "pass".
+    chunk_merge: str = "last"
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -181,8 +183,9 @@ class TritonBackendBase(LayoutBackend):
         capture (the breakable runner's attention between its graph segments) keeps its own in
         the key's record, whose every tensor but q, KV and out is static and whose host values
         come from the key, so one recording serves every later replay."""
-        # the schedule too: a batch_invariant instance and a default one on one step launch other kernels
-        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule), None, "recorded launches")
+        # the schedule and merge too: instances that differ in them launch other kernels on one step
+        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge), None,
+                           "recorded launches")
         held = view.cache.get(owner)
         if held is None or held[0] != view.step_id:
             held = view.cache[owner] = (view.step_id, {})

@@ -58,3 +58,29 @@ def test_chunk_schedule_through_the_backend(name, invariant, merge):
     be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
     replayed = be.forward(q, k, v, cfg.layer(1), m.batch, save_kv_cache=False)
     assert torch.equal(replayed.cpu()[real], out.cpu()[real]), "the graph path differs from eager on the same batch"
+
+
+def test_instances_of_other_merges_on_one_step_keep_their_own_launches():
+    """Two ``triton`` instances on one eager step (a backend per layer), one merging by a second
+    launch and one by the last chunk: each records and replays its own launches (a shared book
+    would run one instance's merge for the other, its setting silently ignored); both outputs
+    against float64."""
+    from attn_backends.step.eager import eager_step
+    cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+    mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
+                      seed=1, device=DEVICE)
+    a, b = TritonBackend(cfg, mem), TritonBackend(cfg, mem)
+    b.chunk_merge = "last" if a.chunk_merge == "pass" else "pass"
+    m = materialize(SCENARIOS["decode"](), mem, a.get_cuda_graph_seq_len_fill_value())
+    batch = eager_step(m.batch, [a, b])
+    a.init_forward_metadata(batch)
+    b.init_forward_metadata(batch)
+    assert a.forward_metadata.book is not b.forward_metadata.book, "instances of other merges share launches"
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(batch.num_tokens, 4, 16, generator=g).to(DEVICE)
+    for be, layer in ((a, 0), (b, 1)):
+        out = be.forward(q, None, None, cfg.layer(layer), batch, save_kv_cache=False)
+        ref = dense_reference(batch, mem, layer, q.cpu(), cfg.layer(layer).scaling, cfg.kv_lora_rank)
+        real = ~ref[:, 0, 0].isnan()
+        err = float((out.cpu()[real].double() - ref[real]).norm() / ref[real].norm())
+        assert err < 1e-4, f"merge {be.chunk_merge}: relative error {err:.2e}"

@@ -185,17 +185,23 @@ def _per_layer_runner(which, mode):
 
 @pytest.fixture
 def fi_plans(monkeypatch):
-    """Counts FlashInfer ``plan()`` calls, per wrapper class."""
+    """Counts FlashInfer's scheduling per wrapper: full ``plan()`` calls and the light replans of
+    replays (the backends' ``replan``, FlashInfer's scheduler call alone), whichever a step takes."""
     import flashinfer
-    counts = []
-    for cls in (flashinfer.BatchDecodeWithPagedKVCacheWrapper, flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-                flashinfer.mla.BatchMLAPagedAttentionWrapper):
-        real = cls.plan
 
-        def counting(self, *a, _real=real, _name=cls.__name__, **k):
+    from attn_backends.backends import flashinfer_backend, flashinfer_mla
+    counts = []
+    for cls, meth in ((flashinfer.BatchDecodeWithPagedKVCacheWrapper, "plan"),
+                      (flashinfer.BatchPrefillWithPagedKVCacheWrapper, "plan"),
+                      (flashinfer.mla.BatchMLAPagedAttentionWrapper, "plan"),
+                      (flashinfer_backend.DecodeCall, "replan"), (flashinfer_backend.PrefillCall, "replan"),
+                      (flashinfer_mla.MLACall, "replan")):
+        real = getattr(cls, meth)
+
+        def counting(self, *a, _real=real, _name=f"{cls.__name__}.{meth}", **k):
             counts.append(_name)
             return _real(self, *a, **k)
-        monkeypatch.setattr(cls, "plan", counting)
+        monkeypatch.setattr(cls, meth, counting)
     return counts
 
 
