@@ -1,6 +1,8 @@
 """The ``triton`` backend's batch-invariant option (issue #40): a request's attention output is the
 same bits alone, inside other batches and padded to another bucket; the default balanced schedule,
-which cuts a request by what else is in the batch, is not (so the comparison can fail)."""
+which cuts a request by what else is in the batch, is not (so the comparison can fail). Its chunks
+have a floor (``MIN_CHUNK_TOKENS``) that a small batch on a GPU of many SMs never outgrows: there
+request 3 is long enough that its batch's chunks do."""
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from attn_backends.backends.triton_backend import BatchInvariantTritonBackend, T
 from attn_backends.check.scenarios import Scenario, make_memory, materialize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LENS = [2500, 40, 300, 3100, 7]          # request 0: three invariant chunks
+LENS = [2500, 40, 300, 120000 if DEVICE == "cuda" else 3100, 7]          # request 0: three invariant chunks
 BATCHES = [((0,), 0), ((0, 1, 2), 0), ((3, 1, 0, 4), 0), ((0, 1, 2), 2)]     # alone, 3 batches, a bucket of 5
 
 
@@ -24,8 +26,8 @@ def _sub_batch(b: ForwardBatch, rows: tuple, pad: int, fill: int) -> ForwardBatc
 
 def _outputs(backend_cls, dtype):
     cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16, dtype=dtype)
-    mem = make_memory(cfg, num_pages=sum(LENS) // 16 + 16, max_reqs=8, max_context_len=4096, page_order="shuffled",
-                      seed=0, device=DEVICE)
+    mem = make_memory(cfg, num_pages=sum(LENS) // 16 + 16, max_reqs=8, max_context_len=-(-max(LENS) // 4096) * 4096,
+                      page_order="shuffled", seed=0, device=DEVICE)
     be = backend_cls(cfg, mem)
     fill = be.get_cuda_graph_seq_len_fill_value()
     whole = materialize(Scenario(ForwardMode.DECODE, len(LENS), [n - 1 for n in LENS]), mem, fill).batch
