@@ -150,7 +150,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     """The separate merge (``merge="pass"``): program (query row j of request b, head, column
     block) merges that row's chunk partials, BLOCK_C chunks a load, in chunk order, where the
     request has more than one chunk (one chunk wrote its output itself). ``cu_q_ptr``: the rows
-    of each request (HAS_CU; else one row a request, decode)."""
+    of each request (HAS_CU; else ``rows_per_chunk`` rows a request)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     b = r // rows_per_chunk
@@ -158,8 +158,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     offs, lens, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS)
     count = tl.sum(tl.where(offs == b, n, 0), 0)
     first = tl.sum(tl.where(offs == b, ends, 0), 0) - count
-    q_start = b
-    q_len = 1
+    q_start = b * rows_per_chunk       # uniform rows (decode: one a request)
+    q_len = rows_per_chunk
     if HAS_CU:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
@@ -214,7 +214,8 @@ class ChunkLaunch:
 
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
-        one program a (query row, head, column block); ``cu_seqlens_q`` None for decode."""
+        one program a (query row, head, column block); ``cu_seqlens_q`` None: ``rows_per_chunk``
+        rows a request."""
         H, Dv = out.shape[1], out.shape[2]
         block_dv = min(triton.next_power_of_2(Dv), 128)
         part, lse = self.part, self.lse

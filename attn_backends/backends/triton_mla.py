@@ -13,6 +13,7 @@ import torch
 
 from attn_backends_kernels.kv_store import store_mla_kv
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape
+from attn_backends_kernels.mla.balanced import mla_chunk_fwd
 from attn_backends_kernels.mla.swap import decodes_transposed
 from attn_backends_kernels.mla.warpspec import partial_dtype
 
@@ -32,6 +33,10 @@ class TritonMLABackend(TritonBackendBase):
         modes=ALL_MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
     fuses_merge: ClassVar[bool] = False       # the MLA kernels merge in a separate pass
+    # schedule = "chunks": the uniform modes cut the batch's KV into equal chunks on the device
+    # (``kernels/mla/balanced.py``, on the Triton tile); "split", the default until measured on
+    # the GPU: equal splits of every request (the Gluon kernels on sm_90).
+    chunk_merge = "pass"
 
     def _programs(self, bs: int, width: int) -> int:
         block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
@@ -68,10 +73,18 @@ class TritonMLABackend(TritonBackendBase):
     def _kv_buffers(self, layer: AttentionLayer) -> tuple:
         return (self.memory.pool.kv[layer.layer_id],)
 
+    def _chunked(self, lay) -> bool:
+        return self.schedule != "split" and lay.mode != ForwardMode.EXTEND
+
     def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
                 meta: TritonMetadata) -> None:
         lay = meta.layout
         splits, ws = meta.num_kv_splits, meta.workspace
+        if self._chunked(lay):
+            mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
+                          q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
+                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule)
+            return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
                           splits, out, q_per_req=lay.width or 1, mask=lay.mask.value,
@@ -79,3 +92,12 @@ class TritonMLABackend(TritonBackendBase):
                           cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
                           max_q_len=lay.max_seq_len_q if ragged else None,
                           draft_prefix_lens=lay.draft_prefix_lens)
+
+
+class BalancedTritonMLABackend(TritonMLABackend):
+    """``triton_mla`` with ``schedule = "chunks"`` (the uniform modes balanced over equal KV chunks
+    on the device), by name for ``attn-backends check --backend
+    attn_backends.backends.triton_mla:BalancedTritonMLABackend`` and the sweep's ``--mla-backend``."""
+
+    name: ClassVar[str] = "triton_mla_balanced"
+    schedule = "chunks"

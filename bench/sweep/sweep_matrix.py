@@ -62,9 +62,13 @@ class Point:
 
 def select_workloads(patterns: Optional[list], pool) -> list:
     """The workloads of ``pool`` whose name (or its long alias) matches one of ``patterns``
-    (names or fnmatch patterns such as ``gqa*_d64_decode``), in ``pool``'s order; all without patterns."""
+    (names or fnmatch patterns such as ``gqa*_d64_decode``), in ``pool``'s order; all without patterns.
+    The MLA rows' ``*_balanced`` forms, in no grid, are taken where named exactly."""
     if not patterns:
         return list(pool)
+    # a by-name-only workload (an MLA row's *_balanced form) joins the pool where named exactly
+    pool = list(pool) + [BY_NAME[p] for p in patterns if p in BY_NAME and BY_NAME[p].balanced
+                         and BY_NAME[p] not in pool]
     names = {w.name: {w.name} | {a for a, v in BY_NAME.items() if v.name == w.name} for w in pool}
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for ns in names.values() for n in ns):

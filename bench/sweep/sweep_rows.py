@@ -94,9 +94,12 @@ class Workload:
     page_size: int
     width: int           # W: query rows per request
     topk: int = 1
+    balanced: bool = False   # MLA: ours with the chunk schedule (BalancedTritonMLABackend)
 
     @property
     def backend(self) -> str:
+        if self.balanced:
+            return "attn_backends.backends.triton_mla:BalancedTritonMLABackend"
         return "triton_mla" if self.family == "mla" else "triton"
 
     @property
@@ -157,6 +160,9 @@ WORKLOADS = tuple(
     [_gqa(h, hkv, d, *m) for h, hkv in GQA_SHAPES for d in GQA_DIMS for m in MODES]
     + [w for h in (16, 128) for w in (_mla(h, "decode", 1), _mla(h, "verify", 4))])
 BY_NAME = {w.name: w for w in WORKLOADS}
+# by name only (not in a grid): the MLA rows with ours on the chunk schedule, e.g. mla16_decode_balanced
+BY_NAME.update({f"{w.name}_balanced": replace(w, name=f"{w.name}_balanced", balanced=True)
+                for w in WORKLOADS if w.family == "mla"})
 # the long form of issue #10's GQA names: gqa32_8_d128_decode is gqa32_decode
 ALIASES = {f"gqa{w.heads}_{w.kv_heads}_d{w.qk_dim}_{w.name.split('_', 1)[1]}": w.name
            for w in ISSUE10_WORKLOADS if w.family == "gqa"}

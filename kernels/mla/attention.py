@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
-from ..extend_attention import MASK_KINDS, visible_mask
+from ..extend_attention import MASK_KINDS
 from ..launch_record import launch
 from .chunked import chunked_refusal
 from .dbuf import dbuf_refusal
@@ -36,6 +36,7 @@ from .prologue import _mla_chunked_kernel, _mla_dbuf_kernel, _mla_seesaw_kernel,
 from .seesaw import seesaw_refusal
 from .swap import HEADS as SWAP_ROWS
 from .swap import swap_refusal
+from .walk import _mla_rows, _mla_store, _mla_walk
 from .warpspec import DEFAULT_WARPS, MAXNREG, partial_dtype
 from .wgmma import WARPS, wgmma_refusal
 
@@ -52,29 +53,6 @@ REFUSALS = {"seesaw": seesaw_refusal, "chunked": chunked_refusal, "dbuf": dbuf_r
 # a streaming launch (one program reads each request's KV) has its own order
 HOPPER_DEFAULTS = ("chunked", "seesaw")
 STREAMING_DEFAULTS = ("dbuf", "seesaw")
-
-
-@triton.jit
-def _mla_tile(q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j, q_len,
-              seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2,
-              MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """One KV tile: scores over all 576 columns (two latent halves + rope), online softmax,
-    then P . V into both output halves."""
-    s = tl.dot(q_a, tl.trans(lat_a), input_precision=INPUT_PRECISION)
-    s = tl.dot(q_b, tl.trans(lat_b), s, input_precision=INPUT_PRECISION)
-    s = tl.dot(q_pe, tl.trans(rope), s, input_precision=INPUT_PRECISION) * scale_log2
-    vis = (offs_n[None, :] < end) & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix,
-                                                 mask_ptr, mask_base, MASK)
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # row masked in this tile
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(lat_a.dtype)
-    acc_a = acc_a * alpha[:, None] + tl.dot(p, lat_a, input_precision=INPUT_PRECISION)
-    acc_b = acc_b * alpha[:, None] + tl.dot(p, lat_b, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -97,96 +75,34 @@ def _mla_split_kernel(
     # constexprs: a compiled kernel serves the widths and split counts of one specialization
     # class (Triton specializes a value of 1 and multiples of 16), so a server's graph buckets
     # and a suite's random cases do not each compile the 576-wide kernel anew.
-    BLOCK_M: tl.constexpr = BLOCK_W * BLOCK_H
-    HALF: tl.constexpr = LATENT // 2
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    # A tile-aligned split never crosses a page when PAGE_SIZE % BLOCK_N == 0: one page
-    # lookup per tile and a scalar base instead of per-row slots.
-    IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     pid = tl.program_id(0)
     hb = pid % NUM_HB  # head blocks of one row block adjacent: the fastest axis
     wb = pid // NUM_HB
     b = tl.program_id(1)
     split = tl.program_id(2)
-
     seq_len = tl.load(seq_lens_ptr + b)
-    if RAGGED:  # EXTEND: rows cu[b]..cu[b+1]; W is only the host bound that sized the grid
-        row0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
-    else:
-        row0 = b.to(tl.int64) * W
-        q_len = W
+    row0, q_len, j, heads, row_ok, q_a, q_b, q_pe = _mla_rows(
+        q_ptr, cu_q_ptr, b, wb, hb, stride_qt, stride_qh, W, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, RAGGED)
     if wb * BLOCK_W >= q_len:
         return  # a row block past this request's rows: nothing to compute or store
     prefix = seq_len - q_len
     draft_prefix = 0
     if MASK == 2:
         draft_prefix = tl.load(draft_prefix_ptr + b)
-    mask_base = b.to(tl.int64) * W * W
-
-    # Row r of the tile is query row j = wb*BLOCK_W + r // BLOCK_H of head hb*BLOCK_H + r % BLOCK_H.
-    offs_m = tl.arange(0, BLOCK_M)
-    j = wb * BLOCK_W + offs_m // BLOCK_H
-    heads = hb * BLOCK_H + offs_m % BLOCK_H
-    row_ok = (j < q_len) & (heads < NUM_HEADS)
-    rows = row0 + j
-    # The latent is handled as two halves (a: columns 0..255, b: 256..511) to bound the
-    # register tiles.
-    col_a = 0
-    col_b = HALF
-    offs_c = tl.arange(0, HALF)
-    offs_r = tl.arange(0, ROPE)
-    q_row = q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-    q_a = tl.load(q_row + col_a + offs_c[None, :], mask=row_ok[:, None], other=0.0)  # [M, 256]
-    q_b = tl.load(q_row + col_b + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-    q_pe = tl.load(q_row + LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, 64]
-
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if MASK == 0:  # causal: nothing past the block's last row is visible (prefill chunks)
         end = tl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc_a = tl.zeros([BLOCK_M, HALF], tl.float32)
-    acc_b = tl.zeros([BLOCK_M, HALF], tl.float32)
-    pt_row = page_table_ptr + b * stride_pb
-    offs_t = tl.arange(0, BLOCK_N)
-    tile_a = offs_t[:, None].to(tl.int64) * stride_kvs + col_a + offs_c[None, :]
-    tile_b = offs_t[:, None].to(tl.int64) * stride_kvs + col_b + offs_c[None, :]
-    tile_r = offs_t[:, None].to(tl.int64) * stride_kvs + LATENT + offs_r[None, :]
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + offs_t
-        mask_n = offs_n < end
-        if IN_PAGE:
-            page = tl.load(pt_row + n0 // PAGE_SIZE)
-            base = kv_ptr + (page.to(tl.int64) * PAGE_SIZE + n0 % PAGE_SIZE) * stride_kvs
-            lat_a = tl.load(base + tile_a, mask=mask_n[:, None], other=0.0)
-            lat_b = tl.load(base + tile_b, mask=mask_n[:, None], other=0.0)
-            rope = tl.load(base + tile_r, mask=mask_n[:, None], other=0.0)
-        else:
-            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            kv_row = kv_ptr + slot[:, None] * stride_kvs
-            lat_a = tl.load(kv_row + col_a + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-            lat_b = tl.load(kv_row + col_b + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-            rope = tl.load(kv_row + LATENT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
-        m_i, l_i, acc_a, acc_b = _mla_tile(
-            q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j, q_len,
-            seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2, MASK, INPUT_PRECISION)
-
-    nonempty = l_i > 0
-    inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
-    o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
-    out_a = tl.where(nonempty[:, None], acc_a * inv_l[:, None], 0.0)
-    tl.store(o_ptr + o_off + col_a + offs_c[None, :], out_a.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)
-    tl.store(o_ptr + o_off + col_b + offs_c[None, :], out_b.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
-                 mask=row_ok)
+    m_i, l_i, acc_a, acc_b = _mla_walk(
+        q_a, q_b, q_pe, kv_ptr, page_table_ptr + b * stride_pb, start, end, j, q_len, seq_len, prefix,
+        draft_prefix, mask_ptr, b.to(tl.int64) * W * W, scale_log2, stride_kvs, BLOCK_W * BLOCK_H, LATENT, ROPE,
+        PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
+    rows = row0 + j
+    _mla_store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os,
+               lse_ptr + rows * stride_lt + heads * stride_lh + split, m_i, l_i, acc_a, acc_b, row_ok,
+               LATENT, WRITE_LSE)
 
 
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,

@@ -1,7 +1,8 @@
-"""The ``triton`` backend's chunk schedule through the backend contract, with requests long enough
-that a request's chunks are merged (the other backend tests' contexts are shorter than a chunk):
-every uniform mode it serves, both schedules and both merges, eager against the float64 reference and
-the graph metadata path (capture another batch, replay this one) equal to eager bitwise."""
+"""The chunk schedule through the backend contract (``triton``: both schedules and both merges;
+``triton_mla`` with ``schedule = "chunks"``), with requests long enough that a request's chunks
+are merged (the other backend tests' contexts are shorter than a chunk): every uniform mode, eager
+against the float64 reference and the graph metadata path (capture another batch, replay this one)
+equal to eager bitwise."""
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from reference import dense_reference
 
 from attn_backends import ForwardMode, ModelConfig
 from attn_backends.backends.triton_backend import TritonBackend
+from attn_backends.backends.triton_mla import TritonMLABackend
 from attn_backends.check.scenarios import (
     Scenario,
     draft_decode_spec,
@@ -32,19 +34,38 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("invariant,merge", [(False, "last"), (True, "last"), (False, "pass")])
+def _mla_config():
+    return ModelConfig(num_layers=2, num_q_heads=16, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=32,
+                       qk_rope_head_dim=16, page_size=16)
+
+
+def _gqa_config():
+    return ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+
+
+# (backend, batch_invariant, merge): the triton backend's schedules and merges; triton_mla's chunks
+VARIANTS = [("triton", False, "last"), ("triton", True, "last"), ("triton", False, "pass"),
+            ("triton_mla", False, "pass")]
+
+
+@pytest.mark.parametrize("backend,invariant,merge", VARIANTS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_chunk_schedule_through_the_backend(name, invariant, merge):
-    cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+def test_chunk_schedule_through_the_backend(name, backend, invariant, merge):
+    cfg = _mla_config() if backend == "triton_mla" else _gqa_config()
     mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
                       seed=1, device=DEVICE)
-    be = TritonBackend(cfg, mem, batch_invariant=invariant)
-    be.chunk_merge = merge
+    if backend == "triton_mla":
+        be = TritonMLABackend(cfg, mem)
+        be.schedule = "chunks"
+    else:
+        be = TritonBackend(cfg, mem, batch_invariant=invariant)
+        be.chunk_merge = merge
     fill = be.get_cuda_graph_seq_len_fill_value()
     m = materialize(SCENARIOS[name](), mem, fill)
     g = torch.Generator().manual_seed(3)
     n = m.batch.num_tokens
-    q, k, v = (torch.randn(n, h, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    q, k = (torch.randn(n, h, cfg.qk_dim, generator=g).to(DEVICE) for h in (cfg.num_q_heads, cfg.num_kv_heads))
+    v = None if cfg.is_mla else torch.randn(n, cfg.num_kv_heads, cfg.v_head_dim, generator=g).to(DEVICE)
     be.init_forward_metadata(m.batch)
     assert be._chunked(be.forward_metadata.layout), f"{name} did not take the chunk schedule"
     out = be.forward(q, k, v, cfg.layer(1), m.batch)
@@ -59,14 +80,13 @@ def test_chunk_schedule_through_the_backend(name, invariant, merge):
     replayed = be.forward(q, k, v, cfg.layer(1), m.batch, save_kv_cache=False)
     assert torch.equal(replayed.cpu()[real], out.cpu()[real]), "the graph path differs from eager on the same batch"
 
-
 def test_instances_of_other_merges_on_one_step_keep_their_own_launches():
     """Two ``triton`` instances on one eager step (a backend per layer), one merging by a second
     launch and one by the last chunk: each records and replays its own launches (a shared book
     would run one instance's merge for the other, its setting silently ignored); both outputs
     against float64."""
     from attn_backends.step.eager import eager_step
-    cfg = ModelConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+    cfg = _gqa_config()
     mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
                       seed=1, device=DEVICE)
     a, b = TritonBackend(cfg, mem), TritonBackend(cfg, mem)

@@ -1,0 +1,99 @@
+"""Absorbed MLA under the chunk schedule (``kernels/schedule.py``): the batch's KV cut into about
+``bs x num_kv_splits`` equal chunks on the device, a long request into many, short ones whole, on
+a grid fixed by host ints (any lengths its workspace holds replay in one graph).
+
+Program (row block x head block, chunk) runs the plain-Triton MLA tile (``walk``) over its chunk's
+KV: a request of one chunk writes its output, the chunks of a longer one write float32 partials
+and log2-sum-exps that the separate merge (``ChunkLaunch.merge_pass``) combines in chunk order.
+Uniform rows only (decode, verify chain and tree, draft extend and draft decode masks); ragged
+prefill keeps the split pass (``attention.mla_attention_fwd``). The Gluon kernels do not take
+this schedule: on sm_90 a balanced launch runs the Triton tile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention_core import LOG2E
+from ..extend_attention import MASK_KINDS
+from ..launch_record import launch
+from ..schedule import check_schedule, chunk_launch, chunk_of, chunk_slots, slots_per_request
+from .attention import _check_inputs, _tile_config
+from .walk import _mla_rows, _mla_store, _mla_walk
+
+
+@triton.jit
+def _mla_chunk_kernel(
+    q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_pt, stride_ph,
+    stride_lt, stride_lh, W, bs, num_chunks,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, LATENT: tl.constexpr,
+    ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
+):
+    NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    hb = pid % NUM_HB  # head blocks of one row block adjacent: the fastest axis
+    wb = pid // NUM_HB
+    c = tl.program_id(1)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
+                                                  FIXED_TILES, BLOCK_BS)
+    if c >= total:
+        return  # a slot past the batch's last chunk
+    seq_len = tl.load(seq_lens_ptr + b)
+    row0, q_len, j, heads, row_ok, q_a, q_b, q_pe = _mla_rows(
+        q_ptr, q_ptr, b, wb, hb, stride_qt, stride_qh, W, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, False)
+    prefix = seq_len - q_len
+    draft_prefix = 0
+    if MASK == 2:
+        draft_prefix = tl.load(draft_prefix_ptr + b)
+    if MASK == 0:  # causal: nothing past the block's last row is visible
+        end = tl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
+    m_i, l_i, acc_a, acc_b = _mla_walk(
+        q_a, q_b, q_pe, kv_ptr, page_table_ptr + b * stride_pb, start, end, j, q_len, seq_len, prefix,
+        draft_prefix, mask_ptr, b.to(tl.int64) * W * W, scale_log2, stride_kvs, BLOCK_W * BLOCK_H, LATENT, ROPE,
+        PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
+    if count == 1:
+        rows = row0 + j
+        _mla_store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh, lse_ptr, m_i, l_i, acc_a,
+                   acc_b, row_ok, LATENT, False)
+    else:  # chunk c's partial rows: c * W + j (the merge pass reads them so)
+        rows = c.to(tl.int64) * W + j
+        _mla_store(part_ptr + rows[:, None] * stride_pt + heads[:, None] * stride_ph,
+                   lse_ptr + rows * stride_lt + heads * stride_lh, m_i, l_i, acc_a, acc_b, row_ok, LATENT, True)
+
+
+def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
+                  mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
+                  block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None):
+    """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
+    "invariant"): the same arguments but ragged EXTEND and the kernel choice. ``workspace``: a
+    ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
+    page_size), W, H, 1, 512, device)`` (allocated here when None, which a graph must avoid)."""
+    name = "mla_chunk_fwd"
+    if schedule == "split":
+        raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
+    check_schedule(name, schedule, "pass")
+    W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size,
+                                               num_kv_splits, out, q_per_req, mask, custom_mask, None, None,
+                                               draft_prefix_lens)
+    T, H, D = q.shape
+    Dv = out.shape[-1]
+    block_w, block_h, block_n, num_warps, num_stages = _tile_config(q, W, H, D, block_w, block_h, block_n,
+                                                                    num_warps, num_stages)
+    if bs == 0:
+        return out
+    cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
+                      heads_first=False)
+    slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
+    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), slots)
+    launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
+           sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), out.stride(0),
+           out.stride(1), cl.part.stride(0), cl.part.stride(1), cl.lse.stride(0), cl.lse.stride(1), W, bs,
+           cl.num_chunks, NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
+           PAGE_SIZE=page_size, BLOCK_N=block_n, MASK=MASK_KINDS[mask],
+           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_TILES=cl.consts["MIN_TILES"],
+           FIXED_TILES=cl.consts["FIXED_TILES"], BLOCK_BS=cl.consts["BLOCK_BS"], num_warps=num_warps,
+           num_stages=num_stages)
+    cl.merge_pass(seq_lens_k, None, out)
+    return out

@@ -1,0 +1,116 @@
+"""The MLA chunk pass (``kernels/mla/balanced.py``) against float64: ragged and long-tail lengths
+on shuffled pages, every uniform mask, a padded row on page 0 (NaN there and in unread page
+tails), a NaN-filled workspace, and the graph form: captured on one batch, replayed on other
+lengths (another schedule, the same grid)."""
+import pytest
+import torch
+from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
+
+from attn_backends_kernels.mla.balanced import mla_chunk_fwd
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, seed, max_pages=None):
+    torch.manual_seed(seed)
+    page_table, lens, num_pages = make_paged_batch(seq_lens, page_size, pad_rows=1, pad_len=W, device=DEVICE,
+                                                   seed=seed)
+    if max_pages is not None:      # the capture's page-table width, for a replay on other lengths
+        page_table = torch.nn.functional.pad(page_table, (0, max_pages - page_table.shape[1]))
+    bs = lens.shape[0]
+    kv = torch.randn(num_pages * page_size, 1, latent + rope, device=DEVICE).to(dtype)
+    used = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEVICE)
+    for i in range(len(seq_lens)):
+        pos = torch.arange(int(lens[i]), device=DEVICE)
+        used[page_table[i, pos // page_size].long() * page_size + pos % page_size] = True
+    kv[~used] = float("nan")                       # page 0 (the pad row's) and every unread slot
+    q = torch.randn(bs * W, H, latent + rope, device=DEVICE).to(dtype)
+    custom = draft = None
+    if mask == TREE:
+        custom = torch.rand(bs * W * W, device=DEVICE) < 0.5
+        custom.view(bs, W, W).diagonal(dim1=1, dim2=2).fill_(True)
+    if mask == DRAFT:
+        draft = (lens - W * torch.randint(1, 4, (bs,), device=DEVICE)).clamp_min(0).to(torch.int32)
+    return page_table, lens, kv, q, custom, draft
+
+
+def _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, mask, custom, draft):
+    n = len(seq_lens)
+    cu = torch.arange(0, n * W + 1, W, dtype=torch.int32)
+    return ref_paged_attention(q[:n * W], kv, kv[:, :, :latent], page_table[:n], lens[:n], cu, page_size, 0.1,
+                               mask, None if custom is None else custom[:n * W * W],
+                               None if draft is None else draft[:n])
+
+
+CASES = [   # page size, lengths, W, heads, mask, splits a request
+    (16, [3000, 40, 5, 300], 1, 16, CAUSAL, 2),      # long tail: the long request cut into many chunks
+    (1, [700, 33, 90], 1, 16, CAUSAL, 3),
+    (16, [1900, 8, 700], 4, 16, CAUSAL, 2),          # verify chain
+    (64, [1900, 37, 700], 4, 16, TREE, 2),
+    (16, [1500, 30, 600], 4, 20, DRAFT, 2),          # 16-head blocks, the second one partly past H
+    (16, [513, 512, 511], 2, 16, CAUSAL, 1),         # near-uniform
+]
+
+
+@pytest.mark.parametrize("schedule", ["chunks", "invariant"])
+@pytest.mark.parametrize("page_size,seq_lens,W,H,mask,splits", CASES)
+def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule):
+    latent, rope, dtype = (32, 16, torch.float32) if DEVICE == "cpu" else (512, 64, torch.bfloat16)
+    page_table, lens, kv, q, custom, draft = _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, 0)
+    bs = lens.shape[0]
+    out = torch.full((bs * W, H, latent), float("nan"), device=DEVICE, dtype=dtype)
+    ws = chunk_workspace(bs, slots_per_request(schedule, splits, page_table.shape[1] * page_size), W, H, 1, latent,
+                         DEVICE)
+    ws[0].fill_(float("nan"))
+    ws[1].fill_(float("nan"))
+    mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask, custom_mask=custom,
+                  workspace=ws, draft_prefix_lens=draft, schedule=schedule, block_n=16 if DEVICE == "cpu" else None)
+    ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, mask, custom, draft)
+    assert_close(out[:len(seq_lens) * W], ref, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
+    q = torch.zeros(2, 16, 48)
+    kv = torch.zeros(64, 1, 48)
+    pt = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="schedule='split'"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), schedule="split")
+    with pytest.raises(TypeError):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), cu_seqlens_q=lens)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("W,mask", [(1, CAUSAL), (4, TREE)])
+def test_mla_chunk_pass_replays_other_lengths(W, mask):
+    """One graph captured on a long-tail batch, replayed on uniform lengths: the schedule is
+    recomputed on the device from the new lengths."""
+    latent, rope, page_size, H, splits = 512, 64, 64, 16, 4
+    first = _batch([6000, 40, 300], W, page_size, H, latent, rope, torch.bfloat16, mask, 1, max_pages=128)
+    second = _batch([2000, 2000, 2000], W, page_size, H, latent, rope, torch.bfloat16, mask, 2, max_pages=128)
+    page_table, lens, kv, q, custom, draft = (t.clone() if t is not None else None for t in first)
+    bs = lens.shape[0]
+    out = torch.empty(bs * W, H, latent, device=DEVICE, dtype=torch.bfloat16)
+    ws = chunk_workspace(bs, splits, W, H, 1, latent, DEVICE)
+    kv_big = torch.cat([kv, torch.empty_like(second[2])])        # room for the second batch's pages
+
+    def run():
+        mla_chunk_fwd(q, kv_big, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask,
+                      custom_mask=custom, workspace=ws, draft_prefix_lens=draft)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    pt2, lens2, kv2, q2, custom2, draft2 = second
+    kv_big[kv.shape[0]:] = kv2
+    page_table.copy_(pt2 + kv.shape[0] // page_size)
+    lens.copy_(lens2)
+    q.copy_(q2)
+    if custom is not None:
+        custom.copy_(custom2)
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = _reference([2000] * 3, W, page_table, lens, kv_big, q, latent, page_size, mask, custom, draft)
+    assert_close(out[:3 * W], ref, 2e-2)
