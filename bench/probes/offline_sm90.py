@@ -81,9 +81,11 @@ def offline():
     import attn_backends_kernels.decode_attention as decode
     import attn_backends_kernels.extend_attention as extend
     import attn_backends_kernels.mla.attention as mla
+    import attn_backends_kernels.mla.balanced as balanced
     import attn_backends_kernels.mla.warpspec as warpspec
     import attn_backends_kernels.mla.wgmma as wgmma
-    modules = (core, decode, extend, mla)
+    import attn_backends_kernels.schedule as schedule
+    modules = (core, decode, extend, mla, balanced, schedule)
     launches: list = []
 
     def compile_instead(kernel, grid, *args, **kwargs):
@@ -111,6 +113,15 @@ def mla_configs() -> dict:
     import torch
 
     from attn_backends_kernels.mla.attention import mla_attention_fwd
+
+    def chunked(H, W, splits=2):        # the chunk schedule's pass (``mla.balanced``) and its merge
+        from attn_backends_kernels.mla.balanced import mla_chunk_fwd
+        bs, kv, page = 2, 256, 64
+        q, out = torch.zeros(bs * W, H, 576, dtype=torch.bfloat16), torch.zeros(bs * W, H, 512, dtype=torch.bfloat16)
+        buf = torch.zeros(bs * kv + 64, 1, 576, dtype=torch.bfloat16)
+        pt = torch.arange(bs * kv // page, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), kv, dtype=torch.int32)
+        return lambda: mla_chunk_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W)
 
     def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None, block_h=None):
         bs, kv = 2, 256
@@ -146,6 +157,8 @@ def mla_configs() -> dict:
                     "default mla64 decode": call(64, 1, 2),
                     "default mla16 verify4 page 32": call(16, 4, 2, page=32),
                     "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
+    configs.update({f"balanced {label}": chunked(H, W) for label, H, W in (
+        ("mla16 decode", 16, 1), ("mla128 decode", 128, 1), ("mla16 verify4", 16, 4))})
     return configs
 
 
