@@ -12,9 +12,10 @@ serves any lengths its buffers allow: no host plan, no host sync, no schedule bu
 program recomputes it from ``bs`` lengths, cheaper than a launch that would write one).
 
 A request of one chunk writes its output directly. A request of several writes a partial per chunk
-(normalised output, log2-sum-exp) to the chunk's workspace slot, and of its chunk programs the one
-that finishes last merges them in chunk order (``merge_chunks_if_last``; a counter per request and
-KV head), so the result is a function of the lengths and ``num_chunks`` alone: replay equals eager.
+(normalised output, log2-sum-exp) to the chunk's workspace slot, merged in chunk order by a second
+launch (``merge="pass"``: ``ChunkLaunch.merge_pass``) or by the chunk program that finishes last
+(``merge="last"``: ``merge_chunks_if_last``; a counter per request and KV head), so the result is a
+function of the lengths and ``num_chunks`` alone: replay equals eager.
 """
 from dataclasses import dataclass
 

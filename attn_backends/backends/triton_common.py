@@ -195,7 +195,7 @@ class TritonBackendBase(LayoutBackend):
         # I4: the split count is a function of the key alone (a host int), fixed with the record
         splits = self._splits(view.layout)
         ws = None
-        if key is not None and self._chunked(view.layout):
+        if self._chunked(view.layout) and key is not None:     # _chunked first: it refuses a bad schedule
             tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
             ws = chunk_workspace(key.bs, slots_per_request(self.schedule, splits, tokens), key.width,
                                  self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device)

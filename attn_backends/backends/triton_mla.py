@@ -3,7 +3,9 @@
 Every mode runs the MLA kernel, which loads each latent tile once for a block of query
 rows and heads and uses it as both K (all 576 columns) and V (the latent 512): DECODE,
 TARGET_VERIFY (chain and tree), DRAFT_EXTEND, draft decode (branch mask) and ragged EXTEND
-(rows from ``cu_seqlens_q``, the grid sized by the host bound ``max_seq_len_q``).
+(rows from ``cu_seqlens_q``, the grid sized by the host bound ``max_seq_len_q``). With
+``schedule = "chunks"`` (``BalancedTritonMLABackend``) the uniform modes run the chunk schedule's
+pass (``kernels/mla/balanced.py``) instead.
 """
 from __future__ import annotations
 
@@ -33,10 +35,12 @@ class TritonMLABackend(TritonBackendBase):
         modes=ALL_MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
     fuses_merge: ClassVar[bool] = False       # the MLA kernels merge in a separate pass
-    # schedule = "chunks": the uniform modes cut the batch's KV into equal chunks on the device
-    # (``kernels/mla/balanced.py``, on the Triton tile); "split", the default until measured on
-    # the GPU: equal splits of every request (the Gluon kernels on sm_90).
+    # "chunks": the uniform modes cut the batch's KV into equal chunks on the device
+    # (``kernels/mla/balanced.py``, on the Triton tile, merged by a second launch); "split", the
+    # default until measured on the GPU: equal splits of every request (the Gluon kernels on sm_90).
+    schedule = "split"
     chunk_merge = "pass"
+    SCHEDULES: ClassVar[tuple] = ("split", "chunks")
 
     def _programs(self, bs: int, width: int) -> int:
         block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
@@ -56,7 +60,8 @@ class TritonMLABackend(TritonBackendBase):
         if width > 1 or self.config.num_q_heads >= 64:
             return 1, 1, None
         uniform_causal = lay is None or (lay.mode != ForwardMode.EXTEND and lay.mask == MaskKind.CAUSAL)
-        return (1 if uniform_causal and self._decodes_transposed() else 2), 1, None
+        transposed = uniform_causal and self.schedule == "split" and self._decodes_transposed()
+        return (1 if transposed else 2), 1, None
 
     def _decodes_transposed(self) -> bool:
         return decodes_transposed(self.memory.device, self.memory.pool.kv[0].dtype, self.memory.page_size)
@@ -74,7 +79,10 @@ class TritonMLABackend(TritonBackendBase):
         return (self.memory.pool.kv[layer.layer_id],)
 
     def _chunked(self, lay) -> bool:
-        return self.schedule != "split" and lay.mode != ForwardMode.EXTEND
+        if self.schedule not in self.SCHEDULES or self.chunk_merge != "pass":
+            raise ValueError(f"triton_mla: schedule={self.schedule!r} not in {self.SCHEDULES}, or chunk_merge="
+                             f"{self.chunk_merge!r} not 'pass' (no batch-invariant MLA mode; one chunk merge)")
+        return self.schedule == "chunks" and lay.mode != ForwardMode.EXTEND
 
     def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
                 meta: TritonMetadata) -> None:
@@ -83,7 +91,7 @@ class TritonMLABackend(TritonBackendBase):
         if self._chunked(lay):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
-                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule)
+                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule, merge=self.chunk_merge)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,

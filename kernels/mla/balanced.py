@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention_core import LOG2E
+from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
 from ..extend_attention import MASK_KINDS
 from ..launch_record import launch
 from ..schedule import check_schedule, chunk_launch, chunk_of, chunk_slots, slots_per_request
-from .attention import _check_inputs, _tile_config
+from .attention import _check_inputs, _tile_config, tile_shape
 from .walk import _mla_rows, _mla_store, _mla_walk
 
 
@@ -50,7 +50,7 @@ def _mla_chunk_kernel(
     if MASK == 0:  # causal: nothing past the block's last row is visible
         end = tl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
     m_i, l_i, acc_a, acc_b = _mla_walk(
-        q_a, q_b, q_pe, kv_ptr, page_table_ptr + b * stride_pb, start, end, j, q_len, seq_len, prefix,
+        q_a, q_b, q_pe, kv_ptr, page_table_ptr + b.to(tl.int64) * stride_pb, start, end, j, q_len, seq_len, prefix,
         draft_prefix, mask_ptr, b.to(tl.int64) * W * W, scale_log2, stride_kvs, BLOCK_W * BLOCK_H, LATENT, ROPE,
         PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
     if count == 1:
@@ -65,27 +65,32 @@ def _mla_chunk_kernel(
 
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
-                  block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None):
+                  merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
-    "invariant"): the same arguments but ragged EXTEND and the kernel choice. ``workspace``: a
+    "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
     page_size), W, H, 1, 512, device)`` (allocated here when None, which a graph must avoid)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
-    check_schedule(name, schedule, "pass")
+    if merge != "pass":
+        raise ValueError(f"{name}: merge={merge!r}: the MLA chunk pass merges by a second launch ('pass') only")
+    check_schedule(name, schedule, merge)
     W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size,
                                                num_kv_splits, out, q_per_req, mask, custom_mask, None, None,
                                                draft_prefix_lens)
     T, H, D = q.shape
     Dv = out.shape[-1]
-    block_w, block_h, block_n, num_warps, num_stages = _tile_config(q, W, H, D, block_w, block_h, block_n,
-                                                                    num_warps, num_stages)
+    block_w, block_h, block_n, num_warps, num_stages = _tile_config(
+        q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
     if bs == 0:
         return out
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
                       heads_first=False)
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
+    if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
+        raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
+                         f"bound {MAX_GRID_YZ}")
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), slots)
     launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
            sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), out.stride(0),
@@ -97,3 +102,24 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
            num_stages=num_stages)
     cl.merge_pass(seq_lens_k, None, out)
     return out
+
+
+# The chunk pass's tiles hold at most this many rows (query rows x heads): compiled for sm_90, the
+# Triton tile of 64 rows spills 248-312 bytes (the split schedule runs the Gluon kernels there),
+# 32 rows with 64-token KV tiles and 8 warps none (bench/RESULTS.md, 'MLA kernels').
+CHUNK_TILE_ROWS = 32
+
+
+def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> tuple:
+    """The chunk pass's (block_w, block_h, block_n, num_warps, num_stages) before ``_tile_config``
+    fills the rest: the caller's, else tiles of at most CHUNK_TILE_ROWS rows, cut in heads first
+    (a 128-head decode tile: 32 heads) and then in query rows, on 64-token KV tiles where the
+    card's shared memory stages them, 8 warps, 3 stages."""
+    if block_w is not None or block_h is not None or block_n is not None or num_warps is not None:
+        return block_w, block_h, block_n, num_warps, num_stages
+    block_w, block_h = tile_shape(W, H)
+    if block_w * block_h <= CHUNK_TILE_ROWS:
+        return None, None, None, None, num_stages       # _tile_config's own (16-row decode tiles)
+    block_h = min(block_h, CHUNK_TILE_ROWS)
+    block_w = max(1, CHUNK_TILE_ROWS // block_h)
+    return block_w, block_h, fit_block_n(q, 64, D * q.element_size()), 8, num_stages or 3

@@ -44,7 +44,7 @@ def _gqa_config():
 
 
 # (backend, batch_invariant, merge): the triton backend's schedules and merges; triton_mla's chunks
-VARIANTS = [("triton", False, "last"), ("triton", True, "last"), ("triton", False, "pass"),
+VARIANTS = [("triton", False, "last"), ("triton", True, "last"), ("triton", False, "pass"), ("triton", True, "pass"),
             ("triton_mla", False, "pass")]
 
 
@@ -104,3 +104,16 @@ def test_instances_of_other_merges_on_one_step_keep_their_own_launches():
         real = ~ref[:, 0, 0].isnan()
         err = float((out.cpu()[real].double() - ref[real]).norm() / ref[real].norm())
         assert err < 1e-4, f"merge {be.chunk_merge}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("attr,value", [("schedule", "invariant"), ("chunk_merge", "last")])
+def test_triton_mla_refuses_what_it_has_not(attr, value):
+    """triton_mla has no batch-invariant mode and one chunk merge: asked for another, it says so
+    at metadata time instead of running something else."""
+    cfg = _mla_config()
+    mem = make_memory(cfg, num_pages=64, max_reqs=4, max_context_len=256, device=DEVICE)
+    be = TritonMLABackend(cfg, mem)
+    setattr(be, attr, value)
+    m = materialize(Scenario(ForwardMode.DECODE, 2, [40, 7]), mem, be.get_cuda_graph_seq_len_fill_value())
+    with pytest.raises(ValueError, match=f"{value!r}"):
+        be.init_forward_metadata(m.batch)

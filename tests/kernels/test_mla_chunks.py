@@ -50,6 +50,7 @@ CASES = [   # page size, lengths, W, heads, mask, splits a request
     (64, [1900, 37, 700], 4, 16, TREE, 2),
     (16, [1500, 30, 600], 4, 20, DRAFT, 2),          # 16-head blocks, the second one partly past H
     (16, [513, 512, 511], 2, 16, CAUSAL, 1),         # near-uniform
+    (16, [8, 2100, 700], 4, 16, CAUSAL, 2),          # the long request not first: its merged rows are b * W on
 ]
 
 
@@ -77,6 +78,8 @@ def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
     lens = torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="schedule='split'"):
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), schedule="split")
+    with pytest.raises(ValueError, match="merge='last'"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), merge="last")
     with pytest.raises(TypeError):
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), cu_seqlens_q=lens)
 
