@@ -47,6 +47,13 @@ class Sleeps(TorchNativeBackend):
 _one_process = {}
 
 
+@pytest.fixture(autouse=True)
+def _no_run_time_registrations(monkeypatch):
+    """Jobs spread only where no name was registered at run time (``cli_jobs.usable``): a test
+    before these in the same process (``hybrid.compose(name=...)``) must not turn them off."""
+    monkeypatch.setattr(cli_jobs.registry, "_extra", {})
+
+
 def _check_json(tmp_path, capsys, cases: int, jobs: int) -> tuple:
     path = tmp_path / f"out_{cases}_{jobs}.json"
     status = cli.main(["check", "--backend", BUGGY, "--suite", "layout", "--cases", str(cases), "--progress-every",
