@@ -60,6 +60,10 @@ class Capabilities:
     preference : int
         ``select()`` ranks backends that serve a request by this first (higher first; the
         built-ins declare 0), then registry order; the reference ``torch_native`` comes last.
+    dtypes : tuple of torch.dtype
+        Model dtypes (q, the output, the KV it is handed).
+    kv_dtypes : tuple of torch.dtype
+        KV cache dtypes it reads besides the model's (``config.FP8_KV``; ``ModelConfig.kv_dtype``).
     """
 
     modes: frozenset
@@ -75,6 +79,7 @@ class Capabilities:
     requires: tuple = ()
     preference: int = 0
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
+    kv_dtypes: tuple = ()
     mode_graph: tuple = ()
     cannot: str = ""
 
@@ -101,6 +106,9 @@ class Capabilities:
             return f"head_dim={cfg.qk_dim} not in {self.head_dims}"
         if cfg.dtype not in self.dtypes:
             return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
+        if cfg.cache_dtype != cfg.dtype and cfg.cache_dtype not in self.kv_dtypes:
+            return (f"KV dtype {str(cfg.cache_dtype)[6:]} not read (the model's dtype"
+                    + "".join(f", {str(d)[6:]}" for d in self.kv_dtypes) + ")")
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:
@@ -234,6 +242,8 @@ class LayoutBackend(AttentionBackend):
                              f"the KV memory is on {memory.device}")
         if config.dtype not in caps.dtypes:
             raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
+        if config.cache_dtype not in (reads := (config.dtype, *caps.kv_dtypes)):
+            raise ValueError(f"backend {self.name} reads KV in {reads}, not {config.cache_dtype}")
         memory.check_fits(config)
         self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value)
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record
@@ -381,7 +391,7 @@ class LayoutBackend(AttentionBackend):
                 raise ValueError(f"{name} dtype {t.dtype} differs from the model's dtype {cfg.dtype}")
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
-        self.memory.pool.store(layer.layer_id, loc, k, v)
+        self.memory.pool.store(layer.layer_id, loc, k, v, layer.k_scale, layer.v_scale)
 
     @abstractmethod
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:

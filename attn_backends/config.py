@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+# The FP8 KV cache dtypes a config may name (e4m3: more mantissa, the engines' default; e5m2: more range).
+FP8_KV = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,13 @@ class ModelConfig:
     qk_nope_head_dim: int = 128   # MLA: the unabsorbed head size; only the softmax scale uses it
     page_size: int = 1
     dtype: torch.dtype = torch.float32
+    # The KV cache's dtype (None: the model's) and, for an FP8 cache, the per-tensor (k, v) scale of
+    # each layer as checkpoints ship them (None: 1.0): the cache holds value / scale, saturated.
+    kv_dtype: Optional[torch.dtype] = None
+    kv_scales: Optional[tuple] = None
 
     def __post_init__(self) -> None:
+        self._check_kv()
         if self.is_mla:
             if self.num_kv_heads != 1:
                 raise ValueError(f"MLA has one latent KV head, got num_kv_heads={self.num_kv_heads}")
@@ -53,11 +62,32 @@ class ModelConfig:
             return 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
         return 1.0 / math.sqrt(self.head_dim)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds: ``kv_dtype``, else the model's."""
+        return self.kv_dtype or self.dtype
+
+    def _check_kv(self) -> None:
+        if self.kv_dtype not in (None, self.dtype) + FP8_KV:
+            raise ValueError(f"kv_dtype={self.kv_dtype} is neither the model's dtype {self.dtype} nor one of {FP8_KV}")
+        if self.kv_scales is None:
+            return
+        if self.cache_dtype not in FP8_KV:
+            raise ValueError(f"kv_scales need an FP8 kv_dtype {FP8_KV}, the cache is {self.cache_dtype}")
+        if len(self.kv_scales) != self.num_layers:
+            raise ValueError(f"kv_scales has {len(self.kv_scales)} (k, v) pairs, the model {self.num_layers} layers")
+        for i, (ks, vs) in enumerate(self.kv_scales):
+            if not (math.isfinite(ks) and math.isfinite(vs) and ks > 0 and vs > 0):
+                raise ValueError(f"kv_scales[{i}] = ({ks}, {vs}): scales are finite and > 0")
+            if self.is_mla and ks != vs:     # one latent row is both K and V
+                raise ValueError(f"kv_scales[{i}] = ({ks}, {vs}): MLA's latent cache has one scale (k == v)")
+
     def layer(self, layer_id: int) -> "AttentionLayer":
         if not 0 <= layer_id < self.num_layers:
             raise ValueError(f"layer_id={layer_id} outside 0..{self.num_layers - 1}")
+        ks, vs = self.kv_scales[layer_id] if self.kv_scales is not None else (1.0, 1.0)
         return AttentionLayer(layer_id, self.num_q_heads, self.num_kv_heads, self.qk_dim,
-                              self.out_dim, self.sm_scale, self.is_mla)
+                              self.out_dim, self.sm_scale, self.is_mla, float(ks), float(vs))
 
 
 @dataclass(frozen=True)
@@ -71,3 +101,5 @@ class AttentionLayer:
     v_dim: int
     scaling: float
     is_mla: bool = False
+    k_scale: float = 1.0      # an FP8 cache's per-tensor scales: the cache holds value / scale
+    v_scale: float = 1.0

@@ -18,6 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .config import FP8_KV
+
 SUPPORTED_PAGE_SIZES = (1, 16, 64)
 
 
@@ -80,6 +82,15 @@ class PageAllocator:
         self._free.extend(pages)
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the cache holds it: an FP8 cache ``x / scale`` saturated to the format's finite range
+    and rounded to nearest even (a value past it would become NaN or inf); others a cast."""
+    if dtype in FP8_KV:
+        top = torch.finfo(dtype).max
+        return (x.float() / scale).clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
 class MHAPool:
     def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, v_head_dim, dtype, device) -> None:
         self.k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -87,9 +98,10 @@ class MHAPool:
         self.v = [torch.zeros(num_slots, num_kv_heads, v_head_dim, dtype=dtype, device=device)
                   for _ in range(num_layers)]
 
-    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][loc] = k.to(self.k[layer_id].dtype)
-        self.v[layer_id][loc] = v.to(self.v[layer_id].dtype)
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> None:
+        self.k[layer_id][loc] = to_cache(k, self.k[layer_id].dtype, k_scale)
+        self.v[layer_id][loc] = to_cache(v, self.v[layer_id].dtype, v_scale)
 
 
 class MLAPool:
@@ -98,9 +110,10 @@ class MLAPool:
         self.kv = [torch.zeros(num_slots, 1, kv_lora_rank + rope_dim, dtype=dtype, device=device)
                    for _ in range(num_layers)]
 
-    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """``k``: ``[T, 1, latent+rope]``; ``v`` (the latent part) is implied by ``k``."""
-        self.kv[layer_id][loc] = k.to(self.kv[layer_id].dtype)
+        self.kv[layer_id][loc] = to_cache(k, self.kv[layer_id].dtype, k_scale)
 
 
 class KVMemory:
@@ -196,8 +209,8 @@ class KVMemory:
         have = tuple(tuple(b[0].shape[1:]) for b in ((pool.kv,) if self.is_mla else (pool.k, pool.v)))
         if have != want:
             raise ValueError(f"the model's KV rows {want} (heads, dim) differ from the KV memory's {have}")
-        if bufs[0].dtype != c.dtype:
-            raise ValueError(f"the model's dtype {c.dtype} differs from the KV memory's {bufs[0].dtype}")
+        if bufs[0].dtype != c.cache_dtype:
+            raise ValueError(f"the model's KV dtype {c.cache_dtype} differs from the KV memory's {bufs[0].dtype}")
 
     def check_slots(self, loc: torch.Tensor, n_real: int) -> None:
         """Before any write: the first ``n_real`` entries of ``out_cache_loc`` are real tokens'

@@ -24,15 +24,17 @@ MIN_MERGE_DV = 64
 
 @triton.jit
 def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
-                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc,
+                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
                       INPUT_PRECISION: tl.constexpr):
     """One KV tile of the online softmax, shared by the decode and extend kernels.
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
-    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc).
+    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
+    cache is widened to q's dtype on load; its scales: K's folded into ``scale_log2`` by the
+    caller, V's (``v_scale``) into the probabilities before the product.
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
     s = tl.where(vis, s, float("-inf"))
     # A row may see nothing in this tile (masks); keep its exponents finite.
@@ -42,8 +44,8 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+    acc = acc * alpha[:, None] + tl.dot((p * v_scale).to(q.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -200,8 +202,13 @@ def fit_block_n(t: torch.Tensor, block_n: int, token_bytes: int, floor: int = 16
     return block_n
 
 
-def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs):
-    """Shared launcher checks: devices, int32 metadata, contiguous head dims, page size."""
+# The FP8 KV buffers the GQA kernels read (widened on load, with per-tensor scales).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs, fp8_ok=False):
+    """Shared launcher checks: devices, int32 metadata, contiguous head dims, page size; KV
+    buffers in q's dtype, or (``fp8_ok``) in one of ``FP8_KV_DTYPES``."""
     for t_name, t in [("page_table", page_table), ("seq_lens_k", seq_lens_k)]:
         if t.dtype != torch.int32:
             raise ValueError(f"{name}: {t_name}.dtype={t.dtype}, expected torch.int32")
@@ -217,8 +224,9 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
     if page_size < 1:
         raise ValueError(f"{name}: page_size={page_size} must be >= 1")
     for buf in kv_buffers:
-        if buf.dtype != q.dtype:
-            raise ValueError(f"{name}: KV buffer dtype {buf.dtype} != q dtype {q.dtype}")
+        if buf.dtype != q.dtype and not (fp8_ok and buf.dtype in FP8_KV_DTYPES):
+            raise ValueError(f"{name}: KV buffer dtype {buf.dtype} is neither q's {q.dtype}"
+                             + (f" nor in {FP8_KV_DTYPES}" if fp8_ok else ""))
         if buf.dim() != 3 or buf.stride(-1) != 1:
             raise ValueError(f"{name}: KV buffer shape {tuple(buf.shape)} must be "
                              f"[num_slots, heads, dim] with a contiguous last dim")

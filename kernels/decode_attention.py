@@ -38,7 +38,7 @@ from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_la
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -80,8 +80,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, 0, 0, 0, 0, 0, pt_row, 0,
-                               PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
+                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0, 0, 0, 0, 0,
+                               pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
 
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
@@ -97,7 +97,7 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_chunk_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, bs, num_chunks,
+    scale_log2, v_scale, bs, num_chunks,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -133,8 +133,8 @@ def _decode_chunk_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
         m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
-                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, 0, 0, 0, 0,
-                                   0, pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
+                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0,
+                                   0, 0, 0, 0, pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
         tile = mask_h[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
@@ -154,13 +154,15 @@ def _decode_chunk_kernel(
 
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
-                         num_stages=2, heads_first=None, schedule="split", merge="last"):
+                         num_stages=2, heads_first=None, schedule="split", merge="last", k_scale=1.0,
+                         v_scale=1.0):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
     ----------
     q : [bs, H, D] float16/bfloat16/float32
-    k_buffer, v_buffer : [num_slots, Hkv, D] / [num_slots, Hkv, Dv], same dtype as q
+    k_buffer, v_buffer : [num_slots, Hkv, D] / [num_slots, Hkv, Dv], q's dtype or FP8
+        (``attention_core.FP8_KV_DTYPES``: the cache holds value / scale)
     page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32 (>= 1 each)
     page_size, num_kv_splits : host ints (fixed per captured graph)
     out : [bs, H, Dv], dtype of q
@@ -176,11 +178,12 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         the batch (a request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
     merge : the chunk schedules' merge: "last" (a request's last chunk program, one launch) or
         "pass" (a second launch spread over rows, heads and columns: ``schedule.ChunkLaunch.merge_pass``)
+    k_scale, v_scale : an FP8 cache's per-tensor scales (1.0 otherwise)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
     check_paged_inputs("decode_attention_fwd", q, (k_buffer, v_buffer), page_table,
-                       seq_lens_k, page_size, bs)
+                       seq_lens_k, page_size, bs, fp8_ok=True)
     if H % Hkv != 0 or k_buffer.shape[2] != D or v_buffer.shape[1] != Hkv:
         raise ValueError(f"decode_attention_fwd: q heads {H} x dim {D} incompatible with "
                          f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)}")
@@ -204,7 +207,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         part, lse = cl.part, cl.lse
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,
-            sm_scale * LOG2E, bs, cl.num_chunks,
+            sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -224,7 +227,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
                                          (Hkv, bs, num_kv_splits), (bs, Hkv, num_kv_splits))
     launch(_decode_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

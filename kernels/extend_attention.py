@@ -48,7 +48,7 @@ from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_la
 def _extend_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
     o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -117,7 +117,7 @@ def _extend_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, j, q_len, seq_len,
+                               offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j, q_len, seq_len,
                                prefix, draft_prefix, mask_ptr, mask_base, PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
 
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
@@ -135,7 +135,7 @@ def _extend_split_kernel(
 def _extend_chunk_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
     o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, bs, num_chunks, rows_per_chunk,
+    scale_log2, v_scale, bs, num_chunks, rows_per_chunk,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_xt, stride_xh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -175,9 +175,9 @@ def _extend_chunk_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
         m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
-                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, j, q_len,
-                                   seq_len, seq_len - q_len, draft_prefix, mask_ptr, b.to(tl.int64) * q_len * q_len,
-                                   PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
+                                   stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j,
+                                   q_len, seq_len, seq_len - q_len, draft_prefix, mask_ptr,
+                                   b.to(tl.int64) * q_len * q_len, PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
         tile = row_ok[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + rows[:, None] * stride_xt + heads[:, None] * stride_xh
@@ -220,12 +220,13 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
                          block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None,
-                         schedule="split", merge="last"):
+                         schedule="split", merge="last", k_scale=1.0, v_scale=1.0):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
     ----------
-    q : [T, H, D]; k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv] (q's dtype)
+    q : [T, H, D]; k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv] (q's dtype, or FP8
+        holding value / scale: ``k_scale``, ``v_scale``, the per-tensor scales)
     page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32
     cu_seqlens_q : [bs+1] int32 with ``cu[bs] == T`` (rows past cu[bs] are undefined)
     page_size, max_q_len, num_kv_splits : host ints; ``max_q_len`` bounds every
@@ -254,7 +255,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     T, H, D = q.shape
     bs = cu_seqlens_q.shape[0] - 1
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
-    check_paged_inputs(name, q, (k_buffer, v_buffer), page_table, seq_lens_k, page_size, bs)
+    check_paged_inputs(name, q, (k_buffer, v_buffer), page_table, seq_lens_k, page_size, bs, fp8_ok=True)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
         raise ValueError(f"{name}: cu_seqlens_q must be int32 on {q.device}, got "
                          f"{cu_seqlens_q.dtype} on {cu_seqlens_q.device}")
@@ -316,7 +317,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         part, lse = cl.part, cl.lse
         launch(_extend_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out,
-            cl.counters, sm_scale * LOG2E, bs, cl.num_chunks, max_q_len,
+            cl.counters, sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, max_q_len,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
@@ -339,7 +340,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     launch(_extend_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse, out, counters,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

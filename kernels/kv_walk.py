@@ -47,7 +47,7 @@ def head_and_item(HEADS_FIRST: tl.constexpr):
 
 @triton.jit
 def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-               offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc,
+               offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
                j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base,
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Tokens ``[start, end)`` of the request whose page-table row is ``pt_row`` into the running
@@ -63,5 +63,5 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
             vis = vis & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, MASK)
         m_i, l_i, acc = paged_tile_update(
             q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-            offs_d, mask_d, offs_dv, mask_dv, scale_log2, m_i, l_i, acc, INPUT_PRECISION)
+            offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, INPUT_PRECISION)
     return m_i, l_i, acc

@@ -14,7 +14,7 @@ import torch
 
 from ..base import Capabilities, ForwardMetadata, GraphSupport, LayoutBackend
 from ..batch import ForwardMode
-from ..config import AttentionLayer
+from ..config import FP8_KV, AttentionLayer
 from ..layout import Layout, MaskKind
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
@@ -39,9 +39,11 @@ def visible(lay: Layout, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tens
     raise ValueError(f"unknown mask kind {lay.mask}")
 
 
-def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float) -> torch.Tensor:
+def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """``q [T, H, D]`` against the paged cache ``k_cache [slots, Hkv, D]``,
-    ``v_cache [slots, Hkv, Dv]`` -> ``[T, H, Dv]`` in ``q.dtype``."""
+    ``v_cache [slots, Hkv, Dv]`` -> ``[T, H, Dv]`` in ``q.dtype``; the cache dequantized to float32
+    (``value * scale``, an FP8 cache's per-tensor scales)."""
     ps = lay.page_size
     nq, nk = lay.max_seq_len_q, lay.max_seq_len_k
     dev = q.device
@@ -55,11 +57,11 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float) -> torch.T
     # key positions -> slots through the page table: [bs, nk]
     k_pos = torch.arange(nk, device=dev)
     slot = lay.page_table.long()[:, k_pos // ps] * ps + k_pos % ps
-    kk = k_cache[slot].float()                                           # [bs, nk, Hkv, D]
+    kk = k_cache[slot].float() * k_scale                                 # [bs, nk, Hkv, D]
     # Positions past a request's length read through the reserved page, where padding rows store
     # their K/V (garbage, NaN): their probability is 0, but 0 * NaN = NaN, so zero them first.
     in_kv = k_pos[None, :] < lay.seq_lens_k.long()[:, None]              # [bs, nk]
-    vv = torch.where(in_kv[:, :, None, None], v_cache[slot].float(), 0.0)  # [bs, nk, Hkv, Dv]
+    vv = torch.where(in_kv[:, :, None, None], v_cache[slot].float() * v_scale, 0.0)  # [bs, nk, Hkv, Dv]
     if h != hkv:
         kk = kk.repeat_interleave(h // hkv, dim=2)
         vv = vv.repeat_interleave(h // hkv, dim=2)
@@ -82,11 +84,12 @@ class TorchNativeBackend(LayoutBackend):
     name: ClassVar[str] = "torch_native"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"))
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), kv_dtypes=FP8_KV)
 
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         pool, lid = self.memory.pool, layer.layer_id
         if self.config.is_mla:
             kv = pool.kv[lid]                                             # [slots, 1, 576]
-            return paged_attention(q, kv, kv[..., :self.config.kv_lora_rank], meta.layout, layer.scaling)
-        return paged_attention(q, pool.k[lid], pool.v[lid], meta.layout, layer.scaling)
+            return paged_attention(q, kv, kv[..., :self.config.kv_lora_rank], meta.layout, layer.scaling,
+                                   layer.k_scale, layer.k_scale)
+        return paged_attention(q, pool.k[lid], pool.v[lid], meta.layout, layer.scaling, layer.k_scale, layer.v_scale)

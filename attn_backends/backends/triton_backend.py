@@ -18,7 +18,7 @@ from attn_backends_kernels.kv_store import store_kv
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
-from ..config import AttentionLayer
+from ..config import FP8_KV, AttentionLayer
 from ..layout import Layout, MaskKind
 from .triton_common import TritonBackendBase, TritonMetadata
 
@@ -36,7 +36,7 @@ class TritonBackend(TritonBackendBase):
     name: ClassVar[str] = "triton"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=False, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",), kv_dtypes=FP8_KV)
 
     def _programs(self, bs: int, width: int) -> int:
         return bs * self.config.num_kv_heads
@@ -87,7 +87,7 @@ class TritonBackend(TritonBackendBase):
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool
-        store_kv(k, v, pool.k[layer.layer_id], pool.v[layer.layer_id], loc)
+        store_kv(k, v, pool.k[layer.layer_id], pool.v[layer.layer_id], loc, layer.k_scale, layer.v_scale)
 
     def _kv_buffers(self, layer: AttentionLayer) -> tuple:
         pool = self.memory.pool
@@ -100,9 +100,11 @@ class TritonBackend(TritonBackendBase):
         splits, ws = meta.num_kv_splits, meta.workspace
         chunked, tile = self._chunked(lay), {}
         merge = self.chunk_merge if chunked else "last"
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)       # an FP8 cache's
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule, merge=merge)
+                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule, merge=merge,
+                                 **scales)
             return
         if self.schedule == "invariant" and not chunked:   # the batch's longest query would pick the tile
             group = self.config.num_q_heads // self.config.num_kv_heads
@@ -112,7 +114,7 @@ class TritonBackend(TritonBackendBase):
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,
             lay.max_seq_len_q, out, mask=lay.mask.value, custom_mask=lay.custom_mask,
             draft_prefix_lens=lay.draft_prefix_lens, num_kv_splits=splits, workspace=ws,
-            schedule=self.schedule if chunked else "split", merge=merge, **tile)
+            schedule=self.schedule if chunked else "split", merge=merge, **tile, **scales)
 
 
 class BatchInvariantTritonBackend(TritonBackend):

@@ -58,7 +58,7 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
     """The split count and split workspace of a key (or an eager step), and the launches recorded
-    by graph metadata called outside a capture (softmax scale -> :class:`Recorded`)."""
+    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
     workspace: Optional[tuple] = None
@@ -162,7 +162,8 @@ class TritonBackendBase(LayoutBackend):
             return out
         inputs = (q, *kv, out)
         book = meta.book
-        rec = book.get(layer.scaling)
+        scales = (layer.scaling, layer.k_scale, layer.v_scale)      # the launches' host floats
+        rec = book.get(scales)
         if rec is not None and rec.replay(inputs):
             return out
         if rec is not None and not rec.usable:    # the interpreter, or a wrapper that views q
@@ -172,12 +173,12 @@ class TritonBackendBase(LayoutBackend):
             self._launch(q, kv, out, layer, meta)
         # the KV buffers are the pool's (their facts checked once each), out is this call's own;
         # kept once a call succeeded: a failed call changes nothing
-        book[layer.scaling] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
+        book[scales] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
         return out
 
     def _step_book(self, view: StepView) -> dict:
-        """The recorded launches (softmax scale -> :class:`Recorded`) of an eager step: in the
-        step's cache, shared by every instance of this class over the same config and KV memory
+        """The recorded launches ((softmax scale, k_scale, v_scale) -> :class:`Recorded`) of an
+        eager step: in the step's cache, shared by every instance of this class over the same config and KV memory
         (they read the step's one layout: with a backend instance per layer the step still
         records once), new with each step id (a new layout). Graph metadata called outside a
         capture (the breakable runner's attention between its graph segments) keeps its own in

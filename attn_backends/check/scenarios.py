@@ -81,7 +81,7 @@ def make_memory(cfg: ModelConfig, *, num_pages: int, max_reqs: int, max_context_
     mem = KVMemory(num_layers=cfg.num_layers, num_pages=num_pages, page_size=cfg.page_size,
                    max_reqs=max_reqs, max_context_len=max_context_len, is_mla=cfg.is_mla,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim,
-                   kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=cfg.dtype,
+                   kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, dtype=cfg.cache_dtype,
                    device=device, page_order=alloc_order, seed=seed)
     mem.page_order = page_order
     if fill:  # metadata-only checks need no KV data

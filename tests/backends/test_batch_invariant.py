@@ -11,6 +11,8 @@ from attn_backends.backends.triton_backend import BatchInvariantTritonBackend, T
 from attn_backends.check.scenarios import Scenario, make_memory, materialize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter on the CPU; on a GPU these are GPU tests (`pytest -m cuda` picks them)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 LENS = [2500, 40, 300, 120000 if DEVICE == "cuda" else 3100, 7]  # request 0: three invariant chunks
 BATCHES = [((0,), 0), ((0, 1, 2), 0), ((3, 1, 0, 4), 0), ((0, 1, 2), 2)]     # alone, 3 batches, a bucket of 5
 

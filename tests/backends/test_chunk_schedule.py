@@ -22,6 +22,8 @@ from attn_backends.check.scenarios import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter on the CPU; on a GPU these are GPU tests (`pytest -m cuda` picks them)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 RNG = random.Random(0)
 SCENARIOS = {
     "decode": lambda: Scenario(ForwardMode.DECODE, 5, [2000, 17, 0, 600]),

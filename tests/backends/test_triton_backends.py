@@ -12,6 +12,8 @@ from attn_backends.check.scenarios import make_memory, materialize
 from attn_backends.registry import list_backends
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter on the CPU; on a GPU these are GPU tests (`pytest -m cuda` picks them)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 AVAILABLE = {b.name for b in list_backends(DEVICE) if b.available}
 
 
@@ -92,8 +94,8 @@ def test_eager_step_replays_its_recorded_launches(backend, name):
         err, _ = _rel_err(out, ref)
         assert err < 1e-4, f"layer {layer}, q seed {seed}: relative error {err:.2e}"
         if seed == 3:
-            first = be.forward_metadata.book[scale]
-    rec = be.forward_metadata.book[scale]
+            first = be.forward_metadata.book[(scale, 1.0, 1.0)]
+    rec = be.forward_metadata.book[(scale, 1.0, 1.0)]
     if DEVICE == "cuda":
         assert first.usable and first.replays == 2, f"usable {first.usable}, replays {first.replays} (want 2)"
         assert rec is not first and rec.facts[0][2] == wide[:, :cfg.num_q_heads].stride(), \

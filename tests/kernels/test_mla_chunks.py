@@ -10,6 +10,8 @@ from attn_backends_kernels.mla.balanced import mla_chunk_fwd
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter on the CPU; on a GPU these are GPU tests (`pytest -m cuda` picks them)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
 
 def _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, seed, max_pages=None):

@@ -24,8 +24,9 @@ def _visible(mode, spec, i, prefix, n_new, seq_len):
     return p <= prefix + q                              # causal (decode: sees all)
 
 
-def dense_reference(batch, memory, layer_id, q, scaling, kv_lora_rank=None):
-    """``q [T, H, D]`` -> float64 ``[T, H, Dv]`` for the real rows (pad rows left NaN)."""
+def dense_reference(batch, memory, layer_id, q, scaling, kv_lora_rank=None, k_scale=1.0, v_scale=1.0):
+    """``q [T, H, D]`` -> float64 ``[T, H, Dv]`` for the real rows (pad rows left NaN), over the
+    cache dequantized (``value * scale``: an FP8 cache's per-tensor scales; MLA: ``k_scale``)."""
     spec, mode = batch.spec_info, batch.forward_mode
     seq = batch.seq_lens_cpu.tolist()
     if mode == ForwardMode.EXTEND:
@@ -33,10 +34,11 @@ def dense_reference(batch, memory, layer_id, q, scaling, kv_lora_rank=None):
     else:
         new = [batch.width] * batch.batch_size
     if memory.is_mla:
-        kv = memory.pool.kv[layer_id].double().cpu()
+        kv = memory.pool.kv[layer_id].double().cpu() * k_scale
         kc, vc = kv, kv[..., :kv_lora_rank]
     else:
-        kc, vc = memory.pool.k[layer_id].double().cpu(), memory.pool.v[layer_id].double().cpu()
+        kc = memory.pool.k[layer_id].double().cpu() * k_scale
+        vc = memory.pool.v[layer_id].double().cpu() * v_scale
     h = q.shape[1]
     out = torch.full((q.shape[0], h, vc.shape[-1]), float("nan"), dtype=torch.float64)
     row0 = 0
