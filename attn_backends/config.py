@@ -72,6 +72,7 @@ class ModelConfig:
             raise ValueError(f"kv_dtype={self.kv_dtype} is neither the model's dtype {self.dtype} nor one of {FP8_KV}")
         if self.kv_scales is None:
             return
+        object.__setattr__(self, "kv_scales", tuple((float(k), float(v)) for k, v in self.kv_scales))  # hashable
         if self.cache_dtype not in FP8_KV:
             raise ValueError(f"kv_scales need an FP8 kv_dtype {FP8_KV}, the cache is {self.cache_dtype}")
         if len(self.kv_scales) != self.num_layers:

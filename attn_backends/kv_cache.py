@@ -87,7 +87,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.T
     and rounded to nearest even (a value past it would become NaN or inf); others a cast."""
     if dtype in FP8_KV:
         top = torch.finfo(dtype).max
-        return (x.float() / scale).clamp(-top, top).to(dtype)
+        return (x.double() / scale).float().clamp(-top, top).to(dtype)   # the float32 quotient exactly rounded
     return x.to(dtype)
 
 

@@ -30,11 +30,13 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
     (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
-    cache is widened to q's dtype on load; its scales: K's folded into ``scale_log2`` by the
-    caller, V's (``v_scale``) into the probabilities before the product.
+    cache is widened to q's dtype on load, K's scale folded into ``scale_log2`` by the caller,
+    V's (``v_scale``) applied to the widened V (other dtypes: the code as it was).
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    if k.dtype.is_fp8():
+        k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
     s = tl.where(vis, s, float("-inf"))
     # A row may see nothing in this tile (masks); keep its exponents finite.
@@ -44,8 +46,10 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-    acc = acc * alpha[:, None] + tl.dot((p * v_scale).to(q.dtype), v, input_precision=INPUT_PRECISION)
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+    if v.dtype.is_fp8():
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -206,7 +210,8 @@ def fit_block_n(t: torch.Tensor, block_n: int, token_bytes: int, floor: int = 16
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs, fp8_ok=False):
+def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, bs, fp8_ok=False,
+                       scales=(1.0, 1.0)):
     """Shared launcher checks: devices, int32 metadata, contiguous head dims, page size; KV
     buffers in q's dtype, or (``fp8_ok``) in one of ``FP8_KV_DTYPES``."""
     for t_name, t in [("page_table", page_table), ("seq_lens_k", seq_lens_k)]:
@@ -223,6 +228,8 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: seq_lens_k has {seq_lens_k.shape[0]} rows, expected >= {bs}")
     if page_size < 1:
         raise ValueError(f"{name}: page_size={page_size} must be >= 1")
+    if scales != (1.0, 1.0) and not all(b.dtype in FP8_KV_DTYPES for b in kv_buffers):
+        raise ValueError(f"{name}: k_scale, v_scale = {scales} need FP8 KV buffers, got {kv_buffers[0].dtype}")
     for buf in kv_buffers:
         if buf.dtype != q.dtype and not (fp8_ok and buf.dtype in FP8_KV_DTYPES):
             raise ValueError(f"{name}: KV buffer dtype {buf.dtype} is neither q's {q.dtype}"

@@ -183,7 +183,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
     check_paged_inputs("decode_attention_fwd", q, (k_buffer, v_buffer), page_table,
-                       seq_lens_k, page_size, bs, fp8_ok=True)
+                       seq_lens_k, page_size, bs, fp8_ok=True, scales=(k_scale, v_scale))
     if H % Hkv != 0 or k_buffer.shape[2] != D or v_buffer.shape[1] != Hkv:
         raise ValueError(f"decode_attention_fwd: q heads {H} x dim {D} incompatible with "
                          f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)}")

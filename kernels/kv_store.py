@@ -26,8 +26,9 @@ def _round_to_grid(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     drops the carry of a mantissa that rounds up into the exponent."""
     bits = x.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127                                     # x's binade, from its bits
-    ulp = ((tl.maximum(e, MIN_EXP) - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    y = tl.abs(x) / ulp                                                 # exact: a power of two
+    k = tl.maximum(e, MIN_EXP) - MANT
+    ulp = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    y = tl.abs(x) * ((127 - k) << 23).to(tl.float32, bitcast=True)    # times 1 / ulp: exact
     r = ((y + 12582912.0) - 12582912.0) * ulp                           # 1.5 * 2**23: y's nearest even
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # x's sign, -0 too
 
@@ -50,7 +51,7 @@ def _store_rows_kernel(
     val = tl.load(src_ptr + t.to(tl.int64) * stride_st + offs_h[:, None] * stride_sh
                   + offs_d[None, :], mask=mask)
     if FP8_MAX > 0:     # an FP8 cache: value / scale, saturated (past the range: inf or NaN), nearest even
-        val = _round_to_grid(tl.clamp(val.to(tl.float32) / scale, -FP8_MAX, FP8_MAX,
+        val = _round_to_grid(tl.clamp(tl.div_rn(val.to(tl.float32), scale), -FP8_MAX, FP8_MAX,
                                       propagate_nan=tl.PropagateNan.ALL), FP8_MANT, FP8_MIN_EXP)
     tl.store(dst_ptr + slot * stride_ds + offs_h[:, None] * stride_dh + col_offset
              + offs_d[None, :], val.to(dst_ptr.dtype.element_ty), mask=mask)
@@ -66,8 +67,8 @@ def _store(name, src, dst, loc, col_offset, scale=1.0):
     if (src.dtype != dst.dtype and dst.dtype not in FP8_KV_DTYPES) or src.device != dst.device:
         raise ValueError(f"{name}: src is {src.dtype} on {src.device}, buffer is {dst.dtype} "
                          f"on {dst.device} (a buffer of src's dtype or FP8)")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{name}: scale={scale}, a finite value > 0")
+    if not (math.isfinite(scale) and scale > 0) or (scale != 1.0 and dst.dtype not in FP8_KV_DTYPES):
+        raise ValueError(f"{name}: scale={scale}: a finite value > 0, other than 1 only for an FP8 buffer")
     if src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError(f"{name}: src and buffer need a contiguous last dim")
     if loc.shape != (T,) or loc.dtype not in (torch.int32, torch.int64) or loc.device != src.device:
@@ -103,6 +104,8 @@ def store_mla_kv(latent, rope, kv_buffer, out_cache_loc):
 
     latent : [T, 1, 512], rope : [T, 1, 64], kv_buffer : [num_slots, 1, 576].
     """
+    if kv_buffer.dtype in FP8_KV_DTYPES:     # no scale is threaded through the MLA store yet
+        raise ValueError(f"store_mla_kv: an FP8 buffer ({kv_buffer.dtype}) is not supported yet")
     if latent.shape[-1] + rope.shape[-1] != kv_buffer.shape[-1]:
         raise ValueError(f"store_mla_kv: latent {tuple(latent.shape)} + rope "
                          f"{tuple(rope.shape)} != buffer width {kv_buffer.shape[-1]}")

@@ -15,6 +15,7 @@ import torch
 
 from attn_backends import ForwardMode, LayoutError
 from attn_backends.base import AttentionBackend, Capabilities, GraphSupport
+from attn_backends.config import FP8_KV
 
 F64 = torch.float64
 
@@ -40,7 +41,8 @@ class Float64Reference(AttentionBackend):
     name: ClassVar[str] = "float64_reference"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
-                         ForwardMode.DRAFT_EXTEND}), mha=True, mla=True, topk_gt1=True, graph=GraphSupport.NEVER)
+                         ForwardMode.DRAFT_EXTEND}), mha=True, mla=True, topk_gt1=True, graph=GraphSupport.NEVER,
+        kv_dtypes=FP8_KV)
 
     def init_forward_metadata(self, batch) -> None:
         self.forward_metadata = batch
@@ -61,11 +63,11 @@ class Float64Reference(AttentionBackend):
 
     def forward(self, q, k, v, layer, batch, save_kv_cache: bool = True):
         if save_kv_cache:
-            self.memory.pool.store(layer.layer_id, batch.out_cache_loc, k, v)
+            self.memory.pool.store(layer.layer_id, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         pool, mem = self.memory.pool, self.memory
         if mem.is_mla:
             kc = pool.kv[layer.layer_id]
-            vc = kc[..., :self.config.kv_lora_rank]
+            vc = kc[..., :self.config.kv_lora_rank]       # MLA's one scale: k_scale == v_scale (the config's rule)
         else:
             kc, vc = pool.k[layer.layer_id], pool.v[layer.layer_id]
         seq = batch.seq_lens_cpu.tolist()
@@ -76,7 +78,7 @@ class Float64Reference(AttentionBackend):
         for i in range(batch.raw_bs):
             n = new[i]
             slots = mem.req_to_token[int(batch.req_pool_indices[i]), :seq[i]].long()
-            kk, vv = kc[slots].to(F64), vc[slots].to(F64)                      # [S, Hkv, D]
+            kk, vv = kc[slots].to(F64) * layer.k_scale, vc[slots].to(F64) * layer.v_scale   # [S, Hkv, D], dequantized
             rep = q.shape[1] // kk.shape[1]
             kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
             s = torch.einsum("qhd,khd->hqk", q[row:row + n].to(F64), kk) * layer.scaling

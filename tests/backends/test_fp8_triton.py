@@ -72,8 +72,9 @@ def test_fp8_cache_against_float64_over_the_dequantized_cache(dtype, name, sched
     out = be.forward(q, k, v, layer, m.batch)
     real = slice(0, n) if name == "extend" else slice(0, m.batch.raw_bs * m.batch.width if m.batch.width else n)
     loc = m.batch.out_cache_loc[real]
-    want = to_cache(k[real], dtype, layer.k_scale).view(torch.uint8)
-    assert torch.equal(mem.pool.k[1][loc].view(torch.uint8), want), "the store kernel's bits are not the reference's"
+    for pool, x, sc in ((mem.pool.k, k, layer.k_scale), (mem.pool.v, v, layer.v_scale)):
+        want = to_cache(x[real], dtype, sc).view(torch.uint8)
+        assert torch.equal(pool[1][loc].view(torch.uint8), want), "the store kernel's bits are not the reference's"
     ref = dense_reference(m.batch, mem, 1, q.cpu(), layer.scaling, None, layer.k_scale, layer.v_scale)
     ok = ~ref[:, 0, 0].isnan()
     assert int(ok.sum()) == (n if name == "extend" else m.batch.raw_bs * m.batch.width), "rows left out of the check"

@@ -71,7 +71,8 @@ def test_backends_declare_the_kv_dtypes_they_read():
 @pytest.mark.parametrize("dtype", FP8_KV)
 def test_torch_native_reads_an_fp8_pool_against_float64_over_the_dequantized_cache(mla, dtype):
     """Stored through forward (scales of each layer), then read: equal to float64 attention over the
-    cache as dequantized, and within FP8's error of the unquantized K/V; unused slots NaN."""
+    cache as dequantized, and within FP8's error of the unquantized K/V (a relative error, so a
+    wrong scale on either side shows); unused slots NaN."""
     scales = ((0.05, 0.05), (0.5, 0.5)) if mla else ((0.05, 2.0), (0.5, 0.125))
     dims = dict(num_kv_heads=1, is_mla=True, kv_lora_rank=32, qk_rope_head_dim=16) if mla else \
         dict(num_kv_heads=2, head_dim=16)
@@ -100,5 +101,15 @@ def test_torch_native_reads_an_fp8_pool_against_float64_over_the_dequantized_cac
     m32 = materialize(Scenario(ForwardMode.EXTEND, 3, [0, 0, 0], extend_lens=[37, 5, 20]), mem32, 1)
     be32.init_forward_metadata(m32.batch)
     full = be32.forward(q, k, v, exact.layer(1), m32.batch)
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), full.flatten(), dim=0)
-    assert cos > (0.99 if dtype == E4M3 else 0.98), f"FP8 against float32 K/V: cosine {cos:.4f}"
+    rel = float((out - full).norm() / full.norm())
+    # rounding to 3 (e4m3) or 2 (e5m2) mantissa bits: measured 0.039-0.044 and 0.070-0.095 here
+    assert rel < (0.07 if dtype == E4M3 else 0.14), f"FP8 against float32 K/V: relative error {rel:.4f}"
+
+
+def test_a_composition_reads_fp8_only_where_every_member_does():
+    from attn_backends.backends.hybrid import compose_capabilities
+    both = compose_capabilities({ForwardMode.EXTEND: ("torch_native", None), ForwardMode.DECODE: ("triton", None)})
+    assert set(both.kv_dtypes) == set(FP8_KV)
+    mixed = compose_capabilities({ForwardMode.EXTEND: ("torch_native", "torch_native"),
+                                  ForwardMode.DECODE: ("triton", "triton_mla")})
+    assert mixed.kv_dtypes == (), "triton_mla reads no FP8: the composition must not claim it"

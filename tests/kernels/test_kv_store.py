@@ -67,3 +67,55 @@ def test_store_kv_gpu(dtype):
     loc = torch.randperm(slots - 1, device="cuda")[:T] + 1
     store_kv(k, v, k_buf, v_buf, loc)
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_probe_values(dtype):
+    """Every finite value of the format, the midpoints between neighbours (ties: nearest even),
+    one float32 step either side of them, signed zeros and infinities, just past the largest,
+    and random values over seven magnitudes (float32 subnormals to past the range)."""
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    every = every[every.isfinite()].unique()
+    mids = (every[1:] + every[:-1]) / 2
+    up, down = mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-float("inf")))
+    top = torch.finfo(dtype).max
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), top * 1.01, -top * 1.01, 1e-40, -1e-40])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.cat([torch.randn(256, generator=g) * s for s in (1e-6, 1e-3, 0.05, 1, 30, 1e3, 1e6)])
+    return torch.cat([every, mids, up, down, edges, rand])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05, 3.7])
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_store_is_the_references_quantization_bit_for_bit(dtype, scale):
+    """The store kernel's FP8 bytes equal ``kv_cache.to_cache``'s (value / scale exactly rounded,
+    saturated, nearest even) on every probe value. NaN is left out: under the interpreter its
+    float-to-FP8 cast turns NaN into a finite byte (the GPU's cast keeps NaN)."""
+    from attn_backends.kv_cache import to_cache
+    x = _fp8_probe_values(dtype)
+    x = torch.cat([x, torch.zeros((-x.numel()) % 16)]).view(-1, 1, 16)
+    T = x.shape[0]
+    kb, vb = torch.zeros(T + 1, 1, 16, dtype=dtype), torch.zeros(T + 1, 1, 16, dtype=dtype)
+    store_kv(x, x * 2, kb, vb, torch.arange(1, T + 1), scale, 2 * scale)
+    for buf, src, s in ((kb, x, scale), (vb, x * 2, 2 * scale)):
+        got, want = buf[1:].view(torch.uint8), to_cache(src, dtype, s).view(torch.uint8)
+        bad = (got != want).nonzero()
+        assert bad.numel() == 0, f"{bad.shape[0]} bytes differ, first at value {src[tuple(bad[0])].item()!r}"
+
+
+def test_fp8_scales_are_refused_where_they_cannot_apply():
+    k = torch.randn(2, 1, 16)
+    loc = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="scale=2.0: .* only for an FP8 buffer"):
+        store_kv(k, k, torch.zeros(4, 1, 16), torch.zeros(4, 1, 16), loc, 2.0, 1.0)
+    with pytest.raises(ValueError, match="scale=0.0"):
+        store_kv(k, k, torch.zeros(4, 1, 16, dtype=FP8[0]), torch.zeros(4, 1, 16, dtype=FP8[0]), loc, 0.0, 1.0)
+    with pytest.raises(ValueError, match="store_mla_kv: an FP8 buffer"):
+        store_mla_kv(torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.zeros(4, 1, 16, dtype=FP8[0]), loc)
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+    with pytest.raises(ValueError, match=r"k_scale, v_scale = \(0.5, 1.0\) need FP8 KV buffers"):
+        decode_attention_fwd(torch.randn(1, 2, 16), torch.zeros(16, 1, 16), torch.zeros(16, 1, 16),
+                             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16, 0.25, 1,
+                             torch.empty(1, 2, 16), k_scale=0.5)
