@@ -77,19 +77,20 @@ class HostPlan:
         return int(self.kv_lens.shape[0])
 
 
-def host_plan(seq: np.ndarray, q_lens, page_size: int, max_kv: Optional[int] = None) -> HostPlan:
+def indptr(lens: np.ndarray) -> torch.Tensor:
+    """``[0, cumsum(lens)]`` as an int32 tensor (FlashInfer's indptr form)."""
+    out = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=out[1:])
+    return torch.from_numpy(out)
+
+
+def host_plan(seq: np.ndarray, qo_indptr: torch.Tensor, page_size: int, max_kv: Optional[int] = None) -> HostPlan:
     """The plan inputs of rows with KV lengths ``seq`` (int32 or int64 numpy, owned by the plan)
-    and query lengths ``q_lens`` (numpy), or the ``qo_indptr`` tensor itself where a caller keeps
-    it, computed as the layout builder computes them on the device (``layout._write_kv``)."""
+    and query rows ``qo_indptr``, computed as the layout builder computes them on the device
+    (``layout._write_kv``)."""
     npages = (seq + (page_size - 1)) // page_size
     kv_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(npages, out=kv_indptr[1:])
-    if isinstance(q_lens, torch.Tensor):
-        qo_indptr = q_lens
-    else:
-        qo = np.zeros(len(seq) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qo[1:])
-        qo_indptr = torch.from_numpy(qo)
     last = (seq - (npages - 1) * page_size).astype(np.int32, copy=False)
     longest = int(seq.max())
     return HostPlan(qo_indptr, torch.from_numpy(kv_indptr), torch.from_numpy(last),
@@ -108,7 +109,7 @@ def eager_host_plan(view: StepView) -> HostPlan:
     else:
         q_lens = view.extend_seq_lens_cpu.numpy().astype(np.int64)
         q_lens[view.raw_bs:] = 1
-    return host_plan(seq, q_lens, layout.page_size)
+    return host_plan(seq, indptr(q_lens), layout.page_size)
 
 
 def graph_host_plan(view: StepView, key: GraphKey, page_size: int, max_context_len: int,

@@ -240,8 +240,8 @@ def test_packed_mask_is_what_flashinfer_reads(kind):
 
 
 def test_host_plan_is_numpy_only():
-    from attn_backends.backends.flashinfer_common import host_plan
-    h = host_plan(np.array([1, 16, 17, 33]), np.array([1, 1, 1, 1]), 16)
+    from attn_backends.backends.flashinfer_common import host_plan, indptr
+    h = host_plan(np.array([1, 16, 17, 33]), indptr(np.array([1, 1, 1, 1])), 16)
     assert h.kv_indptr.tolist() == [0, 1, 2, 4, 7] and h.kv_last_page_len.tolist() == [1, 16, 1, 1]
     assert h.qo_indptr.tolist() == [0, 1, 2, 3, 4] and h.max_kv == 33
 

@@ -177,13 +177,16 @@ def test_verify_chunk_schedule_cpu(mask, page_size, W, H, Hkv, per_request, head
     assert_close(out, ref, 1e-5)
 
 
-def test_chunk_schedule_refuses_requests_wider_than_a_tile():
-    q = torch.zeros(40, 4, 16)
+@pytest.mark.parametrize("rows,extra,match", [(20, {}, "max_q_len=20 > block_q=16"),
+                                             (4, {"fuse": True}, "fuse=True applies to the split schedule")])
+def test_chunk_schedule_refuses_what_it_cannot_run(rows, extra, match):
+    """Requests wider than a tile, and a fused merge (the chunk passes merge their own way)."""
     kv = torch.zeros(64, 1, 16)
-    with pytest.raises(ValueError, match="max_q_len=20 > block_q=16"):
-        extend_attention_fwd(q, kv, kv, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32),
-                             torch.tensor([0, 20, 40], dtype=torch.int32), 16, 1.0, 20, torch.zeros(40, 4, 16),
-                             schedule="chunks")
+    cu = torch.tensor([0, rows, 2 * rows], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        extend_attention_fwd(torch.zeros(2 * rows, 4, 16), kv, kv, torch.zeros(2, 4, dtype=torch.int32),
+                             torch.full((2,), 30, dtype=torch.int32), cu, 16, 1.0, rows, torch.zeros(2 * rows, 4, 16),
+                             schedule="chunks", **extra)
 
 
 @pytest.mark.cuda
@@ -223,12 +226,3 @@ def test_invariant_verify_is_bitwise_the_same_in_any_batch(mask):
                      1e-5)
         got.append(out[ids.index(0) * W:(ids.index(0) + 1) * W])
     assert all(torch.equal(got[0], o) for o in got[1:]), "request 0's rows depend on the batch"
-
-
-def test_chunk_schedule_refuses_fuse():
-    q = torch.zeros(8, 4, 16)
-    kv = torch.zeros(64, 1, 16)
-    with pytest.raises(ValueError, match="fuse=True applies to the split schedule"):
-        extend_attention_fwd(q, kv, kv, torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 30, dtype=torch.int32),
-                             torch.tensor([0, 4, 8], dtype=torch.int32), 16, 1.0, 4, torch.zeros(8, 4, 16),
-                             schedule="chunks", fuse=True)
