@@ -4,6 +4,7 @@ tensor cores) on the same pages, and beside a uniform batch of the same total KV
 #40's balance line). A tuning probe: the sweep (bench/sweep/) holds the reported figures.
 
     python bench/probes/ragged_decode.py [--rows 28/4x128:24,32/8x64:24] [--dists ragged,longtail,uniform]
+    python bench/probes/ragged_decode.py --kv-dtypes bf16,fp8 --mults 1 --merges pass   # FP8 KV against bf16
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench``: L2 cleared before each run), bf16,
 page 16, shuffled pages. ``S``: the split count the ``triton`` backend takes for the row's
@@ -20,6 +21,7 @@ import torch
 import triton
 
 from attn_backends.backends.triton_common import choose_num_kv_splits
+from attn_backends.kv_cache import to_cache
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
@@ -70,7 +72,7 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
-def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last"):
+def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0)):
     bs, H, D = q.shape
     out = torch.empty_like(q)
     per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
@@ -78,10 +80,11 @@ def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "
           else decode_workspace(bs, H, D, S, "cuda") if S > 1 else None)
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
                                              schedule=schedule, block_n=block_n,
-                                             merge=merge if schedule != "split" else "last")
+                                             merge=merge if schedule != "split" else "last",
+                                             k_scale=scales[0], v_scale=scales[1])
 
 
-def flashinfer_calls(pg, q, kb, vb, fi, ws):
+def flashinfer_calls(pg, q, kb, vb, fi, ws, scales=(1.0, 1.0)):
     bs, H, D = q.shape
     Hkv = kb.shape[1]
     calls = {}
@@ -92,43 +95,61 @@ def flashinfer_calls(pg, q, kb, vb, fi, ws):
                                                   paged_kv_indptr_buffer=pg["indptr"].clone(),
                                                   paged_kv_indices_buffer=pg["indices"].clone(),
                                                   paged_kv_last_page_len_buffer=pg["last"].clone())
-        w.plan(pg["indptr"], pg["indices"], pg["last"], H, Hkv, D, PAGE, data_type=q.dtype, q_data_type=q.dtype)
+        w.plan(pg["indptr"], pg["indices"], pg["last"], H, Hkv, D, PAGE, data_type=kb.dtype, q_data_type=q.dtype)
         out = torch.empty_like(q)
         cache = (kb.view(-1, PAGE, Hkv, D), vb.view(-1, PAGE, Hkv, D))
-        calls["fi_tc" if tc else "fi"] = (out, lambda w=w, out=out, cache=cache: w.run(q, cache, out=out))
+        calls["fi_tc" if tc else "fi"] = (out, lambda w=w, out=out, cache=cache: w.run(
+            q, cache, out=out, k_scale=scales[0], v_scale=scales[1]))
     return calls
 
 
-def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",)) -> dict:
+def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
+    """Random K and V as a cache of ``kv_dtype`` holds them, with the scales they were stored with."""
+    kb, vb = (torch.randn(num_slots, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if kv_dtype == torch.bfloat16:
+        return kb, vb, (1.0, 1.0)
+    scales = (0.5, 0.25)
+    return to_cache(kb, kv_dtype, scales[0]), to_cache(vb, kv_dtype, scales[1]), scales
+
+
+def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
+        kv_dtype=torch.bfloat16) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs)
     pg = paged(lens, Hkv, D, gen)
-    kb = torch.randn(pg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    vb = torch.randn_like(kb)
+    kb, vb, sc = kv_pair(pg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
     S = choose_num_kv_splits(bs * Hkv, torch.device("cuda"), max(lens) // PAGE + 1, 6, 1, 2, None, 1, 8)
-    res = {"row": f"{H}/{Hkv} d{D} bs{bs} {dist}", "S": S, "tokens": sum(lens)}
-    out0, split = ours(pg, q, kb, vb, S, "split")
+    res = {"row": f"{H}/{Hkv} d{D} bs{bs} {dist} {str(kv_dtype)[6:]}", "S": S, "tokens": sum(lens),
+           "bytes": sum(lens) * Hkv * D * 2 * kb.element_size()}
+    out0, split = ours(pg, q, kb, vb, S, "split", scales=sc)
     res["split"] = graph_us(split)
     best = None
     for m, bn, mg in ((m, bn, mg) for m in mults for bn in block_ns for mg in merges):
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg)
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc)
         res[f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass")] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} {mg} differ from split"
         best = min(best or (t, m, bn, mg), (t, m, bn, mg))
-    out, fn = ours(pg, q, kb, vb, S, "invariant")
+    out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
     if fi is not None:
-        for name, (out, fn) in flashinfer_calls(pg, q, kb, vb, fi, fi_ws).items():
+        for name, (out, fn) in flashinfer_calls(pg, q, kb, vb, fi, fi_ws, sc).items():
             res[name] = graph_us(fn)
             assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from ours"
     mean = -(-sum(lens) // bs)
     upg = paged([mean] * bs, Hkv, D, gen)
-    ukb = torch.randn(upg["num_pages"] * PAGE, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    ukb, uvb, _ = kv_pair(upg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
-    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, torch.randn_like(ukb), S * best[1], "chunks", best[2],
-                                               best[3])[1])
+    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc)[1])
     return res
+
+
+def copy_tb_s() -> float:
+    """The card's device-to-device copy rate (read + write bytes a second), for the % of copy bandwidth."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * src.numel() / ms / 1e9
 
 
 def main(argv=None):
@@ -138,6 +159,7 @@ def main(argv=None):
     p.add_argument("--mults", default="1,2,4")
     p.add_argument("--block-ns", default="32", help="the chunk passes' KV tile sizes to try")
     p.add_argument("--merges", default="last,pass", help="the chunk merges to try (last, pass)")
+    p.add_argument("--kv-dtypes", default="bf16", help="KV cache dtypes (bf16, fp8: float8_e4m3fn)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -150,21 +172,29 @@ def main(argv=None):
         print(f"flashinfer not importable: {e}")
         fi, fi_ws = None, None
     mults = [int(m) for m in args.mults.split(",")]
+    kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[d] for d in args.kv_dtypes.split(",")]
+    copy = copy_tb_s()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
-          "flashinfer", getattr(fi, "__version__", None))
+          "flashinfer", getattr(fi, "__version__", None), f"copy {copy:.2f} TB/s")
     for spec in args.rows.split(","):
         heads, rest = spec.split("x")
         H, Hkv = map(int, heads.split("/"))
         D, bs = map(int, rest.split(":"))
         for dist in args.dists.split(","):
-            r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
-                    args.merges.split(","))
-            best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
-            best = min(v for k, v in r.items() if k.startswith("chunks"))
-            times = " ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float))
-            x = f"x split {best_fi / r['split']:.2f} x chunks {best_fi / best:.2f}" if best_fi else ""
-            print(f"{r['row']:<28} S={r['S']:<3} {times}  {x}  balance {best / r['uniform same tokens']:.2f}",
-                  flush=True)
+            firsts = []
+            for kv_dtype in kv_dtypes:
+                r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
+                        args.merges.split(","), kv_dtype)
+                best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
+                best = min(v for k, v in r.items() if k in ("split",) or k.startswith("chunks"))
+                firsts.append((best, best_fi))
+                times = " ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float))
+                x = f"x split {best_fi / r['split']:.2f} x chunks {best_fi / best:.2f}" if best_fi else ""
+                vs = (f"  {kv_dtypes[0]} / this: ours {firsts[0][0] / best:.2f}"
+                      + (f" fi {firsts[0][1] / best_fi:.2f}" if best_fi else "")) if len(firsts) > 1 else ""
+                print(f"{r['row']:<28} S={r['S']:<3} {times}  {x}  balance {best / r['uniform same tokens']:.2f}"
+                      f"  {r['bytes'] / best / 1e6:.2f} TB/s ({r['bytes'] / best / 1e6 / copy:.0%} of copy){vs}",
+                      flush=True)
 
 
 if __name__ == "__main__":
