@@ -1,4 +1,4 @@
-"""The shared core of the paged attention kernels: one online-softmax tile step, the split
+"""The shared core of the paged attention kernels: the split
 epilogue, the log-sum-exp merge of split-KV partials, the split workspace and the launcher
 checks. ``decode_attention``, ``extend_attention`` and ``mla.attention`` build on it.
 """
@@ -20,37 +20,6 @@ LOG2E = 1.4426950408889634
 # whole rows there). Figures: bench/RESULTS.md, 'Fused merge'.
 MERGE_PROGRAMS = 256
 MIN_MERGE_DV = 64
-
-
-@triton.jit
-def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
-                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
-                      INPUT_PRECISION: tl.constexpr):
-    """One KV tile of the online softmax, shared by the decode and extend kernels.
-
-    q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
-    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
-    cache is widened to q's dtype on load, K's scale folded into ``scale_log2`` by the caller,
-    V's (``v_scale``) applied to the widened V (other dtypes: the code as it was).
-    """
-    k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-    if k.dtype.is_fp8():
-        k = k.to(q.dtype)
-    s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
-    s = tl.where(vis, s, float("-inf"))
-    # A row may see nothing in this tile (masks); keep its exponents finite.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-    if v.dtype.is_fp8():
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit

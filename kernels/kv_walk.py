@@ -6,10 +6,60 @@ the extend kernels' masks (``visible_mask``) or none (decode). The split and the
 import triton
 import triton.language as tl
 
-from .attention_core import paged_tile_update
-
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
+
+
+@triton.jit
+def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
+                      stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
+                      INPUT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax, shared by the decode and extend kernels.
+
+    q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
+    (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
+    cache is widened exactly to q's dtype on load (``fp8_query`` made it float16 for bf16 models),
+    K's scale folded into ``scale_log2`` by the caller, V's (``v_scale``) applied to the float32
+    product (other dtypes: the code as it was).
+    """
+    k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    if k.dtype.is_fp8():
+        k = k.to(q.dtype)
+    s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+    s = tl.where(vis, s, float("-inf"))
+    # A row may see nothing in this tile (masks); keep its exponents finite.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+    if v.dtype.is_fp8():
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION) * v_scale
+        acc = acc * alpha[:, None] + pv
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def fp8_query(q, k_ptr, scale_log2):
+    """``(q, scale_log2)`` for the tile dots: with an FP8 cache and a bf16 q, each row of q moved by
+    a power of two (folded into its ``scale_log2``: [M, 1] then) to a largest magnitude in
+    [8192, 16384) and made float16, exactly, so that the cache widens to float16 in one
+    conversion (bfloat16 takes three); per row: a row's result is the same in any batch."""
+    if k_ptr.dtype.element_ty.is_fp8():
+        if q.dtype == tl.bfloat16:
+            qf = q.to(tl.float32)
+            qmax = tl.max(tl.abs(qf), 1, keep_dims=True)
+            e = tl.floor(tl.log2(16383.0 / tl.maximum(qmax, 1e-30))).to(tl.int32)
+            e = tl.where(qmax > 0, tl.minimum(tl.maximum(e, -126), 127), 0)
+            shift = ((e + 127) << 23).to(tl.float32, bitcast=True)          # 2 ** e, exactly
+            q = (qf * shift).to(tl.float16)
+            scale_log2 = scale_log2 / shift
+    return q, scale_log2
 
 
 @triton.jit
@@ -53,6 +103,7 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
     """Tokens ``[start, end)`` of the request whose page-table row is ``pt_row`` into the running
     ``(m_i, l_i, acc)``; ``MASK``: a ``MASK_KINDS`` value (with the row indices ``j`` and the
     mask's inputs) or ``NO_MASK``."""
+    q, scale_log2 = fp8_query(q, k_ptr, scale_log2)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end

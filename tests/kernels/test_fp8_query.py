@@ -1,0 +1,57 @@
+"""A bf16 query over an FP8 cache (issue #41): the GQA passes move each row of q by a power of
+two into float16's range and run the tile dots in float16 (``attention_core.fp8_query``). The
+rows' magnitudes here sit far outside float16's (1e-7 underflows it, 3e5 overflows it), with
+``sm_scale`` chosen to keep the scores of order 1; float64 over the dequantized cache is the
+reference. Float16 dots run in the interpreter too, so this runs on the CPU (a bf16 dot there does
+not)."""
+import pytest
+import torch
+from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
+
+from attn_backends.kv_cache import to_cache
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+SCALES = (0.05, 2.0)
+
+
+def _inputs(seq_lens, W, magnitude, kv_dtype, H=8, Hkv=2, D=32, page=16):
+    pt, lens, num_pages = make_paged_batch(seq_lens, page, pad_rows=1, device=DEVICE, seed=1)
+    g = torch.Generator().manual_seed(2)
+    kv = [to_cache(torch.randn(num_pages * page, Hkv, D, generator=g) * 3, kv_dtype, s).to(DEVICE) for s in SCALES]
+    q = (torch.randn(lens.shape[0] * W, H, D, generator=g) * magnitude).to(torch.bfloat16).to(DEVICE)
+    q[::3, 1] *= 1e-3                           # rows of one program with other magnitudes
+    deq = [c.double() * s for c, s in zip(kv, SCALES)]
+    return pt, lens, kv, deq, q, (D ** -0.5) / magnitude
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("magnitude", [1e-7, 1.0, 3e5])
+@pytest.mark.parametrize("schedule", ["split", "chunks"])
+def test_decode_bf16_query_over_fp8_cache_of_any_magnitude(kv_dtype, magnitude, schedule):
+    pt, lens, (kc, vc), (kd, vd), q, sm = _inputs([70, 5, 300], 1, magnitude, kv_dtype)
+    bs, H, D = q.shape
+    out = torch.full_like(q, float("nan"))
+    ws = (decode_workspace(bs, H, D, 3, DEVICE) if schedule == "split" else
+          chunk_workspace(bs, slots_per_request("chunks", 3, pt.shape[1] * 16), 1, H, 2, D, DEVICE))
+    decode_attention_fwd(q, kc, vc, pt, lens, 16, sm, 3, out, ws, schedule=schedule,
+                         merge="last" if schedule == "split" else "pass", k_scale=SCALES[0], v_scale=SCALES[1])
+    ref = ref_paged_attention(q.double(), kd, vd, pt, lens, torch.arange(bs + 1, dtype=torch.int32), 16, sm)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.parametrize("magnitude", [1e-7, 3e5])
+def test_verify_bf16_query_over_fp8_cache_of_any_magnitude(magnitude):
+    W = 4
+    pt, lens, (kc, vc), (kd, vd), q, sm = _inputs([70, 9, 200], W, magnitude, torch.float8_e4m3fn)
+    bs = lens.shape[0]
+    cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(q, kc, vc, pt, lens, cu, 16, sm, W, out, num_kv_splits=2, k_scale=SCALES[0],
+                         v_scale=SCALES[1])
+    ref = ref_paged_attention(q.double(), kd, vd, pt, lens, cu, 16, sm)
+    assert_close(out, ref, 1e-2)
