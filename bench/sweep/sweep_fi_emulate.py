@@ -5,7 +5,8 @@ call (plan and run arguments) and follows FlashInfer's documented semantics: CSR
 (``kv_indptr``/``kv_indices``, ``kv_len = (pages - 1) * page_size + last_page_len``), NHD
 pages ``[pages, page_size, Hkv, D]``, causal masks aligned bottom-right (query ``j`` of
 ``n`` sees ``p <= kv_len - n + j``), ``custom_mask`` flattened per request over
-``[q_len, kv_len]`` (True: visible), MLA packed ``[.., 512 + 64]`` with V the first 512.
+``[q_len, kv_len]`` (True: visible), an FP8 cache read as value times ``run()``'s
+``k_scale`` / ``v_scale``, MLA packed ``[.., 512 + 64]`` with V the first 512.
 If this agrees with our backend, the arguments describe the attention we compute.
 """
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _gqa(call):
     for i in range(len(last)):
         pages = indices[int(indptr[i]):int(indptr[i + 1])].long()
         kv = (len(pages) - 1) * ps + int(last[i])
-        k = kp[pages].reshape(-1, kv_heads, kp.shape[-1])[:kv].repeat_interleave(rep, 1)
-        v = vp[pages].reshape(-1, kv_heads, vp.shape[-1])[:kv].repeat_interleave(rep, 1)
+        k = kp[pages].reshape(-1, kv_heads, kp.shape[-1])[:kv].repeat_interleave(rep, 1).float()
+        v = vp[pages].reshape(-1, kv_heads, vp.shape[-1])[:kv].repeat_interleave(rep, 1).float()
+        k, v = k * call.run_kwargs.get("k_scale", 1.0), v * call.run_kwargs.get("v_scale", 1.0)
         lo, hi = int(qo[i]), int(qo[i + 1])
         vis = _visible(hi - lo, kv, causal, mask, offset, q.device)
         out[lo:hi] = _attend(q[lo:hi], k, v, vis, kw["sm_scale"]).to(q.dtype)

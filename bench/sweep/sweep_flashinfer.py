@@ -106,6 +106,11 @@ class FiInputs:
     custom_mask: Optional[torch.Tensor]  # tree: [sum_i W*kv_i] bool, request i row-major [W, kv_i]
     q: torch.Tensor                  # [bs*W, H, qk_dim]
     paged_kv: object                 # GQA (k, v) [pages, ps, Hkv, D]; MLA [pages, ps, 576]
+    kv_scales: tuple = (1.0, 1.0)    # (k, v): an FP8 cache holds value / scale
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return (self.paged_kv[0] if isinstance(self.paged_kv, tuple) else self.paged_kv).dtype
 
 
 def tree_custom_mask(tree: torch.Tensor, kv_lens: list, width: int) -> torch.Tensor:
@@ -142,9 +147,11 @@ def fi_inputs(row, layout: dict) -> FiInputs:
     else:
         paged = (mem.pool.k[0].view(num_pages, ps, wl.kv_heads, wl.qk_dim),
                  mem.pool.v[0].view(num_pages, ps, wl.kv_heads, wl.v_dim))
+    layer = row.layer
     return FiInputs(row.bs, wl.width, wl.heads, wl.kv_heads, wl.qk_dim, wl.v_dim, ps,
-                    row.layer.scaling, layout["cu_seqlens_q"], kv_indptr,
-                    layout["kv_indices"][:nnz].contiguous(), last, kv_lens, mask, row.q, paged)
+                    layer.scaling, layout["cu_seqlens_q"], kv_indptr,
+                    layout["kv_indices"][:nnz].contiguous(), last, kv_lens, mask, row.q, paged,
+                    (layer.k_scale, layer.v_scale))
 
 
 @dataclass
@@ -168,7 +175,9 @@ def _out(inp: FiInputs) -> torch.Tensor:
 def call_spec(config: str, inp: FiInputs) -> FiCall:
     """The eager call of ``config`` on ``inp`` (``graph_call`` adds the fixed buffers)."""
     kind, opts = CONFIGS[config]
-    dtypes = dict(q_data_type=inp.q.dtype, kv_data_type=inp.q.dtype, sm_scale=inp.sm_scale)
+    dtypes = dict(q_data_type=inp.q.dtype, kv_data_type=inp.kv_dtype, sm_scale=inp.sm_scale)
+    # run(k_scale=, v_scale=): an FP8 cache's per-tensor scales (decode.py / prefill.py run)
+    scales = dict(k_scale=inp.kv_scales[0], v_scale=inp.kv_scales[1]) if inp.kv_scales != (1.0, 1.0) else {}
     out = _out(inp)
     if kind == "mla":
         meta = (inp.qo_indptr, inp.kv_indptr, inp.kv_indices, inp.kv_lens)
@@ -188,7 +197,7 @@ def call_spec(config: str, inp: FiInputs) -> FiCall:
             plan_kw["custom_mask"] = inp.custom_mask
         if inp.width > 1:
             plan_kw["uniform_q_len"] = inp.width      # read by the fa2 CUDA-graph planner only
-    return FiCall(kind, dict(kv_layout="NHD", **opts), args, plan_kw, (inp.q, inp.paged_kv), dict(out=out))
+    return FiCall(kind, dict(kv_layout="NHD", **opts), args, plan_kw, (inp.q, inp.paged_kv), dict(out=out, **scales))
 
 
 def graph_call(call: FiCall, inp: FiInputs) -> FiCall:

@@ -63,12 +63,13 @@ class Point:
 def select_workloads(patterns: Optional[list], pool) -> list:
     """The workloads of ``pool`` whose name (or its long alias) matches one of ``patterns``
     (names or fnmatch patterns such as ``gqa*_d64_decode``), in ``pool``'s order; all without patterns.
-    The MLA rows' ``*_balanced`` forms, in no grid, are taken where named exactly."""
+    The MLA rows' ``*_balanced`` forms and the GQA rows' ``*_fp8`` forms, in no grid, are taken
+    where named exactly."""
     if not patterns:
         return list(pool)
-    # a by-name-only workload (an MLA row's *_balanced form) joins the pool where named exactly
-    pool = list(pool) + [BY_NAME[p] for p in patterns if p in BY_NAME and BY_NAME[p].balanced
-                         and BY_NAME[p] not in pool]
+    # a by-name-only workload (*_balanced, *_fp8) joins the pool where named exactly
+    pool = list(pool) + [BY_NAME[p] for p in patterns if p in BY_NAME and BY_NAME[p] not in pool
+                         and (BY_NAME[p].balanced or BY_NAME[p].kv_dtype is not None)]
     names = {w.name: {w.name} | {a for a, v in BY_NAME.items() if v.name == w.name} for w in pool}
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for ns in names.values() for n in ns):
@@ -123,7 +124,8 @@ def points(grid: str = "issue40", *, quick: bool = False, only: Optional[str] = 
 def smoke_points(grid: str, dists: list, workloads, only: Optional[str], seed: int = 0) -> list:
     """The interpreter's points: uniform, every workload of issue #10 at SMOKE_BS x SMOKE_KV (one
     group per family); every other distribution (issue40's grid), SMOKE_RAGGED at
-    bs SMOKE_RAGGED_BS, lengths / SMOKE_DIV; heads cut by ``smoke_workload``."""
+    bs SMOKE_RAGGED_BS, lengths / SMOKE_DIV; heads cut by ``smoke_workload``; a group per KV
+    geometry (GQA, MLA, an FP8 cache)."""
     out = []
     for d in dists:
         names = [w.name for w in ISSUE10_WORKLOADS] if d == "uniform" else list(SMOKE_RAGGED)
@@ -131,11 +133,11 @@ def smoke_points(grid: str, dists: list, workloads, only: Optional[str], seed: i
             raise ValueError(f"--dist {d}: the issue10 grid is uniform only")
         wls = [smoke_workload(w) for w in select_workloads(workloads, [BY_NAME[n] for n in names])
                if only in (None, w.family)]
-        for fam in ("gqa", "mla"):
-            fw = [w for w in wls if w.family == fam]
-            if fw:
-                bs = SMOKE_BS if d == "uniform" else SMOKE_RAGGED_BS
-                out.append(_point(d, bs, SMOKE_KV[fam] if d == "uniform" else None, fw, seed, True))
+        for geo in dict.fromkeys(w.geometry for w in wls):      # a family's, an FP8 cache's apart
+            fw = [w for w in wls if w.geometry == geo]
+            fam = fw[0].family
+            bs = SMOKE_BS if d == "uniform" else SMOKE_RAGGED_BS
+            out.append(_point(d, bs, SMOKE_KV[fam] if d == "uniform" else None, fw, seed, True))
     if not out:
         raise ValueError(f"--workloads {','.join(workloads or [])}: no smoke row of --dist {','.join(dists)}")
     return out

@@ -31,12 +31,14 @@ def config_of(job: str) -> str:
 
 
 def job_workload(job: str):
-    """The workload a FlashInfer job plans: ``PREWARM``'s, at the job's head dim (a JIT module per head dim)."""
+    """The workload a FlashInfer job plans: ``PREWARM``'s, at the job's head dim and KV dtype (a JIT
+    module per head dim and KV dtype: ``fi_decode:d128:fp8``)."""
     wl = BY_NAME[PREWARM[config_of(job)]]
     if ":d" not in job:
         return wl
-    dim = int(job.split(":d")[1])
-    return next(w for w in WORKLOADS if w.family == "gqa" and w.mode == wl.mode and w.qk_dim == dim)
+    dim = int(job.split(":d")[1].split(":")[0])
+    wl = next(w for w in WORKLOADS if w.family == "gqa" and w.mode == wl.mode and w.qk_dim == dim)
+    return BY_NAME[f"{wl.name}_fp8"] if job.endswith(":fp8") else wl
 
 
 def jobs(groups, with_fi: bool, sm: int, invariant: bool = False) -> list:
@@ -48,11 +50,12 @@ def jobs(groups, with_fi: bool, sm: int, invariant: bool = False) -> list:
     out += [f"{INVARIANT}:{n}" for n in sorted(wls) if invariant and has_invariant(wls[n])]
     if not with_fi:
         return out
-    dims = sorted({w.qk_dim for p in groups for w in p.wls if w.family == "gqa"})
+    dims = sorted({f"d{w.qk_dim}" + (":fp8" if w.kv_dtype is not None else "") for p in groups for w in p.wls
+                   if w.family == "gqa"})
     families = {p.family for p in groups}
     for c, name in PREWARM.items():
         wl = BY_NAME[name]
-        for job in ([f"{c}:d{d}" for d in dims] if wl.family == "gqa" else [c]):
+        for job in ([f"{c}:{d}" for d in dims] if wl.family == "gqa" else [c]):
             if wl.family in families and refusal(c, job_workload(job), sm) is None:
                 out.append(job)
     return out

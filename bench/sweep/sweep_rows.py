@@ -37,6 +37,8 @@ import torch
 from attn_backends import ForwardBatch, ForwardMode, ModelConfig, SpecInfo
 from attn_backends.backends.triton_common import WIDE_MAX_KV_SPLITS
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.config import FP8_KV
+from attn_backends.kv_cache import to_cache
 
 BATCHES = (1, 4, 16, 64, 128)
 KVS = (2048, 8192, 32768)
@@ -45,6 +47,7 @@ QUICK_KVS = (8192,)
 SMOKE_BS, SMOKE_KV = 2, {"gqa": 40, "mla": 100}   # CPU interpreter; last pages partly full
 TREE_N, TREE_TOPK, TREE_STEPS = 8, 4, 3
 BF16 = 2                             # bytes per element
+FP8_SCALES = (0.5, 0.25)             # an FP8 workload's (k, v) scales: the cache holds N(0, 1) / scale
 
 DISTS = ("uniform", "ragged", "longtail", "bimodal")
 LONG = 32768                         # longtail: the long requests' length
@@ -95,6 +98,7 @@ class Workload:
     width: int           # W: query rows per request
     topk: int = 1
     balanced: bool = False   # MLA: ours with the chunk schedule (BalancedTritonMLABackend)
+    kv_dtype: Optional[torch.dtype] = None   # the KV cache's dtype (None: the model's); FP8 stored with FP8_SCALES
 
     @property
     def backend(self) -> str:
@@ -105,19 +109,21 @@ class Workload:
     @property
     def geometry(self) -> tuple:
         """What the KV pool depends on: workloads of one geometry share a group's memory."""
-        return (self.family, self.kv_heads, self.qk_dim, self.v_dim, self.page_size)
+        return (self.family, self.kv_heads, self.qk_dim, self.v_dim, self.page_size, self.kv_dtype)
 
     def config(self, dtype=torch.bfloat16) -> ModelConfig:
+        fp8 = dict(kv_dtype=self.kv_dtype, kv_scales=(FP8_SCALES,)) if self.kv_dtype is not None else {}
         if self.family == "mla":
             return ModelConfig(num_layers=1, num_q_heads=self.heads, is_mla=True,
-                               page_size=self.page_size, dtype=dtype)
+                               page_size=self.page_size, dtype=dtype, **fp8)
         return ModelConfig(num_layers=1, num_q_heads=self.heads, num_kv_heads=self.kv_heads,
-                           head_dim=self.qk_dim, page_size=self.page_size, dtype=dtype)
+                           head_dim=self.qk_dim, page_size=self.page_size, dtype=dtype, **fp8)
 
     def kv_bytes_per_token(self) -> int:
+        size = BF16 if self.kv_dtype is None else self.kv_dtype.itemsize
         if self.family == "mla":
-            return self.qk_dim * BF16
-        return self.kv_heads * (self.qk_dim + self.v_dim) * BF16
+            return self.qk_dim * size
+        return self.kv_heads * (self.qk_dim + self.v_dim) * size
 
     def nbytes(self, bs: int, kv: int, lens: Optional[list] = None) -> int:
         """Bytes of a row: ``lens`` (the requests' lengths) where given, else ``bs`` requests of ``kv``."""
@@ -132,7 +138,8 @@ class Workload:
     def describe(self) -> dict:
         return dict(workload=self.name, family=self.family, mode=self.mode, heads=self.heads,
                     kv_heads=self.kv_heads, qk_dim=self.qk_dim, v_dim=self.v_dim,
-                    page_size=self.page_size, width=self.width, topk=self.topk)
+                    page_size=self.page_size, width=self.width, topk=self.topk,
+                    kv_dtype=str(self.kv_dtype or "model").replace("torch.", ""))
 
 
 ISSUE10_GQA = ((32, 8, 128), (64, 8, 128))        # issue #10's shapes keep their names (gqa32_decode)
@@ -163,6 +170,9 @@ BY_NAME = {w.name: w for w in WORKLOADS}
 # by name only (not in a grid): the MLA rows with ours on the chunk schedule, e.g. mla16_decode_balanced
 BY_NAME.update({f"{w.name}_balanced": replace(w, name=f"{w.name}_balanced", balanced=True)
                 for w in WORKLOADS if w.family == "mla"})
+# by name only: the GQA rows on an FP8 (e4m3) cache, e.g. gqa28_4_d128_decode_fp8
+BY_NAME.update({f"{w.name}_fp8": replace(w, name=f"{w.name}_fp8", kv_dtype=torch.float8_e4m3fn)
+                for w in WORKLOADS if w.family == "gqa"})
 # the long form of issue #10's GQA names: gqa32_8_d128_decode is gqa32_decode
 ALIASES = {f"gqa{w.heads}_{w.kv_heads}_d{w.qk_dim}_{w.name.split('_', 1)[1]}": w.name
            for w in ISSUE10_WORKLOADS if w.family == "gqa"}
@@ -234,8 +244,14 @@ def build_group(wl: Workload, bs: int, kv: int, device, seed: int = 0, dtype=Non
                       max_context_len=max(pages) * wl.page_size, page_order="shuffled", seed=seed,
                       device=device, fill=False)              # page 0 is reserved
     gen = torch.Generator(device=device).manual_seed(seed)
-    for buf in (mem.pool.kv if wl.family == "mla" else mem.pool.k + mem.pool.v):
-        buf.normal_(generator=gen)
+    pools = ([(b, FP8_SCALES[0]) for b in mem.pool.kv] if wl.family == "mla" else
+             [(b, FP8_SCALES[0]) for b in mem.pool.k] + [(b, FP8_SCALES[1]) for b in mem.pool.v])
+    for buf, scale in pools:
+        if buf.dtype not in FP8_KV:
+            buf.normal_(generator=gen)
+            continue
+        for part in buf.view(-1).split(1 << 26):          # quantized a slice at a time (float64 inside)
+            part.copy_(to_cache(torch.randn(part.shape, generator=gen, device=device), buf.dtype, scale))
     m = materialize(Scenario(ForwardMode.DECODE, bs, [n - 1 for n in lens]), mem, 1)
     return Group(wl.family, bs, kv, mem, m.batch, dtype, tuple(lens), dist)
 

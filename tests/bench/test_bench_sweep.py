@@ -75,6 +75,28 @@ def test_no_invariant_skips_the_batch_invariant_mode(tmp_path):
     assert "ours" in impls and "ours_invariant" not in impls
 
 
+def test_fp8_rows_run_on_an_fp8_cache_and_flashinfer_is_handed_its_scales(tmp_path):
+    """``*_fp8`` workloads (by name): a group of their own on an e4m3 pool, ours and every
+    FlashInfer configuration's arguments (emulated: the cache times run()'s k_scale / v_scale)
+    agree; the bytes are the FP8 cache's."""
+    env = dict(os.environ, BENCH_DEVICE="cpu", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(BENCH / "sweep.py"), "--smoke", "--out", str(tmp_path), "--dist",
+                          "ragged", "--workloads", "gqa28_4_d64_decode,gqa28_4_d64_decode_fp8,gqa28_4_d64_verify4_fp8",
+                          "--no-invariant"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    rows = [r for r in recs if r.get("impl")]
+    fp8 = [r for r in rows if r["workload"].endswith("_fp8")]
+    assert {r["workload"] for r in fp8} == {"gqa28_4_d64_decode_fp8", "gqa28_4_d64_verify4_fp8"}
+    assert all(r["kv_dtype"] == "float8_e4m3fn" for r in fp8)
+    peers = [r for r in fp8 if r["impl"].startswith("fi_") and r["status"] == "emulated"]
+    assert len(peers) >= 4 and all(r["check"] == "pass" for r in peers), [(r["impl"], r.get("err")) for r in fp8]
+    ours = {r["workload"]: r for r in rows if r["impl"] == "ours"}
+    bf16, e4m3 = ours["gqa28_4_d64_decode"], ours["gqa28_4_d64_decode_fp8"]
+    q_out = bf16["bs"] * bf16["width"] * bf16["heads"] * (bf16["qk_dim"] + bf16["v_dim"]) * 2   # bf16 both times
+    assert 2 * (e4m3["bytes"] - q_out) == bf16["bytes"] - q_out > 0, "FP8 rows' KV bytes not halved"
+
+
 def test_ours_invariant_is_the_batch_invariant_backend_in_eager_and_graph_form(monkeypatch):
     """``Ours(row, invariant=True)`` runs ``BatchInvariantTritonBackend`` (its eager backend and the one
     its graph captures), ``Ours(row)`` the balanced default; an MLA row is refused by name."""
