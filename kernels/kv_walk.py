@@ -3,38 +3,11 @@ tiles through its page-table row, each tile one online-softmax step (``paged_til
 the extend kernels' masks (``visible_mask``) or none (decode). The split and the chunk passes of
 ``decode_attention`` and ``extend_attention`` differ only in which range a program walks.
 """
-import os
-
 import triton
 import triton.language as tl
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
-# FP8 V widened by cvt.f16x2 in registers (inline PTX: the interpreter runs the plain cast)
-ASM_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
-@triton.jit
-def _cvt_f16(v, CVT: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + CVT + " $0, lo; " + CVT + " $1, hi; }",
-        "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
-def widen_v(v):
-    """An FP8 V tile as float16, converted in registers where it was loaded, then staged as
-    float16 (the MMA's transposed operand read by ldmatrix). Triton moves its own cast, and a
-    pure asm, after an FP8 staging, where that operand gathers bytes one at a time (the loop's
-    instructions a tile: bench/RESULTS.md, 'FP8 KV')."""
-    if ASM_WIDEN:
-        if v.dtype == tl.float8e4nv:
-            w = _cvt_f16(v, "cvt.rn.f16x2.e4m3x2")
-        else:
-            w = _cvt_f16(v, "cvt.rn.f16x2.e5m2x2")
-    else:
-        w = v.to(tl.float16)
-    return w
 
 
 @triton.jit
@@ -45,9 +18,10 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
     (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
-    cache is widened exactly to q's dtype on load (``fp8_query`` made it float16 for bf16 models),
-    K's scale folded into ``scale_log2`` by the caller, V's (``v_scale``) applied to the float32
-    product (other dtypes: the code as it was).
+    cache is widened to q's dtype (``fp8_query`` made it float16 for bf16 models): K exactly, its
+    scale folded into ``scale_log2`` by the caller; V times ``v_scale`` in float32, then rounded
+    (float16 keeps 11 bits down to 2**-14, below that 2**-24 absolute). Other dtypes: the code as
+    it was. The four ways measured: bench/RESULTS.md, 'FP8 KV'.
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -64,10 +38,8 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
     if v.dtype.is_fp8():
-        if q.dtype == tl.float16:
-            v = widen_v(v)
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION) * v_scale
-        acc = acc * alpha[:, None] + pv
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)      # widened where loaded, staged in q's dtype
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
