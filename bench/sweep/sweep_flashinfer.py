@@ -72,6 +72,12 @@ def refusal(config: str, wl, sm: int) -> Optional[str]:
     kind, opts = CONFIGS[config]
     if opts.get("backend") == "fa3" and sm != 90:
         return f"fa3 kernels need SM90 (sm_{sm} here)"
+    if kind == "decode" and not opts["use_tensor_cores"] and wl.heads // wl.kv_heads not in (1, 2, 3, 4, 8):
+        return (f"the CUDA-core decode kernel is built for GQA groups 1, 2, 3, 4 and 8 (group "
+                f"{wl.heads // wl.kv_heads} here: plan() raises in the generated dispatch)")
+    if opts.get("backend") == "fa3" and wl.kv_dtype is not None:
+        return ("fa3 (SM90) kernels read an FP8 KV cache with an FP8 query only (the JIT build for a "
+                "bf16 query and an e4m3 cache fails)")
     if kind == "decode" and wl.mode == "tree":
         return "the decode wrapper takes no custom mask, a tree needs one"
     if kind == "decode" and wl.width > 1 and not opts["use_tensor_cores"]:
