@@ -29,6 +29,7 @@ from .request import SamplingParams
 
 MODELS = {"tiny-gqa": False, "tiny-mla": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"model": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # vLLM's names
 
 
 LOSSLESS = ("speculative tokens equal --spec none's token for token in float32 (tested); in bfloat16 / "
@@ -62,6 +63,8 @@ def register(subparsers) -> None:
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="model",
+                   help="the KV cache's dtype (model: --dtype; FP8 with scale 1 on the backends that read it)")
     p.add_argument("--page-size", type=int, choices=(1, 16, 64), default=16)
     p.add_argument("--size", choices=("tiny", "bench"), default="tiny",
                    help="tiny: CPU test sizes; bench: TinyConfig.gpu_gqa/gpu_mla (4 layers, hidden 1024)")
@@ -83,7 +86,7 @@ def engine_config(args) -> EngineConfig:
         base = TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa()
     else:
         base = TinyConfig(is_mla=mla)
-    model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype])
+    model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype], kv_dtype=KV_DTYPES[args.kv_dtype])
     bad = [t for t in args.stop if not 0 <= t < model.vocab_size]
     if bad:
         raise UsageError(f"--stop {bad[0]} outside the vocabulary 0..{model.vocab_size - 1}")
@@ -173,7 +176,8 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
     spec = cfg.spec
     what = "plain decode" if spec is None else (f"{spec.method} topk={spec.topk} steps={spec.num_steps} "
                                                 f"N={spec.num_draft_tokens} acceptance={args.acceptance}")
-    print(f"\n{args.model} on {args.backend} ({args.device}, {args.dtype}, "
+    kv = "" if args.kv_dtype == "model" else f", KV {args.kv_dtype}"
+    print(f"\n{args.model} on {args.backend} ({args.device}, {args.dtype}{kv}, "
           f"{'eager' if args.no_graphs else 'graphs'}), {what}", file=out)
     print(engine.summary(), file=out)
     return 0

@@ -41,14 +41,19 @@ class TinyConfig:
     dtype: torch.dtype = torch.float32
     rope_theta: float = 10000.0
     seed: int = 0
+    kv_dtype: Optional[torch.dtype] = None    # the KV cache's dtype (None: the model's)
+    kv_scale: tuple = (1.0, 1.0)              # an FP8 cache's (k, v) scales, every layer's (MLA: k == v)
 
     def attention(self) -> ModelConfig:
+        fp8 = {}
+        if self.kv_dtype not in (None, self.dtype):
+            fp8 = dict(kv_dtype=self.kv_dtype, kv_scales=(self.kv_scale,) * self.num_layers)
         if self.is_mla:
             return ModelConfig(self.num_layers, self.num_q_heads, 1, is_mla=True, kv_lora_rank=self.kv_lora_rank,
                                qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-                               page_size=self.page_size, dtype=self.dtype)
+                               page_size=self.page_size, dtype=self.dtype, **fp8)
         return ModelConfig(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                           page_size=self.page_size, dtype=self.dtype)
+                           page_size=self.page_size, dtype=self.dtype, **fp8)
 
     @classmethod
     def gpu_gqa(cls, **kw) -> "TinyConfig":

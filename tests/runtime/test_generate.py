@@ -92,6 +92,26 @@ def test_the_most_steps_run_with_graphs(capsys):
     assert re.search(r"  draft draft_decode +[1-9]\d* / 0$", out, re.M), out
 
 
+@pytest.mark.parametrize("backend,kv", [("torch_native", "fp8_e4m3"), ("torch_native", "fp8_e5m2"),
+                                        ("triton", "fp8_e4m3")])
+def test_eagle_on_an_fp8_cache_serves_plain_decode_tokens_on_the_same_cache(capsys, backend, kv):
+    """``--kv-dtype``: EAGLE (a tree) over an FP8 cache gives plain decode's tokens over the same
+    FP8 cache (float32 model); the cache is read (some token differs from the float32 cache's)."""
+    args = ["--backend", backend, "--batch", "2", "--max-tokens", "12"]
+    plain, out, _ = generate(capsys, "--spec", "none", "--kv-dtype", kv, *args)
+    got, _, _ = generate(capsys, "--spec", "eagle", "--topk", "2", "--steps", "2", "--draft-tokens", "4",
+                         "--kv-dtype", kv, *args)
+    assert len(plain) == 2 and all(len(t) == 12 for t in plain.values()) and got == plain
+    assert f"(cpu, float32, KV {kv}, graphs)" in out, out
+    assert generate(capsys, "--spec", "none", *args)[0] != plain, "the FP8 cache changed no token"
+
+
+def test_an_fp8_cache_halves_the_kv_pool():
+    parse = lambda *a: generate_mod.engine_config(cli.build_parser().parse_args(BASE + list(a)))  # noqa: E731
+    bf16, fp8 = (limits.engine_bytes(parse("--dtype", "bfloat16", *kv)) for kv in ([], ["--kv-dtype", "fp8_e4m3"]))
+    assert bf16["the KV pool"] == 2 * fp8["the KV pool"] > 0 and bf16["the weights"] == fp8["the weights"]
+
+
 def one_line_error(capsys, args) -> str:
     code = cli.main(BASE + args)
     cap = capsys.readouterr()
@@ -149,6 +169,8 @@ def test_a_batch_the_memory_cannot_hold_is_refused_with_the_bytes(capsys, monkey
 @pytest.mark.parametrize("args,message", [
     (["--model", "tiny-mla", "--backend", "triton"], "backend 'triton' cannot serve this model on cpu: MHA/GQA only"),
     (["--backend", "nope"], "nope"),
+    (["--model", "tiny-mla", "--backend", "triton_mla", "--kv-dtype", "fp8_e4m3"],
+     "backend 'triton_mla' cannot serve this model on cpu: KV dtype float8_e4m3fn not read (the model's dtype)"),
 ])
 def test_errors_exit_2_with_the_reason(capsys, args, message):
     assert message in one_line_error(capsys, args)
