@@ -9,6 +9,8 @@ import torch
 
 # The FP8 KV cache dtypes a config may name (e4m3: more mantissa, the engines' default; e5m2: more range).
 FP8_KV = (torch.float8_e4m3fn, torch.float8_e5m2)
+# the command lines' names of a KV dtype (vLLM's --kv-cache-dtype names); model: the model's dtype
+KV_DTYPE_NAMES = {"model": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from attn_backends.check import cli
 from attn_backends.check.cli import UsageError
+from attn_backends.config import KV_DTYPE_NAMES
 
 from . import limits
 from .draft_model import ACCEPTANCE_LEVELS
@@ -29,7 +30,7 @@ from .request import SamplingParams
 
 MODELS = {"tiny-gqa": False, "tiny-mla": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = {"model": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}   # vLLM's names
+KV_DTYPES = KV_DTYPE_NAMES
 
 
 LOSSLESS = ("speculative tokens equal --spec none's token for token in float32 (tested); in bfloat16 / "

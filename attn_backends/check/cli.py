@@ -30,6 +30,7 @@ import traceback
 from typing import Optional, TextIO
 
 from .. import registry
+from ..config import KV_DTYPE_NAMES
 from . import cli_jobs
 from .cli_list import cmd_list
 from .cli_progress import progress_for
@@ -131,6 +132,21 @@ def _check_mode(args, backends: list) -> list:
     return keep
 
 
+def _check_kv_dtype(args, backends: list) -> list:
+    """The backends that read ``--kv-dtype`` (all of them at ``model``); UsageError if none does."""
+    dtype = KV_DTYPE_NAMES[args.kv_dtype]
+    if dtype is None:
+        return backends
+    keep = [(n, c) for n, c in backends if dtype in c.capabilities.kv_dtypes]
+    if not keep:
+        n, c = backends[0]
+        reads = "".join(f", {str(d)[6:]}" for d in c.capabilities.kv_dtypes)
+        raise UsageError(f"backend {n!r} does not read an {args.kv_dtype} KV cache (it reads the model's dtype{reads})"
+                         if len(backends) == 1 else f"no backend available on {args.device} reads an "
+                         f"{args.kv_dtype} KV cache")
+    return keep
+
+
 def _check_json_path(path: Optional[str]) -> None:
     if path is None:
         return
@@ -143,6 +159,8 @@ def _check_json_path(path: Optional[str]) -> None:
 
 def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> BackendResult:
     modes = [args.mode] if args.mode else None
+    kv = KV_DTYPE_NAMES[args.kv_dtype]
+    kv_kw = {} if kv is None else {"kv_dtype": kv}     # an entry-point suite without the keyword runs at model
     report, t0, crashed = SuiteReport(), time.monotonic(), ""
     for suite, run, cases in plan:
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
@@ -152,12 +170,13 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
             todo = _load_suite_module().layout_modes(cls.capabilities, modes) if spread else []
             if cases * len(todo) > 1:       # --jobs, and more than one case: over worker processes
                 cli_jobs.run_layout_jobs(name, args.jobs, todo, device=args.device, cases=cases, seed=args.seed,
-                                         progress=progress, report=report)
+                                         progress=progress, report=report, kv_dtype=kv)
             elif suite == LAYOUT_SUITE:
                 run(name, device=args.device, cases=cases, seed=args.seed, modes=modes, progress=progress,
-                    report=report)
+                    report=report, **kv_kw)
             else:
-                run(name, device=args.device, cases=cases, seed=args.seed, progress=progress, report=report)
+                run(name, device=args.device, cases=cases, seed=args.seed, progress=progress, report=report,
+                    **kv_kw)
         except Exception as e:  # noqa: BLE001 - a backend that crashes a suite is a finding; go on
             crashed = f"{suite} suite: {type(e).__name__}: {e}"
             print(f"FAIL {name}: the {crashed}", file=out)
@@ -169,13 +188,17 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
             if progress is not None:
                 progress.close()
         for f in report.failures[n0:]:
-            f.suite, f.device = suite, args.device
+            f.suite, f.device, f.kv_dtype = suite, args.device, args.kv_dtype
     return BackendResult(name, report, time.monotonic() - t0, crashed)
 
 
 def cmd_check(args, out: TextIO, err: TextIO) -> int:
     _check_json_path(args.json)
-    backends = _check_mode(args, _resolve(args.backend, args.device))
+    declared = _check_mode(args, _resolve(args.backend, args.device))
+    backends = _check_kv_dtype(args, declared)
+    if len(backends) < len(declared):
+        left = ", ".join(n for n, _ in declared if (n, _) not in backends)
+        print(f"note: not run, they do not read a {args.kv_dtype} KV cache: {left}", file=err, flush=True)
     plan = _plan_suites(args)
     if args.suite in (None, "all") and not args.mode and args.suite_cases and len(plan) == 1:
         print(f"note: no suite of the entry-point group {SUITES_GROUP} is installed, so only the "
@@ -187,7 +210,8 @@ def cmd_check(args, out: TextIO, err: TextIO) -> int:
             runs = ", ".join(f"{suite} {cases} {'cases per mode' if suite == LAYOUT_SUITE else 'cases'}"
                              for suite, _, cases in plan)
             print(f"== {name} on {args.device}, seed {args.seed}: {runs}"
-                  + (f", mode {args.mode}" if args.mode else ""), file=out, flush=True)
+                  + (f", mode {args.mode}" if args.mode else "")
+                  + (f", KV {args.kv_dtype}" if args.kv_dtype != "model" else ""), file=out, flush=True)
             results.append(_run_backend(name, cls, plan, args, out, err))
             print_result(results[-1], out, args.verbose)
             print(file=out, flush=True)
@@ -285,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--mode", default=None,
                     help="run the layout suite in this mode only (decode, extend, verify_chain, verify_tree, "
                          "draft_extend, draft_decode)")
+    ck.add_argument("--kv-dtype", choices=list(KV_DTYPE_NAMES), default="model",
+                    help="the suites' KV caches in this dtype (FP8 with per-layer scales other than 1), on the "
+                         "backends that read it (default: model, the model's dtype)")
     ck.add_argument("--jobs", type=count(1), default=1,
                     help="worker processes for the layout suite's cases (default: 1); the results are "
                          "those of one process. On a GPU mostly Triton compiling kernels, which the "

@@ -74,7 +74,7 @@ def _error(exc: Optional[BaseException], name: str, text: str, tb: str = "") -> 
 
 
 def _worker(conn, done, backend: str, device: str, cases: int, seed: int, modes: Optional[list],
-            part: int, parts: int) -> None:
+            part: int, parts: int, kv_dtype=None) -> None:
     _exit_with_parent()
     warnings.filterwarnings("ignore", message="Synchronization debug mode")   # once, in the parent
 
@@ -84,7 +84,7 @@ def _worker(conn, done, backend: str, device: str, cases: int, seed: int, modes:
     try:
         from .suite import run_suite
         rep = run_suite(backend, device=device, cases=cases, seed=seed, modes=modes, progress=progress,
-                        shard=(part, parts))
+                        shard=(part, parts), kv_dtype=kv_dtype)
         msg = ("ok", ({k: list(v) for k, v in rep.counts.items()}, rep.failures, dict(rep.cases)))
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it as one process would
         msg = _error(_portable(e), type(e).__name__, str(e), traceback.format_exc())
@@ -113,7 +113,8 @@ def merge(report: SuiteReport, shards: list, modes: list) -> SuiteReport:
 
 
 def run_layout_jobs(backend: str, jobs: int, modes: list, *, device: str, cases: int, seed: int,
-                    progress: Optional[Callable[[int, int], None]], report: SuiteReport) -> SuiteReport:
+                    progress: Optional[Callable[[int, int], None]], report: SuiteReport,
+                    kv_dtype=None) -> SuiteReport:
     """The layout suite of ``backend`` (a name or target a worker can load, see :func:`usable`)
     over ``modes`` (the run's modes in running order) in ``jobs`` processes, at most one a case.
     The first worker that raises ends the run, and its exception is raised here; one that dies
@@ -126,7 +127,7 @@ def run_layout_jobs(backend: str, jobs: int, modes: list, *, device: str, cases:
     try:
         for k in range(parts):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(send, done, backend, device, cases, seed, modes, k, parts),
+            p = ctx.Process(target=_worker, args=(send, done, backend, device, cases, seed, modes, k, parts, kv_dtype),
                             name=f"attn-backends check worker {k}")
             p.start()
             send.close()

@@ -64,16 +64,20 @@ class Failure:
     seed: int
     suite: str = LAYOUT_SUITE
     device: str = "cpu"
+    kv_dtype: str = "model"        # check's --kv-dtype name
 
     def replay(self) -> str:
         """The ``attn-backends check`` command line that runs this failure's case, and only it."""
         head = f"attn-backends check --backend {shlex.quote(self.backend)} --device {self.device}"
+        if self.kv_dtype != "model":
+            head += f" --kv-dtype {self.kv_dtype}"
         if self.suite == LAYOUT_SUITE:
             return f"{head} --suite {LAYOUT_SUITE} --mode {self.mode} --seed {self.seed} --cases 1"
         return f"{head} --suite {shlex.quote(self.suite)} --seed {self.seed} --suite-cases 1"
 
     def as_dict(self) -> dict:
-        return {"suite": self.suite, "backend": self.backend, "device": self.device, "mode": self.mode,
+        return {"suite": self.suite, "backend": self.backend, "device": self.device, "kv_dtype": self.kv_dtype,
+                "mode": self.mode,
                 "invariant": self.invariant, "message": self.message, "case": self.case,
                 "seed": self.seed, "replay": self.replay()}
 

@@ -61,11 +61,13 @@ class CaseSpec:
     draft_step: int = 1
     batches: list = field(default_factory=list)   # [capture, A, B] of (prefixes, accept/extend)
     seed: int = 0
+    kv_dtype: Optional[torch.dtype] = None          # the KV cache's (None: the model's), FP8_SCALES
 
     def describe(self) -> str:
+        kv = f" kv={str(self.kv_dtype)[6:]}" if self.kv_dtype is not None else ""
         return (f"mode={self.mode} page={self.page_size} layout={self.page_order} "
                 f"{'MLA' if self.mla else 'GQA'} bucket={self.bs} N={self.n} topk={self.topk} "
-                f"steps={self.steps} draft_step={self.draft_step} batches={self.batches}")
+                f"steps={self.steps} draft_step={self.draft_step} batches={self.batches}{kv}")
 
 
 def _width(c: CaseSpec) -> int:
@@ -131,10 +133,18 @@ def _scenario(c: CaseSpec, prefixes, extra, rng: random.Random, device) -> Scena
     return Scenario(mode, bs, list(prefixes), spec, extra if c.mode == "extend" else None, name=c.mode)
 
 
+def fp8_scales(mla: bool) -> tuple:
+    """The (k, v) scales of the suites' FP8 caches: other than 1, so that a scale left out shows
+    (MLA's one latent cache: k == v)."""
+    return (0.5, 0.5) if mla else (0.5, 0.25)
+
+
 def _config(c: CaseSpec, caps=None) -> ModelConfig:
     """A small model the backend accepts (``caps``: its head dims and dtypes; float32 first)."""
     dtype = torch.float32 if caps is None or torch.float32 in caps.dtypes else caps.dtypes[-1]
     dims = dims_for(caps, c.mla) if caps is not None else {}
+    if c.kv_dtype is not None:
+        dims.update(kv_dtype=c.kv_dtype, kv_scales=(fp8_scales(c.mla),))
     if c.mla:
         return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size, dtype=dtype, **dims)
     return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, page_size=c.page_size, dtype=dtype,
@@ -308,12 +318,14 @@ def layout_modes(caps, modes: Optional[list] = None) -> list:
 
 def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int = 0,
               modes: Optional[list] = None, progress: Optional[Callable[[int, int], None]] = None,
-              report: Optional[SuiteReport] = None, shard: tuple = (0, 1)) -> SuiteReport:
+              report: Optional[SuiteReport] = None, shard: tuple = (0, 1),
+              kv_dtype: Optional[torch.dtype] = None) -> SuiteReport:
     """Run ``cases`` random cases per declared mode of ``backend`` (a name, ``module:Class``,
     ``file.py:Class``, or a class). The failures carry the seed that replays each case alone:
     with ``cases=1`` the one case of each mode has the seed ``seed`` itself. ``shard=(k, n)``:
     only every n-th case of that order from the k-th on (the same seeds), so that n processes
-    together run the cases of one run (``attn-backends check --jobs n``)."""
+    together run the cases of one run (``attn-backends check --jobs n``). ``kv_dtype``: every case's
+    KV cache in that dtype (``fp8_scales``); the backend must read it."""
     cls = backend if isinstance(backend, type) else get_backend_class(backend)
     name = backend if isinstance(backend, str) else getattr(cls, "name", cls.__name__)
     reason = unavailable_reason(cls, device)
@@ -334,6 +346,7 @@ def run_suite(backend: str, *, device: str = "cpu", cases: int = 200, seed: int 
             case_seed = seed + 1_000_003 * mi + i if cases > 1 else seed
             rng = random.Random(case_seed)
             c = random_case(rng, mode, caps, kinds[case_seed % len(kinds)] == "mla", case_seed)
+            c.kv_dtype = kv_dtype
             run_case(cls, c, report, device, name)
             done += 1
             if progress:

@@ -11,6 +11,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, select_rows
 from attn_backends.check.scenarios import dims_for, make_memory, random_tree_mask
+from attn_backends.check.suite import fp8_scales
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.registry import get_backend, get_backend_class
@@ -87,11 +88,13 @@ class RigSpec:
     dtype: torch.dtype = torch.float32
     max_ctx: int = 128
     seed: int = 0
+    kv_dtype: Optional[torch.dtype] = None   # the KV cache's (None: dtype's), with check's fp8_scales
 
     def describe(self) -> str:
         return (f"kind={self.kind} backend={self.backend} {'MLA' if self.mla else 'GQA'} buckets={list(self.buckets)} "
                 f"page={self.page_size} layout={self.page_order} N={self.n} topk={self.topk} steps={self.steps} "
-                f"hidden={self.hidden.name} per_layer={self.per_layer} {self.device} {str(self.dtype)[6:]}")
+                f"hidden={self.hidden.name} per_layer={self.per_layer} {self.device} {str(self.dtype)[6:]}"
+                + (f" kv={str(self.kv_dtype)[6:]}" if self.kv_dtype is not None else ""))
 
 
 def backend_for(name: str, mla: bool) -> str:
@@ -104,6 +107,7 @@ class Rig:
         self.kind, self.mode, self.device = s.kind, RUNNER_KINDS[s.kind].mode, torch.device(s.device)
         self.backend_name = backend_for(s.backend, s.mla)
         self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed,
+                             kv_dtype=s.kv_dtype, kv_scale=fp8_scales(s.mla),
                              **dims_for(get_backend_class(self.backend_name).capabilities, s.mla))
         self.model = TinyModel(self.tc, s.device)
         cfg = self.tc.attention()

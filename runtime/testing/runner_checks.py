@@ -183,13 +183,14 @@ def fallback_messages(kinds=FALLBACK_KINDS) -> list:
     return msgs
 
 
-def executor_graph_messages(backend: str, device: str = "cpu") -> list:
+def executor_graph_messages(backend: str, device: str = "cpu", kv_dtype=None) -> list:
     """I11: the executors of a tiny engine on ``backend`` (plain and, where it serves verify and
     draft extend, EAGLE; built, not captured) hold a graph runner for a uniform mode exactly where
     the backend's capabilities declare graph support for it; EXTEND always runs piecewise."""
     from attn_backends import ForwardMode as M
     from attn_backends import GraphSupport
     from attn_backends.check.scenarios import dims_for
+    from attn_backends.check.suite import fp8_scales
     from attn_backends.registry import get_backend_class
 
     from ..eagle import SpecConfig
@@ -207,7 +208,8 @@ def executor_graph_messages(backend: str, device: str = "cpu") -> list:
     for spec, runners in want.items():
         mla = not caps.mha                                # a model the backend serves, as the rig builds it
         cfg = TinyConfig(is_mla=mla, page_size=caps.page_sizes[0], **dims_for(caps, mla),
-                         dtype=torch.float32 if torch.float32 in caps.dtypes else torch.bfloat16)
+                         dtype=torch.float32 if torch.float32 in caps.dtypes else torch.bfloat16,
+                         kv_dtype=kv_dtype, kv_scale=fp8_scales(mla))
         eng = Engine(EngineConfig(cfg, backend, spec, device, max_batch=2, max_context_len=64,
                                   max_prefill_tokens=16), capture=False)
         for ex in eng.executors:

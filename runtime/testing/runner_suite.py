@@ -335,13 +335,14 @@ class _Case:
 
 def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed: int = 0,
                      progress: Optional[Callable[[int, int], None]] = None,
-                     report: Optional[SuiteReport] = None) -> SuiteReport:
+                     report: Optional[SuiteReport] = None, kv_dtype: Optional[torch.dtype] = None) -> SuiteReport:
     """Run random runner cases on ``backend`` (a registered name, ``module:Class`` or
     ``file.py:Class``) and record I7-I12, I14 and I16 per (backend, "runner:<kind>"): ``cases``
     of them, or one of each runner kind the backend declares where that is more (the count rule
     of :mod:`.runner_cases`: every run draws every kind). Failures carry the seed of their case:
     ``cases=1, seed=s`` runs that case first. On the GPU: bf16 and bitwise equality with the
-    eager forward of the same padded batch (torch_native: float32 within 1e-4)."""
+    eager forward of the same padded batch (torch_native: float32 within 1e-4). ``kv_dtype``: the
+    rigs' and the tiny engine's KV caches in that dtype (``fp8_scales``); the backend must read it."""
     cls = get_backend_class(backend)
     reason = unavailable_reason(cls, device)
     if reason:
@@ -356,6 +357,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         # torch_native's shapes follow host max lengths; a backend without float32 runs bf16 everywhere
         exact = (cuda and backend != "torch_native") or torch.float32 not in caps.dtypes
         spec.dtype = torch.bfloat16 if exact else torch.float32
+        spec.kv_dtype = kv_dtype
         mode = RUNNER_KINDS[spec.kind].label
         report.cases[(backend, mode)] += 1
 
@@ -370,7 +372,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         if progress:
             progress(i + 1, len(plan))
     try:                                                 # once a run: what an engine captures
-        msgs = executor_graph_messages(backend, device)
+        msgs = executor_graph_messages(backend, device, kv_dtype)
     except Exception as e:  # noqa: BLE001 - a crash is a finding, as in a case
         msgs = [f"crashed: {type(e).__name__}: {e}"]
     report.cases[(backend, "runner:executor")] += 1

@@ -142,3 +142,13 @@ class NoisyForward(TorchNativeBackend):
     def _run(self, q, layer, meta):
         out = super()._run(q, layer, meta)
         return out + 1e-2 * torch.randn_like(out)
+
+
+class ScaleBlindV(TorchNativeBackend):
+    """FP8 (#41): V read without its scale (the cache's value / scale taken for the value). A cache
+    in the model's dtype has scale 1, so only ``check --kv-dtype fp8_*`` can see it."""
+
+    name = "bug_scale_blind_v"
+
+    def _run(self, q, layer, meta):
+        return super()._run(q, dataclasses.replace(layer, v_scale=1.0), meta)

@@ -1,0 +1,63 @@
+"""``attn-backends check --kv-dtype``: the layout and runner suites (and the runner suite's tiny
+engine) on FP8 KV pools with scales other than 1, a reader blind to V's scale caught there and
+only there, with replay lines that carry the flag; a backend that does not read the dtype refused
+in one line, and ``--backend all`` naming those it leaves out."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_backends.check import cli
+from attn_backends.kv_cache import KVMemory
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+def _check(monkeypatch, tmp_path, *argv) -> tuple:
+    monkeypatch.chdir(SUPPORT)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "check.json"
+    code = cli.main(["check", *argv, "--cases", "2", "--suite-cases", "8", "--progress-every", "0", "--json", str(out)])
+    return code, json.loads(out.read_text())["backends"][0]
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_pool_of_the_suites_is_fp8(monkeypatch, tmp_path, kv):
+    made = []
+    init = KVMemory.__init__
+    spy = lambda self, *a, **k: (made.append(k.get("dtype")), init(self, *a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(KVMemory, "__init__", spy)
+    code, res = _check(monkeypatch, tmp_path, "--backend", "torch_native", "--kv-dtype", kv)
+    assert code == 0 and res["ok"], res
+    want = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    assert len(made) > 20 and set(made) == {want}, made
+
+
+def test_a_reader_blind_to_v_scale_is_caught_on_fp8_only(monkeypatch, tmp_path):
+    target = "planted_bugs:ScaleBlindV"
+    assert _check(monkeypatch, tmp_path, "--backend", target)[0] == 0
+    code, res = _check(monkeypatch, tmp_path, "--backend", target, "--kv-dtype", "fp8_e4m3")
+    assert code == 1
+    found = {(f["suite"], f["invariant"]) for f in res["failures"]}
+    assert ("layout", "I9n") in found and ("runner", "I9") in found, found
+    assert all(" --kv-dtype fp8_e4m3 " in f["replay"] and f["kv_dtype"] == "fp8_e4m3" for f in res["failures"])
+
+
+def test_a_backend_that_does_not_read_the_dtype_is_refused_in_one_line(capsys):
+    assert cli.main(["check", "--backend", "triton_mla", "--kv-dtype", "fp8_e4m3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["attn-backends: error: backend 'triton_mla' does not read an fp8_e4m3 KV cache (it reads the "
+                   "model's dtype)"], err
+
+
+def test_all_runs_the_backends_that_read_the_dtype_and_names_the_others(capsys):
+    from attn_backends import registry
+    backends = [(n, registry.get_backend_class(n)) for n in ("torch_native", "triton_mla", "triton")]
+    args = argparse.Namespace(kv_dtype="fp8_e5m2", device="cpu")
+    assert [n for n, _ in cli._check_kv_dtype(args, backends)] == ["torch_native", "triton"]
+    assert cli._check_kv_dtype(argparse.Namespace(kv_dtype="model", device="cpu"), backends) == backends
+    with pytest.raises(cli.UsageError, match="no backend available on cpu reads an fp8_e5m2 KV cache"):
+        cli._check_kv_dtype(args, backends[1:2] * 2)
