@@ -15,7 +15,7 @@ from typing import ClassVar, Optional
 import torch
 
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
-from .config import AttentionLayer, ModelConfig
+from .config import FP8_KV, AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
 from .layout import Layout, LayoutError
 from .step import StandaloneStep, StepView
@@ -113,6 +113,8 @@ class Capabilities:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
+        if device == "cuda" and sm is not None and sm < 89 and cfg.cache_dtype in FP8_KV:
+            return f"an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_{sm}"
         return None
 
 

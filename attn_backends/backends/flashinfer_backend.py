@@ -30,6 +30,7 @@ from attn_backends_kernels.mask_pack import pack_uniform_mask, packed_mask_bytes
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode, GraphKey
+from ..config import FP8_KV
 from ..layout import Layout
 from .flashinfer_common import I32, FlashInferBase, HostPlan, float_workspace
 
@@ -59,9 +60,12 @@ class _Call:
             self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_last_page_len": z(key.bs)}
             self.reads = dict(self.buffers)
 
-    def run(self, q: torch.Tensor, pages) -> torch.Tensor:
+    def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         out = q.new_empty((q.shape[0], q.shape[1], self.cfg.v_head_dim))
-        return self.wrapper.run(q, pages, out=out)
+        if (k_scale, v_scale) == (1.0, 1.0):
+            return self.wrapper.run(q, pages, out=out)
+        # an FP8 cache's scales: run() folds k_scale into sm_scale and multiplies out by v_scale
+        return self.wrapper.run(q, pages, out=out, k_scale=k_scale, v_scale=v_scale)
 
     def light_ok(self, host: HostPlan) -> bool:
         """Whether replays may replan light (the checks the full plan made hold for the key)."""
@@ -73,7 +77,7 @@ class _Call:
 
     def _dtypes(self) -> dict:
         c = self.cfg
-        return dict(pos_encoding_mode="NONE", q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=c.sm_scale,
+        return dict(pos_encoding_mode="NONE", q_data_type=c.dtype, kv_data_type=c.cache_dtype, sm_scale=c.sm_scale,
                     non_blocking=True)
 
 
@@ -92,7 +96,7 @@ class DecodeCall(_Call):
             kw.update(use_cuda_graph=True, paged_kv_indptr_buffer=r["kv_indptr"],
                       paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=r["kv_last_page_len"])
         self.wrapper = backend.fi.BatchDecodeWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD", **kw)
-        self._empty = (torch.empty(0, dtype=c.dtype), torch.empty(0, dtype=c.dtype))  # plan's dtype tags
+        self._empty = (torch.empty(0, dtype=c.dtype), torch.empty(0, dtype=c.cache_dtype))  # plan's dtype tags
 
     def plan(self, layout: Layout, host: HostPlan) -> None:
         c = self.cfg
@@ -174,7 +178,7 @@ class FlashInferBackend(FlashInferBase):
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=False, page_sizes=(1, 16, 64), topk_gt1=True,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cuda",), min_sm=80, head_dims=(64, 128, 256),
-        requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16))
+        requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16), kv_dtypes=FP8_KV)
 
     def __init__(self, config, memory) -> None:
         if config.v_head_dim != config.head_dim:

@@ -237,4 +237,4 @@ class FlashInferBase(LayoutBackend):
         if layer.scaling != self.config.sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
                              f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
-        return meta.planned.call.run(q, self._kv_pages(layer.layer_id))
+        return meta.planned.call.run(q, self._kv_pages(layer.layer_id), layer.k_scale, layer.v_scale)

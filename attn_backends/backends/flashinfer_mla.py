@@ -90,8 +90,8 @@ class MLACall:
         pb._plan_info, pb._staged_int_workspace_bytes = pb._cached_module.plan_with_staged_workspace_bytes(*args)
         self.wrapper._plan_info = pb._plan_info
 
-    def run(self, q: torch.Tensor, pages) -> torch.Tensor:
-        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.kv_lora_rank))
+    def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.kv_lora_rank))    # scales: 1 (no FP8 declared)
         return self.wrapper.run(query=q, kv_cache=pages, out=out)
 
 

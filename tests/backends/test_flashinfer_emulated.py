@@ -90,6 +90,15 @@ def test_layout_suite(cls):
     assert not report.failures, "\n".join(map(str, report.failures[:5]))
 
 
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_layout_suite_on_an_fp8_cache(kv):
+    """The FP8 pool handed to FlashInfer's Python with its KV dtype and scales (run() folds k_scale
+    into the kernel's sm_scale and multiplies out by v_scale; the emulated kernels read the cache's
+    values): I9n against torch_native on the same FP8 pool."""
+    report = run_suite(E.EmulatedFlashInfer, device="cpu", cases=3, seed=5, kv_dtype=kv)
+    assert sum(report.cases.values()) >= 18 and not report.failures, "\n".join(map(str, report.failures[:5]))
+
+
 @pytest.mark.parametrize("name", ["fi_emulated", "fi_mla_emulated"])
 def test_runner_suite(name):
     register("fi_emulated", "fi_emulation:EmulatedFlashInfer")

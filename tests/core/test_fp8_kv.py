@@ -67,6 +67,21 @@ def test_backends_declare_the_kv_dtypes_they_read():
         get_backend("torch_native", gqa, plain)
 
 
+def test_an_fp8_cache_is_refused_below_sm89_and_flashinfer_declares_it():
+    """FP8 conversions need sm_89+: a CUDA device of sm_80 is refused with the reason, whatever the
+    backend's own floor; the ``flashinfer`` GQA backend reads FP8 (its run() takes the scales)."""
+    from attn_backends.backends.flashinfer_backend import FlashInferBackend
+    from attn_backends.backends.torch_native import TorchNativeBackend
+    gqa = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, kv_dtype=E4M3,
+                      dtype=torch.bfloat16)
+    for caps in (TorchNativeBackend.capabilities, FlashInferBackend.capabilities):
+        assert caps.refusal(gqa, ForwardMode.DECODE, "cuda", sm=80) == \
+            "an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_80"
+        assert caps.refusal(gqa, ForwardMode.DECODE, "cuda", sm=90) is None
+    assert caps.refusal(ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                    dtype=torch.bfloat16), ForwardMode.DECODE, "cuda", sm=80) is None
+
+
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("dtype", FP8_KV)
 def test_torch_native_reads_an_fp8_pool_against_float64_over_the_dequantized_cache(mla, dtype):
