@@ -99,15 +99,14 @@ def store_kv(k, v, k_buffer, v_buffer, out_cache_loc, k_scale=1.0, v_scale=1.0):
     _store("store_kv", v, v_buffer, out_cache_loc, 0, v_scale)
 
 
-def store_mla_kv(latent, rope, kv_buffer, out_cache_loc):
+def store_mla_kv(latent, rope, kv_buffer, out_cache_loc, scale=1.0):
     """``kv_buffer[out_cache_loc] = cat(latent, rope, -1)`` without materialising the cat.
 
-    latent : [T, 1, 512], rope : [T, 1, 64], kv_buffer : [num_slots, 1, 576].
+    latent : [T, 1, 512], rope : [T, 1, 64], kv_buffer : [num_slots, 1, 576], latent's dtype or
+    FP8 (both parts ``/ scale``, the one scale of the latent cache, as ``store_kv``).
     """
-    if kv_buffer.dtype in FP8_KV_DTYPES:     # no scale is threaded through the MLA store yet
-        raise ValueError(f"store_mla_kv: an FP8 buffer ({kv_buffer.dtype}) is not supported yet")
     if latent.shape[-1] + rope.shape[-1] != kv_buffer.shape[-1]:
         raise ValueError(f"store_mla_kv: latent {tuple(latent.shape)} + rope "
                          f"{tuple(rope.shape)} != buffer width {kv_buffer.shape[-1]}")
-    _store("store_mla_kv", latent, kv_buffer, out_cache_loc, 0)
-    _store("store_mla_kv", rope, kv_buffer, out_cache_loc, latent.shape[-1])
+    _store("store_mla_kv", latent, kv_buffer, out_cache_loc, 0, scale)
+    _store("store_mla_kv", rope, kv_buffer, out_cache_loc, latent.shape[-1], scale)

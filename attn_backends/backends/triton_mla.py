@@ -21,7 +21,7 @@ from attn_backends_kernels.mla.warpspec import partial_dtype
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
-from ..config import AttentionLayer
+from ..config import FP8_KV, AttentionLayer
 from ..layout import MaskKind
 from .triton_common import TritonBackendBase, TritonMetadata
 
@@ -33,7 +33,7 @@ class TritonMLABackend(TritonBackendBase):
     name: ClassVar[str] = "triton_mla"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",))
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",), kv_dtypes=FP8_KV)
     fuses_merge: ClassVar[bool] = False       # the MLA kernels merge in a separate pass
     # "chunks": the uniform modes cut the batch's KV into equal chunks on the device
     # (``kernels/mla/balanced.py``, on the Triton tile, merged by a second launch); "split", the
@@ -73,7 +73,7 @@ class TritonMLABackend(TritonBackendBase):
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         r = self.config.kv_lora_rank
-        store_mla_kv(k[..., :r], k[..., r:], self.memory.pool.kv[layer.layer_id], loc)
+        store_mla_kv(k[..., :r], k[..., r:], self.memory.pool.kv[layer.layer_id], loc, layer.k_scale)
 
     def _kv_buffers(self, layer: AttentionLayer) -> tuple:
         return (self.memory.pool.kv[layer.layer_id],)
@@ -91,7 +91,8 @@ class TritonMLABackend(TritonBackendBase):
         if self._chunked(lay):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
-                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule, merge=self.chunk_merge)
+                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule, merge=self.chunk_merge,
+                          kv_scale=layer.k_scale)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
@@ -99,7 +100,7 @@ class TritonMLABackend(TritonBackendBase):
                           custom_mask=lay.custom_mask, workspace=ws,
                           cu_seqlens_q=lay.cu_seqlens_q if ragged else None,
                           max_q_len=lay.max_seq_len_q if ragged else None,
-                          draft_prefix_lens=lay.draft_prefix_lens)
+                          draft_prefix_lens=lay.draft_prefix_lens, kv_scale=layer.k_scale)
 
 
 class BalancedTritonMLABackend(TritonMLABackend):

@@ -69,7 +69,7 @@ def _mla_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
-    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr,
+    MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, RAGGED: tl.constexpr, v_scale=1.0,
 ):
     # W (query rows per request, the ragged bound) and NUM_SPLITS are plain ints, not
     # constexprs: a compiled kernel serves the widths and split counts of one specialization
@@ -102,20 +102,21 @@ def _mla_split_kernel(
     rows = row0 + j
     _mla_store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os,
                lse_ptr + rows * stride_lt + heads * stride_lh + split, m_i, l_i, acc_a, acc_b, row_ok,
-               LATENT, WRITE_LSE)
+               v_scale, LATENT, WRITE_LSE)
 
 
 def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits,
                       out, q_per_req=1, mask="causal", custom_mask=None, workspace=None,
                       block_h=None, block_w=None, block_n=None, num_warps=None,
                       num_stages=None, cu_seqlens_q=None, max_q_len=None, draft_prefix_lens=None,
-                      kernel=None):
+                      kernel=None, kv_scale=1.0):
     """Absorbed MLA attention (decode when ``q_per_req == 1``, verify otherwise) into ``out``.
 
     Parameters
     ----------
     q : [bs*W, H, 576] (latent 512 + rope 64), float16/bfloat16/float32
-    kv_buffer : [num_slots, 1, 576], q's dtype
+    kv_buffer : [num_slots, 1, 576], q's dtype or FP8 (holding value / ``kv_scale``, the latent
+        cache's one scale; the Triton kernel widens it on load, the Gluon kernels refuse it)
     page_table : [>=bs, max_pages] int32; seq_lens_k : [>=bs] int32 (>= W each)
     page_size, num_kv_splits, q_per_req (W) : host ints
     out : [bs*W, H, 512], q's dtype
@@ -146,7 +147,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k,
                                                page_size, num_kv_splits, out, q_per_req, mask,
                                                custom_mask, cu_seqlens_q, max_q_len,
-                                               draft_prefix_lens)
+                                               draft_prefix_lens, kv_scale)
     T, H, D = q.shape
     Dv = out.shape[-1]
     block_w, block_h, block_n_, num_warps_, num_stages_ = _tile_config(
@@ -163,7 +164,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
-    tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E, q.stride(0), q.stride(1),
+    tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1),
             kv_buffer.stride(0), page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
     tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
                  PAGE_SIZE=page_size, WRITE_LSE=num_kv_splits > 1, MASK=MASK_KINDS[mask])
@@ -171,7 +172,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
         launch(_mla_split_kernel, grid, q, kv_buffer, page_table, seq_lens_k,
                cu_seqlens_q if ragged else seq_lens_k, *tail, **tiles, BLOCK_N=block_n_,
                RAGGED=ragged, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-               num_warps=num_warps_, num_stages=num_stages_)
+               num_warps=num_warps_, num_stages=num_stages_, v_scale=kv_scale)
     else:
         gluon_kernel, warps = GLUON_LAUNCH[use]
         launch(gluon_kernel, grid, q, kv_buffer, page_table, seq_lens_k, *tail, **tiles, **warps)
@@ -191,6 +192,10 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
     a program has few tiles; figures: bench/RESULTS.md, 'MLA kernels'). 16-row tiles (decode of
     16 heads; ``width`` and ``mask`` say decode) take ``swap`` where it serves."""
     if kernel == "triton":
+        return "triton"
+    if kv_buffer.dtype != q.dtype:              # FP8: widened by the Triton kernel only
+        if kernel is not None:
+            raise ValueError(f"{name}: the {kernel} kernel does not read an FP8 cache ({kv_buffer.dtype})")
         return "triton"
     knobs = (block_n, num_warps, num_stages)
     if kernel == "swap" or (kernel is None and rows == SWAP_ROWS.value):
@@ -217,7 +222,7 @@ def _pick_kernel(name, kernel, q, kv_buffer, latent, rope, rows, block_n, num_wa
 
 
 def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out,
-                  q_per_req, mask, custom_mask, cu_seqlens_q, max_q_len, draft_prefix_lens):
+                  q_per_req, mask, custom_mask, cu_seqlens_q, max_q_len, draft_prefix_lens, kv_scale=1.0):
     """Every check of ``mla_attention_fwd``'s arguments; returns (W, bs, the mask argument,
     the draft-prefix argument), the last two placeholders where the mask reads none."""
     T, H, D = q.shape
@@ -234,7 +239,8 @@ def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_
         if W < 1 or T % W != 0:
             raise ValueError(f"{name}: q has {T} rows, not a multiple of q_per_req={W}")
         bs = T // W
-    check_paged_inputs(name, q, (kv_buffer,), page_table, seq_lens_k, page_size, bs)
+    check_paged_inputs(name, q, (kv_buffer,), page_table, seq_lens_k, page_size, bs, fp8_ok=True,
+                       scales=(kv_scale, kv_scale))
     rope = D - Dv
     if (kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D or rope <= 0
             or triton.next_power_of_2(Dv) != Dv or triton.next_power_of_2(rope) != rope):

@@ -30,6 +30,7 @@ def _mla_chunk_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, LATENT: tl.constexpr,
     ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
+    v_scale=1.0,
 ):
     NUM_HB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
@@ -56,16 +57,18 @@ def _mla_chunk_kernel(
     if count == 1:
         rows = row0 + j
         _mla_store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh, lse_ptr, m_i, l_i, acc_a,
-                   acc_b, row_ok, LATENT, False)
+                   acc_b, row_ok, v_scale, LATENT, False)
     else:  # chunk c's partial rows: c * W + j (the merge pass reads them so)
         rows = c.to(tl.int64) * W + j
         _mla_store(part_ptr + rows[:, None] * stride_pt + heads[:, None] * stride_ph,
-                   lse_ptr + rows * stride_lt + heads * stride_lh, m_i, l_i, acc_a, acc_b, row_ok, LATENT, True)
+                   lse_ptr + rows * stride_lt + heads * stride_lh, m_i, l_i, acc_a, acc_b, row_ok, v_scale, LATENT,
+                   True)
 
 
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
-                  merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None):
+                  merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None,
+                  kv_scale=1.0):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
@@ -78,7 +81,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     check_schedule(name, schedule, merge)
     W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size,
                                                num_kv_splits, out, q_per_req, mask, custom_mask, None, None,
-                                               draft_prefix_lens)
+                                               draft_prefix_lens, kv_scale)
     T, H, D = q.shape
     Dv = out.shape[-1]
     block_w, block_h, block_n, num_warps, num_stages = _tile_config(
@@ -93,13 +96,14 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                          f"bound {MAX_GRID_YZ}")
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), slots)
     launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
-           sm_scale * LOG2E, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), out.stride(0),
+           sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0),
+           out.stride(0),
            out.stride(1), cl.part.stride(0), cl.part.stride(1), cl.lse.stride(0), cl.lse.stride(1), W, bs,
            cl.num_chunks, NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
            PAGE_SIZE=page_size, BLOCK_N=block_n, MASK=MASK_KINDS[mask],
            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_TILES=cl.consts["MIN_TILES"],
            FIXED_TILES=cl.consts["FIXED_TILES"], BLOCK_BS=cl.consts["BLOCK_BS"], num_warps=num_warps,
-           num_stages=num_stages)
+           num_stages=num_stages, v_scale=kv_scale)
     cl.merge_pass(seq_lens_k, None, out)
     return out
 

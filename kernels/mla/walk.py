@@ -95,6 +95,8 @@ def _mla_walk(q_a, q_b, q_pe, kv_ptr, pt_row, start, end, j, q_len, seq_len, pre
             lat_a = tl.load(kv_row + offs_c[None, :], mask=mask_n[:, None], other=0.0)
             lat_b = tl.load(kv_row + HALF + offs_c[None, :], mask=mask_n[:, None], other=0.0)
             rope = tl.load(kv_row + LATENT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        if lat_a.dtype.is_fp8():        # an FP8 cache widened on load; its scale: the caller's
+            lat_a, lat_b, rope = lat_a.to(q_a.dtype), lat_b.to(q_a.dtype), rope.to(q_a.dtype)
         m_i, l_i, acc_a, acc_b = _mla_tile(
             q_a, q_b, q_pe, lat_a, lat_b, rope, m_i, l_i, acc_a, acc_b, offs_n, end, j, q_len,
             seq_len, prefix, draft_prefix, mask_ptr, mask_base, scale_log2, MASK, INPUT_PRECISION)
@@ -102,13 +104,15 @@ def _mla_walk(q_a, q_b, q_pe, kv_ptr, pt_row, start, end, j, q_len, seq_len, pre
 
 
 @triton.jit
-def _mla_store(o_rows, lse_rows, m_i, l_i, acc_a, acc_b, row_ok, LATENT: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """The tile's normalised output at ``o_rows`` ([M, 1] pointers to column 0) and, with
-    WRITE_LSE, its log2-sum-exp at ``lse_rows`` (-inf where a row saw nothing)."""
+def _mla_store(o_rows, lse_rows, m_i, l_i, acc_a, acc_b, row_ok, v_scale, LATENT: tl.constexpr,
+               WRITE_LSE: tl.constexpr):
+    """The tile's normalised output, times ``v_scale`` (an FP8 cache's: V is the cache), at
+    ``o_rows`` ([M, 1] pointers to column 0) and, with WRITE_LSE, its log2-sum-exp at ``lse_rows``
+    (-inf where a row saw nothing)."""
     HALF: tl.constexpr = LATENT // 2
     offs_c = tl.arange(0, HALF)
     nonempty = l_i > 0
-    inv_l = 1.0 / tl.where(nonempty, l_i, 1.0)
+    inv_l = v_scale / tl.where(nonempty, l_i, 1.0)
     out_a = tl.where(nonempty[:, None], acc_a * inv_l[:, None], 0.0)
     tl.store(o_rows + offs_c[None, :], out_a.to(o_rows.dtype.element_ty), mask=row_ok[:, None])
     out_b = tl.where(nonempty[:, None], acc_b * inv_l[:, None], 0.0)

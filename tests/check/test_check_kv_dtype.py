@@ -47,15 +47,15 @@ def test_a_reader_blind_to_v_scale_is_caught_on_fp8_only(monkeypatch, tmp_path):
 
 
 def test_a_backend_that_does_not_read_the_dtype_is_refused_in_one_line(capsys):
-    assert cli.main(["check", "--backend", "triton_mla", "--kv-dtype", "fp8_e4m3"]) == 2
+    assert cli.main(["check", "--backend", "trtllm_mla", "--kv-dtype", "fp8_e4m3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["attn-backends: error: backend 'triton_mla' does not read an fp8_e4m3 KV cache (it reads the "
+    assert err == ["attn-backends: error: backend 'trtllm_mla' does not read an fp8_e4m3 KV cache (it reads the "
                    "model's dtype)"], err
 
 
 def test_all_runs_the_backends_that_read_the_dtype_and_names_the_others(capsys):
     from attn_backends import registry
-    backends = [(n, registry.get_backend_class(n)) for n in ("torch_native", "triton_mla", "triton")]
+    backends = [(n, registry.get_backend_class(n)) for n in ("torch_native", "trtllm_mla", "triton")]
     args = argparse.Namespace(kv_dtype="fp8_e5m2", device="cpu")
     assert [n for n, _ in cli._check_kv_dtype(args, backends)] == ["torch_native", "triton"]
     assert cli._check_kv_dtype(argparse.Namespace(kv_dtype="model", device="cpu"), backends) == backends

@@ -9,7 +9,7 @@ import torch
 from reference import dense_reference
 
 from attn_backends import ForwardMode, ModelConfig, get_backend, select
-from attn_backends.backends.triton_mla import TritonMLABackend
+from attn_backends.backends.trtllm_mla import TrtllmMLABackend
 from attn_backends.check.scenarios import Scenario, make_memory, materialize
 from attn_backends.config import FP8_KV
 from attn_backends.kv_cache import to_cache
@@ -50,15 +50,15 @@ def test_the_store_divides_by_the_scale_saturates_and_rounds_to_nearest_even(dty
 
 
 def test_backends_declare_the_kv_dtypes_they_read():
-    """triton reads FP8 KV (select takes it for GQA); triton_mla does not yet: refused with the
-    reason by name and by construction, and select falls to the reference for an MLA model."""
+    """triton and triton_mla read FP8 KV (select takes them); trtllm_mla does not yet: refused with
+    the reason by name and by construction."""
     mla = ModelConfig(num_layers=1, num_q_heads=16, num_kv_heads=1, is_mla=True, page_size=16, kv_dtype=E4M3)
     mem = make_memory(mla, num_pages=8, max_reqs=2, max_context_len=64, fill=False)
-    with pytest.raises(ValueError, match=r"'triton_mla' cannot serve .*: KV dtype float8_e4m3fn not read"):
-        get_backend("triton_mla", mla, mem)
-    with pytest.raises(ValueError, match="backend triton_mla reads KV in .*, not torch.float8_e4m3fn"):
-        TritonMLABackend(mla, mem)
-    assert select(mla, ForwardMode.DECODE, "cpu").name == "torch_native"
+    with pytest.raises(ValueError, match=r"'trtllm_mla' cannot serve .*: KV dtype float8_e4m3fn not read"):
+        get_backend("trtllm_mla", mla, mem)
+    with pytest.raises(ValueError, match="backend trtllm_mla reads KV in .*, not torch.float8_e4m3fn"):
+        TrtllmMLABackend(mla, mem)
+    assert select(mla, ForwardMode.DECODE, "cpu").name == "triton_mla"
     gqa = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16, kv_dtype=E4M3)
     assert select(gqa, ForwardMode.DECODE, "cpu").name == "triton"
     plain = make_memory(ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16),
@@ -126,5 +126,5 @@ def test_a_composition_reads_fp8_only_where_every_member_does():
     both = compose_capabilities({ForwardMode.EXTEND: ("torch_native", None), ForwardMode.DECODE: ("triton", None)})
     assert set(both.kv_dtypes) == set(FP8_KV)
     mixed = compose_capabilities({ForwardMode.EXTEND: ("torch_native", "torch_native"),
-                                  ForwardMode.DECODE: ("triton", "triton_mla")})
-    assert mixed.kv_dtypes == (), "triton_mla reads no FP8: the composition must not claim it"
+                                  ForwardMode.DECODE: ("triton", "trtllm_mla")})
+    assert mixed.kv_dtypes == (), "trtllm_mla reads no FP8: the composition must not claim it"

@@ -112,8 +112,8 @@ def test_fp8_scales_are_refused_where_they_cannot_apply():
         store_kv(k, k, torch.zeros(4, 1, 16), torch.zeros(4, 1, 16), loc, 2.0, 1.0)
     with pytest.raises(ValueError, match="scale=0.0"):
         store_kv(k, k, torch.zeros(4, 1, 16, dtype=FP8[0]), torch.zeros(4, 1, 16, dtype=FP8[0]), loc, 0.0, 1.0)
-    with pytest.raises(ValueError, match="store_mla_kv: an FP8 buffer"):
-        store_mla_kv(torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.zeros(4, 1, 16, dtype=FP8[0]), loc)
+    with pytest.raises(ValueError, match="store_mla_kv: scale=2.0: .* only for an FP8 buffer"):
+        store_mla_kv(torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.zeros(4, 1, 16), loc, 2.0)
     from attn_backends_kernels.decode_attention import decode_attention_fwd
     with pytest.raises(ValueError, match=r"k_scale, v_scale = \(0.5, 1.0\) need FP8 KV buffers"):
         decode_attention_fwd(torch.randn(1, 2, 16), torch.zeros(16, 1, 16), torch.zeros(16, 1, 16),

@@ -92,12 +92,15 @@ def test_the_most_steps_run_with_graphs(capsys):
     assert re.search(r"  draft draft_decode +[1-9]\d* / 0$", out, re.M), out
 
 
-@pytest.mark.parametrize("backend,kv", [("torch_native", "fp8_e4m3"), ("torch_native", "fp8_e5m2"),
-                                        ("triton", "fp8_e4m3")])
-def test_eagle_on_an_fp8_cache_serves_plain_decode_tokens_on_the_same_cache(capsys, backend, kv):
+@pytest.mark.parametrize("model,backend,kv", [("tiny-gqa", "torch_native", "fp8_e4m3"),
+                                              ("tiny-gqa", "torch_native", "fp8_e5m2"),
+                                              ("tiny-gqa", "triton", "fp8_e4m3"),
+                                              ("tiny-mla", "torch_native", "fp8_e4m3"),
+                                              ("tiny-mla", "triton_mla", "fp8_e4m3")])
+def test_eagle_on_an_fp8_cache_serves_plain_decode_tokens_on_the_same_cache(capsys, model, backend, kv):
     """``--kv-dtype``: EAGLE (a tree) over an FP8 cache gives plain decode's tokens over the same
     FP8 cache (float32 model); the cache is read (some token differs from the float32 cache's)."""
-    args = ["--backend", backend, "--batch", "2", "--max-tokens", "12"]
+    args = ["--model", model, "--backend", backend, "--batch", "2", "--max-tokens", "12"]
     plain, out, _ = generate(capsys, "--spec", "none", "--kv-dtype", kv, *args)
     got, _, _ = generate(capsys, "--spec", "eagle", "--topk", "2", "--steps", "2", "--draft-tokens", "4",
                          "--kv-dtype", kv, *args)
@@ -169,8 +172,8 @@ def test_a_batch_the_memory_cannot_hold_is_refused_with_the_bytes(capsys, monkey
 @pytest.mark.parametrize("args,message", [
     (["--model", "tiny-mla", "--backend", "triton"], "backend 'triton' cannot serve this model on cpu: MHA/GQA only"),
     (["--backend", "nope"], "nope"),
-    (["--model", "tiny-mla", "--backend", "triton_mla", "--kv-dtype", "fp8_e4m3"],
-     "backend 'triton_mla' cannot serve this model on cpu: KV dtype float8_e4m3fn not read (the model's dtype)"),
+    (["--model", "tiny-mla", "--backend", "trtllm_mla", "--kv-dtype", "fp8_e4m3"],
+     "backend 'trtllm_mla' cannot serve this model on cpu: KV dtype float8_e4m3fn not read (the model's dtype)"),
 ])
 def test_errors_exit_2_with_the_reason(capsys, args, message):
     assert message in one_line_error(capsys, args)

@@ -1,0 +1,95 @@
+"""The ``triton_mla`` backend on an FP8 latent cache (issue #41): stored through ``forward`` by the
+store kernel (latent and rope / the layer's one scale: the reference quantization's bytes), read by
+the Triton MLA tile (widened on load, the scale in the softmax scale and on the stored output: the
+split and the chunk schedules, ragged extend) against float64 over the dequantized cache, NaN in
+every unused slot, the graph path equal to eager bitwise; the Gluon kernels refuse FP8 by name."""
+import random
+
+import pytest
+import torch
+from reference import dense_reference
+
+from attn_backends import ForwardMode, ModelConfig
+from attn_backends.backends.triton_mla import TritonMLABackend
+from attn_backends.check.scenarios import Scenario, draft_extend_spec, make_memory, materialize, verify_spec
+from attn_backends.config import FP8_KV
+from attn_backends.kv_cache import to_cache
+from attn_backends_kernels.mla.attention import mla_attention_fwd
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []     # the interpreter on the CPU
+MODEL_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+RNG = random.Random(1)
+SCALES = ((0.05, 0.05), (0.5, 0.5))
+SCENARIOS = {
+    "decode": lambda: Scenario(ForwardMode.DECODE, 3, [700, 17, 300]),
+    "verify_tree": lambda: Scenario(ForwardMode.TARGET_VERIFY, 3, [600, 33, 200],
+                                    spec=verify_spec(6, 3, RNG, topk=4, steps=2)),
+    "draft_extend": lambda: Scenario(ForwardMode.DRAFT_EXTEND, 3, [500, 20, 90],
+                                     spec=draft_extend_spec(4, 3, 3, [1, 3, 2])),
+    "extend": lambda: Scenario(ForwardMode.EXTEND, 3, [150, 0, 40], extend_lens=[20, 33, 7]),
+}
+
+
+def _setup(dtype):
+    cfg = ModelConfig(num_layers=2, num_q_heads=16, num_kv_heads=1, is_mla=True, kv_lora_rank=32,
+                      qk_rope_head_dim=16, page_size=16, dtype=MODEL_DTYPE, kv_dtype=dtype, kv_scales=SCALES)
+    mem = make_memory(cfg, num_pages=2000 // 16 + 64, max_reqs=12, max_context_len=1024, page_order="shuffled",
+                      seed=3, device=DEVICE)
+    return cfg, mem
+
+
+def _poison_unread(mem, batch):
+    read = torch.zeros(mem.pool.kv[0].shape[0], dtype=torch.bool, device=DEVICE)
+    for i in range(batch.raw_bs):
+        read[mem.req_to_token[int(batch.req_pool_indices[i]), :int(batch.seq_lens_cpu[i])].long()] = True
+    for b in mem.pool.kv:
+        b.view(torch.uint8)[~read] = 0x7F                  # NaN in both FP8 formats
+
+
+@pytest.mark.parametrize("schedule", ["split", "chunks"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("dtype", FP8_KV)
+def test_fp8_latent_cache_against_float64_over_the_dequantized_cache(dtype, name, schedule):
+    cfg, mem = _setup(dtype)
+    be = TritonMLABackend(cfg, mem)
+    be.schedule = schedule
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    m = materialize(SCENARIOS[name](), mem, fill)
+    _poison_unread(mem, m.batch)
+    n = m.batch.num_tokens
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(n, 16, cfg.qk_dim, generator=g).to(MODEL_DTYPE).to(DEVICE)
+    k = (torch.randn(n, 1, cfg.qk_dim, generator=g) * 3).to(MODEL_DTYPE).to(DEVICE)
+    layer = cfg.layer(1)
+    be.init_forward_metadata(m.batch)
+    out = be.forward(q, k, None, layer, m.batch)
+    real = slice(0, n) if name == "extend" else slice(0, m.batch.raw_bs * m.batch.width)
+    loc = m.batch.out_cache_loc[real]
+    want = to_cache(k[real], dtype, layer.k_scale).view(torch.uint8)
+    assert torch.equal(mem.pool.kv[1][loc].view(torch.uint8), want), "the store kernel's bits are not the reference's"
+    ref = dense_reference(m.batch, mem, 1, q.cpu(), layer.scaling, cfg.kv_lora_rank, layer.k_scale)
+    ok = ~ref[:, 0, 0].isnan()
+    assert int(ok.sum()) == (n if name == "extend" else m.batch.raw_bs * m.batch.width), "rows left out"
+    err = float((out.cpu()[ok].double() - ref[ok]).norm() / ref[ok].norm())
+    assert err < (1e-5 if MODEL_DTYPE == torch.float32 else 2e-2), f"relative error {err:.2e}"
+    if name == "extend":
+        return
+    cap = materialize(SCENARIOS[name](), mem, fill)
+    be.init_cuda_graph_state(8, 64)
+    be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
+    be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
+    replayed = be.forward(q, k, None, layer, m.batch, save_kv_cache=False)
+    assert torch.equal(replayed.cpu()[ok], out.cpu()[ok]), "the graph path differs from eager on the same batch"
+
+
+def test_the_gluon_kernels_refuse_an_fp8_cache_by_name():
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(64, 1, 576, dtype=torch.float8_e4m3fn)
+    pt, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.full((2,), 20, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"the wgmma kernel does not read an FP8 cache \(torch.float8_e4m3fn\)"):
+        mla_attention_fwd(q, kv, pt, lens, 16, 0.1, 1, torch.zeros(2, 16, 512, dtype=torch.bfloat16), kernel="wgmma",
+                          kv_scale=0.5)
+    with pytest.raises(ValueError, match=r"k_scale, v_scale = \(0.5, 0.5\) need FP8 KV buffers"):
+        mla_attention_fwd(q, kv.to(torch.bfloat16), pt, lens, 16, 0.1, 1, torch.zeros(2, 16, 512, dtype=torch.bfloat16),
+                          kv_scale=0.5)
