@@ -11,6 +11,7 @@ import torch
 from .. import registry
 from ..base import GraphSupport
 from ..batch import ForwardMode
+from ..config import KV_DTYPE_NAMES
 from .report import WIDTH, grid
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,6 +55,9 @@ def _notes(info, builtins: set) -> list:
             limits.append(f"dtypes {', '.join(str(d)[6:] for d in caps.dtypes)}")
         if caps.head_dims is not None:
             limits.append(f"head dims {', '.join(map(str, caps.head_dims))}")
+        if caps.kv_dtypes:                     # check's --kv-dtype names: what an engine's flag says
+            names = {d: n for n, d in KV_DTYPE_NAMES.items() if d is not None}
+            limits.append(f"KV caches: model's, {', '.join(names.get(d, str(d)[6:]) for d in caps.kv_dtypes)}")
         if limits:
             notes.append("; ".join(limits))
         if caps.cannot:

@@ -61,3 +61,14 @@ def test_all_runs_the_backends_that_read_the_dtype_and_names_the_others(capsys):
     assert cli._check_kv_dtype(argparse.Namespace(kv_dtype="model", device="cpu"), backends) == backends
     with pytest.raises(cli.UsageError, match="no backend available on cpu reads an fp8_e5m2 KV cache"):
         cli._check_kv_dtype(args, backends[1:2] * 2)
+
+
+def test_list_names_the_kv_dtypes_each_backend_reads(capsys):
+    from test_cli import _list_blocks
+    assert cli.main(["list", "--device", "cpu"]) == 0
+    blocks = _list_blocks(capsys.readouterr().out)
+    reads = "KV caches: model's, fp8_e4m3, fp8_e5m2"
+    for name in ("torch_native", "triton", "triton_mla", "flashinfer"):
+        assert any(reads in ln for ln in blocks[name][1]), (name, blocks[name])
+    for name in ("trtllm_mla", "flashinfer_mla"):
+        assert not any("KV caches" in ln for ln in blocks[name][1]), (name, blocks[name])
