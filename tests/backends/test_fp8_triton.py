@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
+from fp8_checks import check_fp8_forward, poison_unread
 from reference import dense_reference
 
 from attn_backends import ForwardMode, ModelConfig
 from attn_backends.backends.triton_backend import TritonBackend
 from attn_backends.check.scenarios import Scenario, draft_extend_spec, make_memory, materialize, verify_spec
 from attn_backends.config import FP8_KV
-from attn_backends.kv_cache import to_cache
 from attn_backends.step.eager import eager_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,15 +40,6 @@ def _setup(dtype):
     return cfg, mem
 
 
-def _poison_unread(mem, batch):
-    """NaN (an FP8 NaN byte) in every slot but the real requests' context and new tokens."""
-    read = torch.zeros(mem.pool.k[0].shape[0], dtype=torch.bool, device=DEVICE)
-    for i in range(batch.raw_bs):
-        read[mem.req_to_token[int(batch.req_pool_indices[i]), :int(batch.seq_lens_cpu[i])].long()] = True
-    for b in mem.pool.k + mem.pool.v:
-        b.view(torch.uint8)[~read] = 0x7F                  # NaN in both FP8 formats
-
-
 def _qkv(cfg, n, seed):
     g = torch.Generator().manual_seed(seed)
     mk = lambda h, d, s=1.0: (torch.randn(n, h, d, generator=g) * s).to(MODEL_DTYPE).to(DEVICE)  # noqa: E731
@@ -62,32 +53,8 @@ def test_fp8_cache_against_float64_over_the_dequantized_cache(dtype, name, sched
     cfg, mem = _setup(dtype)
     be = TritonBackend(cfg, mem)
     be.schedule = schedule
-    fill = be.get_cuda_graph_seq_len_fill_value()
-    m = materialize(SCENARIOS[name](), mem, fill)
-    _poison_unread(mem, m.batch)
-    n = m.batch.num_tokens
-    q, k, v = _qkv(cfg, n, 3)
-    layer = cfg.layer(1)
-    be.init_forward_metadata(m.batch)
-    out = be.forward(q, k, v, layer, m.batch)
-    real = slice(0, n) if name == "extend" else slice(0, m.batch.raw_bs * m.batch.width if m.batch.width else n)
-    loc = m.batch.out_cache_loc[real]
-    for pool, x, sc in ((mem.pool.k, k, layer.k_scale), (mem.pool.v, v, layer.v_scale)):
-        want = to_cache(x[real], dtype, sc).view(torch.uint8)
-        assert torch.equal(pool[1][loc].view(torch.uint8), want), "the store kernel's bits are not the reference's"
-    ref = dense_reference(m.batch, mem, 1, q.cpu(), layer.scaling, None, layer.k_scale, layer.v_scale)
-    ok = ~ref[:, 0, 0].isnan()
-    assert int(ok.sum()) == (n if name == "extend" else m.batch.raw_bs * m.batch.width), "rows left out of the check"
-    err = float((out.cpu()[ok].double() - ref[ok]).norm() / ref[ok].norm())
-    assert err < (1e-5 if MODEL_DTYPE == torch.float32 else 2e-2), f"relative error {err:.2e}"
-    if name == "extend":
-        return
-    cap = materialize(SCENARIOS[name](), mem, fill)
-    be.init_cuda_graph_state(8, 64)
-    be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
-    be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
-    replayed = be.forward(q, k, v, layer, m.batch, save_kv_cache=False)
-    assert torch.equal(replayed.cpu()[ok], out.cpu()[ok]), "the graph path differs from eager on the same batch"
+    check_fp8_forward(be, cfg, mem, SCENARIOS[name], lambda n: _qkv(cfg, n, 3), name == "extend",
+                      1e-5 if MODEL_DTYPE == torch.float32 else 2e-2)
 
 
 def test_layers_of_other_scales_on_one_eager_step_each_read_with_their_own():
@@ -97,7 +64,7 @@ def test_layers_of_other_scales_on_one_eager_step_each_read_with_their_own():
     be = TritonBackend(cfg, mem)
     m = materialize(SCENARIOS["decode"](), mem, be.get_cuda_graph_seq_len_fill_value())
     batch = eager_step(m.batch, [be])
-    _poison_unread(mem, batch)
+    poison_unread(mem, batch)
     be.init_forward_metadata(batch)
     q, k, v = _qkv(cfg, batch.num_tokens, 5)
     for lid in (0, 1, 0):

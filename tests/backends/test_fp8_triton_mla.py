@@ -7,13 +7,12 @@ import random
 
 import pytest
 import torch
-from reference import dense_reference
+from fp8_checks import check_fp8_forward
 
 from attn_backends import ForwardMode, ModelConfig
 from attn_backends.backends.triton_mla import TritonMLABackend
-from attn_backends.check.scenarios import Scenario, draft_extend_spec, make_memory, materialize, verify_spec
+from attn_backends.check.scenarios import Scenario, draft_extend_spec, make_memory, verify_spec
 from attn_backends.config import FP8_KV
-from attn_backends.kv_cache import to_cache
 from attn_backends_kernels.mla.attention import mla_attention_fwd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,14 +38,6 @@ def _setup(dtype):
     return cfg, mem
 
 
-def _poison_unread(mem, batch):
-    read = torch.zeros(mem.pool.kv[0].shape[0], dtype=torch.bool, device=DEVICE)
-    for i in range(batch.raw_bs):
-        read[mem.req_to_token[int(batch.req_pool_indices[i]), :int(batch.seq_lens_cpu[i])].long()] = True
-    for b in mem.pool.kv:
-        b.view(torch.uint8)[~read] = 0x7F                  # NaN in both FP8 formats
-
-
 @pytest.mark.parametrize("schedule", ["split", "chunks"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 @pytest.mark.parametrize("dtype", FP8_KV)
@@ -54,33 +45,13 @@ def test_fp8_latent_cache_against_float64_over_the_dequantized_cache(dtype, name
     cfg, mem = _setup(dtype)
     be = TritonMLABackend(cfg, mem)
     be.schedule = schedule
-    fill = be.get_cuda_graph_seq_len_fill_value()
-    m = materialize(SCENARIOS[name](), mem, fill)
-    _poison_unread(mem, m.batch)
-    n = m.batch.num_tokens
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(n, 16, cfg.qk_dim, generator=g).to(MODEL_DTYPE).to(DEVICE)
-    k = (torch.randn(n, 1, cfg.qk_dim, generator=g) * 3).to(MODEL_DTYPE).to(DEVICE)
-    layer = cfg.layer(1)
-    be.init_forward_metadata(m.batch)
-    out = be.forward(q, k, None, layer, m.batch)
-    real = slice(0, n) if name == "extend" else slice(0, m.batch.raw_bs * m.batch.width)
-    loc = m.batch.out_cache_loc[real]
-    want = to_cache(k[real], dtype, layer.k_scale).view(torch.uint8)
-    assert torch.equal(mem.pool.kv[1][loc].view(torch.uint8), want), "the store kernel's bits are not the reference's"
-    ref = dense_reference(m.batch, mem, 1, q.cpu(), layer.scaling, cfg.kv_lora_rank, layer.k_scale)
-    ok = ~ref[:, 0, 0].isnan()
-    assert int(ok.sum()) == (n if name == "extend" else m.batch.raw_bs * m.batch.width), "rows left out"
-    err = float((out.cpu()[ok].double() - ref[ok]).norm() / ref[ok].norm())
-    assert err < (1e-5 if MODEL_DTYPE == torch.float32 else 2e-2), f"relative error {err:.2e}"
-    if name == "extend":
-        return
-    cap = materialize(SCENARIOS[name](), mem, fill)
-    be.init_cuda_graph_state(8, 64)
-    be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
-    be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
-    replayed = be.forward(q, k, None, layer, m.batch, save_kv_cache=False)
-    assert torch.equal(replayed.cpu()[ok], out.cpu()[ok]), "the graph path differs from eager on the same batch"
+
+    def qkv(n):
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(n, 16, cfg.qk_dim, generator=g).to(MODEL_DTYPE).to(DEVICE)
+        return q, (torch.randn(n, 1, cfg.qk_dim, generator=g) * 3).to(MODEL_DTYPE).to(DEVICE), None
+    check_fp8_forward(be, cfg, mem, SCENARIOS[name], qkv, name == "extend",
+                      1e-5 if MODEL_DTYPE == torch.float32 else 2e-2)
 
 
 def test_the_gluon_kernels_refuse_an_fp8_cache_by_name():
