@@ -1,0 +1,110 @@
+"""What a backend declares it can do (:class:`Capabilities`) and how much of a forward a CUDA graph
+may hold (:class:`GraphSupport`); ``select``, ``list`` and the suites decide from them alone.
+``attn_backends.base`` re-exports both."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .batch import ForwardMode
+from .config import FP8_KV, ModelConfig
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a forward a backend lets a CUDA graph hold (ordered)."""
+
+    NEVER = 0
+    UNIFORM_BATCH = 1   # DECODE / TARGET_VERIFY / DRAFT_EXTEND at a fixed (bs, W)
+    ALWAYS = 2
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it can do; ``select``, ``list`` and the suite decide from it alone.
+
+    Attributes
+    ----------
+    modes : frozenset of ForwardMode
+        The forward modes it runs (EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND).
+    mha, mla : bool
+        Whether it runs MHA/GQA models, and (absorbed) MLA models.
+    page_sizes : tuple of int
+        KV page sizes it supports (the memory's ``page_size``).
+    topk_gt1 : bool
+        Tree verify (TARGET_VERIFY with ``topk > 1``, a ``custom_mask``) and draft decode with
+        several branches per request (the draft-branch mask).
+    draft_decode : bool
+        Multi-step draft decode (DECODE with ``spec_info.draft_step > 0``).
+    graph : GraphSupport
+        How much of a forward a CUDA graph may hold with it (UNIFORM_BATCH: captured per
+        GraphKey; NEVER: eager only).
+    devices : tuple of str
+        "cpu" and/or "cuda".
+    min_sm : int
+        Least CUDA compute capability (90 for Hopper-only kernels; 0: any).
+    head_dims : tuple of int or None
+        Supported ``qk_dim`` (head dim, or latent + rope for MLA); None: any.
+    requires : tuple of str
+        Importable modules it needs; a missing one makes it unavailable with an install hint.
+    preference : int
+        ``select()`` ranks backends that serve a request by this first (higher first; the
+        built-ins declare 0), then registry order; the reference ``torch_native`` comes last.
+    dtypes : tuple of torch.dtype
+        Model dtypes (q, the output, the KV it is handed).
+    kv_dtypes : tuple of torch.dtype
+        KV cache dtypes it reads besides the model's (``config.FP8_KV``; ``ModelConfig.kv_dtype``).
+    """
+
+    modes: frozenset
+    mha: bool = True
+    mla: bool = False
+    page_sizes: tuple = (1, 16, 64)
+    topk_gt1: bool = False
+    draft_decode: bool = True
+    graph: GraphSupport = GraphSupport.UNIFORM_BATCH
+    devices: tuple = ("cpu", "cuda")
+    min_sm: int = 0
+    head_dims: Optional[tuple] = None
+    requires: tuple = ()
+    preference: int = 0
+    dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
+    kv_dtypes: tuple = ()
+    mode_graph: tuple = ()
+    cannot: str = ""
+
+    def graph_for(self, mode: ForwardMode) -> GraphSupport:
+        """The graph support of ``mode`` (``graph`` unless ``mode_graph`` says otherwise)."""
+        return dict(self.mode_graph).get(mode, self.graph)
+
+    def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
+                sm: Optional[int] = 0, topk: int = 1) -> Optional[str]:
+        """Why this backend cannot serve ``cfg``/``mode`` (with ``topk`` branches) on ``device`` of
+        compute capability ``sm`` (None: not checked); None if it can. The model's and the request's
+        reasons come first (they hold on any device), then the device's."""
+        if cfg.is_mla and not self.mla:
+            return "MHA/GQA only, model is MLA"
+        if not cfg.is_mla and not self.mha:
+            return "MLA only, model is MHA/GQA"
+        if cfg.page_size not in self.page_sizes:
+            return f"page_size={cfg.page_size} not in {self.page_sizes}"
+        if mode is not None and mode not in self.modes:
+            return f"mode {mode.name} not supported"
+        if topk > 1 and not self.topk_gt1:
+            return f"topk={topk} > 1 not supported" + (f": {self.cannot}" if self.cannot else "")
+        if self.head_dims is not None and cfg.qk_dim not in self.head_dims:
+            return f"head_dim={cfg.qk_dim} not in {self.head_dims}"
+        if cfg.dtype not in self.dtypes:
+            return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
+        if cfg.cache_dtype != cfg.dtype and cfg.cache_dtype not in self.kv_dtypes:
+            return (f"KV dtype {str(cfg.cache_dtype)[6:]} not read (the model's dtype"
+                    + "".join(f", {str(d)[6:]}" for d in self.kv_dtypes) + ")")
+        if device not in self.devices:
+            return f"device {device} not supported (needs {', '.join(self.devices)})"
+        if device == "cuda" and sm is not None and sm < self.min_sm:
+            return f"needs sm_{self.min_sm}+, device is sm_{sm}"
+        if device == "cuda" and sm is not None and sm < 89 and cfg.cache_dtype in FP8_KV:
+            return f"an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_{sm}"
+        return None
