@@ -18,10 +18,12 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
     (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
-    cache is widened to q's dtype (``fp8_query`` made it float16 for bf16 models): K exactly, its
-    scale folded into ``scale_log2`` by the caller; V times ``v_scale`` in float32, then rounded
-    (float16 keeps 11 bits down to 2**-14, below that 2**-24 absolute). Other dtypes: the code as
-    it was. The four ways measured: bench/RESULTS.md, 'FP8 KV'.
+    cache is widened exactly to q's dtype (``fp8_query`` made it float16 for bf16 models; every
+    e4m3 and e5m2 value is a float16): K's scale folded into ``scale_log2`` by the caller, V's
+    (``v_scale``) on the float32 product P.V. V goes through float32 so that Triton converts it in
+    registers where it was loaded: a plain cast it moves after the shared-memory staging, where
+    the MMA's transposed operand gathers FP8 bytes one at a time (the ways measured:
+    bench/RESULTS.md, 'FP8 KV'). Other dtypes: the code as it was.
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -38,8 +40,11 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
     if v.dtype.is_fp8():
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)      # widened where loaded, staged in q's dtype
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+        # exactly (both FP8 formats lie in float16), through float32 times an opaque 1: widened
+        # where loaded and staged in q's dtype (a plain cast is staged as bytes: see the docstring)
+        v = (v.to(tl.float32) * tl.div_rn(v_scale, v_scale)).to(q.dtype)
+        pv = tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+        acc = acc * alpha[:, None] + pv * v_scale
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
@@ -49,8 +54,9 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
 def fp8_query(q, k_ptr, scale_log2):
     """``(q, scale_log2)`` for the tile dots: with an FP8 cache and a bf16 q, each row of q moved by
     a power of two (folded into its ``scale_log2``: [M, 1] then) to a largest magnitude in
-    [8192, 16384) and made float16, exactly, so that the cache widens to float16 in one
-    conversion (bfloat16 takes three); per row: a row's result is the same in any batch."""
+    [8192, 16384) and made float16 (exact but for elements below 2**-30 of the row's largest,
+    which fall to float16's subnormals), so that the cache widens to float16 in one conversion
+    (bfloat16 takes three); per row: a row's result is the same in any batch."""
     if k_ptr.dtype.element_ty.is_fp8():
         if q.dtype == tl.bfloat16:
             qf = q.to(tl.float32)

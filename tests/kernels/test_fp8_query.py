@@ -1,5 +1,5 @@
 """A bf16 query over an FP8 cache (issue #41): the GQA passes move each row of q by a power of
-two into float16's range and run the tile dots in float16 (``attention_core.fp8_query``). The
+two into float16's range and run the tile dots in float16 (``kv_walk.fp8_query``). The
 rows' magnitudes here sit far outside float16's (1e-7 underflows it, 3e5 overflows it), with
 ``sm_scale`` chosen to keep the scores of order 1; float64 over the dequantized cache is the
 reference. Float16 dots run in the interpreter too, so this runs on the CPU (a bf16 dot there does
@@ -19,13 +19,14 @@ pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 SCALES = (0.05, 2.0)
 
 
-def _inputs(seq_lens, W, magnitude, kv_dtype, H=8, Hkv=2, D=32, page=16):
+def _inputs(seq_lens, W, magnitude, kv_dtype, H=8, Hkv=2, D=32, page=16, scales=SCALES):
     pt, lens, num_pages = make_paged_batch(seq_lens, page, pad_rows=1, device=DEVICE, seed=1)
     g = torch.Generator().manual_seed(2)
-    kv = [to_cache(torch.randn(num_pages * page, Hkv, D, generator=g) * 3, kv_dtype, s).to(DEVICE) for s in SCALES]
+    kv = [to_cache(torch.randn(num_pages * page, Hkv, D, generator=g) * 3 * s, kv_dtype, s).to(DEVICE)
+          for s in scales]                      # values of about 3 / scale stored
     q = (torch.randn(lens.shape[0] * W, H, D, generator=g) * magnitude).to(torch.bfloat16).to(DEVICE)
     q[::3, 1] *= 1e-3                           # rows of one program with other magnitudes
-    deq = [c.double() * s for c, s in zip(kv, SCALES)]
+    deq = [c.double() * s for c, s in zip(kv, scales)]
     return pt, lens, kv, deq, q, (D ** -0.5) / magnitude
 
 
@@ -54,4 +55,23 @@ def test_verify_bf16_query_over_fp8_cache_of_any_magnitude(magnitude):
     extend_attention_fwd(q, kc, vc, pt, lens, cu, 16, sm, W, out, num_kv_splits=2, k_scale=SCALES[0],
                          v_scale=SCALES[1])
     ref = ref_paged_attention(q.double(), kd, vd, pt, lens, cu, 16, sm)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.parametrize("kv_dtype,v_scale,stored", [(torch.float8_e4m3fn, 300.0, 1000.0),
+                                                     (torch.float8_e5m2, 8.0, 20000.0),
+                                                     (torch.float8_e4m3fn, 1e-6, 0.05)])
+def test_v_times_its_scale_past_float16s_range(kv_dtype, v_scale, stored):
+    """V's stored values (about ``stored``, saturated) times its scale above float16's largest
+    finite (65504) or below its least subnormal (2**-24): the cache is widened exactly and the
+    scale taken in float32 (V rounded to float16 after its scale gave inf, then NaN, or zeros)."""
+    pt, lens, (kc, vc), (kd, _), q, sm = _inputs([70, 5, 300], 1, 1.0, kv_dtype, scales=(0.05, v_scale))
+    bs, H, D = q.shape
+    g = torch.Generator().manual_seed(7)
+    vc.copy_(to_cache(torch.randn(vc.shape, generator=g) * stored * v_scale, kv_dtype, v_scale).to(DEVICE))
+    out = torch.full_like(q, float("nan"))
+    decode_attention_fwd(q, kc, vc, pt, lens, 16, sm, 3, out, decode_workspace(bs, H, D, 3, DEVICE),
+                         k_scale=SCALES[0], v_scale=v_scale)
+    ref = ref_paged_attention(q.double(), kd, vc.double() * v_scale, pt, lens,
+                              torch.arange(bs + 1, dtype=torch.int32), 16, sm)
     assert_close(out, ref, 1e-2)
