@@ -56,6 +56,9 @@ class Capabilities:
         Model dtypes (q, the output, the KV it is handed).
     kv_dtypes : tuple of torch.dtype
         KV cache dtypes it reads besides the model's (``config.FP8_KV``; ``ModelConfig.kv_dtype``).
+    fp8_min_sm : int
+        Least CUDA compute capability on which it reads an FP8 cache (89: kernels that convert
+        FP8 in hardware; 0: any, as PyTorch's casts).
     """
 
     modes: frozenset
@@ -72,6 +75,7 @@ class Capabilities:
     preference: int = 0
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     kv_dtypes: tuple = ()
+    fp8_min_sm: int = 89
     mode_graph: tuple = ()
     cannot: str = ""
 
@@ -105,6 +109,6 @@ class Capabilities:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
-        if device == "cuda" and sm is not None and sm < 89 and cfg.cache_dtype in FP8_KV:
-            return f"an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_{sm}"
+        if device == "cuda" and sm is not None and sm < self.fp8_min_sm and cfg.cache_dtype in FP8_KV:
+            return f"an FP8 KV cache needs sm_{self.fp8_min_sm}+ (FP8 conversions), device is sm_{sm}"
         return None

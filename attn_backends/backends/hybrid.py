@@ -62,7 +62,7 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
         graph=min((g for _, g in mode_graph), default=GraphSupport.NEVER), mode_graph=mode_graph,
         devices=common("devices"), min_sm=max(c.min_sm for c in caps),
         head_dims=tuple(sorted({d for h in heads for d in h})) if heads else None,
-        dtypes=common("dtypes"), kv_dtypes=common("kv_dtypes"),
+        dtypes=common("dtypes"), kv_dtypes=common("kv_dtypes"), fp8_min_sm=max(c.fp8_min_sm for c in caps),
         cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})))
 
 

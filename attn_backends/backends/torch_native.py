@@ -84,11 +84,13 @@ class TorchNativeBackend(LayoutBackend):
     name: ClassVar[str] = "torch_native"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), kv_dtypes=FP8_KV)
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), kv_dtypes=FP8_KV, fp8_min_sm=0)
 
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         pool, lid = self.memory.pool, layer.layer_id
         if self.config.is_mla:
+            if layer.k_scale != layer.v_scale:     # one latent cache, one scale (ModelConfig holds it so)
+                raise ValueError(f"torch_native: MLA layer {lid} k_scale {layer.k_scale} != v_scale {layer.v_scale}")
             kv = pool.kv[lid]                                             # [slots, 1, 576]
             return paged_attention(q, kv, kv[..., :self.config.kv_lora_rank], meta.layout, layer.scaling,
                                    layer.k_scale, layer.k_scale)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import shlex
 import sys
@@ -157,12 +158,21 @@ def _check_json_path(path: Optional[str]) -> None:
 
 # --------------------------------------------------------------------------- check: running
 
+def _takes(fn, keyword: str) -> bool:
+    """Whether ``fn`` accepts ``keyword`` (by name or a ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == keyword or p.kind == p.VAR_KEYWORD for p in params)
+
+
 def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> BackendResult:
     modes = [args.mode] if args.mode else None
     kv = KV_DTYPE_NAMES[args.kv_dtype]
     kv_kw = {} if kv is None else {"kv_dtype": kv}     # an entry-point suite without the keyword runs at model
     report, t0, crashed = SuiteReport(), time.monotonic(), ""
     for suite, run, cases in plan:
+        if kv_kw and suite != LAYOUT_SUITE and not _takes(run, "kv_dtype"):
+            print(f"note: the {suite} suite takes no kv_dtype: not run at --kv-dtype {args.kv_dtype}", file=err)
+            continue
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:

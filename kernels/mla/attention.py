@@ -159,7 +159,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
                        block_w=block_w)
     if bs == 0:
         return out
-    part = (partial_dtype(out.dtype, out.device, page_size, block_w * block_h, Dv, D - Dv)  # the backend's
+    part = (partial_dtype(kv_buffer.dtype, out.device, page_size, block_w * block_h, Dv, D - Dv)  # as the backend
             if workspace is None and num_kv_splits > 1 else torch.float32)   # else unused: not computed
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)

@@ -64,3 +64,26 @@ def test_the_gluon_kernels_refuse_an_fp8_cache_by_name():
     with pytest.raises(ValueError, match=r"k_scale, v_scale = \(0.5, 0.5\) need FP8 KV buffers"):
         mla_attention_fwd(q, kv.to(torch.bfloat16), pt, lens, 16, 0.1, 1, torch.zeros(2, 16, 512, dtype=torch.bfloat16),
                           kv_scale=0.5)
+
+
+def test_eager_partials_of_an_fp8_cache_are_the_backends_on_hopper(monkeypatch):
+    """On sm_90 a bf16 model's 64-row tiles keep 16-bit split partials where a Gluon kernel runs;
+    an FP8 cache runs the Triton tile, float32 partials, and the wrapper's own workspace (eager)
+    must round as the backend's graph workspace does (sized by the cache's dtype)."""
+    import attn_backends_kernels.mla.attention as attention
+    import attn_backends_kernels.mla.warpspec as warpspec
+    monkeypatch.setattr(warpspec, "hopper_device", lambda device: True)
+    seen = []
+
+    def stop(name, out, workspace, splits, part_dtype=None, **kw):
+        seen.append(part_dtype)
+        raise StopIteration
+
+    monkeypatch.setattr(attention, "split_targets", stop)
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    pt, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.full((2,), 100, dtype=torch.int32)
+    for kv_dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.float32)):
+        with pytest.raises(StopIteration):
+            mla_attention_fwd(q, torch.zeros(256, 1, 576, dtype=kv_dtype), pt, lens, 64, 0.1, 2,
+                              torch.zeros(2, 64, 512, dtype=torch.bfloat16), kernel="triton")
+        assert seen[-1] == want == warpspec.partial_dtype(kv_dtype, q.device, 64, 64, 512, 64)

@@ -72,3 +72,17 @@ def test_list_names_the_kv_dtypes_each_backend_reads(capsys):
         assert any(reads in ln for ln in blocks[name][1]), (name, blocks[name])
     for name in ("trtllm_mla", "flashinfer_mla"):
         assert not any("KV caches" in ln for ln in blocks[name][1]), (name, blocks[name])
+
+
+def test_an_entry_point_suite_without_the_keyword_is_left_out_with_a_note(monkeypatch, capsys):
+    calls = []
+
+    def old_suite(backend, *, device, cases, seed, progress=None, report=None):
+        calls.append(backend)
+        return report
+    monkeypatch.setattr(cli, "_extra_suites", lambda: [("old", lambda: old_suite)])
+    argv = ["check", "--backend", "torch_native", "--cases", "1", "--suite-cases", "2", "--progress-every", "0"]
+    assert cli.main(argv + ["--kv-dtype", "fp8_e4m3"]) == 0
+    err = capsys.readouterr().err
+    assert calls == [] and "note: the old suite takes no kv_dtype: not run at --kv-dtype fp8_e4m3" in err
+    assert cli.main(argv) == 0 and calls == ["torch_native"]

@@ -68,16 +68,19 @@ def test_backends_declare_the_kv_dtypes_they_read():
 
 
 def test_an_fp8_cache_is_refused_below_sm89_and_flashinfer_declares_it():
-    """FP8 conversions need sm_89+: a CUDA device of sm_80 is refused with the reason, whatever the
-    backend's own floor; the ``flashinfer`` GQA backend reads FP8 (its run() takes the scales)."""
+    """FP8 conversions in kernels need sm_89+: a CUDA device of sm_80 is refused with the reason,
+    whatever the backend's own floor, but by torch_native (PyTorch casts FP8 on any GPU); the
+    ``flashinfer`` GQA backend reads FP8 (its run() takes the scales)."""
     from attn_backends.backends.flashinfer_backend import FlashInferBackend
     from attn_backends.backends.torch_native import TorchNativeBackend
     gqa = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, kv_dtype=E4M3,
                       dtype=torch.bfloat16)
-    for caps in (TorchNativeBackend.capabilities, FlashInferBackend.capabilities):
+    from attn_backends.backends.triton_backend import TritonBackend
+    for caps in (TritonBackend.capabilities, FlashInferBackend.capabilities):
         assert caps.refusal(gqa, ForwardMode.DECODE, "cuda", sm=80) == \
             "an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_80"
         assert caps.refusal(gqa, ForwardMode.DECODE, "cuda", sm=90) is None
+    assert TorchNativeBackend.capabilities.refusal(gqa, ForwardMode.DECODE, "cuda", sm=80) is None   # torch's casts
     assert caps.refusal(ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
                                     dtype=torch.bfloat16), ForwardMode.DECODE, "cuda", sm=80) is None
 
@@ -128,3 +131,20 @@ def test_a_composition_reads_fp8_only_where_every_member_does():
     mixed = compose_capabilities({ForwardMode.EXTEND: ("torch_native", "torch_native"),
                                   ForwardMode.DECODE: ("triton", "trtllm_mla")})
     assert mixed.kv_dtypes == (), "trtllm_mla reads no FP8: the composition must not claim it"
+
+
+@pytest.mark.parametrize("name", ["torch_native", "triton_mla"])
+def test_an_mla_layer_of_two_scales_is_refused(name):
+    """One latent cache has one scale: a layer record whose k and v scales differ (ModelConfig never
+    makes one) is refused, not read with either."""
+    import dataclasses
+    cfg = ModelConfig(num_layers=1, num_q_heads=16, num_kv_heads=1, is_mla=True, kv_lora_rank=32,
+                      qk_rope_head_dim=16, page_size=16, kv_dtype=E4M3, kv_scales=((0.5, 0.5),))
+    mem = make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=64)
+    be = get_backend(name, cfg, mem)
+    m = materialize(Scenario(ForwardMode.DECODE, 2, [20, 5]), mem, be.get_cuda_graph_seq_len_fill_value())
+    be.init_forward_metadata(m.batch)
+    layer = dataclasses.replace(cfg.layer(0), v_scale=0.25)
+    q, k = torch.randn(2, 16, 48), torch.randn(2, 1, 48)
+    with pytest.raises(ValueError, match=f"{name}: .*layer 0 k_scale 0.5 != v_scale 0.25"):
+        be.forward(q, k, None, layer, m.batch)
