@@ -37,6 +37,7 @@ import torch
 from attn_backends import ForwardBatch, ForwardMode, ModelConfig, SpecInfo
 from attn_backends.backends.triton_common import WIDE_MAX_KV_SPLITS
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
+from attn_backends.check.suite import fp8_scales
 from attn_backends.config import FP8_KV
 from attn_backends.kv_cache import to_cache
 
@@ -47,7 +48,7 @@ QUICK_KVS = (8192,)
 SMOKE_BS, SMOKE_KV = 2, {"gqa": 40, "mla": 100}   # CPU interpreter; last pages partly full
 TREE_N, TREE_TOPK, TREE_STEPS = 8, 4, 3
 BF16 = 2                             # bytes per element
-FP8_SCALES = (0.5, 0.25)             # an FP8 workload's (k, v) scales: the cache holds N(0, 1) / scale
+FP8_SCALES = fp8_scales(mla=False)   # an FP8 workload's (k, v) scales (check's): the cache holds N(0, 1) / scale
 
 DISTS = ("uniform", "ragged", "longtail", "bimodal")
 LONG = 32768                         # longtail: the long requests' length
