@@ -42,7 +42,7 @@ CASES = [(torch.float8_e4m3fn, name) for name in SCENARIOS] + [(torch.float8_e5m
 
 
 @pytest.mark.parametrize("schedule", ["split", "chunks"])
-@pytest.mark.parametrize("dtype,name", CASES, ids=[f"{str(d)[12:]}-{n}" for d, n in CASES])
+@pytest.mark.parametrize("dtype,name", CASES, ids=[f"{str(d)[13:]}-{n}" for d, n in CASES])
 def test_fp8_latent_cache_against_float64_over_the_dequantized_cache(dtype, name, schedule):
     cfg, mem = _setup(dtype)
     be = TritonMLABackend(cfg, mem)
