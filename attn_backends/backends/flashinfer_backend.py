@@ -61,8 +61,9 @@ class _Call:
             self.reads = dict(self.buffers)
 
     def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.v_head_dim))
-        if (k_scale, v_scale) == (1.0, 1.0):
+        shape = q.shape                  # torch.empty with dtype and device: cheaper than new_empty on the host
+        out = torch.empty(shape[0], shape[1], self.cfg.v_head_dim, dtype=self.cfg.dtype, device=self.memory.device)
+        if k_scale == 1.0 and v_scale == 1.0:
             return self.wrapper.run(q, pages, out=out)
         # an FP8 cache's scales: run() folds k_scale into sm_scale and multiplies out by v_scale
         return self.wrapper.run(q, pages, out=out, k_scale=k_scale, v_scale=v_scale)

@@ -91,10 +91,9 @@ class MLACall:
         self.wrapper._plan_info = pb._plan_info
 
     def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        if (k_scale, v_scale) != (1.0, 1.0):      # no FP8 declared: a scale would be dropped here
+        if k_scale != 1.0 or v_scale != 1.0:       # no FP8 declared: a scale would be dropped here
             raise ValueError(f"flashinfer_mla: k_scale, v_scale = ({k_scale}, {v_scale}): FP8 caches not read yet")
-        out = q.new_empty((q.shape[0], q.shape[1], self.cfg.kv_lora_rank))
-        return self.wrapper.run(query=q, kv_cache=pages, out=out)
+        return self.wrapper.run(query=q, kv_cache=pages)     # its own output: cheaper than ours on the host
 
 
 class FlashInferMLABackend(FlashInferBase):
