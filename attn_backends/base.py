@@ -147,8 +147,8 @@ class LayoutBackend(AttentionBackend):
                              f"the KV memory is on {memory.device}")
         if config.dtype not in caps.dtypes:
             raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
-        if config.cache_dtype not in (reads := (config.dtype, *caps.kv_dtypes)):
-            raise ValueError(f"backend {self.name} reads KV in {reads}, not {config.cache_dtype}")
+        if config.cache_dtype not in (config.dtype, *caps.kv_dtypes):
+            raise ValueError(f"backend {self.name} reads KV in {caps.kv_reads()}, not {config.cache_dtype}")
         memory.check_fits(config)
         self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value)
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record

@@ -79,6 +79,10 @@ class Capabilities:
     mode_graph: tuple = ()
     cannot: str = ""
 
+    def kv_reads(self) -> str:
+        """The KV caches it reads, in words: "the model's dtype[, float8_e4m3fn, ...]"."""
+        return "the model's dtype" + "".join(f", {str(d)[6:]}" for d in self.kv_dtypes)
+
     def graph_for(self, mode: ForwardMode) -> GraphSupport:
         """The graph support of ``mode`` (``graph`` unless ``mode_graph`` says otherwise)."""
         return dict(self.mode_graph).get(mode, self.graph)
@@ -103,8 +107,7 @@ class Capabilities:
         if cfg.dtype not in self.dtypes:
             return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
         if cfg.cache_dtype != cfg.dtype and cfg.cache_dtype not in self.kv_dtypes:
-            return (f"KV dtype {str(cfg.cache_dtype)[6:]} not read (the model's dtype"
-                    + "".join(f", {str(d)[6:]}" for d in self.kv_dtypes) + ")")
+            return f"KV dtype {str(cfg.cache_dtype)[6:]} not read ({self.kv_reads()})"
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:

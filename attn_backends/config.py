@@ -106,3 +106,8 @@ class AttentionLayer:
     is_mla: bool = False
     k_scale: float = 1.0      # an FP8 cache's per-tensor scales: the cache holds value / scale
     v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.is_mla and self.k_scale != self.v_scale:     # one latent row is both K and V
+            raise ValueError(f"MLA layer {self.layer_id}: k_scale {self.k_scale} != v_scale {self.v_scale} "
+                             "(the latent cache has one scale)")

@@ -99,12 +99,12 @@ class Engine:
         if too_big:
             raise ConfigError(lambda x: too_big)
         draft_layers = cfg.draft_layers
+        attn = replace(c, num_layers=c.num_layers + draft_layers).attention()   # target and draft layers
         self.memory = KVMemory(num_layers=c.num_layers + draft_layers, num_pages=cfg.pages, page_size=c.page_size,
                                max_reqs=cfg.max_batch, max_context_len=cfg.max_context_len, is_mla=c.is_mla,
                                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_lora_rank=c.kv_lora_rank,
-                               rope_dim=c.qk_rope_head_dim, dtype=c.kv_dtype or c.dtype, device=cfg.device,
+                               rope_dim=c.qk_rope_head_dim, dtype=attn.cache_dtype, device=cfg.device,
                                page_order=cfg.page_order)
-        attn = replace(c, num_layers=c.num_layers + draft_layers).attention()   # target and draft layers
         aux = spec.target_aux_layers(c.num_layers) if spec else ()
         self.target_model = TinyModel(c, cfg.device, aux_hidden_layers=aux)
         if cfg.skippable_from is not None:

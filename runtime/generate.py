@@ -30,7 +30,6 @@ from .request import SamplingParams
 
 MODELS = {"tiny-gqa": False, "tiny-mla": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = KV_DTYPE_NAMES
 
 
 LOSSLESS = ("speculative tokens equal --spec none's token for token in float32 (tested); in bfloat16 / "
@@ -64,7 +63,7 @@ def register(subparsers) -> None:
     p.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="model",
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPE_NAMES), default="model",
                    help="the KV cache's dtype (model: --dtype; FP8 with scale 1 on the backends that read it)")
     p.add_argument("--page-size", type=int, choices=(1, 16, 64), default=16)
     p.add_argument("--size", choices=("tiny", "bench"), default="tiny",
@@ -87,7 +86,7 @@ def engine_config(args) -> EngineConfig:
         base = TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa()
     else:
         base = TinyConfig(is_mla=mla)
-    model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype], kv_dtype=KV_DTYPES[args.kv_dtype])
+    model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype], kv_dtype=KV_DTYPE_NAMES[args.kv_dtype])
     bad = [t for t in args.stop if not 0 <= t < model.vocab_size]
     if bad:
         raise UsageError(f"--stop {bad[0]} outside the vocabulary 0..{model.vocab_size - 1}")

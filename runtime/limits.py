@@ -84,7 +84,7 @@ def engine_bytes(cfg) -> dict:
     slots = cfg.pages * c.page_size
     per_slot = c.kv_lora_rank + c.qk_rope_head_dim if c.is_mla else 2 * c.num_kv_heads * c.head_dim
     aux = spec.target_aux_layers(c.num_layers) if spec else ()
-    kv_elt = torch.finfo(c.kv_dtype or c.dtype).bits // 8
+    kv_elt = torch.finfo(c.attention().cache_dtype).bits // 8
     parts = {"the KV pool": (c.num_layers + cfg.draft_layers) * slots * per_slot * kv_elt,
              "the request table": (cfg.max_batch + 1) * cfg.max_context_len * 4,
              "the weights": weight_count(c, aux) * elt,

@@ -89,9 +89,7 @@ class TorchNativeBackend(LayoutBackend):
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         pool, lid = self.memory.pool, layer.layer_id
         if self.config.is_mla:
-            if layer.k_scale != layer.v_scale:     # one latent cache, one scale (ModelConfig holds it so)
-                raise ValueError(f"torch_native: MLA layer {lid} k_scale {layer.k_scale} != v_scale {layer.v_scale}")
             kv = pool.kv[lid]                                             # [slots, 1, 576]
             return paged_attention(q, kv, kv[..., :self.config.kv_lora_rank], meta.layout, layer.scaling,
-                                   layer.k_scale, layer.k_scale)
+                                   layer.k_scale, layer.v_scale)
         return paged_attention(q, pool.k[lid], pool.v[lid], meta.layout, layer.scaling, layer.k_scale, layer.v_scale)

@@ -88,8 +88,6 @@ class TritonMLABackend(TritonBackendBase):
                 meta: TritonMetadata) -> None:
         lay = meta.layout
         splits, ws = meta.num_kv_splits, meta.workspace
-        if layer.k_scale != layer.v_scale:         # one latent cache, one scale (ModelConfig holds it so)
-            raise ValueError(f"triton_mla: layer {layer.layer_id} k_scale {layer.k_scale} != v_scale {layer.v_scale}")
         if self._chunked(lay):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,

@@ -141,8 +141,8 @@ def _check_kv_dtype(args, backends: list) -> list:
     keep = [(n, c) for n, c in backends if dtype in c.capabilities.kv_dtypes]
     if not keep:
         n, c = backends[0]
-        reads = "".join(f", {str(d)[6:]}" for d in c.capabilities.kv_dtypes)
-        raise UsageError(f"backend {n!r} does not read an {args.kv_dtype} KV cache (it reads the model's dtype{reads})"
+        reads = c.capabilities.kv_reads()
+        raise UsageError(f"backend {n!r} does not read an {args.kv_dtype} KV cache (it reads {reads})"
                          if len(backends) == 1 else f"no backend available on {args.device} reads an "
                          f"{args.kv_dtype} KV cache")
     return keep
