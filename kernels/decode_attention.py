@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import (
+    FP8_KV_DTYPES,
     LOG2E,
     check_paged_inputs,
     fuse_merge,
@@ -168,7 +169,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     out : [bs, H, Dv], dtype of q
     workspace : optional ``(part [bs, H, S, Dv] f32, lse [bs, H, S] f32, counters)`` from
         ``decode_workspace``; allocated here when None (not inside a graph then).
-    block_n : KV tokens a tile (None: 64 in the chunk passes where the head dims are <= 64, else 32)
+    block_n : KV tokens a tile (None: 64 for an FP8 cache, and in the chunk passes where the head dims
+        are <= 64, else 32: bench/RESULTS.md, 'Ragged batches' and 'FP8 KV')
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
         requests on, where it measured faster; ``attention_core.heads_first_grid``)
     schedule : "split": ``num_kv_splits`` equal splits of every request; "chunks": the batch's KV
@@ -199,8 +201,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    if block_n is None:   # 64-token tiles for head dims <= 64 in the chunk passes (bench/RESULTS.md, 'Ragged batches')
-        block_n = 64 if schedule != "split" and max(D, Dv) <= 64 else 32
+    if block_n is None:   # 64-token tiles for FP8 caches, and head dims <= 64 in the chunk passes
+        block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first)

@@ -3,11 +3,37 @@ tiles through its page-table row, each tile one online-softmax step (``paged_til
 the extend kernels' masks (``visible_mask``) or none (decode). The split and the chunk passes of
 ``decode_attention`` and ``extend_attention`` differ only in which range a program walks.
 """
+import os
+
 import triton
 import triton.language as tl
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
+# The interpreter runs no inline PTX: it widens FP8 by Triton's cast.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _cvt_f16x2(x, CVT: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + CVT + " $0, lo; " + CVT + " $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def widen_fp8(x):
+    """An FP8 tile as float16, exactly, converted in registers where it was loaded (``cvt.f16x2``,
+    two values an instruction). Triton moves its own cast, and a pure asm, after the shared-memory
+    staging, where the MMA's transposed operand gathers FP8 bytes one at a time."""
+    if _PTX:
+        if x.dtype == tl.float8e4nv:
+            w = _cvt_f16x2(x, "cvt.rn.f16x2.e4m3x2")
+        else:
+            w = _cvt_f16x2(x, "cvt.rn.f16x2.e5m2x2")
+    else:
+        w = x.to(tl.float16)
+    return w
 
 
 @triton.jit
@@ -20,10 +46,8 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
     cache is widened exactly to q's dtype (``fp8_query`` made it float16 for bf16 models; every
     e4m3 and e5m2 value is a float16): K's scale folded into ``scale_log2`` by the caller, V's
-    (``v_scale``) on the float32 product P.V. V goes through float32 so that Triton converts it in
-    registers where it was loaded: a plain cast it moves after the shared-memory staging, where
-    the MMA's transposed operand gathers FP8 bytes one at a time (the ways measured:
-    bench/RESULTS.md, 'FP8 KV'). Other dtypes: the code as it was.
+    (``v_scale``) on the float32 product P.V; V by ``widen_fp8`` (the ways measured: bench/RESULTS.md,
+    'FP8 KV'). Other dtypes: the code as it was.
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
@@ -40,10 +64,9 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
     if v.dtype.is_fp8():
-        # exactly (both FP8 formats lie in float16), through float32 times an opaque 1: widened
-        # where loaded and staged in q's dtype (a plain cast is staged as bytes: see the docstring)
-        v = (v.to(tl.float32) * tl.div_rn(v_scale, v_scale)).to(q.dtype)
-        pv = tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+        if q.dtype == tl.float16:
+            v = widen_fp8(v)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
         acc = acc * alpha[:, None] + pv * v_scale
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
