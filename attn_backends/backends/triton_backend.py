@@ -51,9 +51,10 @@ class TritonBackend(TritonBackendBase):
         # at least 2 (one split at bs 128 lost a quarter or more). Chain verify of <= 4 rows: 4 an
         # SM (fewer splits: each re-reads the query rows). Trees: 2 an SM and at least 4 splits up
         # to 16 programs an SM (a tree's float32 partials weigh as much as a KV tile). Wider
-        # batches (extend): 16 an SM.
+        # batches (extend): 16 an SM. An FP8 cache's decode: twice the programs (its 64-token
+        # tiles hold half the bytes in flight; bench/RESULTS.md, 'FP8 KV').
         if width <= 1:
-            return 6, 2, None
+            return (12 if self.config.cache_dtype in FP8_KV else 6), 2, None
         if width <= 4:
             return 4, 1, None
         return (2, 4, 16) if width <= 8 else (16, 1, None)

@@ -69,7 +69,7 @@ def test_interpreter_takes_two_splits():
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
     (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM
 ])
-def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
+def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None):
     """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8, per mode as the cases
     say: decode 6 programs an SM with counts below 8 taken as they are and at least 2 splits (one
     split is slower at bs 128), chain verify and the 8-row tree fewer splits as the batch grows,
@@ -81,7 +81,7 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     from attn_backends.layout import MaskKind
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
-    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16)
+    cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16, kv_dtype=kv_dtype)
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
     be = get_backend("triton", cfg, mem)
     monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
@@ -89,6 +89,14 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want):
     mask = MaskKind.TREE if width == 8 else MaskKind.CAUSAL
     lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=mask)
     assert be._splits(lay) == want
+
+
+@pytest.mark.parametrize("bs,want", [(1, 64), (2, 32), (8, 16), (16, 8), (24, 8), (32, 6), (64, 3), (128, 2)])
+def test_triton_fp8_decode_takes_twice_the_programs(h200, monkeypatch, bs, want):
+    """An FP8 cache's decode: 12 programs an SM, not 6 (its 64-token tiles hold half a bf16
+    tile's bytes in flight), the caps and the floor of 2 as for bf16; other modes unchanged."""
+    test_triton_backend_split_counts(h200, monkeypatch, 32, 1, bs, want, kv_dtype=torch.float8_e4m3fn)
+    test_triton_backend_split_counts(h200, monkeypatch, 32, 4, 16, 4, kv_dtype=torch.float8_e4m3fn)
 
 
 def test_split_pages(h200):
