@@ -12,6 +12,12 @@ wrapper takes no custom mask: tree verify and multi-branch draft decode are refu
 (``cu_seqlens_q``, ``kv_indptr``, ``kv_indices``, ``seq_lens_k``): the capture's full plan
 stages the host metadata into them (``_fa_common._stage_metadata``, the same values the prep
 wrote); a replay reruns the scheduler alone (:meth:`MLACall.replan`).
+
+An FP8 cache: FlashInfer's fa2/fa3 MLA reads float8_e4m3fn with a bfloat16 query on SM90 alone
+(``_fa_common._validate_generated_fa_plan``; e5m2, an fp16 model and other GPUs are refused here
+with the reason). ``plan(kv_data_type=, scale_mode="kv-per-tensor")`` and ``run(ckv_scale=,
+kpe_scale=)``: the kernel widens each KV tile to bf16 and multiplies it by the scale rounded to
+bf16 (``mla_hopper.cuh`` / ``mla.cuh`` ``repack_fp8_kv_to_bf16``), before both products.
 """
 from __future__ import annotations
 
@@ -21,10 +27,21 @@ import torch
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode, GraphKey
+from ..config import FP8_KV
 from ..layout import Layout
 from .flashinfer_common import I32, FlashInferBase, HostPlan, float_workspace
 
 MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
+
+
+def fp8_refusal(dtype: torch.dtype, sm: Optional[int]) -> Optional[str]:
+    """Why FlashInfer's MLA cannot read an e4m3 cache for a ``dtype`` model on a GPU of compute
+    capability ``sm`` (90 for 9.0; None: not a GPU); None if it can."""
+    if dtype != torch.bfloat16:
+        return f"an FP8 cache is read with a bfloat16 model only, model is {str(dtype)[6:]}"
+    if sm is not None and sm // 10 != 9:
+        return f"an FP8 cache is read on sm_90 only, device is sm_{sm}"
+    return None
 
 
 def mla_backend_for(device: torch.device) -> str:
@@ -45,6 +62,7 @@ class MLACall:
         self.bound = bound and key is not None
         dev = self.memory.device
         self.buffers: dict = {}
+        self.fp8 = self.cfg.cache_dtype in FP8_KV
         kw = dict(backend=mla_backend_for(dev))
         if self.bound:
             kw.update(use_cuda_graph=True, qo_indptr=layout.cu_seqlens_q, kv_indptr=layout.kv_indptr,
@@ -62,7 +80,7 @@ class MLACall:
         self.wrapper.plan(metadata=meta, num_heads=c.num_q_heads, head_dim_ckv=c.kv_lora_rank,
                           head_dim_kpe=c.qk_rope_head_dim, page_size=layout.page_size,
                           causal=layout.max_seq_len_q > 1, sm_scale=c.sm_scale, q_data_type=c.dtype,
-                          kv_data_type=c.dtype)
+                          kv_data_type=c.cache_dtype, scale_mode="kv-per-tensor" if self.fp8 else "default")
         self.causal = layout.max_seq_len_q > 1
 
     def light_ok(self, host: HostPlan) -> bool:
@@ -91,9 +109,10 @@ class MLACall:
         self.wrapper._plan_info = pb._plan_info
 
     def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        if k_scale != 1.0 or v_scale != 1.0:       # no FP8 declared: a scale would be dropped here
-            raise ValueError(f"flashinfer_mla: k_scale, v_scale = ({k_scale}, {v_scale}): FP8 caches not read yet")
-        return self.wrapper.run(query=q, kv_cache=pages)     # its own output: cheaper than ours on the host
+        if not self.fp8:
+            return self.wrapper.run(query=q, kv_cache=pages)     # its own output: cheaper than ours on the host
+        # the latent is K and V under the layer's one scale (AttentionLayer: k == v): latent and rope by it
+        return self.wrapper.run(query=q, kv_cache=pages, ckv_scale=k_scale, kpe_scale=k_scale)
 
 
 class FlashInferMLABackend(FlashInferBase):
@@ -102,6 +121,7 @@ class FlashInferMLABackend(FlashInferBase):
         modes=MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=False,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cuda",), min_sm=80, head_dims=(576,),
         requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16),
+        kv_dtypes=(torch.float8_e4m3fn,), fp8_min_sm=90,      # and bf16 on sm_90 alone: fp8_refusal
         cannot="tree verify and multi-branch draft decode need a custom mask, which "
                "BatchMLAPagedAttentionWrapper does not take")
 
@@ -113,6 +133,11 @@ class FlashInferMLABackend(FlashInferBase):
         if h & (h - 1) or h > 128:
             # fa2/fa3 refuse causal tiles that split a head group (_fa_common._validate_fa_causal_tile_bound)
             raise ValueError(f"backend flashinfer_mla needs a power-of-two num_q_heads <= 128, got {h}")
+        if config.cache_dtype == torch.float8_e4m3fn:      # e5m2: refused by kv_dtypes
+            cap = torch.cuda.get_device_capability(memory.device) if memory.device.type == "cuda" else None
+            why = fp8_refusal(config.dtype, None if cap is None else 10 * cap[0] + cap[1])
+            if why:
+                raise ValueError(f"backend flashinfer_mla: {why}")
         super().__init__(config, memory)
 
     eager_as_graph: ClassVar[bool] = False    # the MLA planner does not look at the graph flag
