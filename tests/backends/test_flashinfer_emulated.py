@@ -90,13 +90,39 @@ def test_layout_suite(cls):
     assert not report.failures, "\n".join(map(str, report.failures[:5]))
 
 
-@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_layout_suite_on_an_fp8_cache(kv):
-    """The FP8 pool handed to FlashInfer's Python with its KV dtype and scales (run() folds k_scale
-    into the kernel's sm_scale and multiplies out by v_scale; the emulated kernels read the cache's
-    values): I9n against torch_native on the same FP8 pool."""
-    report = run_suite(E.EmulatedFlashInfer, device="cpu", cases=3, seed=5, kv_dtype=kv)
-    assert sum(report.cases.values()) >= 18 and not report.failures, "\n".join(map(str, report.failures[:5]))
+FP8_CASES = [(E.EmulatedFlashInfer, torch.float8_e4m3fn, 18), (E.EmulatedFlashInfer, torch.float8_e5m2, 18),
+             (E.EmulatedFlashInferMLA, torch.float8_e4m3fn, 15)]      # (backend, KV dtype, least cases)
+
+
+@pytest.mark.parametrize("cls,kv,least", FP8_CASES,
+                         ids=["flashinfer-e4m3fn", "flashinfer-e5m2", "flashinfer_mla-e4m3fn"])
+def test_layout_suite_on_an_fp8_cache(cls, kv, least):
+    """The FP8 pool handed to FlashInfer's Python with its KV dtype and scales (GQA: run() folds
+    k_scale into the kernel's sm_scale and multiplies out by v_scale; MLA: the kernel takes
+    ckv/kpe scales; the emulated kernels read the cache's values): I9n against torch_native on
+    the same FP8 pool."""
+    report = run_suite(cls, device="cpu", cases=3, seed=5, kv_dtype=kv)
+    assert sum(report.cases.values()) >= least and not report.failures, "\n".join(map(str, report.failures[:5]))
+
+
+def test_check_of_flashinfer_mla_on_an_fp8_cache(monkeypatch, tmp_path):
+    """``attn-backends check --kv-dtype fp8_e4m3`` (layout and runner suites) on the emulated MLA
+    backend: every pool e4m3, no failure."""
+    import json
+    from pathlib import Path
+
+    from attn_backends.check import cli
+    from attn_backends.kv_cache import KVMemory
+    made, init = [], KVMemory.__init__
+    spy = lambda self, *a, **k: (made.append(k.get("dtype")), init(self, *a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(KVMemory, "__init__", spy)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1] / "support")
+    out = tmp_path / "check.json"
+    code = cli.main(["check", "--backend", "fi_emulation:EmulatedFlashInferMLA", "--kv-dtype", "fp8_e4m3",
+                     "--cases", "2", "--suite-cases", "8", "--progress-every", "0", "--json", str(out)])
+    res = json.loads(out.read_text())["backends"][0]
+    assert code == 0 and res["ok"] and not res["failures"], res["failures"][:3]
+    assert {c["suite"] for c in res["cases"]} == {"layout", "runner"} and set(made) == {torch.float8_e4m3fn}, made
 
 
 @pytest.mark.parametrize("name", ["fi_emulated", "fi_mla_emulated"])

@@ -11,7 +11,11 @@ in flashinfer 0.7.2.post1:
 * CUDA-core decode ``run``: ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, one row each;
 * MLA ``run``: the plan's host CSR arrays, which the real plan copies into the int workspace
   (``scheduler.cuh`` ``MLAPlan``): the emulated plan writes them there and the run reads them
-  back, so a missing re-plan shows; ``kv_indices`` from the wrapper's buffer.
+  back, so a missing re-plan shows; ``kv_indices`` from the wrapper's buffer. The module is
+  built for the plan's q and KV dtypes (``get_batch_mla_module``); with an e4m3 KV it widens
+  each tile to the query's dtype and multiplies latent by ``ckv_scale`` and rope by
+  ``kpe_scale``, both rounded to that dtype, the product too (``mla.cuh`` /
+  ``mla_hopper.cuh`` ``repack_fp8_kv_to_bf16``); other KV dtypes read no scale.
 
 The ``*Emulated`` backend classes below are the real backends with CPU allowed in their
 capabilities, for the suites.
@@ -89,7 +93,20 @@ class _Decode:
             out[i:i + 1] = _attend(q[i:i + 1], kk, vv, torch.ones(1, kv, dtype=torch.bool), scale).to(out.dtype)
 
 
+def _widen(cache, pages, kv, dtype_kv, dtype_q, scale):
+    """``[kv, 1, D]`` float32 rows of an MLA cache as the kernel reads them into its tile."""
+    if cache.dtype != dtype_kv:
+        raise RuntimeError(f"a kernel built for {dtype_kv} handed a {cache.dtype} cache")
+    rows = cache[pages].reshape(-1, cache.shape[-1])[:kv]
+    if dtype_kv == torch.float8_e4m3fn:
+        rows = rows.to(dtype_q) * torch.tensor(scale, dtype=dtype_q)
+    return rows.float()[:, None]
+
+
 class _MLA:
+    def __init__(self, backend, dtype_q, dtype_kv, *rest):
+        self.dtype_q, self.dtype_kv = dtype_q, dtype_kv
+
     def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal):
         PLANS.append(("mla", len(kvl), None))
         PLAN_ARGS.append((fws, iws, pinned, qo, kvp, kvl, heads, ckv, causal))
@@ -97,15 +114,17 @@ class _MLA:
         iws.view(torch.int32)[:meta.numel()] = meta      # what the kernel reads comes from the plan
         return [0], 0
 
-    def run(self, fws, iws, plan_info, q_nope, q_pe, ckv, kpe, kvi, out, lse, mode, heads, ps, scale, *rest):
+    def run(self, fws, iws, plan_info, q_nope, q_pe, ckv, kpe, kvi, out, lse, mode, heads, ps, scale, base_e,
+            ckv_scale, kpe_scale, ckv_scale_arr, *profiler):
+        assert ckv_scale_arr is None, "per-token scales are not emulated"
         w = iws.view(torch.int32)
         bs = int(w[0])
         qo, kvp, kvl = w[1:bs + 2], w[bs + 2:2 * bs + 3], w[2 * bs + 3:3 * bs + 3]
         for i in range(bs):
             pages = kvi[int(kvp[i]):int(kvp[i + 1])].long()
             kv = int(kvl[i])
-            c = ckv[pages].reshape(-1, ckv.shape[-1])[:kv].float()[:, None]   # [kv, 1, 512]
-            r = kpe[pages].reshape(-1, kpe.shape[-1])[:kv].float()[:, None]
+            c = _widen(ckv, pages, kv, self.dtype_kv, self.dtype_q, ckv_scale)     # [kv, 1, 512]
+            r = _widen(kpe, pages, kv, self.dtype_kv, self.dtype_q, kpe_scale)
             lo, hi = int(qo[i]), int(qo[i + 1])
             vis = _visible(hi - lo, kv, mode, None, 0)
             qq = torch.cat([q_nope[lo:hi], q_pe[lo:hi]], -1)
@@ -136,7 +155,7 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(common, "get_device_sm_count", lambda d: 132)
     for name in ("fa2_backend", "fa3_backend"):
         mod = importlib.import_module(f"flashinfer.mla._batch_mla._backends.{name}")
-        monkeypatch.setattr(mod, "get_batch_mla_module", lambda *a: _MLA())
+        monkeypatch.setattr(mod, "get_batch_mla_module", lambda *a: _MLA(*a))
 
 
 def _on_cpu(cls):
