@@ -2,10 +2,10 @@
 backends also need ``import flashinfer``, skipped with the reason otherwise).
 
 bf16 only, GQA 16 q / 4 KV heads d128 (tensor-core decode: the prefill kernels) and MLA 16 heads
-512 + 64, so that few FlashInfer kernel families compile (each JIT compile takes tens of seconds
-on a fresh machine). For each backend and mode: capture one batch, then replay A, B, A (raw_bs < bs,
-shuffled pages) with every graph buffer and the output poisoned before replay preparation,
-which runs under ``torch.cuda.set_sync_debug_mode("error")``; replay == eager bitwise on real
+512 + 64 (also on an e4m3 cache, sm_90), so that few FlashInfer kernel families compile (each JIT
+compile takes tens of seconds on a fresh machine). For each backend and mode: capture one batch,
+then replay A, B, A (raw_bs < bs, shuffled pages) with every graph buffer and the output poisoned
+before replay preparation, which runs under ``torch.cuda.set_sync_debug_mode("error")``; replay == eager bitwise on real
 rows, within bf16 tolerance of float64. EXTEND eagerly at real sizes. A tiny model with a
 different backend per layer under the full-graph runner: replay == eager bitwise, one
 FlashInfer plan per step.
@@ -85,9 +85,10 @@ def _scenario(mode, rng, raw):
     raise ValueError(mode)
 
 
-def _config(backend, ps):
-    if backend in MLA_BACKENDS:
-        return ModelConfig(num_layers=1, num_q_heads=16, is_mla=True, page_size=ps, dtype=torch.bfloat16)
+def _config(backend, ps, kv=None):
+    if backend in MLA_BACKENDS:             # an FP8 cache's scale is no bf16 value: the kernel rounds it
+        return ModelConfig(num_layers=1, num_q_heads=16, is_mla=True, page_size=ps, dtype=torch.bfloat16,
+                           kv_dtype=kv, kv_scales=((0.0372, 0.0372),) if kv else None)
     return ModelConfig(num_layers=1, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=ps,
                        dtype=torch.bfloat16)
 
@@ -116,8 +117,23 @@ def _capture(be, cfg, cap):
 
 @pytest.mark.parametrize("backend,mode,ps", CASES)
 def test_replay_equals_eager_and_reference(backend, mode, ps):
+    _replay_case(backend, mode, ps)
+
+
+@needs_fi
+@pytest.mark.parametrize("mode", MODES["flashinfer_mla"])
+@pytest.mark.parametrize("ps", [1, 64])
+def test_fp8_mla_replay_equals_eager_and_reference(mode, ps):
+    """flashinfer_mla on an e4m3 cache (FlashInfer reads it on sm_90 alone): the plan's KV dtype and
+    the run's scales captured with the kernels."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's MLA reads FP8 on sm_90 only")
+    _replay_case("flashinfer_mla", mode, ps, torch.float8_e4m3fn)
+
+
+def _replay_case(backend, mode, ps, kv=None):
     rng = random.Random(hash((backend, mode, ps)) & 0xFFFF)
-    cfg = _config(backend, ps)
+    cfg = _config(backend, ps, kv)
     mem = make_memory(cfg, num_pages=4 * BS * 3200 // ps + 8, max_reqs=4 * BS, max_context_len=3200 + 64,
                       page_order="shuffled", seed=ps, device=DEVICE)
     graph_be, eager_be = get_backend(backend, cfg, mem), get_backend(backend, cfg, mem)
@@ -141,7 +157,8 @@ def test_replay_equals_eager_and_reference(backend, mode, ps):
         eager = eager_be.forward(q, k, v, layer, m.batch)
         rows = m.batch.raw_bs * m.scenario.width
         assert torch.equal(replayed[:rows], eager[:rows]), f"{tag}: replay != eager (bitwise) on real rows"
-        ref = dense_reference(m.batch, mem, 0, q.cpu(), layer.scaling, cfg.kv_lora_rank)[:rows]
+        ref = dense_reference(m.batch, mem, 0, q.cpu(), layer.scaling, cfg.kv_lora_rank, layer.k_scale,
+                              layer.v_scale)[:rows]
         err = float((replayed[:rows].double().cpu() - ref).norm() / ref.norm())
         assert err < 2e-2, f"{tag}: relative error {err:.3e} vs float64"
         if tag in seen:
