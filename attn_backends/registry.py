@@ -181,7 +181,9 @@ def _refusal(caps, unavailable: Optional[str], cfg: ModelConfig, mode: Optional[
     package does not make an MLA backend serve a GQA model."""
     if caps is None:                # the class did not load: ``unavailable`` says why
         return unavailable
-    return caps.refusal(cfg, mode, device, None, topk) or unavailable
+    sm = device_sm() if device == "cuda" and unavailable is None else None    # this GPU's floors (FP8)
+    return caps.refusal(cfg, mode, device, None, topk) or unavailable or (
+        caps.refusal(cfg, mode, device, sm, topk) if sm is not None else None)
 
 
 def refusal(name: str, model_config: ModelConfig, mode: Optional[ForwardMode] = None,

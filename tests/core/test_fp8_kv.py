@@ -85,6 +85,21 @@ def test_an_fp8_cache_is_refused_below_sm89_and_flashinfer_declares_it():
                                     dtype=torch.bfloat16), ForwardMode.DECODE, "cuda", sm=80) is None
 
 
+def test_select_and_get_backend_apply_this_gpus_fp8_floor(monkeypatch):
+    """``refusal`` (which ``select`` and ``get_backend`` ask) checks the FP8 floor against this GPU's
+    compute capability, not only against the backend's own: an sm_80 GPU is refused for triton on
+    an e4m3 cache, sm_90 is not, and a bf16 cache on sm_80 is not."""
+    from attn_backends import registry
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gqa = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, kv_dtype=E4M3,
+                      dtype=torch.bfloat16)
+    for sm, want in ((80, "an FP8 KV cache needs sm_89+ (FP8 conversions), device is sm_80"), (90, None)):
+        monkeypatch.setattr(registry, "device_sm", lambda sm=sm: sm)
+        assert registry.refusal("triton", gqa, ForwardMode.DECODE, "cuda") == want
+    bf16 = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    assert registry.refusal("triton", bf16, ForwardMode.DECODE, "cuda") is None
+
+
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("dtype", FP8_KV)
 def test_torch_native_reads_an_fp8_pool_against_float64_over_the_dequantized_cache(mla, dtype):
