@@ -272,7 +272,9 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{width} = {lay.bs * width}")
         if not width and n != batch.num_tokens:
             raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
-        self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)
+        cfg = self.config
+        if save_kv_cache or not 0 <= layer.layer_id < cfg.num_layers or q.dtype != cfg.dtype:
+            self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)      # the read-only call's fast path
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "

@@ -152,6 +152,7 @@ class FlashInferBase(LayoutBackend):
         self.fi = import_flashinfer()
         self._qo: dict = {}            # (bs, W) -> qo_indptr host copy (a function of the key alone)
         self._pages: dict = {}         # layer_id -> (the pool's tensors, their page views): see _kv_pages
+        self._sm_scale = config.sm_scale     # the plan's; read per layer call (the property computes it)
 
     # -- hooks
     eager_as_graph: ClassVar[bool] = True   # uniform eager batches plan like graphs (FlashInfer plans differ)
@@ -234,7 +235,7 @@ class FlashInferBase(LayoutBackend):
         return out
 
     def _run(self, q: torch.Tensor, layer, meta: FlashInferMetadata) -> torch.Tensor:
-        if layer.scaling != self.config.sm_scale:
+        if layer.scaling != self._sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
-                             f"{self.config.sm_scale} (one FlashInfer plan serves every layer of a step)")
+                             f"{self._sm_scale} (one FlashInfer plan serves every layer of a step)")
         return meta.planned.call.run(q, self._kv_pages(layer.layer_id), layer.k_scale, layer.v_scale)
