@@ -39,6 +39,9 @@ class DraftInput:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     input_embeds: Optional[torch.Tensor] = None
     forward_mode: ForwardMode = ForwardMode.DECODE
+    # trailing rows that are padding (row 0, prefix 0): an eager reference of a padded batch, whose
+    # layout then treats them as pads, as a replay does (``run_eager`` alone; the runner pads itself)
+    pad_rows: int = 0
 
     @property
     def raw_bs(self) -> int:
@@ -212,7 +215,7 @@ class MultiStepDraftRunner(GraphRunnerBase):
             b = ForwardBatch(ForwardMode.DECODE, raw, inp.req_pool_indices, inp.prefix_lens + (s + 1) * k, seq_cpu,
                              loc[:, s].reshape(-1), (inp.prefix_lens.to(I64) + s).repeat_interleave(k),
                              spec_info=self.spec(s + 1), capture_hidden_mode=inp.capture_hidden_mode,
-                             input_ids=ids)
+                             input_ids=ids, raw_bs=raw - inp.pad_rows)
             b = self._eager_steps[s].build(b)
             for be in self._step_instances[s]:
                 be.init_forward_metadata(b)

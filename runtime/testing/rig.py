@@ -203,7 +203,7 @@ class Rig:
             return DraftInput(torch.tensor([r.row for r in reqs] + [0] * pad, dtype=I32, device=dev), pre.to(dev), pre,
                               torch.cat([r.ids for r in reqs] + [z(pad * k)]),
                               torch.cat([r.loc.view(1, -1) for r in reqs] + [z(pad * st * k).view(pad, st * k)]),
-                              capture_hidden_mode=hidden)
+                              capture_hidden_mode=hidden, pad_rows=pad)
         if self.kind == "piecewise":
             ext = torch.tensor([len(r.ids) for r in reqs], dtype=I32)
             seq = torch.tensor([r.prefix + len(r.ids) for r in reqs], dtype=I32)

@@ -231,6 +231,19 @@ def test_draft_runner_scores_are_the_greedy_log_probs():
     torch.testing.assert_close(out.scores[:, -1], last, rtol=1e-5, atol=1e-5)
 
 
+def test_draft_eager_reference_of_a_padded_batch_treats_its_pads_as_pads():
+    """The suites' bitwise reference for draft decode (bf16 backends: the eager forward of the batch
+    padded to the replay's bucket) marks the padding rows as pads: the layout refuses a real request
+    on row 0, and the real rows equal the unpadded reference's."""
+    rig = Rig(RigSpec("draft_decode", topk=2, steps=3, buckets=(4,)))
+    reqs = rig.new_requests(3, random.Random(0))
+    padded = rig.expected(reqs, padded=True)
+    plain = rig.expected(reqs)
+    assert padded.logits.shape == plain.logits.shape == (6, rig.tc.vocab_size)
+    torch.testing.assert_close(padded.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded.rows, plain.rows)
+
+
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
 def test_eagle3_hidden_states_are_the_aux_streams_sized_per_mode(mla):
     """The target returns [rows, 3 * hidden]: the embeddings, the middle stream and the top
