@@ -59,6 +59,10 @@ class Capabilities:
     fp8_min_sm : int
         Least CUDA compute capability on which it reads an FP8 cache (89: kernels that convert
         FP8 in hardware; 0: any, as PyTorch's casts).
+    fp8_model_dtypes : tuple of torch.dtype or None
+        The model dtypes with which it reads an FP8 cache (None: each of ``dtypes``).
+    fp8_below_sm : int or None
+        An FP8 cache read only on GPUs below this compute capability (None: no ceiling).
     """
 
     modes: frozenset
@@ -76,6 +80,8 @@ class Capabilities:
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     kv_dtypes: tuple = ()
     fp8_min_sm: int = 89
+    fp8_model_dtypes: Optional[tuple] = None
+    fp8_below_sm: Optional[int] = None
     mode_graph: tuple = ()
     cannot: str = ""
 
@@ -108,10 +114,22 @@ class Capabilities:
             return f"dtype {str(cfg.dtype)[6:]} not in ({', '.join(str(d)[6:] for d in self.dtypes)})"
         if cfg.cache_dtype != cfg.dtype and cfg.cache_dtype not in self.kv_dtypes:
             return f"KV dtype {str(cfg.cache_dtype)[6:]} not read ({self.kv_reads()})"
+        fp8 = cfg.cache_dtype in FP8_KV
+        if fp8 and self.fp8_model_dtypes is not None and cfg.dtype not in self.fp8_model_dtypes:
+            return (f"an FP8 KV cache is read with a {' or '.join(str(d)[6:] for d in self.fp8_model_dtypes)} "
+                    f"model only, model is {str(cfg.dtype)[6:]}")
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
-        if device == "cuda" and sm is not None and sm < self.fp8_min_sm and cfg.cache_dtype in FP8_KV:
+        if device == "cuda" and sm is not None and fp8:
+            return self.fp8_gpu_refusal(sm)
+        return None
+
+    def fp8_gpu_refusal(self, sm: int) -> Optional[str]:
+        """Why it cannot read an FP8 cache on a GPU of compute capability ``sm``; None if it can."""
+        if sm < self.fp8_min_sm:
             return f"an FP8 KV cache needs sm_{self.fp8_min_sm}+ (FP8 conversions), device is sm_{sm}"
+        if self.fp8_below_sm is not None and sm >= self.fp8_below_sm:
+            return f"an FP8 KV cache is read below sm_{self.fp8_below_sm} only, device is sm_{sm}"
         return None

@@ -34,16 +34,6 @@ from .flashinfer_common import I32, FlashInferBase, HostPlan, float_workspace
 MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
 
 
-def fp8_refusal(dtype: torch.dtype, sm: Optional[int]) -> Optional[str]:
-    """Why FlashInfer's MLA cannot read an e4m3 cache for a ``dtype`` model on a GPU of compute
-    capability ``sm`` (90 for 9.0; None: not a GPU); None if it can."""
-    if dtype != torch.bfloat16:
-        return f"an FP8 cache is read with a bfloat16 model only, model is {str(dtype)[6:]}"
-    if sm is not None and sm // 10 != 9:
-        return f"an FP8 cache is read on sm_90 only, device is sm_{sm}"
-    return None
-
-
 def mla_backend_for(device: torch.device) -> str:
     """fa3 on SM90 (Hopper), fa2 elsewhere."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
@@ -121,7 +111,8 @@ class FlashInferMLABackend(FlashInferBase):
         modes=MODES, mha=False, mla=True, page_sizes=(1, 16, 64), topk_gt1=False,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cuda",), min_sm=80, head_dims=(576,),
         requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16),
-        kv_dtypes=(torch.float8_e4m3fn,), fp8_min_sm=90,      # and bf16 on sm_90 alone: fp8_refusal
+        kv_dtypes=(torch.float8_e4m3fn,), fp8_min_sm=90, fp8_below_sm=100,   # FlashInfer's MLA: e4m3 with a
+        fp8_model_dtypes=(torch.bfloat16,),                                   # bf16 query on sm_90 alone
         cannot="tree verify and multi-branch draft decode need a custom mask, which "
                "BatchMLAPagedAttentionWrapper does not take")
 
@@ -133,9 +124,10 @@ class FlashInferMLABackend(FlashInferBase):
         if h & (h - 1) or h > 128:
             # fa2/fa3 refuse causal tiles that split a head group (_fa_common._validate_fa_causal_tile_bound)
             raise ValueError(f"backend flashinfer_mla needs a power-of-two num_q_heads <= 128, got {h}")
-        if config.cache_dtype == torch.float8_e4m3fn:      # e5m2: refused by kv_dtypes
-            cap = torch.cuda.get_device_capability(memory.device) if memory.device.type == "cuda" else None
-            why = fp8_refusal(config.dtype, None if cap is None else 10 * cap[0] + cap[1])
+        if config.cache_dtype == torch.float8_e4m3fn:      # a caller that skipped select: the FP8 rules
+            dev = memory.device
+            sm = (lambda c: 10 * c[0] + c[1])(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None
+            why = self.capabilities.refusal(config, None, dev.type, sm)
             if why:
                 raise ValueError(f"backend flashinfer_mla: {why}")
         super().__init__(config, memory)

@@ -41,6 +41,12 @@ def _mode(m) -> ForwardMode:
     return m if isinstance(m, ForwardMode) else ForwardMode[str(m).upper()]
 
 
+def _fp8_model_dtypes(caps: list) -> Optional[tuple]:
+    """The model dtypes with which every member reads an FP8 cache (None: no member limits them)."""
+    limits = [c.fp8_model_dtypes for c in caps if c.fp8_model_dtypes is not None]
+    return tuple(d for d in limits[0] if all(d in x for x in limits)) if limits else None
+
+
 def compose_capabilities(by_mode: dict) -> Capabilities:
     """The capabilities of a composition ``{ForwardMode: (mha name, mla name)}``."""
     from ..registry import get_backend_class
@@ -63,6 +69,8 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
         devices=common("devices"), min_sm=max(c.min_sm for c in caps),
         head_dims=tuple(sorted({d for h in heads for d in h})) if heads else None,
         dtypes=common("dtypes"), kv_dtypes=common("kv_dtypes"), fp8_min_sm=max(c.fp8_min_sm for c in caps),
+        fp8_model_dtypes=_fp8_model_dtypes(caps), fp8_below_sm=min((c.fp8_below_sm for c in caps
+                                                                    if c.fp8_below_sm is not None), default=None),
         cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})))
 
 

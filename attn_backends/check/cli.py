@@ -133,19 +133,26 @@ def _check_mode(args, backends: list) -> list:
     return keep
 
 
-def _check_kv_dtype(args, backends: list) -> list:
-    """The backends that read ``--kv-dtype`` (all of them at ``model``); UsageError if none does."""
-    dtype = KV_DTYPE_NAMES[args.kv_dtype]
-    if dtype is None:
-        return backends
-    keep = [(n, c) for n, c in backends if dtype in c.capabilities.kv_dtypes]
+def _kv_dtype_refusal(args, caps) -> Optional[str]:
+    """Why a backend of ``caps`` cannot read ``--kv-dtype`` here (on this GPU's compute capability too)."""
+    if KV_DTYPE_NAMES[args.kv_dtype] not in caps.kv_dtypes:
+        return f"it reads {caps.kv_reads()}"
+    return caps.fp8_gpu_refusal(registry.device_sm()) if args.device == "cuda" else None
+
+
+def _check_kv_dtype(args, backends: list) -> tuple:
+    """``(kept, left)``: the backends that read ``--kv-dtype`` (all of them at ``model``) and the
+    others with their reason; UsageError if none does."""
+    if KV_DTYPE_NAMES[args.kv_dtype] is None:
+        return backends, []
+    why = {n: _kv_dtype_refusal(args, c.capabilities) for n, c in backends}
+    keep = [(n, c) for n, c in backends if why[n] is None]
     if not keep:
-        n, c = backends[0]
-        reads = c.capabilities.kv_reads()
-        raise UsageError(f"backend {n!r} does not read an {args.kv_dtype} KV cache (it reads {reads})"
+        n = backends[0][0]
+        raise UsageError(f"backend {n!r} does not read an {args.kv_dtype} KV cache here ({why[n]})"
                          if len(backends) == 1 else f"no backend available on {args.device} reads an "
                          f"{args.kv_dtype} KV cache")
-    return keep
+    return keep, [f"{n} ({r})" for n, r in why.items() if r]
 
 
 def _check_json_path(path: Optional[str]) -> None:
@@ -205,10 +212,10 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
 def cmd_check(args, out: TextIO, err: TextIO) -> int:
     _check_json_path(args.json)
     declared = _check_mode(args, _resolve(args.backend, args.device))
-    backends = _check_kv_dtype(args, declared)
-    if len(backends) < len(declared):
-        left = ", ".join(n for n, _ in declared if (n, _) not in backends)
-        print(f"note: not run, they do not read a {args.kv_dtype} KV cache: {left}", file=err, flush=True)
+    backends, left = _check_kv_dtype(args, declared)
+    if left:
+        print(f"note: not run, they do not read a {args.kv_dtype} KV cache here: {', '.join(left)}", file=err,
+              flush=True)
     plan = _plan_suites(args)
     if args.suite in (None, "all") and not args.mode and args.suite_cases and len(plan) == 1:
         print(f"note: no suite of the entry-point group {SUITES_GROUP} is installed, so only the "

@@ -17,7 +17,7 @@ import torch
 from fp8_checks import check_fp8_forward
 
 from attn_backends import ForwardMode, ModelConfig
-from attn_backends.backends.flashinfer_mla import FlashInferMLABackend, MLACall, fp8_refusal
+from attn_backends.backends.flashinfer_mla import FlashInferMLABackend, MLACall
 from attn_backends.check.scenarios import Scenario, draft_extend_spec, make_memory, verify_spec
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -88,12 +88,19 @@ def test_what_flashinfer_mla_does_not_read_is_refused_with_the_reason():
         "KV dtype float8_e5m2 not read (the model's dtype, float8_e4m3fn)"
     assert caps.refusal(_config(), ForwardMode.DECODE, "cuda", 89) == \
         "an FP8 KV cache needs sm_90+ (FP8 conversions), device is sm_89"
-    assert fp8_refusal(BF16, 90) is None and fp8_refusal(BF16, None) is None
-    assert fp8_refusal(torch.float16, 90) == "an FP8 cache is read with a bfloat16 model only, model is float16"
-    assert fp8_refusal(BF16, 100) == "an FP8 cache is read on sm_90 only, device is sm_100"
+    assert caps.refusal(_config(dtype=torch.float16), ForwardMode.DECODE, "cuda", 90) == \
+        "an FP8 KV cache is read with a bfloat16 model only, model is float16"
+    assert caps.refusal(_config(), ForwardMode.DECODE, "cuda", 100) == \
+        "an FP8 KV cache is read below sm_100 only, device is sm_100"
+    plain = ModelConfig(num_layers=2, num_q_heads=16, is_mla=True, page_size=16, dtype=torch.float16)
+    assert caps.refusal(plain, ForwardMode.DECODE, "cuda", 100) is None
+    # what select asks: the model's reason before this machine's (flashinfer may be missing here)
+    from attn_backends import registry
+    assert registry.refusal("flashinfer_mla", _config(dtype=torch.float16), ForwardMode.DECODE, "cuda") == \
+        "an FP8 KV cache is read with a bfloat16 model only, model is float16"
     mem = lambda cfg: make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=64)  # noqa: E731
     fp16 = _config(dtype=torch.float16)
-    with pytest.raises(ValueError, match="^backend flashinfer_mla: an FP8 cache is read with a bfloat16 model only"):
+    with pytest.raises(ValueError, match="^backend flashinfer_mla: an FP8 KV cache is read with a bfloat16 model only"):
         E.EmulatedFlashInferMLA(fp16, mem(fp16))
     e5m2 = _config(kv=torch.float8_e5m2)
     with pytest.raises(ValueError, match=r"reads KV in the model's dtype, float8_e4m3fn, not torch.float8_e5m2"):

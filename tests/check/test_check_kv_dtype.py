@@ -49,18 +49,38 @@ def test_a_reader_blind_to_v_scale_is_caught_on_fp8_only(monkeypatch, tmp_path):
 def test_a_backend_that_does_not_read_the_dtype_is_refused_in_one_line(capsys):
     assert cli.main(["check", "--backend", "trtllm_mla", "--kv-dtype", "fp8_e4m3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["attn-backends: error: backend 'trtllm_mla' does not read an fp8_e4m3 KV cache (it reads the "
-                   "model's dtype)"], err
+    assert err == ["attn-backends: error: backend 'trtllm_mla' does not read an fp8_e4m3 KV cache here (it reads "
+                   "the model's dtype)"], err
 
 
 def test_all_runs_the_backends_that_read_the_dtype_and_names_the_others(capsys):
     from attn_backends import registry
     backends = [(n, registry.get_backend_class(n)) for n in ("torch_native", "trtllm_mla", "triton")]
     args = argparse.Namespace(kv_dtype="fp8_e5m2", device="cpu")
-    assert [n for n, _ in cli._check_kv_dtype(args, backends)] == ["torch_native", "triton"]
-    assert cli._check_kv_dtype(argparse.Namespace(kv_dtype="model", device="cpu"), backends) == backends
+    kept, left = cli._check_kv_dtype(args, backends)
+    assert [n for n, _ in kept] == ["torch_native", "triton"] and left == ["trtllm_mla (it reads the model's dtype)"]
+    assert cli._check_kv_dtype(argparse.Namespace(kv_dtype="model", device="cpu"), backends) == (backends, [])
     with pytest.raises(cli.UsageError, match="no backend available on cpu reads an fp8_e5m2 KV cache"):
         cli._check_kv_dtype(args, backends[1:2] * 2)
+
+
+def test_check_leaves_out_the_backends_this_gpu_cannot_read_fp8_on(monkeypatch):
+    """On a GPU the FP8 floor (and ceiling) of each backend against this GPU's compute capability:
+    left out with the reason, not run to fail in its constructor."""
+    from attn_backends import registry
+    from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
+    backends = [(n, registry.get_backend_class(n)) for n in ("torch_native", "triton")]
+    backends.append(("flashinfer_mla", FlashInferMLABackend))
+    args = argparse.Namespace(kv_dtype="fp8_e4m3", device="cuda")
+    for sm, kept, left in ((80, ["torch_native"], ["triton (an FP8 KV cache needs sm_89+ (FP8 conversions), "
+                                                   "device is sm_80)", "flashinfer_mla (an FP8 KV cache needs sm_90+ "
+                                                   "(FP8 conversions), device is sm_80)"]),
+                           (90, ["torch_native", "triton", "flashinfer_mla"], []),
+                           (100, ["torch_native", "triton"], ["flashinfer_mla (an FP8 KV cache is read below sm_100 "
+                                                              "only, device is sm_100)"])):
+        monkeypatch.setattr(registry, "device_sm", lambda sm=sm: sm)
+        got = cli._check_kv_dtype(args, backends)
+        assert ([n for n, _ in got[0]], got[1]) == (kept, left), sm
 
 
 def test_list_names_the_kv_dtypes_each_backend_reads(capsys):
