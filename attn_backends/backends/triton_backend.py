@@ -54,7 +54,8 @@ class TritonBackend(TritonBackendBase):
         # batches (extend): 16 an SM. An FP8 cache's decode: twice the programs (its 64-token
         # tiles hold half the bytes in flight; bench/RESULTS.md, 'FP8 KV').
         if width <= 1:
-            return (12 if self.config.cache_dtype in FP8_KV else 6), 2, None
+            fp8 = self.config.cache_dtype in FP8_KV and (lay is None or is_plain_decode(lay))   # not 1-token extends
+            return (12 if fp8 else 6), 2, None
         if width <= 4:
             return 4, 1, None
         return (2, 4, 16) if width <= 8 else (16, 1, None)
@@ -84,7 +85,7 @@ class TritonBackend(TritonBackendBase):
         return super()._splits(lay)
 
     def _exact_splits_below(self, width: int) -> int:
-        return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (see _split_rule)
+        return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (8 on FP8; see _split_rule)
 
     def _store_kv(self, layer: AttentionLayer, loc: torch.Tensor, k, v) -> None:
         pool = self.memory.pool

@@ -99,6 +99,24 @@ def test_triton_fp8_decode_takes_twice_the_programs(h200, monkeypatch, bs, want)
     test_triton_backend_split_counts(h200, monkeypatch, 32, 4, 16, 4, kv_dtype=torch.float8_e4m3fn)
 
 
+def test_one_token_extends_on_fp8_keep_the_decode_count_of_bf16(h200, monkeypatch):
+    """An EXTEND batch of one-token extends (width 1) runs the extend kernel: 6 an SM on FP8 too."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=32, num_kv_heads=8, head_dim=16, page_size=16,
+                      kv_dtype=torch.float8_e4m3fn)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    be = get_backend("triton", cfg, mem)
+    monkeypatch.setattr(mem, "device", CUDA0)
+    lay = SimpleNamespace(bs=16, width=0, max_seq_len_q=1, mode=ForwardMode.EXTEND, mask=MaskKind.CAUSAL)
+    assert be._splits(lay) == 6
+    assert be._splits(SimpleNamespace(**(vars(lay) | dict(width=1, mode=ForwardMode.DECODE)))) == 8
+
+
 def test_split_pages(h200):
     """``split_pages``: a split spans that many pages at least where the splits left give a
     quarter of the SMs (33) a program; otherwise a page."""
