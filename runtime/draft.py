@@ -39,8 +39,9 @@ class DraftInput:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     input_embeds: Optional[torch.Tensor] = None
     forward_mode: ForwardMode = ForwardMode.DECODE
-    # trailing rows that are padding (row 0, prefix 0): an eager reference of a padded batch, whose
-    # layout then treats them as pads, as a replay does (``run_eager`` alone; the runner pads itself)
+    # trailing rows that are padding (row 0, prefix 0) in an eager reference of a padded batch: its
+    # layout pads them by the pad rule (their tokens are not a replay's; real rows never read them).
+    # ``run_eager`` alone: the graph path pads by itself and refuses them.
     pad_rows: int = 0
 
     @property
@@ -185,6 +186,8 @@ class MultiStepDraftRunner(GraphRunnerBase):
         seq_lens ``prefix + (s+1)*topk``, positions ``prefix + s`` and the slots of column ``s``),
         then one copy launch into all the steps."""
         raw, k, steps = inp.raw_bs, self.topk, self.num_steps
+        if inp.pad_rows:
+            raise ValueError(f"DraftInput with pad_rows={inp.pad_rows}: the graph path pads by itself (0)")
         key = GraphKey(ForwardMode.DECODE, self.bucket_for(raw), k, self.capture_hidden_mode)
         sbs = self.graphs[key][2]
         seq = inp.prefix_lens[None, :] + self._seq_offsets                                    # [steps, raw] int32

@@ -100,6 +100,8 @@ class MLACall:
 
     def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         if not self.fp8:
+            if k_scale != 1.0:          # a hand-made layer's scale on a cache of the model's dtype: not dropped
+                raise ValueError(f"flashinfer_mla: k_scale {k_scale} on a {self.cfg.cache_dtype} cache (FP8 alone)")
             return self.wrapper.run(query=q, kv_cache=pages)     # its own output: cheaper than ours on the host
         # the latent is K and V under the layer's one scale (AttentionLayer: k == v): latent and rope by it
         return self.wrapper.run(query=q, kv_cache=pages, ckv_scale=k_scale, kpe_scale=k_scale)

@@ -242,6 +242,8 @@ def test_draft_eager_reference_of_a_padded_batch_treats_its_pads_as_pads():
     assert padded.logits.shape == plain.logits.shape == (6, rig.tc.vocab_size)
     torch.testing.assert_close(padded.logits, plain.logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(padded.rows, plain.rows)
+    with pytest.raises(ValueError, match="^DraftInput with pad_rows=1: the graph path pads by itself"):
+        rig.runner.run(rig.batch(reqs, 4))
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
