@@ -3,15 +3,13 @@ tiles through its page-table row, each tile one online-softmax step (``paged_til
 the extend kernels' masks (``visible_mask``) or none (decode). The split and the chunk passes of
 ``decode_attention`` and ``extend_attention`` differ only in which range a program walks.
 """
-import os
-
 import triton
 import triton.language as tl
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
 # The interpreter runs no inline PTX: it widens FP8 by Triton's cast.
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_PTX = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit

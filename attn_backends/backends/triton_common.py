@@ -2,11 +2,11 @@
 (a host int that depends on the GraphKey alone) and the split-KV workspace."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
+import triton
 
 from attn_backends_kernels.attention_core import cuda_index, decode_workspace, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
@@ -25,7 +25,7 @@ WIDE_MAX_KV_SPLITS = 64
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(triton.knobs.runtime.interpret)      # TRITON_INTERPRET as Triton reads it
 
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,

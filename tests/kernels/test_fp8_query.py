@@ -6,12 +6,15 @@ reference. Float16 dots run in the interpreter too, so this runs on the CPU (a b
 not)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends.kv_cache import to_cache
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.kv_walk import widen_fp8
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,3 +78,29 @@ def test_v_times_its_scale_past_float16s_range(kv_dtype, v_scale, stored):
     ref = ref_paged_attention(q.double(), kd, vc.double() * v_scale, pt, lens,
                               torch.arange(bs + 1, dtype=torch.int32), 16, sm)
     assert_close(out, ref, 1e-2)
+
+
+@triton.jit
+def _widen(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(y_ptr + offs, widen_fp8(tl.load(x_ptr + offs)))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(256,), (8, 32)])
+def test_widen_fp8_is_torch_cast_on_every_code(kv_dtype, shape):
+    """``kv_walk.widen_fp8`` (inline PTX where compiled, Triton's cast in the interpreter) against
+    PyTorch's cast for all 256 codes: zeros, subnormals, the largest, infinities and NaN (as NaN),
+    in 1-D and 2-D tiles (the PTX converts the bytes of a 32-bit register in order)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+    x = codes[torch.randperm(256, generator=torch.Generator().manual_seed(0))].reshape(shape).to(DEVICE)
+    y = torch.empty(shape, dtype=torch.float16, device=DEVICE)
+    R, C = (1, shape[0]) if len(shape) == 1 else shape
+    _widen[(1,)](x, y, R, C)
+    want = x.cpu().to(torch.float16)
+    got = y.cpu()
+    if DEVICE == "cpu":     # Triton 3.6's interpreter widens e4m3's NaN codes to +-480, e5m2's subnormals to 0
+        normal = want.isfinite() & (want.abs() >= torch.finfo(kv_dtype).smallest_normal)
+        got, want = got[normal], want[normal]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
