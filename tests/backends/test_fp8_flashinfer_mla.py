@@ -105,3 +105,10 @@ def test_what_flashinfer_mla_does_not_read_is_refused_with_the_reason():
     e5m2 = _config(kv=torch.float8_e5m2)
     with pytest.raises(ValueError, match=r"reads KV in the model's dtype, float8_e4m3fn, not torch.float8_e5m2"):
         E.EmulatedFlashInferMLA(e5m2, mem(e5m2))
+
+
+def test_a_scale_on_a_cache_of_the_models_dtype_is_refused_not_dropped():
+    from types import SimpleNamespace
+    call = SimpleNamespace(fp8=False, cfg=SimpleNamespace(cache_dtype=BF16), wrapper=None)
+    with pytest.raises(ValueError, match=r"^flashinfer_mla: k_scale 2.0 on a torch.bfloat16 cache \(FP8 alone\)$"):
+        MLACall.run(call, None, None, 2.0, 2.0)
