@@ -24,6 +24,7 @@ import torch
 
 from ..base import AttentionBackend, Capabilities, GraphSupport
 from ..batch import ForwardBatch, ForwardMode, GraphInputs
+from ..config import FEATURES
 from ..layout import LayoutError
 
 UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
@@ -63,7 +64,8 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
         devices=common("devices"), min_sm=max(c.min_sm for c in caps),
         head_dims=tuple(sorted({d for h in heads for d in h})) if heads else None,
         dtypes=common("dtypes"), kv_dtypes=common("kv_dtypes"), fp8_min_sm=max(c.fp8_min_sm for c in caps),
-        cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})))
+        cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})),
+        **{f: all(getattr(c, f) for c in caps) for f in FEATURES})    # every delegate runs every layer
 
 
 class HybridBackend(AttentionBackend):
