@@ -125,6 +125,8 @@ class ModelConfig:
 
     def window(self, layer_id: int) -> Optional[int]:
         """Layer ``layer_id``'s sliding window (None: full attention)."""
+        if not 0 <= layer_id < self.num_layers:      # a tuple index would wrap -1 to the last layer
+            raise ValueError(f"layer_id={layer_id} outside 0..{self.num_layers - 1}")
         return self.sliding_window if self.layer_types[layer_id] == SLIDING else None
 
     def features(self, layer_id: Optional[int] = None) -> tuple:

@@ -49,6 +49,8 @@ def test_layer_types_default_and_layer_records():
     assert gemma.layer(1).softcap == 50.0 and gemma.layer(1).sinks is None
     assert gemma.features() == ("windows", "softcap") and gemma.features(1) == ("softcap",)
     assert gemma.layer(0).features == {"windows", "softcap"} and _cfg().layer(0).features == frozenset()
+    with pytest.raises(ValueError, match=r"layer_id=-1 outside 0..1"):
+        select(gemma, mode=ForwardMode.DECODE, device="cpu", layer=-1)
 
 
 def test_sinks_come_with_the_layer_record():
