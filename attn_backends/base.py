@@ -273,7 +273,7 @@ class LayoutBackend(AttentionBackend):
         if not width and n != batch.num_tokens:
             raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
         cfg = self.config
-        if save_kv_cache or not 0 <= layer.layer_id < cfg.num_layers or q.dtype != cfg.dtype:
+        if save_kv_cache or layer.features or not 0 <= layer.layer_id < cfg.num_layers or q.dtype != cfg.dtype:
             self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)      # the read-only call's fast path
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
@@ -287,12 +287,18 @@ class LayoutBackend(AttentionBackend):
 
     def _check_layer_and_dtypes(self, layer: AttentionLayer, q, k, v, save_kv_cache: bool) -> None:
         """The layer is one of the model's (a list index would wrap -1 to the last layer, or raise
-        a bare IndexError), and q (k, v when stored) are in the model's dtype (the KV memory's:
-        a store would cast them silently, a kernel would mix precisions)."""
+        a bare IndexError), it uses only the window, sinks and cap this backend declares, and q
+        (k, v when stored) are in the model's dtype (the KV memory's: a store would cast them
+        silently, a kernel would mix precisions)."""
         cfg = self.config
         if not 0 <= layer.layer_id < cfg.num_layers:
             raise ValueError(f"layer_id={layer.layer_id} outside 0..{cfg.num_layers - 1} "
                              f"(the model's num_layers={cfg.num_layers})")
+        if layer.features:      # a kernel that never reads window, sinks or cap would ignore them silently
+            missing = [f for f in layer.features if not getattr(self.capabilities, f)]
+            if missing:
+                raise ValueError(f"backend {self.name} does not declare {', '.join(sorted(missing))}, "
+                                 f"used by layer {layer.layer_id}")
         for name, t in (("q", q), ("k", k), ("v", v)) if save_kv_cache else (("q", q),):
             if t is not None and t.dtype != cfg.dtype:
                 raise ValueError(f"{name} dtype {t.dtype} differs from the model's dtype {cfg.dtype}")

@@ -12,6 +12,9 @@ import torch
 from .batch import ForwardMode
 from .config import FP8_KV, ModelConfig
 
+# How a refusal names each attention feature (config.FEATURES) a backend does not declare.
+FEATURE_WORDS = {"windows": "sliding windows", "sinks": "attention sinks", "softcap": "logit softcapping"}
+
 
 class GraphSupport(enum.IntEnum):
     """How much of a forward a backend lets a CUDA graph hold (ordered)."""
@@ -63,6 +66,10 @@ class Capabilities:
         The model dtypes with which it reads an FP8 cache (None: each of ``dtypes``).
     fp8_below_sm : int or None
         An FP8 cache read only on GPUs below this compute capability (None: no ceiling).
+    windows, sinks, softcap : bool
+        Sliding-window layers, per-head sink logits and logit softcapping (``ModelConfig``'s
+        ``sliding_window``, ``sinks``, ``logit_softcap``); a backend that does not declare one is
+        refused the models (or with ``layer``, the layers) that use it.
     """
 
     modes: frozenset
@@ -84,6 +91,13 @@ class Capabilities:
     fp8_below_sm: Optional[int] = None
     mode_graph: tuple = ()
     cannot: str = ""
+    windows: bool = False
+    sinks: bool = False
+    softcap: bool = False
+
+    def features(self) -> tuple:
+        """The attention features (``config.FEATURES``) it declares."""
+        return tuple(f for f in FEATURE_WORDS if getattr(self, f))
 
     def kv_reads(self) -> str:
         """The KV caches it reads, in words: "the model's dtype[, float8_e4m3fn, ...]"."""
@@ -94,10 +108,11 @@ class Capabilities:
         return dict(self.mode_graph).get(mode, self.graph)
 
     def refusal(self, cfg: ModelConfig, mode: Optional[ForwardMode] = None, device: str = "cpu",
-                sm: Optional[int] = 0, topk: int = 1) -> Optional[str]:
+                sm: Optional[int] = 0, topk: int = 1, layer: Optional[int] = None) -> Optional[str]:
         """Why this backend cannot serve ``cfg``/``mode`` (with ``topk`` branches) on ``device`` of
-        compute capability ``sm`` (None: not checked); None if it can. The model's and the request's
-        reasons come first (they hold on any device), then the device's."""
+        compute capability ``sm`` (None: not checked); None if it can. ``layer``: serve that layer
+        alone (its window, sinks, cap); None: every layer. The model's and the request's reasons
+        come first (they hold on any device), then the device's."""
         if cfg.is_mla and not self.mla:
             return "MHA/GQA only, model is MLA"
         if not cfg.is_mla and not self.mha:
@@ -118,6 +133,11 @@ class Capabilities:
         if fp8 and self.fp8_model_dtypes is not None and cfg.dtype not in self.fp8_model_dtypes:
             return (f"an FP8 KV cache is read with a {' or '.join(str(d)[6:] for d in self.fp8_model_dtypes)} "
                     f"model only, model is {str(cfg.dtype)[6:]}")
+        value = {"windows": f" (w={cfg.sliding_window})", "softcap": f" (c={cfg.logit_softcap})", "sinks": ""}
+        missing = [FEATURE_WORDS[f] + value[f] for f in cfg.features(layer) if not getattr(self, f)]
+        if missing:     # an MLA kernel has no reason to grow them: no MLA model uses them
+            return (f"{', '.join(missing)} not supported" + (" (no MLA model uses them)" if cfg.is_mla else "")
+                    + (f" in layer {layer}" if layer is not None else ""))
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:

@@ -174,7 +174,7 @@ def get_backend_class(name: str):
 
 
 def _refusal(caps, unavailable: Optional[str], cfg: ModelConfig, mode: Optional[ForwardMode], device: str,
-             topk: int = 1) -> Optional[str]:
+             topk: int = 1, layer: Optional[int] = None) -> Optional[str]:
     """The reason that holds on any machine first: the model and request (``caps.refusal``: kind,
     page size, mode, topk, head dim, dtype, then the device kind), then this machine's
     (``unavailable``: a package not installed, no CUDA, the GPU's architecture). Installing a
@@ -182,26 +182,31 @@ def _refusal(caps, unavailable: Optional[str], cfg: ModelConfig, mode: Optional[
     if caps is None:                # the class did not load: ``unavailable`` says why
         return unavailable
     sm = device_sm() if device == "cuda" and unavailable is None else None    # this GPU's floors (FP8)
-    return caps.refusal(cfg, mode, device, None, topk) or unavailable or (
-        caps.refusal(cfg, mode, device, sm, topk) if sm is not None else None)
+    return caps.refusal(cfg, mode, device, None, topk, layer) or unavailable or (
+        caps.refusal(cfg, mode, device, sm, topk, layer) if sm is not None else None)
 
 
 def refusal(name: str, model_config: ModelConfig, mode: Optional[ForwardMode] = None,
-            device: Optional[str] = None, topk: int = 1) -> Optional[str]:
+            device: Optional[str] = None, topk: int = 1, layer: Optional[int] = None) -> Optional[str]:
     """Why backend ``name`` (a registered name or ``module:Class``) cannot serve ``model_config`` in
-    ``mode`` (None: any of its modes) on ``device`` here; None if it can. ValueError if it does not load."""
+    ``mode`` (None: any of its modes) on ``device`` here (``layer``: that layer alone, None: every
+    layer); None if it can. ValueError if it does not load."""
     cls = get_backend_class(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return _refusal(cls.capabilities, unavailable_reason(cls, device), model_config, mode, device, topk)
+    return _refusal(cls.capabilities, unavailable_reason(cls, device), model_config, mode, device, topk, layer)
 
 
-def get_backend(name: str, config: ModelConfig, memory, device: Optional[str] = None):
-    """Instantiate backend ``name`` (a registered name or ``module:Class``) for ``config``."""
+def get_backend(name: str, config: ModelConfig, memory, device: Optional[str] = None, layers=None):
+    """Instantiate backend ``name`` (a registered name or ``module:Class``) for ``config``, to serve
+    the layers ``layers`` (None: every layer; its ``forward`` refuses a layer record whose window,
+    sinks or cap it does not declare)."""
     cls = get_backend_class(name)
     device = device or memory.device.type
-    reason = _refusal(cls.capabilities, unavailable_reason(cls, device), config, None, device)
-    if reason:
-        raise ValueError(f"backend {name!r} cannot serve this model on {device}: {reason}")
+    unavailable = unavailable_reason(cls, device)
+    for layer in (None,) if layers is None else layers:
+        reason = _refusal(cls.capabilities, unavailable, config, None, device, 1, layer)
+        if reason:
+            raise ValueError(f"backend {name!r} cannot serve this model on {device}: {reason}")
     return cls(config, memory)
 
 
@@ -239,7 +244,7 @@ def _override(backend: Optional[str], mode: ForwardMode) -> tuple:
 
 
 def _forced(name: str, how: str, serving: list, refused: dict, model_config: ModelConfig,
-            mode: ForwardMode, device: str, topk: int, exclude, what: str) -> Selection:
+            mode: ForwardMode, device: str, topk: int, exclude, what: str, layer: Optional[int]) -> Selection:
     """The Selection of the backend an override names, or ValueError with why it cannot serve
     (never a fallback to another one)."""
     if name in exclude:
@@ -253,7 +258,7 @@ def _forced(name: str, how: str, serving: list, refused: dict, model_config: Mod
                          "or a 'module:Class' target")
     else:
         try:
-            reason = refusal(name, model_config, mode, device, topk)
+            reason = refusal(name, model_config, mode, device, topk, layer)
         except ValueError as e:
             raise ValueError(f"backend {name!r} ({how}) cannot be loaded: {e}") from None
     if reason:
@@ -265,10 +270,13 @@ def _forced(name: str, how: str, serving: list, refused: dict, model_config: Mod
 
 
 def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
-           device: Optional[str] = None, topk: int = 1, exclude=(), backend: Optional[str] = None) -> Selection:
+           device: Optional[str] = None, topk: int = 1, exclude=(), backend: Optional[str] = None,
+           layer: Optional[int] = None) -> Selection:
     """The best backend for ``model_config`` in ``mode`` on ``device``, and why not each other one.
     ``topk > 1``: tree verify (TARGET_VERIFY) or multi-branch draft decode (DECODE), which
     need a backend with ``topk_gt1``. Backends named in ``exclude`` are not considered.
+    ``layer``: the backend of that layer alone (a full layer of a model with sliding ones may take a
+    backend without windows); None: one for every layer.
 
     Ranking: a backend that serves (available here, and its capabilities accept the model,
     mode, page size, device and architecture) beats one that does not. Among those that
@@ -289,14 +297,15 @@ def select(model_config: ModelConfig, mode: ForwardMode = ForwardMode.DECODE,
     forced, how = _override(backend, mode)
     serving, refused = [], {}
     for order, info in enumerate(i for i in list_backends(device) if i.name not in exclude):
-        reason = _refusal(info.capabilities, info.reason, model_config, mode, device, topk)
+        reason = _refusal(info.capabilities, info.reason, model_config, mode, device, topk, layer)
         if reason:
             refused[info.name] = reason
         else:
             serving.append((info.name == REFERENCE, -info.capabilities.preference, order, info.name))
-    what = f"{mode.name}" + (f" with topk={topk}" if topk > 1 else "")
+    what = (f"{mode.name}" + (f" with topk={topk}" if topk > 1 else "")
+            + (f" for layer {layer}" if layer is not None else ""))
     if forced is not None:
-        return _forced(forced, how, serving, refused, model_config, mode, device, topk, exclude, what)
+        return _forced(forced, how, serving, refused, model_config, mode, device, topk, exclude, what, layer)
     if not serving:
         raise ValueError(f"no backend can serve this model in {what} on {device}: {refused}")
     serving.sort()

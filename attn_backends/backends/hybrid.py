@@ -24,6 +24,7 @@ import torch
 
 from ..base import AttentionBackend, Capabilities, GraphSupport
 from ..batch import ForwardBatch, ForwardMode, GraphInputs
+from ..config import FEATURES
 from ..layout import LayoutError
 
 UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
@@ -71,7 +72,8 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
         dtypes=common("dtypes"), kv_dtypes=common("kv_dtypes"), fp8_min_sm=max(c.fp8_min_sm for c in caps),
         fp8_model_dtypes=_fp8_model_dtypes(caps), fp8_below_sm=min((c.fp8_below_sm for c in caps
                                                                     if c.fp8_below_sm is not None), default=None),
-        cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})))
+        cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})),
+        **{f: all(getattr(c, f) for c in caps) for f in FEATURES})    # every delegate runs every layer
 
 
 class HybridBackend(AttentionBackend):

@@ -5,6 +5,12 @@ One vectorised path for every mode: queries are laid out as ``[bs, max_seq_len_q
 keys as ``[bs, max_seq_len_k]`` positions gathered through the page table, so the same
 code runs eagerly and under a CUDA graph (shapes come from host ints only).
 Accumulation in float32; the output has the query's dtype.
+
+It defines the semantics of a layer's window, sinks and softcap (``AttentionLayer``): scores
+``s = q.k * scaling`` are capped first (``c * tanh(s / c)``), then masked; the window keeps the
+keys whose absolute position is within ``window - 1`` of the query row's own (:func:`positions`:
+a tree-verify draft token sits at the prefix plus its depth, a draft-decode token at the draft
+prefix plus its step); a head's sink logit joins its softmax as a column with no value.
 """
 from __future__ import annotations
 
@@ -39,11 +45,38 @@ def visible(lay: Layout, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tens
     raise ValueError(f"unknown mask kind {lay.mask}")
 
 
+def positions(lay: Layout, k_pos: torch.Tensor) -> torch.Tensor:
+    """``[bs, K]`` int64: the absolute (token) position of each request's KV entry ``k_pos``. The
+    entry's index, except past the prefix of a tree verify (draft token ``j`` is at ``prefix +
+    depth(j)``, its ancestors in the tree mask minus itself) and of a draft decode (the ``W``
+    branches' step-``t`` tokens all sit at ``draft_prefix + t``): entries are stored in draft order,
+    tokens are positioned by the path that leads to them."""
+    kp = k_pos[None, :].expand(lay.bs, -1)
+    if lay.mask == MaskKind.TREE:
+        w, prefix = lay.width, lay.prefix_lens.long()[:, None]
+        depth = lay.custom_mask.view(lay.bs, w, w).sum(-1) - 1             # [bs, W]
+        return torch.where(kp < prefix, kp, prefix + torch.gather(depth, 1, (kp - prefix).clamp(0, w - 1)))
+    if lay.mask == MaskKind.DRAFT:
+        base = lay.draft_prefix_lens.long()[:, None]
+        return torch.where(kp < base, kp, base + (kp - base).div(lay.width, rounding_mode="floor"))
+    return kp
+
+
+def in_window(lay: Layout, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[bs, Q, K]`` bool: KV entry ``k_pos`` within ``window`` positions of query row ``q_pos``,
+    whose own entry is ``prefix + q_pos`` (every mode writes a row's KV before reading it)."""
+    kpos = positions(lay, k_pos)                                            # [bs, K]
+    own = (lay.prefix_lens.long()[:, None] + q_pos[None, :]).clamp(max=k_pos.shape[0] - 1)
+    qpos = torch.gather(kpos, 1, own)                                       # [bs, Q]
+    return kpos[:, None, :] > qpos[:, :, None] - window
+
+
 def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, window=None, softcap=None, sinks=None) -> torch.Tensor:
     """``q [T, H, D]`` against the paged cache ``k_cache [slots, Hkv, D]``,
     ``v_cache [slots, Hkv, Dv]`` -> ``[T, H, Dv]`` in ``q.dtype``; the cache dequantized to float32
-    (``value * scale``, an FP8 cache's per-tensor scales)."""
+    (``value * scale``, an FP8 cache's per-tensor scales); ``window``, ``softcap``, ``sinks [H]``
+    as ``AttentionLayer`` defines them (None: none)."""
     ps = lay.page_size
     nq, nk = lay.max_seq_len_q, lay.max_seq_len_k
     dev = q.device
@@ -67,9 +100,19 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: f
         vv = vv.repeat_interleave(h // hkv, dim=2)
     qq = q[q_row].float()                                                # [bs, nq, H, D]
     s = torch.einsum("bqhd,bkhd->bhqk", qq, kk) * scaling
-    ok = visible(lay, q_pos, k_pos) | ~q_ok[:, :, None]                 # dropped rows: no NaN
+    if softcap is not None:                                              # before the mask: -inf stays -inf
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible(lay, q_pos, k_pos)
+    if window is not None:
+        ok = ok & in_window(lay, q_pos, k_pos, window)
+    ok = ok | ~q_ok[:, :, None]                                          # dropped rows: no NaN
     s = s.masked_fill(~ok[:, None], float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)    # [bs, nq, H, Dv]
+    if sinks is not None:                                                # a last column, with no value
+        sink = sinks.to(device=dev, dtype=torch.float32)[None, :, None, None].expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vv)                           # [bs, nq, H, Dv]
     out = torch.empty(q.shape[0] + 1, h, v_cache.shape[2], device=dev, dtype=q.dtype)
     # scatter back; dropped rows go to the extra last row
     dst = torch.where(q_ok, q_row, q.shape[0])
@@ -84,12 +127,15 @@ class TorchNativeBackend(LayoutBackend):
     name: ClassVar[str] = "torch_native"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=True, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), kv_dtypes=FP8_KV, fp8_min_sm=0)
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), kv_dtypes=FP8_KV, fp8_min_sm=0,
+        windows=True, sinks=True, softcap=True)
 
     def _run(self, q: torch.Tensor, layer: AttentionLayer, meta: ForwardMetadata) -> torch.Tensor:
         pool, lid = self.memory.pool, layer.layer_id
+        extra = dict(window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         if self.config.is_mla:
             kv = pool.kv[lid]                                             # [slots, 1, 576]
             return paged_attention(q, kv, kv[..., :self.config.kv_lora_rank], meta.layout, layer.scaling,
-                                   layer.k_scale, layer.v_scale)
-        return paged_attention(q, pool.k[lid], pool.v[lid], meta.layout, layer.scaling, layer.k_scale, layer.v_scale)
+                                   layer.k_scale, layer.v_scale, **extra)
+        return paged_attention(q, pool.k[lid], pool.v[lid], meta.layout, layer.scaling, layer.k_scale,
+                               layer.v_scale, **extra)

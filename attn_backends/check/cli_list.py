@@ -11,6 +11,7 @@ import torch
 from .. import registry
 from ..base import GraphSupport
 from ..batch import ForwardMode
+from ..capabilities import FEATURE_WORDS
 from ..config import KV_DTYPE_NAMES
 from .report import WIDTH, grid
 
@@ -58,6 +59,8 @@ def _notes(info, builtins: set) -> list:
         if caps.kv_dtypes:                     # check's --kv-dtype names: what an engine's flag says
             names = {d: n for n, d in KV_DTYPE_NAMES.items() if d is not None}
             limits.append(f"KV caches: model's, {', '.join(names.get(d, str(d)[6:]) for d in caps.kv_dtypes)}")
+        if caps.features():                    # what a model beyond plain causal attention needs of it
+            limits.append(f"attention: {', '.join(FEATURE_WORDS[f] for f in caps.features())}")
         if limits:
             notes.append("; ".join(limits))
         if caps.cannot:

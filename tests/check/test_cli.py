@@ -109,7 +109,8 @@ def test_list_fits_100_columns_with_modes_origin_and_reasons(capsys, plugin_file
     row, notes = blocks["torch_native"]
     assert re.match(r"torch_native\s+yes\s+MHA\+MLA\s+1,16,64\s+yes\s+uniform_batch\s+cpu,cuda$", row), row
     assert notes == ["modes: extend [piecewise], decode [full], verify [full], draft_extend [full]",
-                     "KV caches: model's, fp8_e4m3, fp8_e5m2"]
+                     "KV caches: model's, fp8_e4m3, fp8_e5m2; attention: sliding windows, attention sinks, "
+                     "logit softcapping"]
     assert {i.name for i in registry.list_backends("cpu")} == set(blocks)
     for info in registry.list_backends("cpu"):
         if not info.available:
