@@ -212,6 +212,21 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_fp8_widening(name, q, kv_buffer) -> None:
+    """The GQA kernels widen an FP8 cache for a 16-bit query by PTX (``kv_walk.widen_fp8``) that
+    sm_89+ has: below, one line here rather than ptxas's error at compile time."""
+    if kv_buffer.dtype in FP8_KV_DTYPES and q.device.type == "cuda" and q.dtype != torch.float32:
+        major, minor = _capability(cuda_index(q.device))
+        if (major, minor) < (8, 9):
+            raise ValueError(f"{name}: an FP8 KV cache with a {str(q.dtype)[6:]} query needs sm_89+ (its FP8 "
+                             f"conversions), this GPU is sm_{major}{minor}")
+
+
 def cuda_index(device: torch.device) -> int:
     """The CUDA device index ``device`` names; a bare ``torch.device("cuda")`` names the current
     device (``torch.cuda.set_device``), not device 0."""

@@ -22,6 +22,7 @@ import triton.language as tl
 from .attention_core import (
     FP8_KV_DTYPES,
     LOG2E,
+    check_fp8_widening,
     check_paged_inputs,
     fuse_merge,
     heads_first_grid,
@@ -186,6 +187,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
     check_paged_inputs("decode_attention_fwd", q, (k_buffer, v_buffer), page_table,
                        seq_lens_k, page_size, bs, fp8_ok=True, scales=(k_scale, v_scale))
+    check_fp8_widening("decode_attention_fwd", q, k_buffer)
     if H % Hkv != 0 or k_buffer.shape[2] != D or v_buffer.shape[1] != Hkv:
         raise ValueError(f"decode_attention_fwd: q heads {H} x dim {D} incompatible with "
                          f"k_buffer {tuple(k_buffer.shape)} / v_buffer {tuple(v_buffer.shape)}")

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .attention_core import (
     LOG2E,
+    check_fp8_widening,
     check_paged_inputs,
     device_sms,
     fit_block_n,
@@ -257,6 +258,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
     check_paged_inputs(name, q, (k_buffer, v_buffer), page_table, seq_lens_k, page_size, bs, fp8_ok=True,
                        scales=(k_scale, v_scale))
+    check_fp8_widening(name, q, k_buffer)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.device != q.device:
         raise ValueError(f"{name}: cu_seqlens_q must be int32 on {q.device}, got "
                          f"{cu_seqlens_q.dtype} on {cu_seqlens_q.device}")

@@ -104,3 +104,25 @@ def test_widen_fp8_is_torch_cast_on_every_code(kv_dtype, shape):
         got, want = got[normal], want[normal]
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+
+@pytest.mark.parametrize("cap,q_dtype,refused", [((8, 0), torch.bfloat16, True), ((8, 6), torch.float16, True),
+                                                 ((8, 9), torch.bfloat16, False), ((9, 0), torch.float16, False),
+                                                 ((8, 0), torch.float32, False)])
+def test_fp8_widening_below_sm89_is_one_line(monkeypatch, cap, q_dtype, refused):
+    """The GQA launchers refuse an FP8 cache for a 16-bit query below sm_89 (its PTX conversions),
+    before ptxas would; a float32 query widens by Triton's cast anywhere. Host logic: the device is
+    an object, the capability patched."""
+    from types import SimpleNamespace
+
+    from attn_backends_kernels import attention_core as ac
+    monkeypatch.setattr(ac, "_capability", lambda index: cap)
+    q = SimpleNamespace(device=torch.device("cuda", 0), dtype=q_dtype)
+    kv = SimpleNamespace(dtype=torch.float8_e4m3fn)
+    if refused:
+        want = f"^decode_attention_fwd: an FP8 KV cache with a {str(q_dtype)[6:]} query needs sm_89\\+"
+        with pytest.raises(ValueError, match=want):
+            ac.check_fp8_widening("decode_attention_fwd", q, kv)
+    else:
+        ac.check_fp8_widening("decode_attention_fwd", q, kv)
+    ac.check_fp8_widening("decode_attention_fwd", q, SimpleNamespace(dtype=q_dtype))     # no FP8: no check
