@@ -272,9 +272,7 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"q has {n} rows, the layout expects bs*W = {lay.bs}*{width} = {lay.bs * width}")
         if not width and n != batch.num_tokens:
             raise ValueError(f"q has {n} rows, the EXTEND batch has {batch.num_tokens} new tokens")
-        cfg = self.config
-        if save_kv_cache or layer.features or not 0 <= layer.layer_id < cfg.num_layers or q.dtype != cfg.dtype:
-            self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)      # the read-only call's fast path
+        self._check_layer_and_dtypes(layer, q, k, v, save_kv_cache)
         if save_kv_cache:
             if k is None or int(k.shape[0]) != n or int(batch.out_cache_loc.shape[0]) != n:
                 raise ValueError(f"save_kv_cache needs k and out_cache_loc with {n} rows, got "
@@ -291,6 +289,8 @@ class LayoutBackend(AttentionBackend):
         (k, v when stored) are in the model's dtype (the KV memory's: a store would cast them
         silently, a kernel would mix precisions)."""
         cfg = self.config
+        if not (save_kv_cache or layer.features) and 0 <= layer.layer_id < cfg.num_layers and q.dtype == cfg.dtype:
+            return          # a read-only call of a plain layer: every check below holds (the hot eager path)
         if not 0 <= layer.layer_id < cfg.num_layers:
             raise ValueError(f"layer_id={layer.layer_id} outside 0..{cfg.num_layers - 1} "
                              f"(the model's num_layers={cfg.num_layers})")
