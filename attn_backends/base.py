@@ -15,7 +15,7 @@ import torch
 
 from .batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey
 from .capabilities import Capabilities, GraphSupport  # noqa: F401  (re-exported: the contract's names)
-from .config import AttentionLayer, ModelConfig
+from .config import FP8_KV, AttentionLayer, ModelConfig
 from .kv_cache import KVMemory
 from .layout import Layout, LayoutError
 from .step import StandaloneStep, StepView
@@ -149,6 +149,11 @@ class LayoutBackend(AttentionBackend):
             raise ValueError(f"backend {self.name} runs dtypes {caps.dtypes}, model is {config.dtype}")
         if config.cache_dtype not in (config.dtype, *caps.kv_dtypes):
             raise ValueError(f"backend {self.name} reads KV in {caps.kv_reads()}, not {config.cache_dtype}")
+        if config.cache_dtype in FP8_KV:        # select's FP8 rules, for a caller that constructs it directly
+            cap = torch.cuda.get_device_capability(memory.device) if memory.device.type == "cuda" else None
+            why = caps.fp8_model_refusal(config) or (caps.fp8_gpu_refusal(10 * cap[0] + cap[1]) if cap else None)
+            if why:
+                raise ValueError(f"backend {self.name}: {why}")
         memory.check_fits(config)
         self._steps = StandaloneStep(memory, self.get_cuda_graph_seq_len_fill_value)
         self._graph_meta: dict[tuple, ForwardMetadata] = {}   # (key, view.origin) -> the key's record

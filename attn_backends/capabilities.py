@@ -130,9 +130,8 @@ class Capabilities:
         if cfg.cache_dtype != cfg.dtype and cfg.cache_dtype not in self.kv_dtypes:
             return f"KV dtype {str(cfg.cache_dtype)[6:]} not read ({self.kv_reads()})"
         fp8 = cfg.cache_dtype in FP8_KV
-        if fp8 and self.fp8_model_dtypes is not None and cfg.dtype not in self.fp8_model_dtypes:
-            return (f"an FP8 KV cache is read with a {' or '.join(str(d)[6:] for d in self.fp8_model_dtypes)} "
-                    f"model only, model is {str(cfg.dtype)[6:]}")
+        if fp8 and (why := self.fp8_model_refusal(cfg)):
+            return why
         value = {"windows": f" (w={cfg.sliding_window})", "softcap": f" (c={cfg.logit_softcap})", "sinks": ""}
         missing = [FEATURE_WORDS[f] + value[f] for f in cfg.features(layer) if not getattr(self, f)]
         if missing:     # an MLA kernel has no reason to grow them: no MLA model uses them
@@ -144,6 +143,13 @@ class Capabilities:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
         if device == "cuda" and sm is not None and fp8:
             return self.fp8_gpu_refusal(sm)
+        return None
+
+    def fp8_model_refusal(self, cfg: ModelConfig) -> Optional[str]:
+        """Why it cannot read an FP8 cache for ``cfg``'s model dtype; None if it can."""
+        if self.fp8_model_dtypes is not None and cfg.dtype not in self.fp8_model_dtypes:
+            return (f"an FP8 KV cache is read with a {' or '.join(str(d)[6:] for d in self.fp8_model_dtypes)} "
+                    f"model only, model is {str(cfg.dtype)[6:]}")
         return None
 
     def fp8_gpu_refusal(self, sm: int) -> Optional[str]:

@@ -126,12 +126,6 @@ class FlashInferMLABackend(FlashInferBase):
         if h & (h - 1) or h > 128:
             # fa2/fa3 refuse causal tiles that split a head group (_fa_common._validate_fa_causal_tile_bound)
             raise ValueError(f"backend flashinfer_mla needs a power-of-two num_q_heads <= 128, got {h}")
-        if config.cache_dtype == torch.float8_e4m3fn:      # a caller that skipped select: the FP8 rules
-            dev = memory.device
-            sm = (lambda c: 10 * c[0] + c[1])(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None
-            why = self.capabilities.refusal(config, None, dev.type, sm)
-            if why:
-                raise ValueError(f"backend flashinfer_mla: {why}")
         super().__init__(config, memory)
 
     eager_as_graph: ClassVar[bool] = False    # the MLA planner does not look at the graph flag

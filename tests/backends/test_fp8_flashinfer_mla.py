@@ -100,7 +100,8 @@ def test_what_flashinfer_mla_does_not_read_is_refused_with_the_reason():
         "an FP8 KV cache is read with a bfloat16 model only, model is float16"
     mem = lambda cfg: make_memory(cfg, num_pages=8, max_reqs=2, max_context_len=64)  # noqa: E731
     fp16 = _config(dtype=torch.float16)
-    with pytest.raises(ValueError, match="^backend flashinfer_mla: an FP8 KV cache is read with a bfloat16 model only"):
+    want = "^backend fi_mla_emulated: an FP8 KV cache is read with a bfloat16 model only, model is float16$"
+    with pytest.raises(ValueError, match=want):
         E.EmulatedFlashInferMLA(fp16, mem(fp16))
     e5m2 = _config(kv=torch.float8_e5m2)
     with pytest.raises(ValueError, match=r"reads KV in the model's dtype, float8_e4m3fn, not torch.float8_e5m2"):
