@@ -20,7 +20,7 @@ import torch
 
 from .base import AttentionBackend, Capabilities
 from .batch import ForwardMode
-from .config import ModelConfig
+from .config import FP8_KV, ModelConfig
 
 ENTRY_POINT_GROUP = "attn_backends.backends"
 REFERENCE = "torch_native"   # select() takes it only when no other backend serves
@@ -181,9 +181,10 @@ def _refusal(caps, unavailable: Optional[str], cfg: ModelConfig, mode: Optional[
     package does not make an MLA backend serve a GQA model."""
     if caps is None:                # the class did not load: ``unavailable`` says why
         return unavailable
-    sm = device_sm() if device == "cuda" and unavailable is None else None    # this GPU's floors (FP8)
-    return caps.refusal(cfg, mode, device, None, topk, layer) or unavailable or (
-        caps.refusal(cfg, mode, device, sm, topk, layer) if sm is not None else None)
+    why = caps.refusal(cfg, mode, device, None, topk, layer) or unavailable
+    if why is None and device == "cuda" and cfg.cache_dtype in FP8_KV:      # this GPU's FP8 floor and ceiling
+        why = caps.fp8_gpu_refusal(device_sm())
+    return why
 
 
 def refusal(name: str, model_config: ModelConfig, mode: Optional[ForwardMode] = None,
