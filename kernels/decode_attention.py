@@ -32,7 +32,7 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
-from .kv_walk import NO_MASK, head_and_item, walk_paged
+from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, walk_paged, window_lo
 from .launch_record import launch
 from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
@@ -40,7 +40,7 @@ from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_la
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, v_scale,
+    scale_log2, v_scale, window, softcap_log2, sinks_ptr,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -55,15 +55,19 @@ def _decode_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     kvh, b, num_kvh = head_and_item(HEADS_FIRST)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
+    lo = 0
+    if WINDOW:      # the one row sees its window's last `window` tokens: the splits cut those alone
+        lo = window_lo(seq_len, 1, 0, 0, window, NO_MASK)
     # Splits are rounded up to whole BLOCK_N tiles so that only the last tile of a
     # split needs a bound mask; trailing splits may be empty (they write lse = -inf).
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -79,11 +83,13 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    m_i, l_i = sink_state(sinks_ptr, heads, mask_h, split == 0, m_i, l_i, SINKS)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0, 0, 0, 0, 0,
-                               pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
+                               pt_row, 0, window, softcap_log2, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION, WINDOW,
+                               SOFTCAP, 1)
 
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
@@ -99,7 +105,7 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_chunk_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, v_scale, bs, num_chunks,
+    scale_log2, v_scale, bs, num_chunks, window, softcap_log2, sinks_ptr,
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -113,13 +119,14 @@ def _decode_chunk_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining."""
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
-    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
-                                                  BLOCK_BS)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, window, 1, seq_lens_ptr, BLOCK_N,
+                                                  MIN_TILES, FIXED_TILES, BLOCK_BS, NO_MASK, WINDOW)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     heads = kvh * GROUP + offs_h
@@ -132,11 +139,13 @@ def _decode_chunk_kernel(
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
+        m_i, l_i = sink_state(sinks_ptr, heads, mask_h, c == first, m_i, l_i, SINKS)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
         m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
                                    stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0,
-                                   0, 0, 0, 0, pt_row, 0, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION)
+                                   0, 0, 0, 0, pt_row, 0, window, softcap_log2, PAGE_SIZE, BLOCK_N, NO_MASK,
+                                   INPUT_PRECISION, WINDOW, SOFTCAP, 1)
         tile = mask_h[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
@@ -157,7 +166,7 @@ def _decode_chunk_kernel(
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
                          num_stages=2, heads_first=None, schedule="split", merge="last", k_scale=1.0,
-                         v_scale=1.0):
+                         v_scale=1.0, window=None, softcap=None, sinks=None):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -182,6 +191,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     merge : the chunk schedules' merge: "last" (a request's last chunk program, one launch) or
         "pass" (a second launch spread over rows, heads and columns: ``schedule.ChunkLaunch.merge_pass``)
     k_scale, v_scale : an FP8 cache's per-tensor scales (1.0 otherwise)
+    window, softcap, sinks : the row sees its last ``window`` tokens (read alone); scores capped
+        as ``softcap * tanh(s / softcap)``; ``sinks [H]``, a logit a head in the softmax's
+        denominator (``AttentionLayer``'s; None: off)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -197,6 +209,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     check_schedule("decode_attention_fwd", schedule, merge)
+    window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks)
     if bs == 0:
         return out
     group = H // Hkv
@@ -207,11 +220,11 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
-                          schedule, block_n, heads_first)
+                          schedule, block_n, heads_first, window)
         part, lse = cl.part, cl.lse
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,
-            sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks,
+            sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, window, softcap_log2, sinks_arg,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -219,7 +232,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), MERGE_LAST=merge == "last",
-            num_warps=num_warps, num_stages=num_stages, **cl.consts)
+            num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, None, out)
         return out
@@ -231,7 +244,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
                                          (Hkv, bs, num_kv_splits), (bs, Hkv, num_kv_splits))
     launch(_decode_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, o, lse, out, counters,
-        sm_scale * LOG2E * k_scale, v_scale,
+        sm_scale * LOG2E * k_scale, v_scale, window, softcap_log2, sinks_arg,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -244,7 +257,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s, HEADS_FIRST=heads_first,
-        CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages,
+        CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages, **feats,
     )
     if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)

@@ -40,7 +40,15 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
-from .kv_walk import MASK_KINDS, head_and_item, visible_mask, walk_paged  # noqa: F401  (visible_mask: mla.attention's)
+from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
+    MASK_KINDS,
+    feature_args,
+    head_and_item,
+    sink_state,
+    visible_mask,
+    walk_paged,
+    window_lo,
+)
 from .launch_record import launch
 from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
@@ -49,7 +57,7 @@ from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_la
 def _extend_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
     o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, v_scale,
+    scale_log2, v_scale, window, softcap_log2, sinks_ptr,
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -63,6 +71,7 @@ def _extend_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_S: tl.constexpr, HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
@@ -109,17 +118,22 @@ def _extend_split_kernel(
     if MASK == 0:
         kv_end = tl.minimum(seq_len, prefix + qb * BLOCK_Q + BLOCK_Q)
     kv_end = tl.where(qb * BLOCK_Q < q_len, kv_end, 0)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if WINDOW:      # the block's rows see nothing before their window (kv_walk.window_lo)
+        lo = tl.minimum(window_lo(seq_len, q_len, draft_prefix, qb * BLOCK_Q, window, MASK), kv_end)
+    split_len = tl.cdiv(tl.cdiv(kv_end - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = sink_state(sinks_ptr, heads, row_ok, split == 0, m_i, l_i, SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     pt_row = page_table_ptr + b * stride_pb
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j, q_len, seq_len,
-                               prefix, draft_prefix, mask_ptr, mask_base, PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
+                               prefix, draft_prefix, mask_ptr, mask_base, window, softcap_log2, PAGE_SIZE, BLOCK_N,
+                               MASK, INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W)
 
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
@@ -136,7 +150,7 @@ def _extend_split_kernel(
 def _extend_chunk_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, mask_ptr, draft_prefix_ptr,
     o_ptr, lse_ptr, out_ptr, sem_ptr,
-    scale_log2, v_scale, bs, num_chunks, rows_per_chunk,
+    scale_log2, v_scale, bs, num_chunks, rows_per_chunk, window, softcap_log2, sinks_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_xt, stride_xh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -144,14 +158,16 @@ def _extend_chunk_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
     chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
-    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES,
-                                                  BLOCK_BS)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, window, rows_per_chunk,
+                                                  draft_prefix_ptr, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK,
+                                                  WINDOW)
     offs_m = tl.arange(0, BLOCK_M)
     j = offs_m // GROUP_PAD
     g = offs_m % GROUP_PAD
@@ -173,12 +189,14 @@ def _extend_chunk_kernel(
                     mask=row_ok[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i, l_i = sink_state(sinks_ptr, heads, row_ok, c == first, m_i, l_i, SINKS)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         pt_row = page_table_ptr + b.to(tl.int64) * stride_pb
         m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
                                    stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j,
                                    q_len, seq_len, seq_len - q_len, draft_prefix, mask_ptr,
-                                   b.to(tl.int64) * q_len * q_len, PAGE_SIZE, BLOCK_N, MASK, INPUT_PRECISION)
+                                   b.to(tl.int64) * q_len * q_len, window, softcap_log2, PAGE_SIZE, BLOCK_N, MASK,
+                                   INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W)
         tile = row_ok[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + rows[:, None] * stride_xt + heads[:, None] * stride_xh
@@ -221,7 +239,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                          page_size, sm_scale, max_q_len, out, mask="causal", custom_mask=None,
                          draft_prefix_lens=None, num_kv_splits=1, workspace=None, block_q=None,
                          block_n=None, num_warps=None, num_stages=None, heads_first=None, fuse=None,
-                         schedule="split", merge="last", k_scale=1.0, v_scale=1.0):
+                         schedule="split", merge="last", k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                         sinks=None):
     """Paged extend / verify attention, written into ``out``.
 
     Parameters
@@ -251,6 +270,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         ``schedule.slots_per_request`` chunks a request), or "invariant" (fixed chunks: a
         request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)
     merge : the chunk schedules' merge, "last" or "pass" (as ``decode_attention_fwd``'s)
+    window, softcap, sinks : as ``decode_attention_fwd``'s, a row's window measured from its own
+        position (``kv_walk.key_positions``: a tree's rows by depth, draft branches by step)
     """
     name = "extend_attention_fwd"
     T, H, D = q.shape
@@ -293,6 +314,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             raise ValueError(f"{name}: draft mask needs draft_prefix_lens int32 [>= {bs}] "
                              f"on {q.device}")
         draft_arg = draft_prefix_lens
+    window, softcap_log2, sinks_arg, feats = feature_args(name, q, window, softcap, sinks)
+    feats["BLOCK_W"] = triton.next_power_of_2(max_q_len) if mask == "tree" and feats["WINDOW"] else 1
     if bs == 0 or T == 0:
         return out
     group = H // Hkv
@@ -316,11 +339,12 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             raise ValueError(f"{name}: the chunk schedule needs every request's rows in one tile: "
                              f"max_q_len={max_q_len} > block_q={block_q}")
         cl = chunk_launch(name, out, workspace, bs, num_kv_splits, max_q_len, Hkv, page_table, page_size, schedule,
-                          block_n, heads_first)
+                          block_n, heads_first, window, MASK_KINDS[mask], draft_arg)
         part, lse = cl.part, cl.lse
         launch(_extend_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out,
-            cl.counters, sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, max_q_len,
+            cl.counters, sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, max_q_len, window, softcap_log2,
+            sinks_arg,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
@@ -328,7 +352,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
             MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
-            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts)
+            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, cu_seqlens_q, out)
         return out
@@ -343,7 +367,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     launch(_extend_split_kernel, grid,
         q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg,
         o, lse, out, counters,
-        sm_scale * LOG2E * k_scale, v_scale,
+        sm_scale * LOG2E * k_scale, v_scale, window, softcap_log2, sinks_arg,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -357,6 +381,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED=fused, BLOCK_S=block_s, HEADS_FIRST=heads_first,
         CHUNK_DV=merge_chunk(block_q * group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages,
+        **feats,
     )
     if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)

@@ -8,6 +8,8 @@ import triton.language as tl
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
+# log2(e) twice: a softcap's tanh by exp2 on scores in log2 units (``paged_tile_update``).
+_TWO_LOG2E = tl.constexpr(2.8853900817779268)
 # The interpreter runs no inline PTX: it widens FP8 by Triton's cast.
 _PTX = tl.constexpr(not triton.knobs.runtime.interpret)
 
@@ -37,7 +39,7 @@ def widen_fp8(x):
 @triton.jit
 def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs,
                       stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
-                      INPUT_PRECISION: tl.constexpr):
+                      softcap_log2, INPUT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax, shared by the decode and extend kernels.
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
@@ -45,13 +47,16 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     cache is widened exactly to q's dtype (``fp8_query`` made it float16 for bf16 models; every
     e4m3 and e5m2 value is a float16): K's scale folded into ``scale_log2`` by the caller, V's
     (``v_scale``) on the float32 product P.V; V by ``widen_fp8`` (the ways measured: bench/RESULTS.md,
-    'FP8 KV'). Other dtypes: the code as it was.
+    'FP8 KV'). Other dtypes: the code as it was. ``SOFTCAP``: the scores (log2 units) capped at
+    ``softcap_log2`` (the cap times log2 e) as ``C * tanh(s / C)`` before the mask, tanh by one exp2.
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     if k.dtype.is_fp8():
         k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+    if SOFTCAP:     # C tanh(s / C) = C - 2C / (exp(2 s / C) + 1): exact at both ends (exp2 of +-inf)
+        s = softcap_log2 - 2.0 * softcap_log2 / (tl.exp2(s * (_TWO_LOG2E / softcap_log2)) + 1.0)
     s = tl.where(vis, s, float("-inf"))
     # A row may see nothing in this tile (masks); keep its exponents finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -109,6 +114,54 @@ def visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask
 
 
 @triton.jit
+def key_positions(offs, prefix, draft_prefix, q_len, mask_ptr, mask_base, MASK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The absolute positions of a request's KV entries ``offs`` (a window's measure): the entry's
+    index, but a tree's draft entry ``prefix + r`` sits at ``prefix + depth(r)`` (its row of the W x W
+    mask counts its ancestors and itself) and a draft branch's entry at ``draft_prefix + step``."""
+    pos = offs
+    if MASK == 1:
+        rel = offs - prefix
+        tail = (rel >= 0) & (rel < q_len)
+        w = tl.arange(0, BLOCK_W)
+        bits = tl.load(mask_ptr + mask_base + rel[:, None] * q_len + w[None, :],
+                       mask=tail[:, None] & (w < q_len)[None, :], other=0)
+        pos = tl.where(tail, prefix - 1 + tl.sum((bits != 0).to(tl.int32), 1), offs)
+    elif MASK == 2:
+        pos = tl.where(offs >= draft_prefix, draft_prefix + (offs - draft_prefix) // tl.maximum(q_len, 1), offs)
+    return pos
+
+
+@triton.jit
+def window_lo(seq_len, q_len, draft_prefix, first_row, window, MASK: tl.constexpr):
+    """The first KV entry a request's rows from ``first_row`` on can see within ``window``
+    positions (elementwise: scalars or one per request): causal rows and decode (``NO_MASK``, one
+    row) by index; a tree's rows sit at the prefix or deeper, a draft branch's at its step, and
+    entries past the prefix (draft_prefix) are positioned by depth (step), so the bound stops there
+    and the per-key window (``walk_paged``) does the rest."""
+    prefix = seq_len - q_len
+    if MASK == 2:
+        lo = tl.minimum(draft_prefix + (prefix - draft_prefix) // tl.maximum(q_len, 1) - window + 1, draft_prefix)
+    elif MASK == 1:
+        lo = prefix - window + 1
+    else:
+        lo = prefix + first_row - window + 1
+    return tl.maximum(lo, 0)
+
+
+@triton.jit
+def sink_state(sinks_ptr, heads, ok, owner, m_i, l_i, SINKS: tl.constexpr):
+    """``(m_i, l_i)`` of a program's online softmax before its KV: where ``SINKS`` and the program
+    ``owner`` (exactly one of a request's splits or chunks), each row's head sink logit as a
+    column with no value (log2 units); the merges then count it once in the denominator."""
+    if SINKS:
+        live = ok & owner
+        m_i = tl.where(live, tl.load(sinks_ptr + heads, mask=live, other=0.0).to(tl.float32) * 1.4426950408889634,
+                       m_i)
+        l_i = tl.where(live, 1.0, l_i)
+    return m_i, l_i
+
+
+@triton.jit
 def head_and_item(HEADS_FIRST: tl.constexpr):
     """``(KV head, item, KV heads)`` of a program of the grid ``(Hkv, items, ...)`` where
     ``HEADS_FIRST`` (an item's KV heads adjacent: they read the same tokens' rows of the cache),
@@ -126,12 +179,17 @@ def head_and_item(HEADS_FIRST: tl.constexpr):
 @triton.jit
 def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
-               j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base,
-               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+               j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, window, softcap_log2,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_W: tl.constexpr):
     """Tokens ``[start, end)`` of the request whose page-table row is ``pt_row`` into the running
     ``(m_i, l_i, acc)``; ``MASK``: a ``MASK_KINDS`` value (with the row indices ``j`` and the
-    mask's inputs) or ``NO_MASK``."""
+    mask's inputs) or ``NO_MASK``. ``WINDOW``: with a mask, row ``j`` sees the keys whose position
+    (``key_positions``) is within ``window`` of its own (decode's range starts at its window:
+    ``window_lo``); ``BLOCK_W``: a tree's W, to a power of two."""
     q, scale_log2 = fp8_query(q, k_ptr, scale_log2)
+    if WINDOW and MASK >= 0:
+        q_lo = key_positions(prefix + j, prefix, draft_prefix, q_len, mask_ptr, mask_base, MASK, BLOCK_W) - window
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -140,7 +198,28 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
         vis = mask_n[None, :]
         if MASK >= 0:
             vis = vis & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, MASK)
+            if WINDOW:
+                k_pos = key_positions(offs_n, prefix, draft_prefix, q_len, mask_ptr, mask_base, MASK, BLOCK_W)
+                vis = vis & (k_pos[None, :] > q_lo[:, None])
         m_i, l_i, acc = paged_tile_update(
             q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
-            offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, INPUT_PRECISION)
+            offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, softcap_log2, INPUT_PRECISION,
+            SOFTCAP)
     return m_i, l_i, acc
+
+
+def feature_args(name: str, q, window, softcap, sinks) -> tuple:
+    """A wrapper's window, softcap and sinks checked in one line each and turned into the kernels'
+    ``(window, softcap_log2, sinks_ptr, constexprs)`` (None: the feature off, its kernel code
+    compiled out; ``sinks``: one logit a query head, on q's device, contiguous)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window={window!r} must be an int >= 1 (None: no window)")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+        raise ValueError(f"{name}: softcap={softcap!r} must be a finite float > 0 (None: no cap)")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or sinks.device != q.device
+                              or not sinks.is_floating_point() or sinks.stride(0) != 1):
+        raise ValueError(f"{name}: sinks {tuple(sinks.shape)} {sinks.dtype} on {sinks.device} must be one float "
+                         f"logit a query head ({q.shape[1]}), contiguous, on {q.device}")
+    consts = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None)
+    return (window or 0, float(softcap) * 1.4426950408889634 if softcap else 1.0,
+            q if sinks is None else sinks, consts)

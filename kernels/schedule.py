@@ -18,12 +18,14 @@ launch (``merge="pass"``: ``ChunkLaunch.merge_pass``) or by the chunk program th
 function of the lengths and ``num_chunks`` alone: replay equals eager.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .attention_core import heads_first_grid
+from .kv_walk import window_lo
 from .launch_record import launch
 
 # The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
@@ -61,34 +63,46 @@ def slots_per_request(schedule: str, num_kv_splits: int, max_tokens: int) -> int
 
 
 @triton.jit
-def _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                  FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
-    """The schedule of the batch: ``(offs, lens, per, n, ends)``, each request's length, the chunk
-    in tiles, each request's chunk count and their running sum."""
+def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr, BLOCK_N: tl.constexpr,
+                  MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, MASK: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """The schedule of the batch: ``(offs, lens, lo, per, n, ends)``, each request's length and
+    first KV entry (``WINDOW``: its window's, ``kv_walk.window_lo`` of ``q_rows`` rows of mask kind
+    ``MASK``; else 0), the chunk in tiles, each request's chunk count and their running sum. A
+    windowed request is cut from its window's start: the balance counts the KV read."""
     offs = tl.arange(0, BLOCK_BS)
     lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
-    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    lo = lens * 0
+    if WINDOW:
+        dp = lens * 0
+        if MASK == 2:
+            dp = tl.load(draft_prefix_ptr + offs, mask=offs < bs, other=0)
+        lo = tl.where(offs < bs, window_lo(lens, q_rows, dp, 0, window, MASK), 0)
+    tiles = (lens - lo + BLOCK_N - 1) // BLOCK_N
     per = tl.maximum((tl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
     if FIXED_TILES > 0:
         per = per * 0 + FIXED_TILES
     n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
-    return offs, lens, per, n, tl.cumsum(n, 0)
+    return offs, lens, lo, per, n, tl.cumsum(n, 0)
 
 
 @triton.jit
-def chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr):
+def chunk_of(seq_lens_ptr, j, bs, num_chunks, window, q_rows, draft_prefix_ptr, BLOCK_N: tl.constexpr,
+             MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, MASK: tl.constexpr,
+             WINDOW: tl.constexpr):
     """Chunk ``j`` of the schedule: ``(b, first, count, start, end, total)``, its request (``b >=
     bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
     the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
     chunks of that many tiles whatever the batch (the batch-invariant schedule, whose grid covers
-    as many chunks a request as the page table's width allows: ``slots_per_request``)."""
-    offs, lens, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS)
+    as many chunks a request as the page table's width allows: ``slots_per_request``). ``WINDOW``:
+    chunks from each request's window start (``_chunk_counts``)."""
+    offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr,
+                                                 BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW)
     b = tl.sum((ends <= j).to(tl.int32), 0)
     mine = offs == b
     count = tl.sum(tl.where(mine, n, 0), 0)
     first = tl.sum(tl.where(mine, ends, 0), 0) - count
-    start = (j - first) * per * BLOCK_N
+    start = tl.sum(tl.where(mine, lo, 0), 0) + (j - first) * per * BLOCK_N
     end = tl.minimum(start + per * BLOCK_N, tl.sum(tl.where(mine, lens, 0), 0))
     return b, first, count, start, end, tl.sum(n, 0)
 
@@ -144,10 +158,11 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
 
 @triton.jit
 def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr, bs, num_chunks, rows_per_chunk,
-                             stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
+                             window, draft_prefix_ptr, stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
                              NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                              BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr):
+                             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr,
+                             MASK: tl.constexpr, WINDOW: tl.constexpr):
     """The separate merge (``merge="pass"``): program (query row j of request b, head, column
     block) merges that row's chunk partials, BLOCK_C chunks a load, in chunk order, where the
     request has more than one chunk (one chunk wrote its output itself). ``cu_q_ptr``: the rows
@@ -156,7 +171,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     h = tl.program_id(1)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
-    offs, lens, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS)
+    offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, rows_per_chunk, draft_prefix_ptr,
+                                                 BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW)
     count = tl.sum(tl.where(offs == b, n, 0), 0)
     first = tl.sum(tl.where(offs == b, ends, 0), 0) - count
     q_start = b * rows_per_chunk       # uniform rows (decode: one a request)
@@ -200,7 +216,8 @@ def check_schedule(name: str, schedule: str, merge: str) -> None:
 class ChunkLaunch:
     """What a chunk pass launches with (``chunk_launch``): the workspace, the chunk budget, the
     grid, the schedule's constexprs (``consts``: ``MIN_TILES``, ``FIXED_TILES``, ``BLOCK_BS``,
-    ``HEADS_FIRST``), and what the separate merge (``merge_pass``) needs of the schedule."""
+    ``HEADS_FIRST``), and what the separate merge (``merge_pass``) needs of the schedule (with a
+    window, its width, the launch's mask kind and draft prefixes: ``_chunk_counts``)."""
 
     part: torch.Tensor
     lse: torch.Tensor
@@ -212,6 +229,9 @@ class ChunkLaunch:
     rows_per_chunk: int
     block_n: int
     schedule: str
+    window: int = 0
+    mask: int = -1
+    draft_prefix_lens: Optional[torch.Tensor] = None
 
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
@@ -222,27 +242,32 @@ class ChunkLaunch:
         part, lse = self.part, self.lse
         launch(_merge_chunk_pass_kernel, (self.bs * self.rows_per_chunk, H, triton.cdiv(Dv, block_dv)),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
-               self.num_chunks, self.rows_per_chunk, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+               self.num_chunks, self.rows_per_chunk, self.window,
+               seq_lens_k if self.draft_prefix_lens is None else self.draft_prefix_lens,
+               part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
                out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
                BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
-               HAS_CU=cu_seqlens_q is not None)
+               HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
-                 heads_first) -> ChunkLaunch:
+                 heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
-    grid (``(Hkv, slots)`` or ``(slots, Hkv)``, ``attention_core.heads_first_grid``)."""
+    grid (``(Hkv, slots)`` or ``(slots, Hkv)``, ``attention_core.heads_first_grid``); ``window``
+    (0: none), the launch's mask kind (``kv_walk.MASK_KINDS``, -1: decode) and draft prefixes
+    for the merge pass's schedule."""
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
     part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, rows_per_chunk, num_kv_heads)
     slots = chunk_slots(bs, per_request)
     heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (num_kv_heads, slots), (slots, num_kv_heads))
     consts = dict(MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=triton.next_power_of_2(bs), HEADS_FIRST=heads_first)
-    return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule)
+    return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
+                       window or 0, mask, draft_prefix_lens)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

@@ -37,8 +37,8 @@ def _mla_chunk_kernel(
     hb = pid % NUM_HB  # head blocks of one row block adjacent: the fastest axis
     wb = pid // NUM_HB
     c = tl.program_id(1)
-    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, BLOCK_N, MIN_TILES,
-                                                  FIXED_TILES, BLOCK_BS)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, 0, W, draft_prefix_ptr, BLOCK_N,
+                                                  MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, False)
     if c >= total:
         return  # a slot past the batch's last chunk
     seq_len = tl.load(seq_lens_ptr + b)

@@ -43,8 +43,12 @@ def gather_tokens(buffer, page_row, seq_len, page_size):
 
 def ref_paged_attention(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q,
                         page_size, sm_scale, mask=CAUSAL, custom_mask=None,
-                        draft_prefix_lens=None):
-    """Float64 attention of q [T, H, D] over the paged cache; returns [T, H, Dv] float64."""
+                        draft_prefix_lens=None, window=None, softcap=None, sinks=None):
+    """Float64 attention of q [T, H, D] over the paged cache; returns [T, H, Dv] float64.
+    ``window`` (causal rows: by index), ``softcap`` (on the scaled score, before the mask) and
+    ``sinks [H]`` (a value-less softmax column) as ``AttentionLayer`` states them."""
+    if window is not None and mask != CAUSAL:
+        raise ValueError("ref_paged_attention: windows by index hold for causal rows alone")
     dev = q.device
     q = q.double()
     cu = cu_seqlens_q.cpu().tolist()
@@ -63,6 +67,8 @@ def ref_paged_attention(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlen
         v = gather_tokens(v_buffer, page_table[i], L, page_size)
         qi = q[cu[i]:cu[i + 1]].view(q_len, Hkv, G, -1)  # GQA: head h uses KV head h // G
         s = torch.einsum("jkgd,pkd->kgjp", qi, k) * sm_scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         j = torch.arange(q_len, device=dev)[:, None]
         p = torch.arange(L, device=dev)[None, :]
         if mask == CAUSAL:
@@ -80,8 +86,14 @@ def ref_paged_attention(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlen
             vis = (p < dp) | (((p - dp) % q_len) == j)
         else:
             raise ValueError(mask)
+        if window is not None:
+            vis = vis & (p > prefix + j - window)
         s = s.masked_fill(~vis, float("-inf"))
-        w = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
+        if sinks is not None:           # [Hkv, G, q_len, 1]: head kv * G + g's logit
+            col = sinks.double().to(dev).view(Hkv, G, 1, 1).expand(Hkv, G, q_len, 1)
+            w = torch.softmax(torch.cat([s, col], -1), dim=-1)[..., :-1]
+        else:
+            w = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
         o = torch.einsum("kgjp,pkd->jkgd", w, v)
         out[cu[i]:cu[i + 1]] = o.reshape(q_len, H, -1)
     return out

@@ -157,7 +157,8 @@ def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request, hea
 def _schedule_probe(seq_lens_ptr, out_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                     BLOCK_BS: tl.constexpr):
     j = tl.program_id(0)
-    b, first, count, start, end, total = chunk_of(seq_lens_ptr, j, bs, num_chunks, BLOCK_N, MIN_TILES, 0, BLOCK_BS)
+    b, first, count, start, end, total = chunk_of(seq_lens_ptr, j, bs, num_chunks, 0, 1, seq_lens_ptr, BLOCK_N,
+                                                  MIN_TILES, 0, BLOCK_BS, -1, False)
     for i, x in enumerate((b, first, count, start, end)):
         tl.store(out_ptr + j * 5 + i, x)
 

@@ -1,0 +1,96 @@
+"""The GQA kernels' sliding window, sinks and softcap (issue #42) against float64 over the paged
+cache: decode in each schedule (split, chunks with either merge, invariant) and the causal extend
+(prefill of several query blocks, split); tree, draft and verify rows run through the backend
+(tests/backends/test_windows_sinks_softcap.py). The window's poison: NaN in every KV slot before
+each request's window leaves the output bitwise unchanged, so no kernel reads there."""
+import pytest
+import torch
+from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
+
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+H, HKV, D, PAGE = 4, 2, 16, 16
+LENS = [70, 5, 300, 33]
+# (window, softcap, sinks): windows of 1, not a page multiple, over the longest request; a cap that
+# binds (scores of several units); sinks of large magnitude
+CASES = {"w1": (1, None, None), "w37_cap": (37, 0.7, None), "w1000": (1000, None, None),
+         "sinks": (None, None, [9.0, -11.0, 0.5, 3.0]), "w20_cap_sinks": (20, 2.0, [-9.0, 12.0, 1.5, 0.0])}
+
+
+def _batch(lens, rows_each, seed=1):
+    pt, seq, num_pages = make_paged_batch(lens, PAGE, pad_rows=1, device=DEVICE, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k = torch.randn(num_pages * PAGE, HKV, D, generator=g).to(DEVICE)
+    v = torch.randn(num_pages * PAGE, HKV, D, generator=g).to(DEVICE)
+    q = (3 * torch.randn(sum(rows_each), H, D, generator=g)).to(DEVICE)
+    return pt, seq, k, v, q
+
+
+def _decode(q, k, v, pt, seq, schedule, window, cap, sinks):
+    bs = q.shape[0]
+    out = torch.full_like(q, float("nan"))
+    ws = (decode_workspace(bs, H, D, 3, DEVICE) if schedule == "split" else
+          chunk_workspace(bs, slots_per_request(schedule, 3, pt.shape[1] * PAGE), 1, H, HKV, D, DEVICE))
+    merge = {"split": "last", "chunks": "pass", "chunks_last": "last", "invariant": "pass"}[schedule]
+    decode_attention_fwd(q, k, v, pt, seq, PAGE, D ** -0.5, 3, out, ws, schedule=schedule.split("_")[0],
+                         merge=merge, window=window, softcap=cap, sinks=sinks)
+    return out
+
+
+def _sinks(sinks):
+    return None if sinks is None else torch.tensor(sinks, device=DEVICE)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("schedule", ["split", "chunks", "chunks_last", "invariant"])
+def test_decode(schedule, case):
+    window, cap, sinks = CASES[case]
+    pt, seq, k, v, q = _batch(LENS, [1] * (len(LENS) + 1))
+    out = _decode(q, k, v, pt, seq, schedule, window, cap, _sinks(sinks))
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    ref = ref_paged_attention(q, k, v, pt, seq, cu, PAGE, D ** -0.5, window=window, softcap=cap, sinks=_sinks(sinks))
+    assert_close(out[:len(LENS)], ref[:len(LENS)], 1e-5)
+
+
+@pytest.mark.parametrize("case", ["w1", "w37_cap", "w20_cap_sinks"])
+def test_extend_prefill(case):
+    """Ragged prefill of several 16-row query blocks over cached prefixes: each block's rows read
+    from their own window on (``window_lo``)."""
+    window, cap, sinks = CASES[case]
+    new = [40, 3, 70, 17]
+    pt, seq, k, v, q = _batch([p + n for p, n in zip([30, 0, 230, 16], new)], new + [1])
+    cu = torch.tensor([0] + torch.tensor(new + [1]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(q, k, v, pt, seq, cu, PAGE, D ** -0.5, max(new), out, num_kv_splits=2, block_q=16,
+                         window=window, softcap=cap, sinks=_sinks(sinks))
+    ref = ref_paged_attention(q, k, v, pt, seq, cu, PAGE, D ** -0.5, window=window, softcap=cap, sinks=_sinks(sinks))
+    assert_close(out[:sum(new)], ref[:sum(new)], 1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["split", "chunks"])
+def test_decode_never_reads_before_the_window(schedule):
+    """NaN in every slot of the positions before each request's window (whole pages and the first
+    page's head alike): the output's bits do not change."""
+    window = 37
+    pt, seq, k, v, q = _batch(LENS, [1] * (len(LENS) + 1))
+    clean = _decode(q, k, v, pt, seq, schedule, window, None, None)
+    for i, n in enumerate(LENS):
+        for p in range(max(0, n - window)):
+            slot = int(pt[i, p // PAGE]) * PAGE + p % PAGE
+            k[slot], v[slot] = float("nan"), float("nan")
+    poisoned = _decode(q, k, v, pt, seq, schedule, window, None, None)
+    assert torch.equal(clean[:len(LENS)], poisoned[:len(LENS)])
+
+
+def test_feature_arguments_refused_in_one_line():
+    pt, seq, k, v, q = _batch([20], [1, 1])
+    out = torch.empty_like(q)
+    for kw, text in [(dict(window=0), "window=0 must be an int >= 1"), (dict(softcap=-1.0), "softcap=-1.0"),
+                     (dict(sinks=torch.zeros(H + 1, device=DEVICE)), "one float logit a query head (4)")]:
+        with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
+            decode_attention_fwd(q, k, v, pt, seq, PAGE, 1.0, 1, out, **kw)
