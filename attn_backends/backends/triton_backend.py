@@ -36,7 +36,8 @@ class TritonBackend(TritonBackendBase):
     name: ClassVar[str] = "triton"
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=ALL_MODES, mha=True, mla=False, page_sizes=(1, 16, 64), topk_gt1=True,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",), kv_dtypes=FP8_KV)
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",), kv_dtypes=FP8_KV,
+        windows=True, sinks=True, softcap=True)
 
     def _programs(self, bs: int, width: int) -> int:
         return bs * self.config.num_kv_heads
@@ -102,7 +103,8 @@ class TritonBackend(TritonBackendBase):
         splits, ws = meta.num_kv_splits, meta.workspace
         chunked, tile = self._chunked(lay), {}
         merge = self.chunk_merge if chunked else "last"
-        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)       # an FP8 cache's
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale,       # an FP8 cache's
+                      window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
                                  layer.scaling, splits, out, workspace=ws, schedule=self.schedule, merge=merge,

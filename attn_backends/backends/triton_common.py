@@ -58,7 +58,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
     """The split count and split workspace of a key (or an eager step), and the launches recorded
-    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale) -> :class:`Recorded`)."""
+    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale, window, softcap,
+    has sinks) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
     workspace: Optional[tuple] = None
@@ -160,9 +161,10 @@ class TritonBackendBase(LayoutBackend):
         if meta.key is not None and stream_capturing():   # captured: the graph replays the launch
             self._launch(q, kv, out, layer, meta)
             return out
-        inputs = (q, *kv, out)
+        sinks = () if layer.sinks is None else (layer.sinks,)      # a layer's weight, passed like its KV
+        inputs = (q, *kv, *sinks, out)
         book = meta.book
-        scales = (layer.scaling, layer.k_scale, layer.v_scale)      # the launches' host floats
+        scales = (layer.scaling, layer.k_scale, layer.v_scale, layer.window, layer.softcap, bool(sinks))  # host values
         rec = book.get(scales)
         if rec is not None and rec.replay(inputs):
             return out
@@ -173,11 +175,12 @@ class TritonBackendBase(LayoutBackend):
             self._launch(q, kv, out, layer, meta)
         # the KV buffers are the pool's (their facts checked once each), out is this call's own;
         # kept once a call succeeded: a failed call changes nothing
-        book[scales] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv))), derived=(len(inputs) - 1,))
+        book[scales] = Recorded(launches, inputs, kept=tuple(range(1, 1 + len(kv) + len(sinks))),
+                                derived=(len(inputs) - 1,))
         return out
 
     def _step_book(self, view: StepView) -> dict:
-        """The recorded launches ((softmax scale, k_scale, v_scale) -> :class:`Recorded`) of an
+        """The recorded launches (the layer's host values -> :class:`Recorded`) of an
         eager step: in the step's cache, shared by every instance of this class over the same config and KV memory
         (they read the step's one layout: with a backend instance per layer the step still
         records once), new with each step id (a new layout). Graph metadata called outside a

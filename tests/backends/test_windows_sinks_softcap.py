@@ -23,6 +23,9 @@ from attn_backends.check.scenarios import (
 )
 
 H, HKV, D = 4, 2, 16
+# The Triton backend's cases: on the GPU where there is one (GPU tests), else in the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+on_triton_device = pytest.mark.cuda if TRITON_DEVICE == "cuda" else (lambda f: f)
 
 
 def _parents(n: int, rng: random.Random) -> list:
@@ -99,16 +102,16 @@ def brute_force(batch, mem, layer_id, q, scaling, window, cap, sinks, parents, r
     seqs = batch.seq_lens_cpu.tolist()
     new = batch.extend_seq_lens_cpu.tolist() if mode == ForwardMode.EXTEND else [batch.width] * batch.batch_size
     if mem.is_mla:
-        kc = mem.pool.kv[layer_id].double()
+        kc = mem.pool.kv[layer_id].double().cpu()
         vc = kc[..., :rank]
     else:
-        kc, vc = mem.pool.k[layer_id].double(), mem.pool.v[layer_id].double()
+        kc, vc = mem.pool.k[layer_id].double().cpu(), mem.pool.v[layer_id].double().cpu()
     hkv = kc.shape[1]
     out = torch.full((q.shape[0], H, vc.shape[-1]), float("nan"), dtype=torch.float64)
     row0 = 0
     for i in range(batch.raw_bs):
         seq, n = seqs[i], new[i]
-        slots = mem.req_to_token[int(batch.req_pool_indices[i]), :seq].long()
+        slots = mem.req_to_token[int(batch.req_pool_indices[i]), :seq].long().cpu()
         qpos, kpos, vis = _positions(mode, spec, parents[i] if parents else None, seq - n, n, seq)
         for j in range(n):
             for h in range(H):
@@ -129,7 +132,7 @@ def brute_force(batch, mem, layer_id, q, scaling, window, cap, sinks, parents, r
     return out
 
 
-def _run(scn_name, feat, ps, seed, graph=False, mla=False):
+def _run(scn_name, feat, ps, seed, graph=False, mla=False, backend="torch_native", device="cpu"):
     window, cap, sinks = FEATURES[feat]
     rng = random.Random(seed)
     kind = dict(num_kv_heads=1, is_mla=True, kv_lora_rank=D, qk_rope_head_dim=8) if mla else \
@@ -138,16 +141,16 @@ def _run(scn_name, feat, ps, seed, graph=False, mla=False):
                       sliding_window=window, logit_softcap=cap, sinks=sinks is not None,
                       layer_types=None if window is None else ("full_attention", "sliding_attention"))
     mem = make_memory(cfg, num_pages=4096 // ps + 4, max_reqs=16, max_context_len=1024,
-                      page_order="shuffled", seed=seed)
-    be = get_backend("torch_native", cfg, mem)
+                      page_order="shuffled", seed=seed, device=device)
+    be = get_backend(backend, cfg, mem)
     scn, parents = SCENARIOS[scn_name](rng)
     m = materialize(scn, mem, be.get_cuda_graph_seq_len_fill_value())
     gen = torch.Generator().manual_seed(seed)
     n = m.batch.num_tokens
-    q = 3 * torch.randn(n, H, cfg.qk_dim, generator=gen)          # scores of several units: the cap binds
-    k = torch.randn(n, cfg.num_kv_heads, cfg.qk_dim, generator=gen)
-    v = None if mla else torch.randn(n, HKV, D, generator=gen)
-    layer = cfg.layer(1, sinks=None if sinks is None else torch.tensor(sinks))
+    q = (3 * torch.randn(n, H, cfg.qk_dim, generator=gen)).to(device)   # scores of several units: the cap binds
+    k = torch.randn(n, cfg.num_kv_heads, cfg.qk_dim, generator=gen).to(device)
+    v = None if mla else torch.randn(n, HKV, D, generator=gen).to(device)
+    layer = cfg.layer(1, sinks=None if sinks is None else torch.tensor(sinks, device=device))
     assert (layer.window, layer.softcap) == (window, cap)
     if graph:
         cap_m = materialize(SCENARIOS[scn_name](rng)[0], mem, be.get_cuda_graph_seq_len_fill_value())
@@ -156,13 +159,28 @@ def _run(scn_name, feat, ps, seed, graph=False, mla=False):
         be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
     else:
         be.init_forward_metadata(m.batch)
-    out = be.forward(q, k, v, layer, m.batch)
-    ref = brute_force(m.batch, mem, 1, q, layer.scaling, window, cap, sinks, parents, cfg.kv_lora_rank)
+    out = be.forward(q, k, v, layer, m.batch).cpu()
+    ref = brute_force(m.batch, mem, 1, q.cpu(), layer.scaling, window, cap, sinks, parents, cfg.kv_lora_rank)
     real = ~ref[:, 0, 0].isnan()
     assert torch.isfinite(out).all(), "pad rows must stay finite"
     for h in range(H):        # per head: a large sink shrinks one head's output by orders of magnitude
         err = (out[real, h].double() - ref[real, h]).norm() / ref[real, h].norm()
         assert err < 1e-5, f"head {h}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("feat", ["w1", "w5_not_page_multiple", "w37_cap", "sinks_only", "w6_cap_sinks"])
+@pytest.mark.parametrize("scn_name", list(SCENARIOS))
+@on_triton_device
+def test_triton_matches_brute_force(scn_name, feat):
+    """The Triton kernels in every mode: decode and verify rows through the chunk schedule, extend
+    and draft rows through the split pass; a tree's and a draft branch's window by depth and step."""
+    _run(scn_name, feat, 16, seed=7 + len(feat), backend="triton", device=TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("scn_name", ["verify_tree_n8", "draft_decode_topk4", "decode_padded"])
+@on_triton_device
+def test_triton_graph_path_matches_brute_force(scn_name):
+    _run(scn_name, "w6_cap_sinks", 16, seed=5, graph=True, backend="triton", device=TRITON_DEVICE)
 
 
 @pytest.mark.parametrize("ps", [1, 16])
