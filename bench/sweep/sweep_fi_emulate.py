@@ -14,9 +14,12 @@ from __future__ import annotations
 import torch
 
 
-def _attend(q, k, v, visible, scale):
-    """``q [n, H, D]``, ``k [kv, H, D]``, ``v [kv, H, Dv]``, ``visible [n, kv]`` -> ``[n, H, Dv]``."""
+def _attend(q, k, v, visible, scale, cap=0.0):
+    """``q [n, H, D]``, ``k [kv, H, D]``, ``v [kv, H, Dv]``, ``visible [n, kv]`` -> ``[n, H, Dv]``;
+    ``cap`` > 0: FlashInfer's logits soft cap on the scaled score, ``cap * tanh(s / cap)``."""
     s = torch.einsum("nhd,khd->hnk", q.float(), k.float()) * scale
+    if cap > 0:
+        s = cap * torch.tanh(s / cap)
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hnk,khd->nhd", torch.softmax(s, dim=-1), v.float())
 
@@ -50,7 +53,10 @@ def _gqa(call):
         k, v = k * call.run_kwargs.get("k_scale", 1.0), v * call.run_kwargs.get("v_scale", 1.0)
         lo, hi = int(qo[i]), int(qo[i + 1])
         vis = _visible(hi - lo, kv, causal, mask, offset, q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, vis, kw["sm_scale"]).to(q.dtype)
+        if kw.get("window_left", -1) >= 0:          # query j of n at kv - n + j sees window_left back
+            rows = kv - (hi - lo) + torch.arange(hi - lo, device=q.device)[:, None]
+            vis = vis & (torch.arange(kv, device=q.device)[None, :] >= rows - kw["window_left"])
+        out[lo:hi] = _attend(q[lo:hi], k, v, vis, kw["sm_scale"], kw.get("logits_soft_cap", 0.0)).to(q.dtype)
         offset += (hi - lo) * kv
     return out
 

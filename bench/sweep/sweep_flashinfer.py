@@ -70,6 +70,9 @@ def candidates(wl) -> list:
 def refusal(config: str, wl, sm: int) -> Optional[str]:
     """Why ``config`` cannot run ``wl`` (None: it can), with the source that says so."""
     kind, opts = CONFIGS[config]
+    if wl.sinks:
+        return ("the sink rows measure what sinks cost our kernels (issue #42: at most 5 %); "
+                "FlashInfer's sink path is not swept")
     if opts.get("backend") == "fa3" and sm != 90:
         return f"fa3 kernels need SM90 (sm_{sm} here)"
     if kind == "decode" and not opts["use_tensor_cores"] and wl.heads // wl.kv_heads not in (1, 2, 3, 4, 8):
@@ -113,6 +116,8 @@ class FiInputs:
     q: torch.Tensor                  # [bs*W, H, qk_dim]
     paged_kv: object                 # GQA (k, v) [pages, ps, Hkv, D]; MLA [pages, ps, 576]
     kv_scales: tuple = (1.0, 1.0)    # (k, v): an FP8 cache holds value / scale
+    window_left: int = -1            # a sliding window of w tokens: w - 1 (plan(window_left=))
+    logits_soft_cap: float = 0.0     # plan(logits_soft_cap=): 0 is none
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -157,7 +162,7 @@ def fi_inputs(row, layout: dict) -> FiInputs:
     return FiInputs(row.bs, wl.width, wl.heads, wl.kv_heads, wl.qk_dim, wl.v_dim, ps,
                     layer.scaling, layout["cu_seqlens_q"], kv_indptr,
                     layout["kv_indices"][:nnz].contiguous(), last, kv_lens, mask, row.q, paged,
-                    (layer.k_scale, layer.v_scale))
+                    (layer.k_scale, layer.v_scale), (layer.window or 0) - 1, layer.softcap or 0.0)
 
 
 @dataclass
@@ -182,6 +187,10 @@ def call_spec(config: str, inp: FiInputs) -> FiCall:
     """The eager call of ``config`` on ``inp`` (``graph_call`` adds the fixed buffers)."""
     kind, opts = CONFIGS[config]
     dtypes = dict(q_data_type=inp.q.dtype, kv_data_type=inp.kv_dtype, sm_scale=inp.sm_scale)
+    if kind != "mla" and inp.window_left >= 0:
+        dtypes["window_left"] = inp.window_left
+    if kind != "mla" and inp.logits_soft_cap > 0:
+        dtypes["logits_soft_cap"] = inp.logits_soft_cap
     # run(k_scale=, v_scale=): an FP8 cache's per-tensor scales (decode.py / prefill.py run)
     scales = dict(k_scale=inp.kv_scales[0], v_scale=inp.kv_scales[1]) if inp.kv_scales != (1.0, 1.0) else {}
     out = _out(inp)

@@ -67,9 +67,10 @@ def select_workloads(patterns: Optional[list], pool) -> list:
     where named exactly."""
     if not patterns:
         return list(pool)
-    # a by-name-only workload (*_balanced, *_fp8) joins the pool where named exactly
+    # a by-name-only workload (*_balanced, *_fp8, #42's *_w4096 / *_cap / *_sinks) joins the pool where named exactly
     pool = list(pool) + [BY_NAME[p] for p in patterns if p in BY_NAME and BY_NAME[p] not in pool
-                         and (BY_NAME[p].balanced or BY_NAME[p].kv_dtype is not None)]
+                         and (BY_NAME[p].balanced or BY_NAME[p].kv_dtype is not None or BY_NAME[p].variant
+                              or BY_NAME[p].sinks)]
     names = {w.name: {w.name} | {a for a, v in BY_NAME.items() if v.name == w.name} for w in pool}
     for p in patterns:
         if not any(fnmatch.fnmatchcase(n, p) for ns in names.values() for n in ns):

@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from sweep_flashinfer import PREWARM, Peer, fi_inputs, new_workspace, refusal
 from sweep_ours import INVARIANT, Ours, has_invariant
-from sweep_rows import BY_NAME, WORKLOADS, build_group, build_row
+from sweep_rows import BY_NAME, VARIANTS, WORKLOADS, build_group, build_row
 
 PREWARM_KV = 4096      # >= 64 pages at page 64: the split counts (up to 64) are those of every row
 
@@ -31,14 +32,22 @@ def config_of(job: str) -> str:
 
 
 def job_workload(job: str):
-    """The workload a FlashInfer job plans: ``PREWARM``'s, at the job's head dim and KV dtype (a JIT
-    module per head dim and KV dtype: ``fi_decode:d128:fp8``)."""
+    """The workload a FlashInfer job plans: ``PREWARM``'s, at the job's head dim and variant (a JIT
+    module per head dim, KV dtype, window and cap: ``fi_decode:d128:fp8``, ``fi_decode:d128:w``)."""
     wl = BY_NAME[PREWARM[config_of(job)]]
     if ":d" not in job:
         return wl
     dim = int(job.split(":d")[1].split(":")[0])
     wl = next(w for w in WORKLOADS if w.family == "gqa" and w.mode == wl.mode and w.qk_dim == dim)
-    return BY_NAME[f"{wl.name}_fp8"] if job.endswith(":fp8") else wl
+    for tag in job.split(":")[2:]:
+        wl = _with(wl, {"fp8": "fp8", "w": "w4096", "cap": "cap"}[tag])
+    return wl
+
+
+def _with(wl, tag: str):
+    """``wl`` with one more variant (``sweep_rows.VARIANTS`` or fp8): a prewarm job's module."""
+    extra = dict(kv_dtype=torch.float8_e4m3fn) if tag == "fp8" else VARIANTS[tag]
+    return replace(wl, name=f"{wl.name}_{tag}", **extra)
 
 
 def jobs(groups, with_fi: bool, sm: int, invariant: bool = False) -> list:
@@ -50,8 +59,7 @@ def jobs(groups, with_fi: bool, sm: int, invariant: bool = False) -> list:
     out += [f"{INVARIANT}:{n}" for n in sorted(wls) if invariant and has_invariant(wls[n])]
     if not with_fi:
         return out
-    dims = sorted({f"d{w.qk_dim}" + (":fp8" if w.kv_dtype is not None else "") for p in groups for w in p.wls
-                   if w.family == "gqa"})
+    dims = sorted({f"d{w.qk_dim}{w.variant}" for p in groups for w in p.wls if w.family == "gqa" and not w.sinks})
     families = {p.family for p in groups}
     for c, name in PREWARM.items():
         wl = BY_NAME[name]

@@ -100,6 +100,15 @@ class Workload:
     topk: int = 1
     balanced: bool = False   # MLA: ours with the chunk schedule (BalancedTritonMLABackend)
     kv_dtype: Optional[torch.dtype] = None   # the KV cache's dtype (None: the model's); FP8 stored with FP8_SCALES
+    window: Optional[int] = None    # issue #42: a sliding window (HF's sliding_window), a softcap, sinks (SINKS)
+    softcap: Optional[float] = None
+    sinks: bool = False
+
+    @property
+    def variant(self) -> str:
+        """The FlashInfer JIT module's tags beyond the head dim (``sweep_prewarm``): ``:fp8``, ``:w``, ``:cap``."""
+        return ((":fp8" if self.kv_dtype is not None else "") + (":w" if self.window else "")
+                + (":cap" if self.softcap else ""))
 
     @property
     def backend(self) -> str:
@@ -114,6 +123,9 @@ class Workload:
 
     def config(self, dtype=torch.bfloat16) -> ModelConfig:
         fp8 = dict(kv_dtype=self.kv_dtype, kv_scales=(FP8_SCALES,)) if self.kv_dtype is not None else {}
+        if self.window or self.softcap or self.sinks:
+            fp8.update(sliding_window=self.window, layer_types=("sliding_attention",) if self.window else None,
+                       logit_softcap=self.softcap, sinks=self.sinks)
         if self.family == "mla":
             return ModelConfig(num_layers=1, num_q_heads=self.heads, is_mla=True,
                                page_size=self.page_size, dtype=dtype, **fp8)
@@ -140,7 +152,8 @@ class Workload:
         return dict(workload=self.name, family=self.family, mode=self.mode, heads=self.heads,
                     kv_heads=self.kv_heads, qk_dim=self.qk_dim, v_dim=self.v_dim,
                     page_size=self.page_size, width=self.width, topk=self.topk,
-                    kv_dtype=str(self.kv_dtype or "model").replace("torch.", ""))
+                    kv_dtype=str(self.kv_dtype or "model").replace("torch.", ""), window=self.window,
+                    softcap=self.softcap, sinks=self.sinks)
 
 
 ISSUE10_GQA = ((32, 8, 128), (64, 8, 128))        # issue #10's shapes keep their names (gqa32_decode)
@@ -174,6 +187,11 @@ BY_NAME.update({f"{w.name}_balanced": replace(w, name=f"{w.name}_balanced", bala
 # by name only: the GQA rows on an FP8 (e4m3) cache, e.g. gqa28_4_d128_decode_fp8
 BY_NAME.update({f"{w.name}_fp8": replace(w, name=f"{w.name}_fp8", kv_dtype=torch.float8_e4m3fn)
                 for w in WORKLOADS if w.family == "gqa"})
+# by name only: issue #42's GQA rows, a 4096-token window (_w4096), a softcap of 30 (_cap), sinks (_sinks)
+VARIANTS = {"w4096": dict(window=4096), "cap": dict(softcap=30.0), "sinks": dict(sinks=True),
+            "capsinks": dict(softcap=30.0, sinks=True)}
+BY_NAME.update({f"{w.name}_{tag}": replace(w, name=f"{w.name}_{tag}", **kw)
+                for w in WORKLOADS if w.family == "gqa" for tag, kw in VARIANTS.items()})
 # the long form of issue #10's GQA names: gqa32_8_d128_decode is gqa32_decode
 ALIASES = {f"gqa{w.heads}_{w.kv_heads}_d{w.qk_dim}_{w.name.split('_', 1)[1]}": w.name
            for w in ISSUE10_WORKLOADS if w.family == "gqa"}
@@ -227,7 +245,9 @@ class Row:
 
     @property
     def layer(self):
-        return self.cfg.layer(0)
+        """Layer 0's record; a sinks model's logits spread over [-2, 2] a head (fixed: the same every call)."""
+        sinks = torch.linspace(-2.0, 2.0, self.wl.heads, device=self.q.device) if self.cfg.sinks else None
+        return self.cfg.layer(0, sinks=sinks)
 
 
 def build_group(wl: Workload, bs: int, kv: int, device, seed: int = 0, dtype=None,
