@@ -22,6 +22,18 @@ def _cvt_f16x2(x, CVT: tl.constexpr):
 
 
 @triton.jit
+def _rcp(x):
+    """1 / x by the SFU's reciprocal (``rcp.approx``, within an ulp): the softcap's tanh divides
+    every score, and a full division there cost the verify tile 7 % (bench/RESULTS.md, 'Windows')."""
+    if _PTX:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = 1.0 / x
+    return r
+
+
+@triton.jit
 def widen_fp8(x):
     """An FP8 tile as float16, exactly, converted in registers where it was loaded (``cvt.f16x2``,
     two values an instruction). Triton moves its own cast, and a pure asm, after the shared-memory
@@ -56,7 +68,7 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
         k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
     if SOFTCAP:     # C tanh(s / C) = C - 2C / (exp(2 s / C) + 1): exact at both ends (exp2 of +-inf)
-        s = softcap_log2 - 2.0 * softcap_log2 / (tl.exp2(s * (_TWO_LOG2E / softcap_log2)) + 1.0)
+        s = softcap_log2 - 2.0 * softcap_log2 * _rcp(tl.exp2(s * (_TWO_LOG2E / softcap_log2)) + 1.0)
     s = tl.where(vis, s, float("-inf"))
     # A row may see nothing in this tile (masks); keep its exponents finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
