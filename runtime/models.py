@@ -166,7 +166,8 @@ class GQABlock(nn.Module):
 class MLABlock(nn.Module):
     def __init__(self, c: TinyConfig, layer_id: int) -> None:
         super().__init__()
-        self.c, self.layer = c, c.attention().layer(layer_id)
+        self.sinks = nn.Parameter(torch.randn(c.num_q_heads) * 2) if c.sinks else None    # as GQABlock's
+        self.c, self.layer = c, c.attention().layer(layer_id, sinks=self.sinks)
         h, n = c.hidden_size, c.num_q_heads
         self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
         self.q_proj = nn.Linear(h, n * (c.qk_nope_head_dim + c.qk_rope_head_dim), bias=False)

@@ -6,8 +6,9 @@ A case's draw is fixed by its seed: the window kind cycles with the seed over
 :data:`WINDOW_KINDS` (so any run of as many cases per mode draws every kind: 1, smaller than the
 query width W, not a multiple of the page size, larger than the sequence, none), the cap
 (0.5-2, small enough to bind on scores of a few units) and the sinks (one head at +-12, the
-others within +-12) each on every other seed, offset so that they meet every window kind. A
-feature the backend does not declare is never drawn.
+others within +-12) each on two seeds of four (cap: even seeds, sinks: seeds 2, 3 mod 4), so that
+any four consecutive seeds meet every combination of the two and twenty every combination with a
+window kind. A feature the backend does not declare is never drawn.
 
 I17: the KV entries at positions before each request's window start (the first position any of
 its rows can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them
@@ -15,6 +16,7 @@ its rows can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -76,9 +78,9 @@ def draw_features(caps, seed: int, rng: random.Random, heads: int, width: int, p
     """The features of the case of seed ``seed``: only those ``caps`` declares (module docstring)."""
     kind = WINDOW_KINDS[seed % len(WINDOW_KINDS)] if caps.windows else None
     window = None if kind is None else window_of(kind, rng, width, page_size, max_ctx)
-    cap = rng.choice(CAPS) if caps.softcap and (seed // len(WINDOW_KINDS)) % 2 == 0 else None
+    cap = rng.choice(CAPS) if caps.softcap and seed % 2 == 0 else None
     sinks = None
-    if caps.sinks and (seed // len(WINDOW_KINDS) + seed) % 2 == 1:
+    if caps.sinks and (seed // 2) % 2 == 1:
         vals = [rng.uniform(-SINK_PEAK, SINK_PEAK) for _ in range(heads)]
         vals[rng.randrange(heads)] = rng.choice((-SINK_PEAK, SINK_PEAK))
         sinks = tuple(vals)
@@ -102,9 +104,24 @@ def window_starts(batch) -> list:
     return out
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """``t`` where indexing writes work on every dtype: an FP8 pool as its bytes."""
-    return t.view(torch.uint8) if t.dtype in FP8_KV else t
+@contextlib.contextmanager
+def poisoned(pools: list, slots: torch.Tensor):
+    """NaN in ``slots`` of every KV pool tensor of ``pools`` inside the block, restored after."""
+    raw = [p.view(torch.uint8) if p.dtype in FP8_KV else p for p in pools]   # FP8: its bytes
+    saved = [p[slots].clone() for p in raw]
+    try:
+        for p in raw:
+            p[slots] = NAN_FP8 if p.dtype == torch.uint8 else float("nan")
+        yield
+    finally:
+        for p, s in zip(raw, saved):
+            p[slots] = s
+
+
+def layer_pools(mem, layers) -> list:
+    """The KV pool tensors of ``layers`` (MLA: the latent rows; GQA: K and V)."""
+    pool = mem.pool
+    return [t for i in layers for t in ([pool.kv[i]] if mem.is_mla else [pool.k[i], pool.v[i]])]
 
 
 def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
@@ -119,17 +136,9 @@ def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
     slots = torch.cat(slots)
     if not slots.numel():
         return []
-    lid = layer.layer_id
-    pools = [_raw(p) for p in ([mem.pool.kv[lid]] if mem.is_mla else [mem.pool.k[lid], mem.pool.v[lid]])]
     clean = backend.forward(q, None, None, layer, batch, save_kv_cache=False).clone()
-    saved = [p[slots].clone() for p in pools]
-    try:
-        for p in pools:
-            p[slots] = NAN_FP8 if p.dtype == torch.uint8 else float("nan")
+    with poisoned(layer_pools(mem, [layer.layer_id]), slots):
         dirty = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
-    finally:
-        for p, s in zip(pools, saved):
-            p[slots] = s
     spans = batch_spans(batch)
     real = sum(c for _, c in spans)
     msg = mismatch(dirty[:real], clean[:real], 0, spans)
