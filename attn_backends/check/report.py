@@ -147,9 +147,9 @@ class SuiteReport:
         pad = max([len(i) for i in ids] + [3]) + 2
         lines = ["cells: checks of an invariant in a mode; ok N = all N passed, FAIL F of N = F of them failed"]
         if self.feature_cases:
-            lines.append(f"'{FEATURE_ROW.strip()} ...' rows: cases whose layer used that feature (w=1, w<W: below the "
-                         "query width, w%page: not a page multiple, w>seq: beyond the sequence; the features the "
-                         "backend's capabilities declare)")
+            lines += textwrap.wrap(f"'{FEATURE_ROW.strip()} ...' rows: cases whose layer used that feature (w=1, "
+                                   "w<W: below the query width, w%page: not a page multiple, w>seq: beyond the "
+                                   "sequence; the features the backend's capabilities declare)", width)
         for inv in ids:
             lines += textwrap.wrap(INVARIANTS.get(inv, "(not described in attn_backends.check.report)"),
                                    width, initial_indent=inv.ljust(pad), subsequent_indent=" " * pad,
