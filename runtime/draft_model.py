@@ -105,7 +105,10 @@ class DraftModel(nn.Module):
         self.config, self.noise = replace(c, num_layers=k), noise
         attn = replace(c, num_layers=c.num_layers + k).attention()
         self.embed, self.norm = target.embed, target.norm
-        self.layers = nn.ModuleList(SharedBlock(target.layers[i], attn.layer(c.num_layers + i)) for i in range(k))
+        # draft layer i: target block i's weights (its sink logits too) over the draft's own KV layer
+        self.layers = nn.ModuleList(SharedBlock(target.layers[i], attn.layer(c.num_layers + i,
+                                                                             getattr(target.layers[i], "sinks", None)))
+                                    for i in range(k))
         g = torch.Generator().manual_seed(seed)
         self.lm_head = DraftHead(target.lm_head, noise, temperature, g)
         self.feature_dim = target.hidden_dim

@@ -22,7 +22,7 @@ from attn_backends import (
     get_backend,
     select_rows,
 )
-from attn_backends.registry import get_backend_class
+from attn_backends.registry import AUTO, get_backend_class, refusal, select
 from attn_backends.step import Step, eager_steps_of
 
 from .draft import DraftExtendRunner, DraftInput, MultiStepDraftRunner
@@ -37,8 +37,9 @@ MODE_KEYS = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", Forward
 
 class ModelExecutor:
     def __init__(self, name: str, model, eager_backends, runners: dict,
-                 multi_step: Optional[MultiStepDraftRunner] = None) -> None:
+                 multi_step: Optional[MultiStepDraftRunner] = None, layer_names: Optional[list] = None) -> None:
         self.name, self.model, self.eager_backends = name, model, eager_backends
+        self.layer_names = layer_names        # the backend of each of the model's layers
         self.runners = {k: r for k, r in runners.items() if r is not None}
         self.multi_step = multi_step
         self.counts: dict = defaultdict(lambda: {"graph": 0, "eager": 0})
@@ -84,17 +85,47 @@ class ModelExecutor:
         return out if out is not None else r.run_eager(inp)
 
 
-def graphs_for(backend: str, mode: ForwardMode) -> bool:
-    """Whether a graph may hold ``backend``'s attention in ``mode``: the capabilities it declares
-    decide, never its name (SGLang #30944 built the draft-extend graph for a list of names)."""
-    return get_backend_class(backend).capabilities.graph_for(mode) >= GraphSupport.UNIFORM_BATCH
+def graphs_for(backend, mode: ForwardMode) -> bool:
+    """Whether a graph may hold ``backend``'s attention in ``mode`` (a name, or the names of a
+    model's layers: every one): the capabilities they declare decide, never a name (SGLang #30944
+    built the draft-extend graph for a list of names)."""
+    names = [backend] if isinstance(backend, str) else backend
+    return all(get_backend_class(n).capabilities.graph_for(mode) >= GraphSupport.UNIFORM_BATCH for n in names)
+
+
+def layer_backend_names(backend: str, cfg, layers, device: str, modes: dict) -> list:
+    """The backend of each layer of ``layers``: ``backend`` where it serves the layer in every mode
+    of ``modes`` (``{mode: topk}``), else the first that ``select`` ranks for that layer and that
+    serves them all: a layer whose window, sinks or cap ``backend`` does not declare gets one that
+    does (SGLang picks triton for models with sinks), the others keep the one asked for."""
+    out = []
+    for i in layers:
+        name, tried = backend, []
+        while any(refusal(name, cfg, m, device, k, layer=i) for m, k in modes.items()):
+            tried.append(name)
+            name = select(cfg, next(iter(modes)), device, modes[next(iter(modes))], exclude=tried,
+                          backend=AUTO, layer=i).name
+        out.append(name)
+    return out
+
+
+def layer_backends(names: list, cfg, memory: KVMemory, layers):
+    """One instance per distinct name, each checked for its layers (``get_backend(layers=)``); the
+    instance itself where every layer has the same backend, else the list per layer."""
+    made = {n: get_backend(n, cfg, memory, layers=[i for i, m in zip(layers, names) if m == n]) for n in set(names)}
+    return made[names[0]] if len(made) == 1 else [made[n] for n in names]
 
 
 def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
                     spec: Optional[SpecInfo] = None) -> ModelExecutor:
     """EXTEND on the piecewise runner; DECODE (no spec) or TARGET_VERIFY (spec, chain or tree) on
-    full graphs. With spec the target returns every row's hidden states (the draft's features)."""
-    mk = lambda: get_backend(backend, cfg, memory)  # noqa: E731
+    full graphs. With spec the target returns every row's hidden states (the draft's features).
+    Each layer on ``backend``, or where it lacks the layer's features, on one that has them."""
+    modes = {ForwardMode.EXTEND: 1, ForwardMode.DECODE: 1} if spec is None else \
+        {ForwardMode.EXTEND: 1, ForwardMode.TARGET_VERIFY: spec.topk}
+    layers = range(model.config.num_layers)
+    backend = layer_backend_names(backend, cfg, layers, memory.device.type, modes)
+    mk = lambda: layer_backends(backend, cfg, memory, layers)  # noqa: E731
     hidden = H.FULL if spec is not None else H.NULL
     runners = {}
     if graphs:
@@ -104,14 +135,18 @@ def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, toke
         elif spec is not None and graphs_for(backend, ForwardMode.TARGET_VERIFY):
             runners["verify"] = UniformGraphRunner(model, mk(), memory, ForwardMode.TARGET_VERIFY, buckets,
                                                    spec=spec, capture_hidden_mode=H.FULL)
-    return ModelExecutor("target", model, mk(), runners)
+    return ModelExecutor("target", model, mk(), runners, layer_names=backend)
 
 
 def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
                    topk: int, num_steps: int, num_draft_tokens: int) -> ModelExecutor:
     """EXTEND (the prompt, embeddings fused with the target's features) on the piecewise runner,
-    DRAFT_EXTEND at width N, and ``num_steps - 1`` draft-decode forwards in one graph."""
-    mk = lambda: get_backend(backend, cfg, memory)  # noqa: E731
+    DRAFT_EXTEND at width N, and ``num_steps - 1`` draft-decode forwards in one graph. The draft's
+    layers (pool layers after the target's) chosen per layer as the target's are."""
+    modes = {ForwardMode.EXTEND: 1, ForwardMode.DRAFT_EXTEND: 1, ForwardMode.DECODE: topk}
+    layers = range(cfg.num_layers - len(model.layers), cfg.num_layers)
+    backend = layer_backend_names(backend, cfg, layers, memory.device.type, modes)
+    mk = lambda: layer_backends(backend, cfg, memory, layers)  # noqa: E731
     n = num_draft_tokens
     runners, multi = {}, None
     if graphs:
@@ -124,4 +159,4 @@ def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token
                                      buckets)
         if graphs and graphs_for(backend, ForwardMode.DECODE):
             runners["draft_decode"] = multi
-    return ModelExecutor("draft", model, mk(), runners, multi)
+    return ModelExecutor("draft", model, mk(), runners, multi, layer_names=backend)

@@ -25,10 +25,9 @@ from .eagle import MAX_STEPS, SpecConfig
 from .engine import Engine, EngineConfig
 from .engine import refusal as engine_refusal
 from .limits import ConfigError, Names
-from .models import TinyConfig
+from .models import TINY_MODELS, TinyConfig
 from .request import SamplingParams
 
-MODELS = {"tiny-gqa": False, "tiny-mla": True}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,7 +43,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="greedy generation on a tiny model (plain decode or EAGLE)",
                               description="Greedy generation on a tiny model through the engine: random "
                                           "prompts, plain decode or EAGLE / EAGLE-3 speculative decoding.")
-    p.add_argument("--model", choices=list(MODELS), default="tiny-gqa")
+    p.add_argument("--model", choices=list(TINY_MODELS), default="tiny-gqa",
+                   help="tiny-gqa (Llama-like), tiny-mla (DeepSeek-like), tiny-gemma2 (sliding and full "
+                        "layers, softcap), tiny-gptoss (windowed and full layers, sinks)")
     p.add_argument("--backend", default="torch_native", help="a registered backend (default: torch_native)")
     p.add_argument("--spec", choices=("none", "eagle", "eagle3"), default="none",
                    help=f"speculative decoding (default: none). Greedy and lossless: {LOSSLESS}")
@@ -81,11 +82,12 @@ SPEC_DEFAULTS = {"topk": 1, "steps": 3, "acceptance": "high"}
 def engine_config(args) -> EngineConfig:
     """The engine of ``args``; UsageError, worded with the flags, for what it cannot take. Nothing
     is allocated here (the memory it would take is counted, not tried)."""
-    mla = MODELS[args.model]
-    if args.size == "bench":
-        base = TinyConfig.gpu_mla() if mla else TinyConfig.gpu_gqa()
+    tiny = TINY_MODELS[args.model]()
+    if args.size == "bench":      # the benchmark sizes, with the tiny model's attention features
+        features = {f: getattr(tiny, f) for f in ("sliding_window", "layer_pattern", "logit_softcap", "sinks")}
+        base = TinyConfig.gpu_mla(**features) if tiny.is_mla else TinyConfig.gpu_gqa(**features)
     else:
-        base = TinyConfig(is_mla=mla)
+        base = tiny
     model = replace(base, page_size=args.page_size, dtype=DTYPES[args.dtype], kv_dtype=KV_DTYPE_NAMES[args.kv_dtype])
     bad = [t for t in args.stop if not 0 <= t < model.vocab_size]
     if bad:
@@ -179,6 +181,10 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
     kv = "" if args.kv_dtype == "model" else f", KV {args.kv_dtype}"
     print(f"\n{args.model} on {args.backend} ({args.device}, {args.dtype}{kv}, "
           f"{'eager' if args.no_graphs else 'graphs'}), {what}", file=out)
+    mixed = [f"{ex.name} layers: {', '.join(f'{i} {n}' for i, n in enumerate(ex.layer_names))}"
+             for ex in engine.executors if ex.layer_names and set(ex.layer_names) != {args.backend}]
+    for line in mixed:           # layers whose window, sinks or cap the backend asked for lacks
+        print(line, file=out)
     print(engine.summary(), file=out)
     return 0
 

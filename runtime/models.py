@@ -8,6 +8,12 @@ output leaves through ``W_vc``, in every mode).
 Both write their KV through the backend (``save_kv_cache``) into the model's KV pool and
 call attention through :func:`attention_hook.attention_call`, the one place a piecewise or
 breakable capture may cut the forward.
+
+Attention beyond plain causal (#42), in the style of the families engines serve: ``sliding_window``
+in the layers ``layer_pattern`` names sliding (cycled over the layers; None: every layer, as
+Mistral), ``logit_softcap`` on every layer's scores (Gemma 2), ``sinks``: a learned sink logit per
+query head and layer (gpt-oss), a weight of the block handed to ``ModelConfig.layer(i, sinks=...)``.
+:data:`TINY_MODELS` names the tiny configs ``attn-backends generate --model`` builds.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn_backends import AttentionBackend, ForwardBatch, ModelConfig
+from attn_backends.config import FULL, SLIDING
 
 from .attention_hook import attention_call
 
@@ -43,11 +50,23 @@ class TinyConfig:
     seed: int = 0
     kv_dtype: Optional[torch.dtype] = None    # the KV cache's dtype (None: the model's)
     kv_scale: tuple = (1.0, 1.0)              # an FP8 cache's (k, v) scales, every layer's (MLA: k == v)
+    sliding_window: Optional[int] = None      # the window of the sliding layers (module docstring)
+    layer_pattern: Optional[tuple] = None     # layer i is layer_pattern[i % len] (Hugging Face's type names)
+    logit_softcap: Optional[float] = None
+    sinks: bool = False
+
+    def layer_types(self) -> Optional[tuple]:
+        """Hugging Face's ``layer_types`` of the model (None: the config's default). The pattern
+        cycles, so a draft's layer ``num_layers + i`` has target layer ``i``'s type whenever the
+        pattern divides ``num_layers`` (:class:`TinyModel` checks it)."""
+        p = self.layer_pattern
+        return None if p is None else tuple(p[i % len(p)] for i in range(self.num_layers))
 
     def attention(self) -> ModelConfig:
-        fp8 = {}
+        fp8 = dict(sliding_window=self.sliding_window, layer_types=self.layer_types(),
+                   logit_softcap=self.logit_softcap, sinks=self.sinks)
         if self.kv_dtype not in (None, self.dtype):
-            fp8 = dict(kv_dtype=self.kv_dtype, kv_scales=(self.kv_scale,) * self.num_layers)
+            fp8.update(kv_dtype=self.kv_dtype, kv_scales=(self.kv_scale,) * self.num_layers)
         if self.is_mla:
             return ModelConfig(self.num_layers, self.num_q_heads, 1, is_mla=True, kv_lora_rank=self.kv_lora_rank,
                                qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
@@ -103,10 +122,29 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(g) * u)
 
 
+def gemma2_like(**kw) -> TinyConfig:
+    """Gemma 2's attention at tiny size: sliding and full layers alternating (its window 4096 and
+    cap 50 scaled to sequences of tens of tokens: a window of 7, a cap of 2 that binds)."""
+    return replace(TinyConfig(sliding_window=7, layer_pattern=(SLIDING, FULL), logit_softcap=2.0), **kw)
+
+
+def gptoss_like(**kw) -> TinyConfig:
+    """gpt-oss's attention at tiny size: windowed and full layers alternating (its 128-token window
+    scaled to a window of 5), a learned sink logit per head in every layer."""
+    return replace(TinyConfig(sliding_window=5, layer_pattern=(SLIDING, FULL), sinks=True), **kw)
+
+
+# ``generate --model`` names: the config builder of each tiny model (kw: the fields to change)
+TINY_MODELS = {"tiny-gqa": TinyConfig, "tiny-mla": lambda **kw: TinyConfig(is_mla=True, **kw),
+               "tiny-gemma2": gemma2_like, "tiny-gptoss": gptoss_like}
+
+
 class GQABlock(nn.Module):
     def __init__(self, c: TinyConfig, layer_id: int) -> None:
         super().__init__()
-        self.c, self.layer = c, c.attention().layer(layer_id)
+        # a learned weight (seeded): sink logits of a few units, as large as the scores they join
+        self.sinks = nn.Parameter(torch.randn(c.num_q_heads) * 2) if c.sinks else None
+        self.c, self.layer = c, c.attention().layer(layer_id, sinks=self.sinks)   # the record holds the parameter
         self.norm1, self.norm2 = RMSNorm(c.hidden_size), RMSNorm(c.hidden_size)
         self.qkv = nn.Linear(c.hidden_size, (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
         self.o = nn.Linear(c.num_q_heads * c.head_dim, c.hidden_size, bias=False)
@@ -128,7 +166,8 @@ class GQABlock(nn.Module):
 class MLABlock(nn.Module):
     def __init__(self, c: TinyConfig, layer_id: int) -> None:
         super().__init__()
-        self.c, self.layer = c, c.attention().layer(layer_id)
+        self.sinks = nn.Parameter(torch.randn(c.num_q_heads) * 2) if c.sinks else None    # as GQABlock's
+        self.c, self.layer = c, c.attention().layer(layer_id, sinks=self.sinks)
         h, n = c.hidden_size, c.num_q_heads
         self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
         self.q_proj = nn.Linear(h, n * (c.qk_nope_head_dim + c.qk_rope_head_dim), bias=False)
@@ -177,6 +216,9 @@ class TinyModel(nn.Module):
         if bad:
             raise ValueError(f"aux_hidden_layers {bad} outside 0..num_layers={c.num_layers}")
         self.aux_hidden_layers = tuple(aux_hidden_layers)
+        if c.layer_pattern is not None and c.num_layers % len(c.layer_pattern):
+            raise ValueError(f"num_layers={c.num_layers} is not a multiple of the layer pattern's "
+                             f"{len(c.layer_pattern)} layers (a draft's layers would not mirror the target's types)")
         torch.manual_seed(c.seed)
         block = MLABlock if c.is_mla else GQABlock
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)

@@ -91,10 +91,14 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: f
     k_pos = torch.arange(nk, device=dev)
     slot = lay.page_table.long()[:, k_pos // ps] * ps + k_pos % ps
     kk = k_cache[slot].float() * k_scale                                 # [bs, nk, Hkv, D]
-    # Positions past a request's length read through the reserved page, where padding rows store
-    # their K/V (garbage, NaN): their probability is 0, but 0 * NaN = NaN, so zero them first.
-    in_kv = k_pos[None, :] < lay.seq_lens_k.long()[:, None]              # [bs, nk]
-    vv = torch.where(in_kv[:, :, None, None], v_cache[slot].float() * v_scale, 0.0)  # [bs, nk, Hkv, Dv]
+    ok = visible(lay, q_pos, k_pos)
+    if window is not None:
+        ok = ok & in_window(lay, q_pos, k_pos, window)
+    # KV no row sees (past a request's length: the reserved page where padding rows store their
+    # K/V; before every row's window) may hold garbage or NaN: its probability is 0, but
+    # 0 * NaN = NaN, so zero its values first.
+    seen = (ok & q_ok[:, :, None]).any(1)                                # [bs, nk]
+    vv = torch.where(seen[:, :, None, None], v_cache[slot].float() * v_scale, 0.0)  # [bs, nk, Hkv, Dv]
     if h != hkv:
         kk = kk.repeat_interleave(h // hkv, dim=2)
         vv = vv.repeat_interleave(h // hkv, dim=2)
@@ -102,9 +106,6 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: f
     s = torch.einsum("bqhd,bkhd->bhqk", qq, kk) * scaling
     if softcap is not None:                                              # before the mask: -inf stays -inf
         s = softcap * torch.tanh(s / softcap)
-    ok = visible(lay, q_pos, k_pos)
-    if window is not None:
-        ok = ok & in_window(lay, q_pos, k_pos, window)
     ok = ok | ~q_ok[:, :, None]                                          # dropped rows: no NaN
     s = s.masked_fill(~ok[:, None], float("-inf"))
     if sinks is not None:                                                # a last column, with no value

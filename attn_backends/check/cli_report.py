@@ -99,6 +99,8 @@ def as_json(results: list, *, command: str, device: str, seed: int, cases: int, 
             "backend": r.name, "ok": r.ok, "seconds": round(r.seconds, 3), "crashed": r.crashed or None,
             "cases": [{"suite": suite_of(m), "mode": m, "cases": n} for (b, m), n in sorted(rep.cases.items())
                       if b == r.name],
+            "feature_cases": [{"suite": suite_of(m), "mode": m, "feature": lab, "cases": n}
+                              for (b, m, lab), n in sorted(rep.feature_cases.items()) if b == r.name],
             "checks": [{"suite": suite_of(m), "mode": m, "invariant": inv, "passed": p, "failed": f}
                        for (b, m, inv), (p, f) in sorted(rep.counts.items(), key=lambda kv: (
                            kv[0][0], kv[0][1], invariant_key(kv[0][2]))) if b == r.name],

@@ -104,8 +104,10 @@ class NumbersCheck:
     batch of the case; on the CPU, where a Triton kernel runs in the interpreter (seconds a call),
     the case's first eager batch and its first replay only."""
 
-    def __init__(self, cfg: ModelConfig, mem, seed: int) -> None:
+    def __init__(self, cfg: ModelConfig, mem, seed: int, sinks: Optional[torch.Tensor] = None) -> None:
         self.cfg, self.mem = cfg, mem
+        self.layer = cfg.layer(0, sinks=sinks)      # the case's window, cap and sinks
+        self.last_q: Optional[torch.Tensor] = None
         self.ref = get_backend_class("torch_native")(cfg, mem)
         self.gen = torch.Generator().manual_seed(seed)
         self.once = torch.device(mem.device).type == "cpu"
@@ -120,8 +122,8 @@ class NumbersCheck:
     def check(self, backend, batch, what: str) -> list:
         n = batch.num_tokens
         q = torch.randn(n, self.cfg.num_q_heads, self.cfg.qk_dim, generator=self.gen)
-        q = q.to(self.mem.device, self.cfg.dtype)
-        layer = self.cfg.layer(0)
+        q = self.last_q = q.to(self.mem.device, self.cfg.dtype)
+        layer = self.layer
         try:
             got = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
         except Exception as e:  # noqa: BLE001 - a crash on a valid batch is the finding

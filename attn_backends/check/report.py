@@ -35,7 +35,11 @@ INVARIANTS = {
     "I14": "history independence: A, B, A gives A twice",
     "I15": "no host sync in capture/replay preparation",
     "I16": "KV slots: a step writes only its raw rows' new slots and the reserved slot 0",
+    "I17": "window poison: NaN in the KV before each request's window start leaves the outputs bitwise unchanged",
 }
+# The table's rows of feature cases (``check.features``): cases whose layer used a window of each
+# kind, a softcap, sinks; drawn only for the features the backend declares.
+FEATURE_ROW = "  with "
 LAYOUT_SUITE = "layout"
 # Column order of the table; modes not listed here follow in alphabetical order.
 MODE_ORDER = ("decode", "extend", "verify", "verify_chain", "verify_tree", "draft_extend", "draft_decode",
@@ -91,6 +95,7 @@ class SuiteReport:
     counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # key -> [passed, failed] checks
     failures: list = field(default_factory=list)
     cases: dict = field(default_factory=lambda: defaultdict(int))               # (backend, mode) -> cases
+    feature_cases: dict = field(default_factory=lambda: defaultdict(int))       # (backend, mode, label) -> cases
 
     def record(self, backend: str, mode: str, invariant: str, ok: bool) -> None:
         self.counts[(backend, mode, invariant)][0 if ok else 1] += 1
@@ -129,6 +134,9 @@ class SuiteReport:
                           key=invariant_key)
             head = ["invariant"] + [_column(m) for m in modes]
             rows = [["cases"] + [str(self.cases.get((backend, m), 0)) for m in modes]]
+            labels = sorted({k[2] for k in self.feature_cases if k[0] == backend and k[1] in modes})
+            rows += [[FEATURE_ROW + lab] + [str(self.feature_cases.get((backend, m, lab), 0)) for m in modes]
+                     for lab in labels]
             rows += [[inv] + [_cell(*self.counts.get((backend, m, inv), (0, 0))) for m in modes] for inv in invs]
             blocks.append(f"{backend}, {suite} suite:\n" + grid(head, rows, width))
         return "\n\n".join(blocks)
@@ -138,6 +146,10 @@ class SuiteReport:
         ids = sorted({k[2] for k in self.counts}, key=invariant_key)
         pad = max([len(i) for i in ids] + [3]) + 2
         lines = ["cells: checks of an invariant in a mode; ok N = all N passed, FAIL F of N = F of them failed"]
+        if self.feature_cases:
+            lines += textwrap.wrap(f"'{FEATURE_ROW.strip()} ...' rows: cases whose layer used that feature (w=1, "
+                                   "w<W: below the query width, w%page: not a page multiple, w>seq: beyond the "
+                                   "sequence; the features the backend's capabilities declare)", width)
         for inv in ids:
             lines += textwrap.wrap(INVARIANTS.get(inv, "(not described in attn_backends.check.report)"),
                                    width, initial_indent=inv.ljust(pad), subsequent_indent=" " * pad,

@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..kinds import BATCH_KINDS, kinds_served
 from ..registry import get_backend_class, unavailable_reason
 from ..step import Prep, Step, prep_placement
+from .features import Features, draw_features, window_poison
 from .hostsync import GuardedTensor, HostSyncError, guard, no_host_sync
 from .layout_checks import check_layout, compare_layouts, poison, snapshot
 from .numbers import NumbersCheck
@@ -39,6 +40,7 @@ from .scenarios import (
 MODES = tuple(BATCH_KINDS)
 MAX_CTX = 256
 MAX_BS = 8
+HEADS = 4
 
 
 def declared_modes(caps) -> list:
@@ -62,12 +64,14 @@ class CaseSpec:
     batches: list = field(default_factory=list)   # [capture, A, B] of (prefixes, accept/extend)
     seed: int = 0
     kv_dtype: Optional[torch.dtype] = None          # the KV cache's (None: the model's), FP8_SCALES
+    features: Features = field(default_factory=Features)   # window, softcap, sinks the layer uses
 
     def describe(self) -> str:
         kv = f" kv={str(self.kv_dtype)[6:]}" if self.kv_dtype is not None else ""
+        feat = f" {self.features.describe()}" if self.features.labels() else ""
         return (f"mode={self.mode} page={self.page_size} layout={self.page_order} "
                 f"{'MLA' if self.mla else 'GQA'} bucket={self.bs} N={self.n} topk={self.topk} "
-                f"steps={self.steps} draft_step={self.draft_step} batches={self.batches}{kv}")
+                f"steps={self.steps} draft_step={self.draft_step} batches={self.batches}{kv}{feat}")
 
 
 def _width(c: CaseSpec) -> int:
@@ -98,6 +102,7 @@ def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> Ca
         c.steps = rng.randint(1, 5)
         c.draft_step = rng.randint(1, c.steps)
     w = _width(c)
+    c.features = draw_features(caps, seed, rng, HEADS, w, ps, MAX_CTX)
     lo = w * (c.draft_step - 1) if mode == "draft_decode" else 0
     raw_a = rng.randint(1, c.bs)
     raws = [rng.randint(1, c.bs), raw_a, rng.randint(1, raw_a)]   # history biased to shrink
@@ -145,9 +150,10 @@ def _config(c: CaseSpec, caps=None) -> ModelConfig:
     dims = dims_for(caps, c.mla) if caps is not None else {}
     if c.kv_dtype is not None:
         dims.update(kv_dtype=c.kv_dtype, kv_scales=(fp8_scales(c.mla),))
+    dims.update(c.features.config_kwargs())
     if c.mla:
-        return ModelConfig(num_layers=1, num_q_heads=4, is_mla=True, page_size=c.page_size, dtype=dtype, **dims)
-    return ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, page_size=c.page_size, dtype=dtype,
+        return ModelConfig(num_layers=1, num_q_heads=HEADS, is_mla=True, page_size=c.page_size, dtype=dtype, **dims)
+    return ModelConfig(num_layers=1, num_q_heads=HEADS, num_kv_heads=2, page_size=c.page_size, dtype=dtype,
                        **{"head_dim": 16, **dims})
 
 
@@ -183,11 +189,13 @@ class _CaseRun:
         self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
                                page_order=c.page_order, seed=c.seed, device=device)   # random KV: I9n
         self.graph_be, self.eager_be = cls(cfg, self.mem), cls(cfg, self.mem)
-        self.numbers = NumbersCheck(cfg, self.mem, c.seed)
+        self.numbers = NumbersCheck(cfg, self.mem, c.seed, c.features.sinks_tensor())
         self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
         self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
         self.step: Optional[Step] = None          # the graph side's step, driven as a runner drives it
         report.cases[(name, c.mode)] += 1
+        for label in c.features.labels():
+            report.feature_cases[(name, c.mode, label)] += 1
 
     def judge(self, inv: str, msgs: list) -> bool:
         return self.report.check(self.name, self.c.mode, inv, msgs, case=self.c.describe(), seed=self.c.seed,
@@ -196,6 +204,8 @@ class _CaseRun:
     def _numbers(self, be, batch, what: str) -> None:
         if self.numbers.due(what):
             msgs = self.numbers.check(be, batch, what)
+            if what == "eager" and self.numbers.layer.window is not None:
+                self.judge("I17", window_poison(be, self.numbers.layer, batch, self.mem, self.numbers.last_q))
             if msgs and what == "replayed" and self.step.prep is Prep.IN_STEP_GRAPH:
                 msgs = [f"{m} (the step's layout was built in its graph, after the backend's replay update: "
                         "what the backend derived from the view outside the graph is one step stale)" for m in msgs]

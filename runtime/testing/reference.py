@@ -5,7 +5,10 @@ request's K/V is gathered through ``req_to_token`` and its mask is derived from 
 definition (the layout contract of ``attn_backends/layout.py``: ``seq_lens`` includes this
 forward's tokens; causal, tree and draft-branch rules), so a wrong causal or tree mask in a kernel,
 or a mask offset taken from another request, shows as a difference even where replay and eager
-agree. Eager only; the output has q's dtype.
+agree. A layer's window, cap and sinks as issue #42 defines them: every token at its absolute
+position (a tree-verify draft token at the prefix plus its depth, a draft-decode token at the
+draft prefix plus its step), the cap on the scaled score, the sink a softmax column with no value.
+Eager only; the output has q's dtype.
 """
 from __future__ import annotations
 
@@ -35,6 +38,23 @@ def visible(batch, i: int, prefix: int, n_new: int, seq_len: int) -> torch.Tenso
     return p <= prefix + j
 
 
+def token_positions(batch, i: int, prefix: int, n_new: int, seq_len: int) -> tuple:
+    """``(rows [n_new], keys [seq_len])`` int64: the absolute position of request ``i``'s new
+    tokens and of its KV entries (the entry index, but past a tree's prefix the depth, past a
+    draft decode's prefix the step)."""
+    spec, mode = batch.spec_info, batch.forward_mode
+    keys, rows = torch.arange(seq_len), prefix + torch.arange(n_new)
+    if spec is not None and mode == ForwardMode.DECODE and spec.is_draft_decode:
+        base = seq_len - spec.topk * spec.draft_step
+        keys = torch.where(keys < base, keys, base + (keys - base).div(spec.topk, rounding_mode="floor"))
+        rows = torch.full((n_new,), base + spec.draft_step - 1)
+    elif spec is not None and mode == ForwardMode.TARGET_VERIFY and spec.topk > 1:
+        depth = spec.tree_mask[i].cpu().long().sum(-1) - 1                  # ancestors, itself excluded
+        keys = torch.cat([keys[:prefix], prefix + depth])
+        rows = prefix + depth
+    return rows, keys
+
+
 class Float64Reference(AttentionBackend):
     """Dense float64 attention per request, from first principles (eager only)."""
 
@@ -42,7 +62,7 @@ class Float64Reference(AttentionBackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                          ForwardMode.DRAFT_EXTEND}), mha=True, mla=True, topk_gt1=True, graph=GraphSupport.NEVER,
-        kv_dtypes=FP8_KV)
+        kv_dtypes=FP8_KV, windows=True, sinks=True, softcap=True)
 
     def init_forward_metadata(self, batch) -> None:
         self.forward_metadata = batch
@@ -82,8 +102,19 @@ class Float64Reference(AttentionBackend):
             rep = q.shape[1] // kk.shape[1]
             kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
             s = torch.einsum("qhd,khd->hqk", q[row:row + n].to(F64), kk) * layer.scaling
-            vis = visible(batch, i, seq[i] - n, n, seq[i]).to(q.device)
-            s = s.masked_fill(~vis[None], float("-inf"))
-            out[row:row + n] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(q.dtype)
+            if layer.softcap is not None:
+                s = layer.softcap * torch.tanh(s / layer.softcap)
+            vis = visible(batch, i, seq[i] - n, n, seq[i])
+            if layer.window is not None:
+                rows, keys = token_positions(batch, i, seq[i] - n, n, seq[i])
+                vis = vis & (keys[None, :] > rows[:, None] - layer.window)
+            s = s.masked_fill(~vis.to(q.device)[None], float("-inf"))
+            if layer.sinks is not None:             # a column of the softmax, dropped: no value
+                sink = layer.sinks.to(device=q.device, dtype=F64)[:, None, None].expand(-1, n, 1)
+                p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+            else:
+                p = torch.softmax(s, -1)
+            vv = torch.where(vis.any(0).to(q.device)[:, None, None], vv, 0)   # KV no row sees may hold NaN
+            out[row:row + n] = torch.einsum("hqk,khd->qhd", p, vv).to(q.dtype)
             row += n
         return out

@@ -10,8 +10,10 @@ from typing import Optional
 import torch
 
 from attn_backends import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInfo, select_rows
+from attn_backends.check.features import Features
 from attn_backends.check.scenarios import dims_for, make_memory, random_tree_mask
 from attn_backends.check.suite import fp8_scales
+from attn_backends.config import FULL, SLIDING
 from attn_backends.kinds import BATCH_KINDS
 from attn_backends.layout import pad_seq_len
 from attn_backends.registry import get_backend, get_backend_class
@@ -89,12 +91,14 @@ class RigSpec:
     max_ctx: int = 128
     seed: int = 0
     kv_dtype: Optional[torch.dtype] = None   # the KV cache's (None: dtype's), with check's fp8_scales
+    features: Features = Features()          # the window of the sliding layers (even ids), cap and sinks of all
 
     def describe(self) -> str:
         return (f"kind={self.kind} backend={self.backend} {'MLA' if self.mla else 'GQA'} buckets={list(self.buckets)} "
                 f"page={self.page_size} layout={self.page_order} N={self.n} topk={self.topk} steps={self.steps} "
                 f"hidden={self.hidden.name} per_layer={self.per_layer} {self.device} {str(self.dtype)[6:]}"
-                + (f" kv={str(self.kv_dtype)[6:]}" if self.kv_dtype is not None else ""))
+                + (f" kv={str(self.kv_dtype)[6:]}" if self.kv_dtype is not None else "")
+                + (f" {self.features.describe()}" if self.features.labels() else ""))
 
 
 def backend_for(name: str, mla: bool) -> str:
@@ -106,10 +110,15 @@ class Rig:
         s = self.spec = spec
         self.kind, self.mode, self.device = s.kind, RUNNER_KINDS[s.kind].mode, torch.device(s.device)
         self.backend_name = backend_for(s.backend, s.mla)
+        f = s.features
         self.tc = TinyConfig(is_mla=s.mla, page_size=s.page_size, dtype=s.dtype, seed=s.seed,
                              kv_dtype=s.kv_dtype, kv_scale=fp8_scales(s.mla),
+                             sliding_window=f.window, layer_pattern=(SLIDING, FULL) if f.window else None,
+                             logit_softcap=f.softcap, sinks=f.sinks is not None,
                              **dims_for(get_backend_class(self.backend_name).capabilities, s.mla))
         self.model = TinyModel(self.tc, s.device)
+        for block in self.model.layers if f.sinks is not None else ():   # the drawn sinks (up to +-12)
+            block.sinks.copy_(torch.tensor(f.sinks))
         cfg = self.tc.attention()
         self.mem = make_memory(cfg, num_pages=48 * (s.max_ctx // s.page_size) + 2, max_reqs=48,
                                max_context_len=s.max_ctx, page_order=s.page_order, seed=s.seed, device=s.device)

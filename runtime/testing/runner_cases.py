@@ -7,13 +7,16 @@ consecutive seeds, hence every run, draw each kind at least once (a small run ca
 in a kind it never drew), and a case is fully determined by its seed: its replay
 (``--seed s --suite-cases 1``) runs it first. The model kind alternates so that each kind meets
 both MHA and MLA within two rounds; everything else of a case (buckets, page size and layout,
-hidden mode, widths, the requests) is random from its seed.
+hidden mode, widths, the requests) is random from its seed, and so are the attention features
+it draws where the backend declares them (``attn_backends.check.features``: the window kinds
+cycle with the seed; the rig's model alternates sliding and full layers).
 """
 from __future__ import annotations
 
 import random
 
 from attn_backends import CaptureHiddenMode as H
+from attn_backends.check.features import draw_features
 from attn_backends.check.scenarios import PAGE_ORDERS
 from attn_backends.kinds import BATCH_KINDS
 
@@ -53,4 +56,6 @@ def random_spec(rng: random.Random, kind: str, backend: str, caps, mla: bool, de
         s.n = rng.randint(s.steps + 1, min(s.steps * s.topk + 1, 6))
     elif kind == "draft_decode":
         s.topk, s.steps = rng.choice([1, 2, 4]), rng.randint(1, 3)
+    width = {"decode": 1, "breakable_decode": 1, "draft_decode": s.topk, "piecewise": 8}.get(kind, s.n)
+    s.features = draw_features(caps, seed // len(kinds_for(caps)), rng, 4, width, s.page_size, s.max_ctx)
     return s

@@ -9,6 +9,8 @@
   eager on the same backend cannot: a wrong causal or tree mask in a kernel;
 - I9 of the executor's eager fallback, in every mode it serves: its outputs come from the eager
   forward, never from a graph's static buffers (sgl #22832), checked by value;
+- I17 the window's poison: NaN in every sliding layer's KV before each request's window start
+  leaves the replay's outputs bitwise unchanged;
 - I11 of the executors an engine builds: a graph runner for exactly the uniform modes whose graph
   support the backend declares (sgl #30944 built the draft-extend graph for a list of names).
 """
@@ -21,6 +23,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import get_backend
+from attn_backends.check.features import layer_pools, poisoned
 from attn_backends.check.numbers import batch_spans, mismatch
 
 from ..attention_hook import splitting
@@ -81,6 +84,24 @@ def hidden_rule(case, compare) -> None:
         got = RunnerOutput(out.hidden) if out.hidden is not None else RunnerOutput(torch.empty(0))
         case.judge("I7", compare(got, RunnerOutput(want[mode]), 0 if case.exact else case.tol,
                                  f"hidden {mode.name} by the one rule ({len(spans)} requests)"))
+
+
+def window_poison(case, keep_a: RunnerOutput, compare) -> None:
+    """I17: A replayed with NaN in the KV of every sliding layer before each request's window start
+    (its first row's position minus the window plus one; later rows, draft steps and deeper tree
+    tokens see no earlier) gives A's outputs bitwise."""
+    rig, cfg = case.rig, case.rig.tc.attention()
+    w = rig.tc.sliding_window
+    if w is None:
+        return
+    slots = torch.cat([rig.mem.req_to_token[r.row, :max(0, r.prefix - w + 1)].long() for r in case.reqs_a])
+    if not slots.numel():
+        return
+    layers = [i for i in range(rig.tc.num_layers) if cfg.window(i) is not None]
+    with poisoned(layer_pools(rig.mem, layers), slots):
+        out = case.run(case.reqs_a, case.ha)
+    case.judge("I17", compare(out, keep_a, 0, f"A with NaN in {slots.numel()} KV slots of layers {layers} before "
+                              f"the windows (w={w})", case.counts(case.reqs_a)))
 
 
 def against_float64(case, out: RunnerOutput, hidden, compare) -> None:

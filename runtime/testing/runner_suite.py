@@ -18,6 +18,8 @@ passes and failures in a :class:`SuiteReport`, as ``attn_backends.check.suite`` 
       :class:`RunnerRefusal`; every graph carries the captured hidden mode;
 - I12 every per-layer (and per-step) backend instance is refreshed once per replay;
 - I14 replaying A, B, A gives A's output twice;
+- I17 NaN in the sliding layers' KV before each request's window start leaves A's outputs
+      bitwise unchanged (:mod:`.runner_checks`);
 - I16 KV slots other than the raw rows' new slots and the reserved slot 0 unchanged by a step
       (replay and eager), and the checks of :mod:`.runner_checks` (the one hidden rule, I7; the
       float64 reference, I9).
@@ -47,6 +49,7 @@ from .runner_checks import (
     kv_snapshot,
     kv_writes_outside,
     new_slots,
+    window_poison,
 )
 
 H = CaptureHiddenMode
@@ -200,6 +203,7 @@ def check_case(rig: Rig, rng: random.Random, judge: Callable[[str, list], None],
     ``exact``: compare replay with the eager forward of the same padded batch bitwise."""
     c = _Case(rig, rng, judge, tol, exact)
     keep_a = c.history()
+    window_poison(c, keep_a, compare)
     c.poisoned_pads(keep_a)
     c.batch_invariance(keep_a)
     hidden_rule(c, compare)
@@ -360,6 +364,8 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
         spec.kv_dtype = kv_dtype
         mode = RUNNER_KINDS[spec.kind].label
         report.cases[(backend, mode)] += 1
+        for label in spec.features.labels():
+            report.feature_cases[(backend, mode, label)] += 1
 
         def judge(inv: str, msgs: list, _mode=mode, _spec=spec, _seed=case_seed) -> None:
             report.check(backend, _mode, inv, msgs, case=_spec.describe(), seed=_seed, suite=SUITE, device=device)

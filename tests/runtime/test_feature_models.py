@@ -1,0 +1,133 @@
+"""The tiny models of issue #42.5: tiny-gemma2 (sliding and full layers alternating, softcap) and
+tiny-gptoss (windowed and full layers alternating, sinks per head): EAGLE lossless on both in
+float32 (chain and tree, graphs on), their features change the tokens, per-layer backends where
+the one asked for lacks a layer's features (chosen from capabilities), ``generate --model``."""
+import dataclasses
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+from engine_reference import (
+    assert_all_graphs,
+    assert_matches,
+    assert_no_leaks,
+    greedy,
+    make_cases,
+    reference_model,
+    run_cases,
+)
+from test_eagle import ALL_MODES, engine_for
+
+from attn_backends import registry
+from attn_backends.backends.torch_native import TorchNativeBackend
+from attn_backends.check import cli
+from attn_backends.config import FULL, SLIDING
+from attn_backends_runtime.eagle import SpecConfig
+from attn_backends_runtime.executor import layer_backend_names
+from attn_backends_runtime.models import TINY_MODELS
+
+MODELS = {"tiny-gemma2": dict(page_size=16), "tiny-gptoss": dict(page_size=1)}
+SPECS = {"chain": SpecConfig("eagle", 1, 3, 4, noise=0.1), "tree": SpecConfig("eagle3", 2, 3, 5, noise=0.1)}
+
+
+def tiny(name: str, **kw):
+    return TINY_MODELS[name](**{**MODELS[name], **kw})
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eagle_lossless_on_windows_sinks_softcap(name, spec):
+    """Greedy EAGLE output == greedy plain decode token for token (float32, torch_native), with
+    requests long enough to pass the windows (prompts 3-12 plus up to 16 tokens, windows 5 and 7);
+    every mode replayed a graph."""
+    tc = tiny(name)
+    cases = make_cases(reference_model(tc), [16, 10, 13], seed=7)
+    engine = engine_for(tc, SPECS[spec])
+    assert_matches(run_cases(engine, cases, join_after=2), cases)
+    assert_all_graphs(engine, ALL_MODES)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_features_change_the_tokens(name):
+    """Each model's window, cap and sinks decide tokens: without them (the same weights and seed)
+    greedy decoding differs, so the lossless test above covers them."""
+    tc = tiny(name)
+    plain = replace(tc, sliding_window=None, layer_pattern=None, logit_softcap=None)
+    model, model_plain = reference_model(tc), reference_model(plain)
+    if tc.sinks:                                                    # sinks off: the same weights, none read
+        for b in model_plain.layers:
+            b.layer = dataclasses.replace(b.layer, sinks=None)
+        model_plain.config = replace(plain, sinks=False)
+    prompt = list(range(3, 15))
+    assert greedy(model, prompt, 16)[0] != greedy(model_plain, prompt, 16)[0]
+    types = [b.layer.window is not None for b in model.layers]
+    assert types == [True, False] and tc.attention().layer_types == (SLIDING, FULL)
+
+
+def _declaring(*features):
+    """A torch_native that declares only ``features``: a backend lacking the others."""
+    caps = dataclasses.replace(TorchNativeBackend.capabilities, windows="windows" in features,
+                               sinks="sinks" in features, softcap="softcap" in features)
+    return type("Partial", (TorchNativeBackend,), {"name": "partial", "capabilities": caps})
+
+
+@pytest.fixture
+def partial(monkeypatch):
+    """Register ``partial`` (a module-level class of this file) declaring what the test sets."""
+    def make(*features):
+        cls = _declaring(*features)
+        monkeypatch.setattr(__import__(__name__), "Partial", cls, raising=False)
+        monkeypatch.setitem(registry._extra, "partial", f"{__name__}:Partial")
+        return cls
+    return make
+
+
+@pytest.mark.parametrize("name,declares,full_only", [("tiny-gemma2", ("softcap",), True),
+                                                     ("tiny-gptoss", ("sinks",), True),
+                                                     ("tiny-gptoss", ("windows", "sinks"), False)])
+def test_layers_get_a_backend_that_has_their_features(partial, name, declares, full_only):
+    """Asked for a backend that lacks the sliding layers' window, the engine runs those layers on
+    one that declares it (torch_native here: select(layer=) from capabilities) and the others on
+    the one asked for, target and draft alike; the tokens are those of torch_native alone."""
+    partial(*declares)
+    tc = tiny(name)
+    spec = SPECS["chain"]
+    cases = make_cases(reference_model(tc), [12, 9], seed=3)
+    engine = engine_for(tc, spec, backend="partial")
+    want = ["torch_native", "partial"] if full_only else ["partial", "partial"]
+    assert [ex.layer_names for ex in engine.executors] == [want, want]
+    kinds = [type(b).__name__ for b in engine.target.eager_backends] if full_only else \
+        [type(engine.target.eager_backends).__name__]
+    assert kinds == (["TorchNativeBackend", "Partial"] if full_only else ["Partial"])
+    assert_matches(run_cases(engine, cases), cases)
+    assert_no_leaks(engine)
+
+
+def test_layer_names_follow_capabilities_not_names(partial):
+    """A backend that declares nothing of #42 keeps the plain layers only; one declaring it all
+    keeps every layer (triton will, once its kernels declare the features)."""
+    tc = tiny("tiny-gptoss", sinks=False)                    # windows only: layer 1 is plain
+    cfg = tc.attention()
+    modes = {m: 1 for m in TorchNativeBackend.capabilities.modes}
+    partial()
+    assert layer_backend_names("partial", cfg, range(2), "cpu", modes) == ["torch_native", "partial"]
+    partial("windows")
+    assert layer_backend_names("partial", cfg, range(2), "cpu", modes) == ["partial", "partial"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_model(capsys, name):
+    """``generate --model`` for each, plain and EAGLE tree with graphs: the same tokens, every mode
+    replayed, no eager fallback."""
+    base = ["generate", "--model", name, "--backend", "torch_native", "--batch", "2", "--max-tokens", "12"]
+    outs = []
+    for extra in ([], ["--spec", "eagle", "--topk", "2"]):
+        assert cli.main(base + extra) == 0
+        out = capsys.readouterr().out
+        outs.append(re.findall(r"^\[\d\] .*$", out, re.M))
+        assert f"{name} on torch_native (cpu, float32, graphs)" in out
+        assert re.search(r"  target (decode|verify) +[1-9]\d* / 0$", out, re.M), out
+    assert outs[0] == outs[1] and len(outs[0]) == 2
+    assert torch.float32 == TINY_MODELS[name]().dtype
