@@ -133,7 +133,7 @@ class FlashInferMLABackend(FlashInferBase):
     def _kind(self, layout: Layout) -> str:
         return "mla"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False, variant=None):
         return MLACall(self, layout, key, indices, bound)
 
     def _kv_pages(self, layer_id: int):
