@@ -73,9 +73,11 @@ class Capabilities:
     topk_gt1_features : tuple of str or None
         The features it serves with ``topk > 1`` (None: every one it declares); a model using
         another is refused ``topk > 1``.
+    apart : tuple of (str, str)
+        Pairs of declared features it does not serve in one model.
     why_not : tuple of (str, str)
-        ``(feature, reason)``: why a feature is refused (not declared, or not with ``topk > 1``),
-        appended to that refusal.
+        ``(feature, reason)``: why a feature is refused (not declared, not with ``topk > 1``, or not
+        with the other of an ``apart`` pair: key ``"a+b"``), appended to that refusal.
     """
 
     modes: frozenset
@@ -101,6 +103,7 @@ class Capabilities:
     sinks: bool = False
     softcap: bool = False
     topk_gt1_features: Optional[tuple] = None
+    apart: tuple = ()
     why_not: tuple = ()
 
     def features(self) -> tuple:
@@ -148,6 +151,10 @@ class Capabilities:
             return (f"{', '.join(FEATURE_WORDS[f] + value[f] for f in missing)} not supported"
                     + (" (no MLA model uses them)" if cfg.is_mla else "") + where
                     + "".join(f": {why[f]}" for f in missing if f in why))
+        for a, b in self.apart:
+            if a in used and b in used:
+                return (f"{FEATURE_WORDS[a]} with {FEATURE_WORDS[b]}{value[b]} not supported" + where
+                        + (f": {why[a + '+' + b]}" if a + "+" + b in why else ""))
         off = [f for f in used if topk > 1 and self.topk_gt1_features is not None and f not in self.topk_gt1_features]
         if off:
             return (f"{', '.join(FEATURE_WORDS[f] + value[f] for f in off)} with topk={topk} > 1 not supported"

@@ -26,8 +26,11 @@ layers: two). ``window_left = window - 1``: FlashInfer keeps key ``kv`` of query
 ``kv_len - qo_len + qo``: its absolute position in decode, extend, chain verify and draft extend,
 not in tree verify (a draft token sits at its depth) nor in multi-branch draft decode (at its step),
 which are refused for windowed layers. The cap: ``tanh(q.k * sm_scale / cap)`` scaled by ``cap`` in
-the softmax, the cap on the scaled score as torch_native's. Sinks are refused: ``run(sinks=)`` is
-dropped on the fa2 route (``prefill.py`` ``paged_run``), and the CUDA-core decode run takes none.
+the softmax, the cap on the scaled score as torch_native's. Sinks: ``run(sinks=)`` is dropped on the
+fa2 route (``prefill.py`` ``paged_run``) and the CUDA-core decode takes none, so a model with sinks
+runs every mode but the masked ones on ``BatchAttentionWithAttentionSinkWrapper`` (fa2 prefill
+kernels with the ``AttentionSink`` JIT variant, ``jit/attention/variants.py``: the sink joins the
+denominator, the same row window; it reads no custom mask and applies no cap: those are refused).
 """
 from __future__ import annotations
 
@@ -49,8 +52,10 @@ ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGE
 TENSOR_CORE_MIN_GROUP = 4      # GQA group from which tensor-core decode is faster (bf16/fp16)
 ROWS_NOT_DEPTH = ("FlashInfer's window counts query rows (kv_len - qo_len + row, variants.cuh), "
                   "not a draft token's tree depth or draft step")
-SINKS_DROPPED = ("FlashInfer 0.7.2.post1's fa2 kernels take no sinks (prefill.py paged_run does not pass "
-                 "run(sinks=) to fa2; CUDA-core decode has no sinks argument)")
+SINK_NO_MASK = ("FlashInfer's sink variant (BatchAttentionWithAttentionSinkWrapper, AttentionSink in "
+                "jit/attention/variants.py) reads no custom mask")
+SINK_NO_CAP = ("FlashInfer's sink variant applies no logits transform, and its plain fa2 kernels drop "
+               "run(sinks=) (prefill.py paged_run)")
 
 
 class _Call:
@@ -62,7 +67,7 @@ class _Call:
     def __init__(self, backend: "FlashInferBackend", layout: Layout, key: Optional[GraphKey], indices,
                  bound: bool, variant: tuple) -> None:
         self.cfg, self.memory = backend.config, backend.memory
-        self.window_left, self.softcap = variant     # plan arguments: one wrapper per variant
+        self.window_left, self.softcap, self.sinks = variant    # fixed at plan(): one wrapper per variant
         self.graph, self.bound = key is not None, bound and key is not None
         self.buffers: dict = {}
         self.reads: dict = {}
@@ -75,13 +80,16 @@ class _Call:
             self.buffers = {"qo_indptr": z(key.bs + 1), "kv_indptr": z(key.bs + 1), "kv_last_page_len": z(key.bs)}
             self.reads = dict(self.buffers)
 
-    def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def run(self, q: torch.Tensor, pages, layer) -> torch.Tensor:
         shape = q.shape                  # torch.empty with dtype and device: cheaper than new_empty on the host
         out = torch.empty(shape[0], shape[1], self.cfg.v_head_dim, dtype=self.cfg.dtype, device=self.memory.device)
+        # the sink variant's JIT tensor argument, after the pages: [H] float32 logits
+        sink = (layer.sinks.to(q.device, torch.float32),) if self.sinks else ()
+        k_scale, v_scale = layer.k_scale, layer.v_scale
         if k_scale == 1.0 and v_scale == 1.0:
-            return self.wrapper.run(q, pages, out=out)
+            return self.wrapper.run(q, pages, *sink, out=out)
         # an FP8 cache's scales: run() folds k_scale into sm_scale and multiplies out by v_scale
-        return self.wrapper.run(q, pages, out=out, k_scale=k_scale, v_scale=v_scale)
+        return self.wrapper.run(q, pages, *sink, out=out, k_scale=k_scale, v_scale=v_scale)
 
     def light_ok(self, host: HostPlan) -> bool:
         """Whether replays may replan light (the checks the full plan made hold for the key)."""
@@ -152,8 +160,13 @@ class PrefillCall(_Call):
                 kw.update(custom_mask_buf=b["custom_mask"], mask_indptr_buf=b["mask_indptr"])
             kw.update(use_cuda_graph=True, qo_indptr_buf=r["qo_indptr"], paged_kv_indptr_buf=r["kv_indptr"],
                       paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=r["kv_last_page_len"])
-        self.wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper(float_workspace(self.memory), "NHD",
-                                                                      **kw)
+        wrapper = backend.fi.BatchPrefillWithPagedKVCacheWrapper
+        if self.sinks:          # the AttentionSink JIT variant, built for the dtypes, head dims and window
+            c = self.cfg
+            wrapper = backend.fi.BatchAttentionWithAttentionSinkWrapper
+            kw.update(q_data_type=c.dtype, kv_data_type=c.cache_dtype, head_dim_qk=c.head_dim,
+                      head_dim_vo=c.v_head_dim, window_left=self.window_left)
+        self.wrapper = wrapper(float_workspace(self.memory), "NHD", **kw)
 
     def packed_mask(self, layout: Layout, host: HostPlan) -> torch.Tensor:
         """The step's mask, packed on the device into the fixed buffer (masks come with uniform
@@ -196,12 +209,16 @@ class FlashInferBackend(FlashInferBase):
         modes=ALL_MODES, mha=True, mla=False, page_sizes=(1, 16, 64), topk_gt1=True,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cuda",), min_sm=80, head_dims=(64, 128, 256),
         requires=("flashinfer",), dtypes=(torch.float16, torch.bfloat16), kv_dtypes=FP8_KV, windows=True,
-        softcap=True, topk_gt1_features=("softcap",), why_not=(("windows", ROWS_NOT_DEPTH), ("sinks", SINKS_DROPPED)))
+        sinks=True, softcap=True, topk_gt1_features=("softcap",), apart=(("sinks", "softcap"),),
+        why_not=(("windows", ROWS_NOT_DEPTH), ("sinks", SINK_NO_MASK), ("sinks+softcap", SINK_NO_CAP)))
 
     def __init__(self, config, memory) -> None:
         if config.v_head_dim != config.head_dim:
             raise ValueError(f"backend flashinfer needs v_head_dim == head_dim, got {config.v_head_dim} "
                              f"and {config.head_dim}")
+        if config.sinks and config.logit_softcap is not None:     # the sink variant would drop the cap
+            raise ValueError(f"backend {self.name}: attention sinks with logit softcapping (c={config.logit_softcap}) "
+                             f"not supported: {SINK_NO_CAP}")
         super().__init__(config, memory)
 
     def _kind(self, layout: Layout) -> str:
@@ -210,23 +227,26 @@ class FlashInferBackend(FlashInferBase):
         return "decode" if layout.mode == ForwardMode.DECODE and layout.width == 1 else "prefill"
 
     def _variants(self, layout: Layout) -> tuple:
-        """``(window_left, logits_soft_cap)`` of each kind of layer the model has (-1, 0.0: none); a
-        masked layout plans no window (:meth:`_variant` refuses windowed layers there)."""
+        """``(window_left, logits_soft_cap, sinks)`` of each kind of layer the model has (-1, 0.0,
+        False: none); a masked layout plans neither window nor sinks (:meth:`_variant` refuses them)."""
         c = self.config
         cap = float(c.logit_softcap or 0.0)
         if self._kind(layout) == "masked":
-            return ((-1, cap),)
-        return tuple(dict.fromkeys((-1 if w is None else w - 1, cap) for w in map(c.window, range(c.num_layers))))
+            return ((-1, cap, False),)
+        return tuple(dict.fromkeys((-1 if w is None else w - 1, cap, c.sinks)
+                                   for w in map(c.window, range(c.num_layers))))
 
     def _variant(self, layer, layout: Layout) -> tuple:
-        if layer.window is not None and self._kind(layout) == "masked":
-            raise ValueError(f"backend {self.name}: layer {layer.layer_id} window={layer.window} in "
-                             f"{layout.mode.name} with topk > 1 not supported: {ROWS_NOT_DEPTH}")
-        return (-1 if layer.window is None else layer.window - 1, float(layer.softcap or 0.0))
+        if (layer.window is not None or layer.sinks is not None) and self._kind(layout) == "masked":
+            what, why = (f"window={layer.window}", ROWS_NOT_DEPTH) if layer.window else ("sinks", SINK_NO_MASK)
+            raise ValueError(f"backend {self.name}: layer {layer.layer_id} {what} in {layout.mode.name} with "
+                             f"topk > 1 not supported: {why}")
+        return (-1 if layer.window is None else layer.window - 1, float(layer.softcap or 0.0), layer.sinks is not None)
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False, variant=(-1, 0.0)):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False,
+                  variant=(-1, 0.0, False)):
         kind = self._kind(layout)
-        if kind == "decode":
+        if kind == "decode" and not variant[2]:      # sinks: the prefill kernels' sink variant, W = 1
             return DecodeCall(self, layout, key, indices, bound, variant)
         return PrefillCall(self, layout, key, indices, bound, variant, masked=kind == "masked")
 

@@ -257,4 +257,4 @@ class FlashInferBase(LayoutBackend):
         if planned is None:         # a layer record whose window or cap the model's config does not give
             raise ValueError(f"layer {layer.layer_id} needs plan variant {variant}, the step planned "
                              f"{list(meta.planned)} from the model config")
-        return planned.call.run(q, self._kv_pages(layer.layer_id), layer.k_scale, layer.v_scale)
+        return planned.call.run(q, self._kv_pages(layer.layer_id), layer)

@@ -1,7 +1,7 @@
 """Issue #42's contract: the config's sliding window, layer types, softcap and sinks (validated with
 the value and the limit), the layer records, the capabilities that declare them and the refusals:
-a backend is offered only the features it declares (torch_native all; flashinfer windows and softcap,
-windows not with topk > 1), so none runs a model wrongly."""
+a backend is offered only the features it declares (torch_native all; flashinfer all three, but
+windows and sinks not with topk > 1, sinks not with a cap), so none runs a model wrongly."""
 import re
 
 import pytest
@@ -136,7 +136,7 @@ def test_list_shows_what_each_backend_declares(capsys):
     blocks = out.split("\ntorch_native")[1]
     assert "attention: sliding windows, attention sinks, logit" in blocks
     fi_block = re.search(r"\nflashinfer .*?(?=\n\S)", out, re.S).group(0)
-    assert "attention: sliding windows, logit softcapping" in fi_block, fi_block
+    assert "attention: sliding windows, attention sinks, logit softcapping" in fi_block, fi_block
     assert out.count("attention: sliding windows") == 2, out         # torch_native and flashinfer
 
 
@@ -154,5 +154,5 @@ def test_features_refused_with_topk_and_their_reasons_compose_in_hybrid():
     assert rows.refusal(_cfg(sinks=True)) == "attention sinks not supported"
     fi = get_backend_class("flashinfer").capabilities
     both = compose_capabilities({m: ("flashinfer", None) for m in ALL})
-    assert (both.windows, both.softcap, both.topk_gt1_features, both.why_not) == \
-        (True, True, ("softcap",), fi.why_not)
+    assert (both.windows, both.sinks, both.softcap, both.topk_gt1_features, both.apart, both.why_not) == \
+        (True, True, True, ("softcap",), (("sinks", "softcap"),), fi.why_not)
