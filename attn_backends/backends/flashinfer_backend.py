@@ -19,9 +19,9 @@ with a mask, the packed mask and ``mask_indptr``. Capture runs ``plan()``; a rep
 ``custom_mask`` / ``draft_prefix_lens`` and copying its offsets. An eager uniform batch runs a
 graph-form wrapper on buffers of its own, planned in full.
 
-Windows and softcap (``AttentionLayer``; torch_native defines them) are plan arguments, so a step
-plans one wrapper per ``(window_left, logits_soft_cap)`` its model's layers use (full and sliding
-layers: two). ``window_left = window - 1``: FlashInfer keeps key ``kv`` of query row ``qo`` when
+Windows, softcap and sinks (``AttentionLayer``; torch_native defines them) are fixed at plan time,
+so a step plans one wrapper per ``(window_left, logits_soft_cap, sinks)`` its model's layers use
+(full and sliding layers: two). ``window_left = window - 1``: FlashInfer keeps key ``kv`` of query row ``qo`` when
 ``kv + qo_len + window_left >= kv_len + qo`` (``variants.cuh`` ``DefaultAttention``), a row at
 ``kv_len - qo_len + qo``: its absolute position in decode, extend, chain verify and draft extend,
 not in tree verify (a draft token sits at its depth) nor in multi-branch draft decode (at its step),

@@ -8,8 +8,9 @@
   ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
   and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
   device. The device ``kv_indices`` is the step's layout buffer itself.
-* :class:`FlashInferBase`: one FlashInfer plan per step, one run per layer. The wrapper of a
-  (backend class, model config, GraphKey) lives in the step's cache (``StepView.cache``) so every
+* :class:`FlashInferBase`: one FlashInfer plan per step and plan variant (a layer's window, cap,
+  sinks: ``_variants``), one run per layer. The wrapper of a (backend class, model config, GraphKey,
+  variant) lives in the step's cache (``StepView.cache``) so every
   layer's instance runs the same wrapper; the first instance updated in a step (a new
   ``StepView.step_id``) plans it, the others only run. Graph mode uses the wrappers'
   ``use_cuda_graph=True`` form reading the step layout's own device tensors (``kv_indptr``,
@@ -141,9 +142,10 @@ class FlashInferMetadata(ForwardMetadata):
 
 
 class FlashInferBase(LayoutBackend):
-    """Plans once per step, runs once per layer. Subclasses define :meth:`_new_call` (a wrapper
-    and its fixed buffers, for a GraphKey or eager) and :meth:`_kind` (which wrapper a layout
-    needs); the call object has ``plan(layout, host)``, ``run(q, layer)`` and ``buffers``.
+    """Plans once per step and variant, runs once per layer. Subclasses define :meth:`_new_call` (a
+    wrapper and its fixed buffers, for a GraphKey or eager), :meth:`_kind` (which wrapper a layout
+    needs) and, with plan-time layer options, :meth:`_variants` / :meth:`_variant`; the call object
+    has ``plan(layout, host)``, ``run(q, pages, layer)`` and ``buffers``.
     FlashInfer's ``plan()`` reads the step's device layout (the packed mask, the indices it
     copies), so planning is replay work: the step's prep runs before it (``replay_work``)."""
 
@@ -161,8 +163,8 @@ class FlashInferBase(LayoutBackend):
         raise NotImplementedError
 
     def _variants(self, layout: Layout) -> tuple:
-        """The plan variants ``layout``'s step needs, one wrapper each (FlashInfer fixes the
-        window and the cap at ``plan()``); :meth:`_variant` names a layer's."""
+        """The plan variants ``layout``'s step needs, one wrapper each (FlashInfer fixes a
+        layer's window, cap and sink variant at ``plan()``); :meth:`_variant` names a layer's."""
         return (None,)
 
     def _variant(self, layer, layout: Layout):
