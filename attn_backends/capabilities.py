@@ -70,6 +70,14 @@ class Capabilities:
         Sliding-window layers, per-head sink logits and logit softcapping (``ModelConfig``'s
         ``sliding_window``, ``sinks``, ``logit_softcap``); a backend that does not declare one is
         refused the models (or with ``layer``, the layers) that use it.
+    topk_gt1_features : tuple of str or None
+        The features it serves with ``topk > 1`` (None: every one it declares); a model using
+        another is refused ``topk > 1``.
+    apart : tuple of (str, str)
+        Pairs of declared features it does not serve in one model.
+    why_not : tuple of (str, str)
+        ``(feature, reason)``: why a feature is refused (not declared, not with ``topk > 1``, or not
+        with the other of an ``apart`` pair: key ``"a+b"``), appended to that refusal.
     """
 
     modes: frozenset
@@ -94,6 +102,9 @@ class Capabilities:
     windows: bool = False
     sinks: bool = False
     softcap: bool = False
+    topk_gt1_features: Optional[tuple] = None
+    apart: tuple = ()
+    why_not: tuple = ()
 
     def features(self) -> tuple:
         """The attention features (``config.FEATURES``) it declares."""
@@ -133,10 +144,21 @@ class Capabilities:
         if fp8 and (why := self.fp8_model_refusal(cfg)):
             return why
         value = {"windows": f" (w={cfg.sliding_window})", "softcap": f" (c={cfg.logit_softcap})", "sinks": ""}
-        missing = [FEATURE_WORDS[f] + value[f] for f in cfg.features(layer) if not getattr(self, f)]
+        used, why = cfg.features(layer), dict(self.why_not)
+        missing = [f for f in used if not getattr(self, f)]
+        where = f" in layer {layer}" if layer is not None else ""
         if missing:     # an MLA kernel has no reason to grow them: no MLA model uses them
-            return (f"{', '.join(missing)} not supported" + (" (no MLA model uses them)" if cfg.is_mla else "")
-                    + (f" in layer {layer}" if layer is not None else ""))
+            return (f"{', '.join(FEATURE_WORDS[f] + value[f] for f in missing)} not supported"
+                    + (" (no MLA model uses them)" if cfg.is_mla else "") + where
+                    + "".join(f": {why[f]}" for f in missing if f in why))
+        for a, b in self.apart:
+            if a in used and b in used:
+                return (f"{FEATURE_WORDS[a]} with {FEATURE_WORDS[b]}{value[b]} not supported" + where
+                        + (f": {why[a + '+' + b]}" if a + "+" + b in why else ""))
+        off = [f for f in used if topk > 1 and self.topk_gt1_features is not None and f not in self.topk_gt1_features]
+        if off:
+            return (f"{', '.join(FEATURE_WORDS[f] + value[f] for f in off)} with topk={topk} > 1 not supported"
+                    + where + "".join(f": {why[f]}" for f in off if f in why))
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
         if device == "cuda" and sm is not None and sm < self.min_sm:

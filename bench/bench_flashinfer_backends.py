@@ -180,18 +180,19 @@ def test_fi_plan(benchmark, which, mode, bs):
     c = Case(which, mode, bs)
     raw_plan, _, _ = c.raw()
     meta = c.ours.forward_metadata
+    (planned,) = meta.planned.values()        # a plain model: one plan variant
 
     def ours():
-        meta.planned.step_id = -1             # a new step, as Step.update() makes: the backend plans again
+        planned.step_id = -1                  # a new step, as Step.update() makes: the backend plans again
         c.ours.init_forward_metadata_replay_cuda_graph(c.gi)
 
     def update():                             # the backend's part alone (the light plan), no layout prep
-        meta.planned.step_id = -1
+        planned.step_id = -1
         c.ours._update(meta, meta.view)
     rounds = [tuple(_host_times(f, rounds=1) for f in (ours, update, raw_plan)) for _ in range(3)]
     ours_us, upd_us, raw_us = (min(t) for t in zip(*rounds))
     row = {"kernel": f"fi_plan_{which}_{mode}_bs{bs}", "backend": c.backend_name, "ours_plan_host_us": ours_us,
-           "ours_update_host_us": upd_us, "raw_plan_host_us": raw_us, "light": meta.planned.light}
+           "ours_update_host_us": upd_us, "raw_plan_host_us": raw_us, "light": planned.light}
     benchmark.extra_info.update(row)
     benchmark.pedantic(ours, rounds=5, warmup_rounds=1)
     record(row)
@@ -287,13 +288,14 @@ def emulated_host(families=("gqa", "mla")) -> None:
                 c = Case(which, mode, bs)
                 raw_plan, raw_run, raw_alloc = c.raw()
                 meta = c.ours.forward_metadata
+                (planned,) = meta.planned.values()        # a plain model: one plan variant
 
-                def replay(meta=meta, c=c):
-                    meta.planned.step_id = -1
+                def replay(planned=planned, c=c):
+                    planned.step_id = -1
                     c.ours.init_forward_metadata_replay_cuda_graph(c.gi)
 
-                def update(meta=meta, c=c):
-                    meta.planned.step_id = -1
+                def update(meta=meta, planned=planned, c=c):
+                    planned.step_id = -1
                     c.ours._update(meta, meta.view)
                 parts = (c.ours_fn(), raw_run, raw_alloc, replay, update, raw_plan)
                 f, r, a, p, u, rp = (min(t) for t in zip(*[[us(fn) for fn in parts] for _ in range(5)]))

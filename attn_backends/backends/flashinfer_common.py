@@ -8,8 +8,9 @@
   ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
   and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
   device. The device ``kv_indices`` is the step's layout buffer itself.
-* :class:`FlashInferBase`: one FlashInfer plan per step, one run per layer. The wrapper of a
-  (backend class, model config, GraphKey) lives in the step's cache (``StepView.cache``) so every
+* :class:`FlashInferBase`: one FlashInfer plan per step and plan variant (a layer's window, cap,
+  sinks: ``_variants``), one run per layer. The wrapper of a (backend class, model config, GraphKey,
+  variant) lives in the step's cache (``StepView.cache``) so every
   layer's instance runs the same wrapper; the first instance updated in a step (a new
   ``StepView.step_id``) plans it, the others only run. Graph mode uses the wrappers'
   ``use_cuda_graph=True`` form reading the step layout's own device tensors (``kv_indptr``,
@@ -137,13 +138,14 @@ class Planned:
 
 @dataclass(eq=False)
 class FlashInferMetadata(ForwardMetadata):
-    planned: Optional[Planned] = None
+    planned: Optional[dict] = None      # variant (``FlashInferBase._variants``) -> Planned
 
 
 class FlashInferBase(LayoutBackend):
-    """Plans once per step, runs once per layer. Subclasses define :meth:`_new_call` (a wrapper
-    and its fixed buffers, for a GraphKey or eager) and :meth:`_kind` (which wrapper a layout
-    needs); the call object has ``plan(layout, host)``, ``run(q, layer)`` and ``buffers``.
+    """Plans once per step and variant, runs once per layer. Subclasses define :meth:`_new_call` (a
+    wrapper and its fixed buffers, for a GraphKey or eager), :meth:`_kind` (which wrapper a layout
+    needs) and, with plan-time layer options, :meth:`_variants` / :meth:`_variant`; the call object
+    has ``plan(layout, host)``, ``run(q, pages, layer)`` and ``buffers``.
     FlashInfer's ``plan()`` reads the step's device layout (the packed mask, the indices it
     copies), so planning is replay work: the step's prep runs before it (``replay_work``)."""
 
@@ -160,12 +162,20 @@ class FlashInferBase(LayoutBackend):
     def _kind(self, layout: Layout) -> str:
         raise NotImplementedError
 
+    def _variants(self, layout: Layout) -> tuple:
+        """The plan variants ``layout``'s step needs, one wrapper each (FlashInfer fixes a
+        layer's window, cap and sink variant at ``plan()``); :meth:`_variant` names a layer's."""
+        return (None,)
+
+    def _variant(self, layer, layout: Layout):
+        return None
+
     def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor],
-                  bound: bool = False):
-        """The wrapper for ``layout``: graph form for ``key`` reading the fixed ``indices``
-        buffer, or (``key`` None) the eager form. ``bound``: a graph wrapper of the step's own
-        layout, reading its device tensors (``indices`` is ``layout.kv_indices``); a call has
-        ``replan(layout, host)``, the light plan of its replays."""
+                  bound: bool = False, variant=None):
+        """The wrapper for ``layout`` and ``variant``: graph form for ``key`` reading the fixed
+        ``indices`` buffer, or (``key`` None) the eager form. ``bound``: a graph wrapper of the
+        step's own layout, reading its device tensors (``indices`` is ``layout.kv_indices``); a
+        call has ``replan(layout, host)``, the light plan of its replays."""
         raise NotImplementedError
 
     def _kv_pages(self, layer_id: int):
@@ -174,21 +184,26 @@ class FlashInferBase(LayoutBackend):
         raise NotImplementedError
 
     def _metadata(self, view: StepView, key: Optional[GraphKey]) -> FlashInferMetadata:
+        lay = view.layout
         if key is None:
-            return FlashInferMetadata(view, None, planned=self._eager_call(view))
-        owner = LibraryKey(type(self), self.config, key)
-        planned = view.cache.get(owner)
-        if planned is None:
-            lay = view.layout
-            planned = view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices, bound=True))
+            return FlashInferMetadata(view, None, planned={v: self._eager_call(view, v) for v in self._variants(lay)})
+        planned = {}
+        for v in self._variants(lay):
+            owner = LibraryKey(type(self), self.config, key, repr(v))
+            if owner not in view.cache:
+                view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices, bound=True, variant=v))
+            planned[v] = view.cache[owner]
         return FlashInferMetadata(view, key, planned=planned)
 
     def _update(self, meta: FlashInferMetadata, view: StepView) -> None:
-        planned = meta.planned
-        if planned.step_id == view.step_id:      # one plan per step, whichever layer comes first
-            return
-        key, call = meta.key, planned.call
-        host = eager_host_plan(view) if key is None else self.graph_host_plan(view, key)
+        host = None
+        for planned in meta.planned.values():
+            if planned.step_id != view.step_id:  # one plan per step, whichever layer comes first
+                host = host or (eager_host_plan(view) if meta.key is None else self.graph_host_plan(view, meta.key))
+                self._plan(planned, view, host)
+
+    def _plan(self, planned: Planned, view: StepView, host: HostPlan) -> None:
+        call = planned.call
         if planned.light:                        # a replay of a key planned in full at capture
             call.replan(view.layout, host)
         else:
@@ -196,7 +211,7 @@ class FlashInferBase(LayoutBackend):
             planned.light = call.bound and call.light_ok(host)
         planned.step_id = view.step_id           # planned: a plan() that raised is tried again
 
-    def _eager_call(self, view: StepView) -> Planned:
+    def _eager_call(self, view: StepView, variant=None) -> Planned:
         """The call of an eager layout. FlashInfer plans a graph-form wrapper unlike an eager one
         (split-KV always on, other query tiles), so a uniform batch runs the graph form at its
         (bs, W), on a kv_indices buffer of its own: eager and replay then launch the same kernels
@@ -209,12 +224,12 @@ class FlashInferBase(LayoutBackend):
         kept = view.cache.get(owner)
         if kept is None:
             kept = view.cache[owner] = OrderedDict()
-        kind = (self._kind(lay), key)
+        kind = (self._kind(lay), key, variant)
         planned = kept.pop(kind, None)
         if planned is None:
             pages = lay.bs * (self.memory.max_context_len // self.memory.page_size)
             indices = None if key is None else torch.zeros(pages, dtype=I32, device=self.memory.device)
-            planned = Planned(self._new_call(lay, key, indices))
+            planned = Planned(self._new_call(lay, key, indices, variant=variant))
         kept[kind] = planned
         while len(kept) > EAGER_CALLS_KEPT:
             kept.popitem(last=False)
@@ -229,13 +244,19 @@ class FlashInferBase(LayoutBackend):
     def _extra_graph_buffers(self) -> dict:
         out = {}
         for (key, _), meta in self._graph_meta.items():
-            call = meta.planned.call
-            tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
-            out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
+            for planned in meta.planned.values():
+                call = planned.call
+                tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
+                out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
         return out
 
     def _run(self, q: torch.Tensor, layer, meta: FlashInferMetadata) -> torch.Tensor:
         if layer.scaling != self._sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
                              f"{self._sm_scale} (one FlashInfer plan serves every layer of a step)")
-        return meta.planned.call.run(q, self._kv_pages(layer.layer_id), layer.k_scale, layer.v_scale)
+        variant = self._variant(layer, meta.layout)
+        planned = meta.planned.get(variant)
+        if planned is None:         # a layer record whose window or cap the model's config does not give
+            raise ValueError(f"layer {layer.layer_id} needs plan variant {variant}, the step planned "
+                             f"{list(meta.planned)} from the model config")
+        return planned.call.run(q, self._kv_pages(layer.layer_id), layer)

@@ -98,7 +98,8 @@ class MLACall:
         pb._plan_info, pb._staged_int_workspace_bytes = pb._cached_module.plan_with_staged_workspace_bytes(*args)
         self.wrapper._plan_info = pb._plan_info
 
-    def run(self, q: torch.Tensor, pages, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def run(self, q: torch.Tensor, pages, layer) -> torch.Tensor:
+        k_scale = layer.k_scale
         if not self.fp8:
             if k_scale != 1.0:          # a hand-made layer's scale on a cache of the model's dtype: not dropped
                 raise ValueError(f"flashinfer_mla: k_scale {k_scale} on a {self.cfg.cache_dtype} cache (FP8 alone)")
@@ -133,7 +134,7 @@ class FlashInferMLABackend(FlashInferBase):
     def _kind(self, layout: Layout) -> str:
         return "mla"
 
-    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False):
+    def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False, variant=None):
         return MLACall(self, layout, key, indices, bound)
 
     def _kv_pages(self, layer_id: int):

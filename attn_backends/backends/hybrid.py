@@ -73,6 +73,10 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
         fp8_model_dtypes=_fp8_model_dtypes(caps), fp8_below_sm=min((c.fp8_below_sm for c in caps
                                                                     if c.fp8_below_sm is not None), default=None),
         cannot="; ".join(sorted({c.cannot for c in topk_users if c.cannot})),
+        topk_gt1_features=tuple(f for f in FEATURES if all(f in (c.features() if c.topk_gt1_features is None
+                                                                 else c.topk_gt1_features) for c in topk_users)),
+        apart=tuple(dict.fromkeys(p for c in caps for p in c.apart)),
+        why_not=tuple(dict.fromkeys(p for c in caps + topk_users for p in c.why_not)),
         **{f: all(getattr(c, f) for c in caps) for f in FEATURES})    # every delegate runs every layer
 
 

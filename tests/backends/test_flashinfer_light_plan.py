@@ -81,8 +81,9 @@ def _light_and_full(cls, cfg, mem, cap, rep):
     be.init_forward_metadata_capture_cuda_graph(c.batch.graph_inputs())
     be.init_forward_metadata_replay_cuda_graph(r.batch.graph_inputs())
     meta = be.forward_metadata
-    call, lay = meta.planned.call, meta.view.layout
-    assert meta.planned.light, "the replay after capture did not take the light path"
+    (planned,) = meta.planned.values()          # a plain model: one plan variant
+    call, lay = planned.call, meta.view.layout
+    assert planned.light, "the replay after capture did not take the light path"
     host = be.graph_host_plan(meta.view, meta.key)
     assert host.kv_lens[:3].tolist() != c.batch.seq_lens_cpu[:3].tolist()    # other lengths than captured
     E.PLAN_ARGS.clear()

@@ -1,6 +1,9 @@
 """Issue #42's contract: the config's sliding window, layer types, softcap and sinks (validated with
 the value and the limit), the layer records, the capabilities that declare them and the refusals:
-no backend but torch_native is offered a model that uses one, so none runs it wrongly."""
+a backend is offered only the features it declares (torch_native all; flashinfer all three, but
+windows and sinks not with topk > 1, sinks not with a cap), so none runs a model wrongly."""
+import re
+
 import pytest
 import torch
 
@@ -83,17 +86,19 @@ def test_a_backend_that_does_not_declare_a_feature_is_refused_with_the_reason(kw
 
 
 @pytest.mark.parametrize("name", [n for n in builtin_names() if n != "torch_native"])
-def test_every_builtin_but_the_reference_is_refused_a_windowed_capped_sink_model(name):
-    """Their kernels read no window, cap or sink: run such a model and they would ignore them.
-    Each kind it serves, in a model it serves otherwise (so the feature is the reason)."""
+def test_every_builtin_but_the_reference_is_refused_the_features_it_does_not_declare(name):
+    """A kernel that reads no window, cap or sink would ignore them: the backend is refused a model
+    that uses one it does not declare. Each kind it serves, in a model it serves otherwise (so the
+    feature is the reason)."""
     caps = get_backend_class(name).capabilities
     kinds = [dict(head_dim=128)] * caps.mha + [dict(num_kv_heads=1, head_dim=576, is_mla=True)] * caps.mla
     for kw in kinds:
         assert caps.refusal(_cfg(**kw, dtype=torch.bfloat16), device="cuda", sm=None) is None, (name, kw)
-        for feat, words in ((dict(sliding_window=3), "sliding windows"), (dict(logit_softcap=1.0), "softcapping"),
-                            (dict(sinks=True), "attention sinks")):
+        for feat, flag, words in ((dict(sliding_window=3), "windows", "sliding windows"),
+                                  (dict(logit_softcap=1.0), "softcap", "softcapping"),
+                                  (dict(sinks=True), "sinks", "attention sinks")):
             why = caps.refusal(_cfg(**kw, **feat, dtype=torch.bfloat16), device="cuda", sm=None)
-            assert why and words in why, (name, kw, feat, why)
+            assert (why is None) if getattr(caps, flag) else (why and words in why), (name, kw, feat, why)
     assert get_backend_class("torch_native").capabilities.features() == ("windows", "sinks", "softcap")
 
 
@@ -130,4 +135,24 @@ def test_list_shows_what_each_backend_declares(capsys):
     out = capsys.readouterr().out
     blocks = out.split("\ntorch_native")[1]
     assert "attention: sliding windows, attention sinks, logit" in blocks
-    assert out.count("attention: sliding windows") == 1, out
+    fi_block = re.search(r"\nflashinfer .*?(?=\n\S)", out, re.S).group(0)
+    assert "attention: sliding windows, attention sinks, logit softcapping" in fi_block, fi_block
+    assert out.count("attention: sliding windows") == 2, out         # torch_native and flashinfer
+
+
+def test_features_refused_with_topk_and_their_reasons_compose_in_hybrid():
+    """A backend serving windows but not with topk > 1 (flashinfer: its window counts query rows) is
+    refused tree verify of a windowed model, with the reason; a hybrid over it inherits both."""
+    from attn_backends.backends.hybrid import compose_capabilities
+    rows = Capabilities(modes=ALL, topk_gt1=True, windows=True, softcap=True, topk_gt1_features=("softcap",),
+                        why_not=(("windows", "rows, not depth"),))
+    gemma = _cfg(**GEMMA)
+    assert rows.refusal(gemma, ForwardMode.TARGET_VERIFY) is None
+    assert rows.refusal(gemma, ForwardMode.TARGET_VERIFY, topk=4) == \
+        "sliding windows (w=5) with topk=4 > 1 not supported: rows, not depth"
+    assert rows.refusal(gemma, ForwardMode.TARGET_VERIFY, topk=4, layer=1) is None       # a full layer
+    assert rows.refusal(_cfg(sinks=True)) == "attention sinks not supported"
+    fi = get_backend_class("flashinfer").capabilities
+    both = compose_capabilities({m: ("flashinfer", None) for m in ALL})
+    assert (both.windows, both.sinks, both.softcap, both.topk_gt1_features, both.apart, both.why_not) == \
+        (True, True, True, ("softcap",), (("sinks", "softcap"),), fi.why_not)

@@ -9,6 +9,15 @@ in flashinfer 0.7.2.post1:
   byte ``mask_indptr[i]``, bit ``qo * kv_len + kv`` little-endian (``include/flashinfer/
   attention/variants.cuh``); causal rows aligned bottom-right;
 * CUDA-core decode ``run``: ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, one row each;
+* both as ``variants.cuh``'s ``DefaultAttention`` built with the module's ``use_sliding_window`` and
+  ``use_logits_soft_cap`` flags (a module built without one ignores its run argument): the window
+  keeps ``kv + qo_len + window_left >= kv_len + qo`` (query rows, whatever the mask;
+  ``window_left < 0``: ``kv_len``), the cap makes a score ``cap * tanh(q.k * sm_scale / cap)``;
+  ``run(sinks=)`` reaches no fa2 kernel (``prefill.py`` ``paged_run``), so it is read nowhere;
+* the ``AttentionSink`` JIT variant of ``BatchAttentionWithAttentionSinkWrapper``
+  (``jit/attention/variants.py``; the wrapper's JIT build replaced): its additional arguments
+  ``sink [H]`` and ``sm_scale`` after the common ones; the kernel's causal rows and the variant's
+  row window, no custom-mask bits (its mask reads none), no cap; ``exp(sink[h])`` in the denominator;
 * MLA ``run``: the plan's host CSR arrays, which the real plan copies into the int workspace
   (``scheduler.cuh`` ``MLAPlan``): the emulated plan writes them there and the run reads them
   back, so a missing re-plan shows; ``kv_indices`` from the wrapper's buffer. The module is
@@ -42,26 +51,37 @@ def _kv_rows(cache, indptr, indices, last, ps, i):
     return cache[pages].reshape(-1, *cache.shape[2:])[:kv].float(), kv
 
 
-def _attend(q, k, v, visible, scale):
-    """``q [n, H, D]`` against ``k [kv, Hk, D]``, ``v [kv, Hk, Dv]`` (GQA by head groups)."""
+def _attend(q, k, v, visible, scale, cap=0.0, sink=None):
+    """``q [n, H, D]`` against ``k [kv, Hk, D]``, ``v [kv, Hk, Dv]`` (GQA by head groups); ``sink [H]``."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.einsum("nhd,khd->hnk", q.float(), k) * scale
+    raw = torch.einsum("nhd,khd->hnk", q.float(), k)
+    # DefaultAttention: logits tanh(raw * sm_scale / cap), then the softmax's scale cap instead of sm_scale
+    s = cap * torch.tanh(raw * (scale / cap)) if cap > 0 else raw * scale
     s = s.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hnk,khd->nhd", torch.softmax(s, -1), v)
+    if sink is None:
+        return torch.einsum("hnk,khd->nhd", torch.softmax(s, -1), v)
+    col = sink.float()[:, None, None].expand(-1, s.shape[1], 1)             # a column with no value
+    return torch.einsum("hnk,khd->nhd", torch.softmax(torch.cat([s, col], -1), -1)[..., :-1], v)
 
 
-def _visible(n, kv, mode, mask, moff):
+def _visible(n, kv, mode, mask, moff, window_left=-1):
+    qo, kvi = torch.arange(n)[:, None], torch.arange(kv)[None, :]
+    wl = window_left if window_left >= 0 else kv
+    in_window = kvi + n + wl >= kv + qo                    # rows, not positions: variants.cuh
     if mode == 2:                          # CUSTOM: packed bits from byte mask_indptr[i]
         e = torch.arange(n * kv)
         bits = (mask[moff + e // 8].long() >> (e % 8)) & 1
-        return bits.view(n, kv).bool()
+        return bits.view(n, kv).bool() & in_window
     if mode == 1:                          # CAUSAL, bottom-right
-        return torch.arange(kv)[None, :] <= kv - n + torch.arange(n)[:, None]
-    return torch.ones(n, kv, dtype=torch.bool)
+        return (kvi <= kv - n + qo) & in_window
+    return torch.ones(n, kv, dtype=torch.bool) & in_window
 
 
 class _Prefill:
+    def __init__(self, *module_args):      # get_batch_prefill_module(backend, dtypes..., swa, softcap, fp16_qk)
+        self.window, self.cap = module_args[8], module_args[9]
+
     def plan(self, *args):
         PLANS.append(("prefill", args[7], args[11]))
         PLAN_ARGS.append(args)
@@ -70,16 +90,47 @@ class _Prefill:
     def paged_run(self, *a):
         q, k, v, qo, kvp, kvi, last, out = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]
         mode, mask, moff_all, scale = a[12], a[16], a[17], a[23]
+        wl, cap = (a[14] if self.window else -1), (a[22] if self.cap else 0.0)
         ps = k.shape[1]
         for i in range(len(last)):
             kk, kv = _kv_rows(k, kvp, kvi, last, ps, i)
             vv, _ = _kv_rows(v, kvp, kvi, last, ps, i)
             lo, hi = int(qo[i]), int(qo[i + 1])
-            vis = _visible(hi - lo, kv, mode, mask, int(moff_all[i]) if mode == 2 else 0)
-            out[lo:hi] = _attend(q[lo:hi], kk, vv, vis, scale).to(out.dtype)
+            vis = _visible(hi - lo, kv, mode, mask, int(moff_all[i]) if mode == 2 else 0, wl)
+            out[lo:hi] = _attend(q[lo:hi], kk, vv, vis, scale, cap).to(out.dtype)
+
+
+class _SinkPrefill:
+    """The JIT module of ``get_batch_prefill_jit_module(name, get_customize_batch_prefill_module(
+    backend, *jit_args, **jit_kwargs))``, for the ``AttentionSink`` variant alone."""
+
+    def __init__(self, backend, jit_args, jit_kwargs):
+        assert jit_args[11] == "AttentionSink" and list(jit_args[7]) == ["sink"], jit_args[11]
+        self.dtypes = jit_args[1:3]
+
+    def plan(self, *args):
+        PLANS.append(("sink_prefill", args[7], args[11]))
+        PLAN_ARGS.append(args)
+        return [0]
+
+    def paged_run(self, *a):
+        q, k, v, qo, kvp, kvi, last, out = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]
+        mode, wl, sink, scale = a[12], a[14], a[16], a[17]
+        if (q.dtype, k.dtype) != tuple(self.dtypes):
+            raise RuntimeError(f"a sink module built for {self.dtypes} handed {q.dtype}, {k.dtype}")
+        ps = k.shape[1]
+        for i in range(len(last)):
+            kk, kv = _kv_rows(k, kvp, kvi, last, ps, i)
+            vv, _ = _kv_rows(v, kvp, kvi, last, ps, i)
+            lo, hi = int(qo[i]), int(qo[i + 1])
+            vis = _visible(hi - lo, kv, 1 if mode == 1 else 0, None, 0, wl)     # CUSTOM: no bits read
+            out[lo:hi] = _attend(q[lo:hi], kk, vv, vis, scale, 0.0, sink).to(out.dtype)
 
 
 class _Decode:
+    def __init__(self, *module_args):      # get_batch_decode_module(dtypes..., pos, swa, softcap)
+        self.window, self.cap = module_args[7], module_args[8]
+
     def plan(self, *args):
         PLANS.append(("decode", args[4], args[8]))
         PLAN_ARGS.append(args)
@@ -87,10 +138,11 @@ class _Decode:
 
     def run(self, *a):
         q, k, v, kvp, kvi, last, out, scale = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[16]
+        wl, cap = (a[12] if self.window else -1), (a[15] if self.cap else 0.0)
         for i in range(len(last)):
             kk, kv = _kv_rows(k, kvp, kvi, last, k.shape[1], i)
             vv, _ = _kv_rows(v, kvp, kvi, last, k.shape[1], i)
-            out[i:i + 1] = _attend(q[i:i + 1], kk, vv, torch.ones(1, kv, dtype=torch.bool), scale).to(out.dtype)
+            out[i:i + 1] = _attend(q[i:i + 1], kk, vv, _visible(1, kv, 0, None, 0, wl), scale, cap).to(out.dtype)
 
 
 def _widen(cache, pages, kv, dtype_kv, dtype_q, scale):
@@ -145,9 +197,11 @@ def install(monkeypatch) -> None:
     PLAN_ARGS.clear()
     monkeypatch.setattr(torch, "empty", _no_pin(torch.empty))
     dec, pre = importlib.import_module("flashinfer.decode"), importlib.import_module("flashinfer.prefill")
-    monkeypatch.setattr(dec, "get_batch_decode_module", lambda *a: _Decode())
-    monkeypatch.setattr(dec, "get_batch_prefill_module", lambda *a: _Prefill())
-    monkeypatch.setattr(pre, "get_batch_prefill_module", lambda *a: _Prefill())
+    monkeypatch.setattr(dec, "get_batch_decode_module", _Decode)
+    monkeypatch.setattr(dec, "get_batch_prefill_module", _Prefill)
+    monkeypatch.setattr(pre, "get_batch_prefill_module", _Prefill)
+    monkeypatch.setattr(pre, "get_customize_batch_prefill_module", lambda backend, *a, **k: (backend, a, k))
+    monkeypatch.setattr(pre, "get_batch_prefill_jit_module", lambda name, spec: _SinkPrefill(*spec))
     common = importlib.import_module("flashinfer.mla._batch_mla._backends._fa_common")
     props = type("Props", (), {"shared_memory_per_multiprocessor": 233472, "shared_memory_per_block_optin": 232448})
     monkeypatch.setattr(common, "get_compute_capability", lambda d: (9, 0))
