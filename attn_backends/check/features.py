@@ -74,16 +74,28 @@ def window_of(kind: str, rng: random.Random, width: int, page_size: int, max_ctx
 
 
 def draw_features(caps, seed: int, rng: random.Random, heads: int, width: int, page_size: int,
-                  max_ctx: int) -> Features:
-    """The features of the case of seed ``seed``: only those ``caps`` declares (module docstring)."""
-    kind = WINDOW_KINDS[seed % len(WINDOW_KINDS)] if caps.windows else None
+                  max_ctx: int, topk: int = 1) -> Features:
+    """The features of the case of seed ``seed``: only those ``caps`` declares, and of those only
+    what it serves at ``topk`` (``topk_gt1_features``) and together (``apart``: the pair's second
+    dropped), as ``refusal`` would say (module docstring)."""
+    served = set(caps.features())
+    if topk > 1 and caps.topk_gt1_features is not None:
+        served &= set(caps.topk_gt1_features)
+    kind = WINDOW_KINDS[seed % len(WINDOW_KINDS)] if "windows" in served else None
     window = None if kind is None else window_of(kind, rng, width, page_size, max_ctx)
-    cap = rng.choice(CAPS) if caps.softcap and seed % 2 == 0 else None
+    cap = rng.choice(CAPS) if "softcap" in served and seed % 2 == 0 else None
     sinks = None
-    if caps.sinks and (seed // 2) % 2 == 1:
+    if "sinks" in served and (seed // 2) % 2 == 1:
         vals = [rng.uniform(-SINK_PEAK, SINK_PEAK) for _ in range(heads)]
         vals[rng.randrange(heads)] = rng.choice((-SINK_PEAK, SINK_PEAK))
         sinks = tuple(vals)
+    used = {"windows": window is not None, "softcap": cap is not None, "sinks": sinks is not None}
+    for a, b in caps.apart:
+        if used[a] and used[b]:
+            used[b] = False
+            window, kind = (None, None) if b == "windows" else (window, kind)
+            cap = None if b == "softcap" else cap
+            sinks = None if b == "sinks" else sinks
     return Features(window, kind, cap, sinks)
 
 

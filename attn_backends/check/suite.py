@@ -102,7 +102,7 @@ def random_case(rng: random.Random, mode: str, caps, mla: bool, seed: int) -> Ca
         c.steps = rng.randint(1, 5)
         c.draft_step = rng.randint(1, c.steps)
     w = _width(c)
-    c.features = draw_features(caps, seed, rng, HEADS, w, ps, MAX_CTX)
+    c.features = draw_features(caps, seed, rng, HEADS, w, ps, MAX_CTX, c.topk)
     lo = w * (c.draft_step - 1) if mode == "draft_decode" else 0
     raw_a = rng.randint(1, c.bs)
     raws = [rng.randint(1, c.bs), raw_a, rng.randint(1, raw_a)]   # history biased to shrink

@@ -57,5 +57,5 @@ def random_spec(rng: random.Random, kind: str, backend: str, caps, mla: bool, de
     elif kind == "draft_decode":
         s.topk, s.steps = rng.choice([1, 2, 4]), rng.randint(1, 3)
     width = {"decode": 1, "breakable_decode": 1, "draft_decode": s.topk, "piecewise": 8}.get(kind, s.n)
-    s.features = draw_features(caps, seed // len(kinds_for(caps)), rng, 4, width, s.page_size, s.max_ctx)
+    s.features = draw_features(caps, seed // len(kinds_for(caps)), rng, 4, width, s.page_size, s.max_ctx, s.topk)
     return s

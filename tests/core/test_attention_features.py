@@ -2,12 +2,14 @@
 the value and the limit), the layer records, the capabilities that declare them and the refusals:
 a backend is offered only the features it declares (torch_native all; flashinfer all three, but
 windows and sinks not with topk > 1, sinks not with a cap), so none runs a model wrongly."""
+import dataclasses
 import re
 
 import pytest
 import torch
 
-from attn_backends import ForwardMode, ModelConfig, get_backend, select
+from attn_backends import ForwardMode, ModelConfig, get_backend, registry, select
+from attn_backends.backends.triton_backend import TritonBackend
 from attn_backends.capabilities import Capabilities
 from attn_backends.check import cli
 from attn_backends.check.scenarios import make_memory, materialize
@@ -102,30 +104,41 @@ def test_every_builtin_but_the_reference_is_refused_the_features_it_does_not_dec
     assert get_backend_class("torch_native").capabilities.features() == ("windows", "sinks", "softcap")
 
 
-def test_select_picks_torch_native_and_per_layer_the_others(monkeypatch):
+class PlainTriton(TritonBackend):
+    """``triton`` declaring none of the features: a backend whose kernels would ignore them."""
+
+    name = "triton_plain"
+    capabilities = dataclasses.replace(TritonBackend.capabilities, windows=False, sinks=False, softcap=False)
+
+
+@pytest.fixture
+def plain(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")                # triton serves on this CPU
+    monkeypatch.setitem(registry._extra, "triton_plain", f"{__file__}:PlainTriton")
+
+
+def test_select_refuses_a_backend_without_the_feature_and_per_layer_takes_it(plain):
     gemma = _cfg(**{**GEMMA, "logit_softcap": None})
     choice = select(gemma, mode=ForwardMode.DECODE, device="cpu")
-    assert choice.name == "torch_native"
-    assert choice.refused["triton"] == "sliding windows (w=5) not supported"
-    assert select(gemma, mode=ForwardMode.DECODE, device="cpu", layer=1).name == "triton"    # the full layer
+    assert get_backend_class(choice.name).capabilities.windows, choice.name
+    assert choice.refused["triton_plain"] == "sliding windows (w=5) not supported"
+    assert select(gemma, mode=ForwardMode.DECODE, device="cpu", backend="triton_plain", layer=1).name == "triton_plain"
     with pytest.raises(ValueError, match=r"cannot serve this model in DECODE for layer 0 on cpu: sliding windows"):
-        select(gemma, mode=ForwardMode.DECODE, device="cpu", backend="triton", layer=0)
-    with pytest.raises(ValueError, match=r"backend 'triton' cannot serve this model on cpu: sliding windows \(w=5\)"):
-        get_backend("triton", gemma, make_memory(gemma, num_pages=8, max_reqs=2, max_context_len=64))
+        select(gemma, mode=ForwardMode.DECODE, device="cpu", backend="triton_plain", layer=0)
+    with pytest.raises(ValueError, match=r"backend 'triton_plain' cannot serve this model on cpu: sliding windows \(w=5\)"):
+        get_backend("triton_plain", gemma, make_memory(gemma, num_pages=8, max_reqs=2, max_context_len=64))
 
 
-def test_forward_refuses_a_layer_record_its_backend_does_not_declare(monkeypatch):
+def test_forward_refuses_a_layer_record_its_backend_does_not_declare(plain):
     """A backend made for the full layers of a model with sliding ones is handed a sliding layer."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from attn_backends.check.scenarios import Scenario
     gemma = _cfg(**{**GEMMA, "logit_softcap": None})
     mem = make_memory(gemma, num_pages=8, max_reqs=2, max_context_len=64)
-    be = get_backend("triton", gemma, mem, layers=[1])
+    be = get_backend("triton_plain", gemma, mem, layers=[1])
     m = materialize(Scenario(ForwardMode.DECODE, 1, [5]), mem, be.get_cuda_graph_seq_len_fill_value())
     be.init_forward_metadata(m.batch)
     q = torch.randn(1, 4, 64)
-    with pytest.raises(ValueError, match=r"backend triton does not declare windows, used by layer 0"):
+    with pytest.raises(ValueError, match=r"backend triton_plain does not declare windows, used by layer 0"):
         be.forward(q, None, None, gemma.layer(0), m.batch, save_kv_cache=False)
     assert be.forward(q, None, None, gemma.layer(1), m.batch, save_kv_cache=False).shape == (1, 4, 64)
 
@@ -137,7 +150,7 @@ def test_list_shows_what_each_backend_declares(capsys):
     assert "attention: sliding windows, attention sinks, logit" in blocks
     fi_block = re.search(r"\nflashinfer .*?(?=\n\S)", out, re.S).group(0)
     assert "attention: sliding windows, attention sinks, logit softcapping" in fi_block, fi_block
-    assert out.count("attention: sliding windows") == 2, out         # torch_native and flashinfer
+    assert out.count("attention: sliding windows") == 3, out         # torch_native, triton and flashinfer
 
 
 def test_features_refused_with_topk_and_their_reasons_compose_in_hybrid():
