@@ -10,9 +10,10 @@ others within +-12) each on two seeds of four (cap: even seeds, sinks: seeds 2, 
 any four consecutive seeds meet every combination of the two and twenty every combination with a
 window kind. A feature the backend does not declare is never drawn.
 
-I17: the KV entries at positions before each request's window start (the first position any of
-its rows can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them
-(or multiplies their values by a zero probability) shows NaN.
+I17: the KV pages wholly before each request's window start (the first position any of its rows
+can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them (or
+multiplies their values by a zero probability) shows NaN. Whole pages: a layout starts a sliding
+layer's KV at the window's first page (issue #42.2), whose head a kernel may read and mask.
 """
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ class Features:
         """``ModelConfig`` fields of a model whose every layer uses them (Mistral's layer types)."""
         return dict(sliding_window=self.window, logit_softcap=self.softcap, sinks=self.sinks is not None)
 
-    def sinks_tensor(self) -> Optional[torch.Tensor]:
-        return None if self.sinks is None else torch.tensor(self.sinks, dtype=torch.float32)
+    def sinks_tensor(self, device="cpu") -> Optional[torch.Tensor]:
+        """The sink logits as a model holds them: a weight on the model's device (a kernel reads it
+        where it runs; the Triton wrappers refuse one elsewhere)."""
+        return None if self.sinks is None else torch.tensor(self.sinks, dtype=torch.float32, device=device)
 
     def describe(self) -> str:
         parts = ([f"window={self.window} ({self.window_kind})"] if self.window is not None else []) + \
@@ -116,6 +119,11 @@ def window_starts(batch) -> list:
     return out
 
 
+def whole_pages(tokens: int, page_size: int) -> int:
+    """The tokens of the pages wholly within a request's first ``tokens`` (I17 poisons those)."""
+    return tokens // page_size * page_size
+
+
 @contextlib.contextmanager
 def poisoned(pools: list, slots: torch.Tensor):
     """NaN in ``slots`` of every KV pool tensor of ``pools`` inside the block, restored after."""
@@ -143,7 +151,7 @@ def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
         return []
     slots = []
     for row, base, first_row in window_starts(batch):
-        n = min(base, max(0, first_row - layer.window + 1))
+        n = whole_pages(min(base, max(0, first_row - layer.window + 1)), mem.page_size)
         slots.append(mem.req_to_token[row, :n].long())
     slots = torch.cat(slots)
     if not slots.numel():

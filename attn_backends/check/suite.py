@@ -189,7 +189,7 @@ class _CaseRun:
         self.mem = make_memory(cfg, num_pages=3 * MAX_BS * per_req + 2, max_reqs=3 * MAX_BS, max_context_len=MAX_CTX,
                                page_order=c.page_order, seed=c.seed, device=device)   # random KV: I9n
         self.graph_be, self.eager_be = cls(cfg, self.mem), cls(cfg, self.mem)
-        self.numbers = NumbersCheck(cfg, self.mem, c.seed, c.features.sinks_tensor())
+        self.numbers = NumbersCheck(cfg, self.mem, c.seed, c.features.sinks_tensor(device))
         self.fill = self.graph_be.get_cuda_graph_seq_len_fill_value()
         self.mats = [materialize(_scenario(c, p, e, rng, device), self.mem, self.fill) for p, e in c.batches]
         self.step: Optional[Step] = None          # the graph side's step, driven as a runner drives it
