@@ -23,6 +23,7 @@ from attn_backends import registry
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.check import cli
 from attn_backends.config import FULL, SLIDING
+from attn_backends.registry import get_backend_class, unavailable_reason
 from attn_backends_runtime.eagle import SpecConfig
 from attn_backends_runtime.executor import layer_backend_names
 from attn_backends_runtime.models import TINY_MODELS
@@ -44,6 +45,24 @@ def test_eagle_lossless_on_windows_sinks_softcap(name, spec):
     tc = tiny(name)
     cases = make_cases(reference_model(tc), [16, 10, 13], seed=7)
     engine = engine_for(tc, SPECS[spec])
+    assert_matches(run_cases(engine, cases, join_after=2), cases)
+    assert_all_graphs(engine, ALL_MODES)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eagle_lossless_on_windows_sinks_softcap_cuda(name, spec, backend):
+    """The same on the GPU with real graphs, every layer a backend that declares its features: triton
+    (all), flashinfer where it serves the layer (its windows not in trees, its sinks not with a cap or
+    topk > 1: those layers go to a backend that serves them, the executor's per-layer choice)."""
+    if unavailable_reason(get_backend_class(backend), "cuda"):
+        pytest.skip(unavailable_reason(get_backend_class(backend), "cuda"))
+    tc = tiny(name)
+    cases = make_cases(reference_model(tc, device="cuda"), [16, 10, 13], seed=7)
+    engine = engine_for(tc, SPECS[spec], backend, device="cuda")
     assert_matches(run_cases(engine, cases, join_after=2), cases)
     assert_all_graphs(engine, ALL_MODES)
     assert_no_leaks(engine)
