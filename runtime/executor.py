@@ -39,7 +39,7 @@ class ModelExecutor:
     def __init__(self, name: str, model, eager_backends, runners: dict,
                  multi_step: Optional[MultiStepDraftRunner] = None, layer_names: Optional[list] = None) -> None:
         self.name, self.model, self.eager_backends = name, model, eager_backends
-        self.layer_names = layer_names        # the backend of each of the model's layers
+        self.layer_names = layer_names        # {pool layer id: backend} of the model's layers
         self.runners = {k: r for k, r in runners.items() if r is not None}
         self.multi_step = multi_step
         self.counts: dict = defaultdict(lambda: {"graph": 0, "eager": 0})
@@ -135,7 +135,7 @@ def target_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, toke
         elif spec is not None and graphs_for(backend, ForwardMode.TARGET_VERIFY):
             runners["verify"] = UniformGraphRunner(model, mk(), memory, ForwardMode.TARGET_VERIFY, buckets,
                                                    spec=spec, capture_hidden_mode=H.FULL)
-    return ModelExecutor("target", model, mk(), runners, layer_names=backend)
+    return ModelExecutor("target", model, mk(), runners, layer_names=dict(zip(layers, backend)))
 
 
 def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token_buckets, graphs: bool,
@@ -159,4 +159,4 @@ def draft_executor(model, memory: KVMemory, backend: str, cfg, *, buckets, token
                                      buckets)
         if graphs and graphs_for(backend, ForwardMode.DECODE):
             runners["draft_decode"] = multi
-    return ModelExecutor("draft", model, mk(), runners, multi, layer_names=backend)
+    return ModelExecutor("draft", model, mk(), runners, multi, layer_names=dict(zip(layers, backend)))

@@ -181,8 +181,8 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
     kv = "" if args.kv_dtype == "model" else f", KV {args.kv_dtype}"
     print(f"\n{args.model} on {args.backend} ({args.device}, {args.dtype}{kv}, "
           f"{'eager' if args.no_graphs else 'graphs'}), {what}", file=out)
-    mixed = [f"{ex.name} layers: {', '.join(f'{i} {n}' for i, n in enumerate(ex.layer_names))}"
-             for ex in engine.executors if ex.layer_names and set(ex.layer_names) != {args.backend}]
+    mixed = [f"{ex.name} layers: {', '.join(f'{i} {n}' for i, n in ex.layer_names.items())}"    # pool layer ids
+             for ex in engine.executors if ex.layer_names and set(ex.layer_names.values()) != {args.backend}]
     for line in mixed:           # layers whose window, sinks or cap the backend asked for lacks
         print(line, file=out)
     print(engine.summary(), file=out)

@@ -10,10 +10,11 @@ others within +-12) each on two seeds of four (cap: even seeds, sinks: seeds 2, 
 any four consecutive seeds meet every combination of the two and twenty every combination with a
 window kind. A feature the backend does not declare is never drawn.
 
-I17: the KV pages wholly before each request's window start (the first position any of its rows
-can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them (or
-multiplies their values by a zero probability) shows NaN. Whole pages: a layout starts a sliding
-layer's KV at the window's first page (issue #42.2), whose head a kernel may read and mask.
+I17: the KV entries at positions before each request's window start (the first position any of
+its rows can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them
+(or multiplies their values by a zero probability) shows NaN. (A backend that reads a request's
+pages from its first fails it: ``flashinfer`` until a sliding layer's layout starts at its window,
+issue #42.2.)
 """
 from __future__ import annotations
 
@@ -119,11 +120,6 @@ def window_starts(batch) -> list:
     return out
 
 
-def whole_pages(tokens: int, page_size: int) -> int:
-    """The tokens of the pages wholly within a request's first ``tokens`` (I17 poisons those)."""
-    return tokens // page_size * page_size
-
-
 @contextlib.contextmanager
 def poisoned(pools: list, slots: torch.Tensor):
     """NaN in ``slots`` of every KV pool tensor of ``pools`` inside the block, restored after."""
@@ -151,7 +147,7 @@ def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
         return []
     slots = []
     for row, base, first_row in window_starts(batch):
-        n = whole_pages(min(base, max(0, first_row - layer.window + 1)), mem.page_size)
+        n = min(base, max(0, first_row - layer.window + 1))
         slots.append(mem.req_to_token[row, :n].long())
     slots = torch.cat(slots)
     if not slots.numel():

@@ -23,7 +23,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import get_backend
-from attn_backends.check.features import layer_pools, poisoned, whole_pages
+from attn_backends.check.features import layer_pools, poisoned
 from attn_backends.check.numbers import batch_spans, mismatch
 
 from ..attention_hook import splitting
@@ -87,16 +87,14 @@ def hidden_rule(case, compare) -> None:
 
 
 def window_poison(case, keep_a: RunnerOutput, compare) -> None:
-    """I17: A replayed with NaN in the KV pages of every sliding layer wholly before each request's
-    window start (its first row's position minus the window plus one; later rows, draft steps and
-    deeper tree tokens see no earlier) gives A's outputs bitwise (``features.whole_pages``)."""
+    """I17: A replayed with NaN in the KV of every sliding layer before each request's window start
+    (its first row's position minus the window plus one; later rows, draft steps and deeper tree
+    tokens see no earlier) gives A's outputs bitwise."""
     rig, cfg = case.rig, case.rig.tc.attention()
     w = rig.tc.sliding_window
     if w is None:
         return
-    ps = rig.mem.page_size
-    slots = torch.cat([rig.mem.req_to_token[r.row, :whole_pages(max(0, r.prefix - w + 1), ps)].long()
-                       for r in case.reqs_a])
+    slots = torch.cat([rig.mem.req_to_token[r.row, :max(0, r.prefix - w + 1)].long() for r in case.reqs_a])
     if not slots.numel():
         return
     layers = [i for i in range(rig.tc.num_layers) if cfg.window(i) is not None]

@@ -97,3 +97,32 @@ def test_feature_arguments_refused_in_one_line():
                      (dict(sinks=torch.zeros(H + 1, device=DEVICE)), "one float logit a query head (4)")]:
         with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
             decode_attention_fwd(q, k, v, pt, seq, PAGE, 1.0, 1, out, **kw)
+
+
+LONG = [700, 5, 1100, 330]      # windows past MIN_CHUNK_TOKENS: a windowed request over several chunks
+
+
+@pytest.mark.parametrize("schedule,window", [("chunks", 600), ("chunks_last", 300), ("invariant", 600)])
+def test_decode_window_over_several_chunks(schedule, window):
+    """The chunk schedule cuts each request from its window's start (``chunk_of``'s ``lo``) into several
+    chunks, and the merge pass recomputes the same schedule."""
+    sinks = _sinks([-11.0, 11.0, 0.5, 3.0])
+    pt, seq, k, v, q = _batch(LONG, [1] * (len(LONG) + 1))
+    out = _decode(q, k, v, pt, seq, schedule, window, 0.7, sinks)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    ref = ref_paged_attention(q, k, v, pt, seq, cu, PAGE, D ** -0.5, window=window, softcap=0.7, sinks=sinks)
+    assert_close(out[:len(LONG)], ref[:len(LONG)], 1e-5)
+
+
+def test_verify_rows_window_over_several_chunks():
+    """Causal verify rows (W = 4) on the chunk schedule, each row's window from its own position."""
+    W, window, sinks = 4, 600, _sinks([9.0, -11.0, 0.5, 3.0])
+    pt, seq, k, v, q = _batch(LONG, [W] * (len(LONG) + 1))
+    bs = len(LONG) + 1
+    cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ws = chunk_workspace(bs, slots_per_request("chunks", 3, pt.shape[1] * PAGE), W, H, HKV, D, DEVICE)
+    extend_attention_fwd(q, k, v, pt, seq, cu, PAGE, D ** -0.5, W, out, num_kv_splits=3, workspace=ws,
+                         schedule="chunks", merge="pass", window=window, softcap=0.7, sinks=sinks)
+    ref = ref_paged_attention(q, k, v, pt, seq, cu, PAGE, D ** -0.5, window=window, softcap=0.7, sinks=sinks)
+    assert_close(out[:len(LONG) * W], ref[:len(LONG) * W], 1e-5)

@@ -19,11 +19,11 @@ from engine_reference import (
 )
 from test_eagle import ALL_MODES, engine_for
 
-from attn_backends import registry
+from attn_backends import ForwardMode, registry
 from attn_backends.backends.torch_native import TorchNativeBackend
 from attn_backends.check import cli
 from attn_backends.config import FULL, SLIDING
-from attn_backends.registry import get_backend_class, unavailable_reason
+from attn_backends.registry import get_backend_class, select, unavailable_reason
 from attn_backends_runtime.eagle import SpecConfig
 from attn_backends_runtime.executor import layer_backend_names
 from attn_backends_runtime.models import TINY_MODELS
@@ -108,30 +108,34 @@ def partial(monkeypatch):
                                                      ("tiny-gptoss", ("windows", "sinks"), False)])
 def test_layers_get_a_backend_that_has_their_features(partial, name, declares, full_only):
     """Asked for a backend that lacks the sliding layers' window, the engine runs those layers on
-    one that declares it (torch_native here: select(layer=) from capabilities) and the others on
+    one that declares it (what select(layer=) ranks first from capabilities) and the others on
     the one asked for, target and draft alike; the tokens are those of torch_native alone."""
-    partial(*declares)
+    partial_cls = partial(*declares)
     tc = tiny(name)
     spec = SPECS["chain"]
     cases = make_cases(reference_model(tc), [12, 9], seed=3)
     engine = engine_for(tc, spec, backend="partial")
-    want = ["torch_native", "partial"] if full_only else ["partial", "partial"]
-    assert [ex.layer_names for ex in engine.executors] == [want, want]
-    kinds = [type(b).__name__ for b in engine.target.eager_backends] if full_only else \
-        [type(engine.target.eager_backends).__name__]
-    assert kinds == (["TorchNativeBackend", "Partial"] if full_only else ["Partial"])
+    other = engine.target.layer_names[0]          # what select ranks first for the sliding layer
+    assert other != "partial" or not full_only
+    assert get_backend_class(other).capabilities.features() == ("windows", "sinks", "softcap") or not full_only
+    want = [other, "partial"] if full_only else ["partial", "partial"]
+    assert [list(ex.layer_names.values()) for ex in engine.executors] == [want, want]
+    assert [list(ex.layer_names) for ex in engine.executors] == [[0, 1], [2, 3]]     # the draft's pool layers
+    kinds = [type(b) for b in engine.target.eager_backends] if full_only else [type(engine.target.eager_backends)]
+    assert kinds == ([get_backend_class(other), partial_cls] if full_only else [partial_cls])
     assert_matches(run_cases(engine, cases), cases)
     assert_no_leaks(engine)
 
 
 def test_layer_names_follow_capabilities_not_names(partial):
-    """A backend that declares nothing of #42 keeps the plain layers only; one declaring it all
-    keeps every layer (triton will, once its kernels declare the features)."""
+    """A backend that declares nothing of #42 keeps the plain layers only (the windowed one goes to
+    what select ranks first, here triton on the interpreter); one declaring windows keeps every layer."""
     tc = tiny("tiny-gptoss", sinks=False)                    # windows only: layer 1 is plain
     cfg = tc.attention()
     modes = {m: 1 for m in TorchNativeBackend.capabilities.modes}
     partial()
-    assert layer_backend_names("partial", cfg, range(2), "cpu", modes) == ["torch_native", "partial"]
+    first = select(cfg, ForwardMode.DECODE, "cpu", layer=0).name
+    assert first != "partial" and layer_backend_names("partial", cfg, range(2), "cpu", modes) == [first, "partial"]
     partial("windows")
     assert layer_backend_names("partial", cfg, range(2), "cpu", modes) == ["partial", "partial"]
 
