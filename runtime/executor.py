@@ -97,7 +97,12 @@ def layer_backend_names(backend: str, cfg, layers, device: str, modes: dict) -> 
     """The backend of each layer of ``layers``: ``backend`` where it serves the layer in every mode
     of ``modes`` (``{mode: topk}``), else the first that ``select`` ranks for that layer and that
     serves them all: a layer whose window, sinks or cap ``backend`` does not declare gets one that
-    does (SGLang picks triton for models with sinks), the others keep the one asked for."""
+    does (SGLang picks triton for models with sinks), the others keep the one asked for. A backend
+    refused the model for another reason (MLA, a mode, a dtype) is kept everywhere: building it
+    raises that reason, as it did before the features existed."""
+    plain = dataclasses.replace(cfg, sliding_window=None, layer_types=None, logit_softcap=None, sinks=False)
+    if any(refusal(backend, plain, m, device, k) for m, k in modes.items()):
+        return [backend] * len(layers)
     out = []
     for i in layers:
         name, tried = backend, []

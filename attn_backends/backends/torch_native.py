@@ -66,7 +66,7 @@ def in_window(lay: Layout, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int
     """``[bs, Q, K]`` bool: KV entry ``k_pos`` within ``window`` positions of query row ``q_pos``,
     whose own entry is ``prefix + q_pos`` (every mode writes a row's KV before reading it)."""
     kpos = positions(lay, k_pos)                                            # [bs, K]
-    own = (lay.prefix_lens.long()[:, None] + q_pos[None, :]).clamp(max=k_pos.shape[0] - 1)
+    own = (lay.prefix_lens.long()[:, None] + q_pos[None, :]).clamp(0, k_pos.shape[0] - 1)   # a bad layout: no crash
     qpos = torch.gather(kpos, 1, own)                                       # [bs, Q]
     return kpos[:, None, :] > qpos[:, :, None] - window
 
@@ -92,6 +92,8 @@ def paged_attention(q, k_cache, v_cache, lay: Layout, scaling: float, k_scale: f
     slot = lay.page_table.long()[:, k_pos // ps] * ps + k_pos % ps
     kk = k_cache[slot].float() * k_scale                                 # [bs, nk, Hkv, D]
     ok = visible(lay, q_pos, k_pos)
+    if ok.shape[1] != nq:       # a tree mask's W rows against a layout's other row count (a bad layout): its
+        ok = torch.nn.functional.pad(ok, (0, 0, 0, max(0, nq - ok.shape[1])))[:, :nq]   # rows, no crash
     if window is not None:
         ok = ok & in_window(lay, q_pos, k_pos, window)
     # KV no row sees (past a request's length: the reserved page where padding rows store their

@@ -64,7 +64,7 @@ def test_emulated_fp8_latent_cache_against_float64_over_the_dequantized_cache(em
 
 def test_emulated_a_dropped_scale_is_caught(emulated, monkeypatch):
     """ckv/kpe scales handed as 1: FlashInfer takes them, only the values show it."""
-    monkeypatch.setattr(MLACall, "run", lambda self, q, pages, k_scale=1.0, v_scale=1.0: self.wrapper.run(
+    monkeypatch.setattr(MLACall, "run", lambda self, q, pages, layer: self.wrapper.run(
         query=q, kv_cache=pages, ckv_scale=1.0, kpe_scale=1.0))
     with pytest.raises(AssertionError, match="relative error"):
         _check(emulated, "decode", "cpu")
@@ -112,4 +112,4 @@ def test_a_scale_on_a_cache_of_the_models_dtype_is_refused_not_dropped():
     from types import SimpleNamespace
     call = SimpleNamespace(fp8=False, cfg=SimpleNamespace(cache_dtype=BF16), wrapper=None)
     with pytest.raises(ValueError, match=r"^flashinfer_mla: k_scale 2.0 on a torch.bfloat16 cache \(FP8 alone\)$"):
-        MLACall.run(call, None, None, 2.0, 2.0)
+        MLACall.run(call, None, None, SimpleNamespace(k_scale=2.0, v_scale=2.0))
