@@ -236,6 +236,8 @@ class FlashInferBackend(FlashInferBase):
         return tuple(dict.fromkeys((-1 if w is None else w - 1, cap, c.sinks)
                                    for w in map(c.window, range(c.num_layers))))
 
+    PLAIN_VARIANT = (-1, 0.0, False)
+
     def _variant(self, layer, layout: Layout) -> tuple:
         if (layer.window is not None or layer.sinks is not None) and self._kind(layout) == "masked":
             what, why = (f"window={layer.window}", ROWS_NOT_DEPTH) if layer.window else ("sinks", SINK_NO_MASK)
@@ -244,7 +246,7 @@ class FlashInferBackend(FlashInferBase):
         return (-1 if layer.window is None else layer.window - 1, float(layer.softcap or 0.0), layer.sinks is not None)
 
     def _new_call(self, layout: Layout, key: Optional[GraphKey], indices, bound: bool = False,
-                  variant=(-1, 0.0, False)):
+                  variant=PLAIN_VARIANT):
         kind = self._kind(layout)
         if kind == "decode" and not variant[2]:      # sinks: the prefill kernels' sink variant, W = 1
             return DecodeCall(self, layout, key, indices, bound, variant)

@@ -170,6 +170,10 @@ class FlashInferBase(LayoutBackend):
     def _variant(self, layer, layout: Layout):
         return None
 
+    # The variant of a layer without window, cap or sinks (``AttentionLayer.features`` empty): what
+    # :meth:`_variant` gives it, read without the call on every forward of a plain model.
+    PLAIN_VARIANT = None
+
     def _new_call(self, layout: Layout, key: Optional[GraphKey], indices: Optional[torch.Tensor],
                   bound: bool = False, variant=None):
         """The wrapper for ``layout`` and ``variant``: graph form for ``key`` reading the fixed
@@ -254,7 +258,7 @@ class FlashInferBase(LayoutBackend):
         if layer.scaling != self._sm_scale:
             raise ValueError(f"layer {layer.layer_id} scaling {layer.scaling} != the planned sm_scale "
                              f"{self._sm_scale} (one FlashInfer plan serves every layer of a step)")
-        variant = self._variant(layer, meta.layout)
+        variant = self._variant(layer, meta.layout) if layer.features else self.PLAIN_VARIANT
         planned = meta.planned.get(variant)
         if planned is None:         # a layer record whose window or cap the model's config does not give
             raise ValueError(f"layer {layer.layer_id} needs plan variant {variant}, the step planned "
