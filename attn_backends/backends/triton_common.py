@@ -58,8 +58,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
     """The split count and split workspace of a key (or an eager step), and the launches recorded
-    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale, window, softcap,
-    has sinks) -> :class:`Recorded`)."""
+    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale[, window, softcap,
+    has sinks]) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
     workspace: Optional[tuple] = None
@@ -164,7 +164,9 @@ class TritonBackendBase(LayoutBackend):
         sinks = () if layer.sinks is None else (layer.sinks,)      # a layer's weight, passed like its KV
         inputs = (q, *kv, *sinks, out)
         book = meta.book
-        scales = (layer.scaling, layer.k_scale, layer.v_scale, layer.window, layer.softcap, bool(sinks))  # host values
+        scales = (layer.scaling, layer.k_scale, layer.v_scale)     # the launches' host values
+        if layer.features:          # a plain layer's key stays three floats (the eager path's every call)
+            scales += (layer.window, layer.softcap, bool(sinks))
         rec = book.get(scales)
         if rec is not None and rec.replay(inputs):
             return out

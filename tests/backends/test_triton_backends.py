@@ -94,8 +94,8 @@ def test_eager_step_replays_its_recorded_launches(backend, name):
         err, _ = _rel_err(out, ref)
         assert err < 1e-4, f"layer {layer}, q seed {seed}: relative error {err:.2e}"
         if seed == 3:
-            first = be.forward_metadata.book[(scale, 1.0, 1.0, None, None, False)]
-    rec = be.forward_metadata.book[(scale, 1.0, 1.0, None, None, False)]
+            first = be.forward_metadata.book[(scale, 1.0, 1.0)]
+    rec = be.forward_metadata.book[(scale, 1.0, 1.0)]
     if DEVICE == "cuda":
         assert first.usable and first.replays == 2, f"usable {first.usable}, replays {first.replays} (want 2)"
         assert rec is not first and rec.facts[0][2] == wide[:, :cfg.num_q_heads].stride(), \
