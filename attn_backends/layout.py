@@ -246,13 +246,20 @@ def _write_kv(out: Layout, inp: LayoutInputs, req: torch.Tensor, seq: torch.Tens
     cols = torch.arange(maxp, device=seq.device)
     first_slot = inp.req_to_token[req][:, ::ps][:, :maxp]               # [bs, maxp]
     out.page_table.copy_(torch.where(cols[None, :] < npages[:, None], first_slot // ps, 0))
+    flatten_pages(out, npages)
+
+
+def flatten_pages(out: Layout, npages: torch.Tensor) -> None:
+    """``kv_indptr`` (cumsum of ``npages``) and ``kv_indices`` (the first ``npages[i]`` entries of
+    each row of ``out.page_table`` back to back, then zeros) of ``out``, in place, no host sync."""
+    bs, maxp = out.bs, out.page_table.shape[1]
     out.kv_indptr[:1].zero_()          # not `[0] = 0`: a scalar write is a host-to-device copy
     torch.cumsum(npages, 0, out=out.kv_indptr[1:])
     # kv_indices[j] = page_table[row(j), j - kv_indptr[row(j)]], zeros past the used part.
-    j = torch.arange(out.kv_indices.shape[0], device=seq.device, dtype=I32)
+    j = torch.arange(out.kv_indices.shape[0], device=npages.device, dtype=I32)
     row = torch.searchsorted(out.kv_indptr[1:], j, right=True)          # [C] in 0..bs
-    inside = row < inp.bs
-    row_c = row.clamp(max=inp.bs - 1)
+    inside = row < bs
+    row_c = row.clamp(max=bs - 1)
     col = (j - out.kv_indptr[row_c]).clamp(0, maxp - 1)
     out.kv_indices.copy_(torch.where(inside, out.page_table[row_c, col], 0))
 

@@ -221,6 +221,10 @@ class FlashInferBackend(FlashInferBase):
                              f"not supported: {SINK_NO_CAP}")
         super().__init__(config, memory)
 
+    def _window(self, variant, layout: Layout) -> Optional[int]:
+        # masked layouts plan no window (refused: rows, not depth), and the host skip assumes rows at kv_len - q_len
+        return None if variant[0] < 0 or self._kind(layout) == "masked" else variant[0] + 1
+
     def _kind(self, layout: Layout) -> str:
         if layout.custom_mask is not None or layout.draft_prefix_lens is not None:
             return "masked"

@@ -35,6 +35,7 @@ from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphKey
 from ..layout import Layout, host_seq_lens, pad_seq_len
 from ..step import LibraryKey, StepView
+from ..window_layout import step_window_layout, window_skip_host
 
 EXTRA = "pip install 'attn-backends[flashinfer]'"
 WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per KV memory
@@ -97,6 +98,14 @@ def host_plan(seq: np.ndarray, qo_indptr: torch.Tensor, page_size: int, max_kv: 
     return HostPlan(qo_indptr, torch.from_numpy(kv_indptr), torch.from_numpy(last),
                     torch.from_numpy(seq.astype(np.int32, copy=False)), int(kv_indptr[-1]),
                     longest if max_kv is None else max_kv, longest)
+
+
+def windowed_host_plan(host: HostPlan, window: int, page_size: int) -> HostPlan:
+    """``host`` of the step's window layout for ``window`` (:mod:`attn_backends.window_layout`):
+    each row's KV from its first visible page; ``max_kv`` stays the step's bound."""
+    seq = host.kv_lens.numpy().astype(np.int64)
+    seq = seq - window_skip_host(seq, np.diff(host.qo_indptr.numpy()), window, page_size)
+    return host_plan(seq, host.qo_indptr, page_size, max_kv=host.max_kv)
 
 
 def eager_host_plan(view: StepView) -> HostPlan:
@@ -170,6 +179,11 @@ class FlashInferBase(LayoutBackend):
     def _variant(self, layer, layout: Layout):
         return None
 
+    def _window(self, variant, layout: Layout) -> Optional[int]:
+        """The sliding window of ``variant``'s layers (None: full attention): their calls read the
+        step's window layout (:func:`step_window_layout`), which lists no page before the window."""
+        return None
+
     # The variant of a layer without window, cap or sinks (``AttentionLayer.features`` empty): what
     # :meth:`_variant` gives it, read without the call on every forward of a plain model.
     PLAIN_VARIANT = None
@@ -195,23 +209,35 @@ class FlashInferBase(LayoutBackend):
         for v in self._variants(lay):
             owner = LibraryKey(type(self), self.config, key, repr(v))
             if owner not in view.cache:
-                view.cache[owner] = Planned(self._new_call(lay, key, lay.kv_indices, bound=True, variant=v))
+                w = self._window(v, lay)
+                read = lay if w is None else step_window_layout(view, w)
+                call = self._new_call(read, key, read.kv_indices, bound=True, variant=v)
+                if w is not None:         # fixed per key and rewritten every step: I2 and the poisoning see them
+                    call.window_reads = {k: getattr(read, k) for k in ("seq_lens_k", "prefix_lens", "page_table",
+                                                                       "kv_indptr", "kv_indices")}
+                view.cache[owner] = Planned(call)
             planned[v] = view.cache[owner]
         return FlashInferMetadata(view, key, planned=planned)
 
     def _update(self, meta: FlashInferMetadata, view: StepView) -> None:
-        host = None
-        for planned in meta.planned.values():
+        host, windowed = None, {}
+        for v, planned in meta.planned.items():
             if planned.step_id != view.step_id:  # one plan per step, whichever layer comes first
                 host = host or (eager_host_plan(view) if meta.key is None else self.graph_host_plan(view, meta.key))
-                self._plan(planned, view, host)
+                w = self._window(v, view.layout)
+                if w is None:
+                    self._plan(planned, view, view.layout, host)
+                    continue
+                if w not in windowed:            # one window layout per step and window, every variant's
+                    windowed[w] = (step_window_layout(view, w), windowed_host_plan(host, w, view.layout.page_size))
+                self._plan(planned, view, *windowed[w])
 
-    def _plan(self, planned: Planned, view: StepView, host: HostPlan) -> None:
+    def _plan(self, planned: Planned, view: StepView, layout: Layout, host: HostPlan) -> None:
         call = planned.call
         if planned.light:                        # a replay of a key planned in full at capture
-            call.replan(view.layout, host)
+            call.replan(layout, host)
         else:
-            call.plan(view.layout, host)
+            call.plan(layout, host)
             planned.light = call.bound and call.light_ok(host)
         planned.step_id = view.step_id           # planned: a plan() that raised is tried again
 
@@ -252,6 +278,7 @@ class FlashInferBase(LayoutBackend):
                 call = planned.call
                 tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
                 out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
+                out.update({f"{tag}.window.{k}": v for k, v in getattr(call, "window_reads", {}).items()})
         return out
 
     def _run(self, q: torch.Tensor, layer, meta: FlashInferMetadata) -> torch.Tensor:

@@ -10,11 +10,12 @@ others within +-12) each on two seeds of four (cap: even seeds, sinks: seeds 2, 
 any four consecutive seeds meet every combination of the two and twenty every combination with a
 window kind. A feature the backend does not declare is never drawn.
 
-I17: the KV entries at positions before each request's window start (the first position any of
-its rows can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them
-(or multiplies their values by a zero probability) shows NaN. (A backend that reads a request's
-pages from its first fails it: ``flashinfer`` until a sliding layer's layout starts at its window,
-issue #42.2.)
+I17: the KV pages wholly before each request's window start (the first position any of its rows
+can see) may hold NaN, and the outputs stay bitwise unchanged: a kernel that reads them (or
+multiplies their values by a zero probability) shows NaN. Pages, as a pool frees them (a page
+still partly in the window keeps the request's own tokens); on pages of 1, every token before the
+window. A sliding layer's layout starts at that page (:mod:`attn_backends.window_layout`); the
+Triton kernels start at the token (their kernel tests poison every token before the window).
 """
 from __future__ import annotations
 
@@ -145,9 +146,9 @@ def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
     ``layer`` before every request's window start, against its output without; the pool restored."""
     if layer.window is None:
         return []
-    slots = []
+    slots, ps = [], mem.page_size
     for row, base, first_row in window_starts(batch):
-        n = min(base, max(0, first_row - layer.window + 1))
+        n = min(base, max(0, first_row - layer.window + 1)) // ps * ps      # whole pages: what a pool frees
         slots.append(mem.req_to_token[row, :n].long())
     slots = torch.cat(slots)
     if not slots.numel():

@@ -35,7 +35,8 @@ INVARIANTS = {
     "I14": "history independence: A, B, A gives A twice",
     "I15": "no host sync in capture/replay preparation",
     "I16": "KV slots: a step writes only its raw rows' new slots and the reserved slot 0",
-    "I17": "window poison: NaN in the KV before each request's window start leaves the outputs bitwise unchanged",
+    "I17": "window poison: NaN in the KV pages wholly before each request's window start leaves the outputs "
+           "bitwise unchanged",
 }
 # The table's rows of feature cases (``check.features``): cases whose layer used a window of each
 # kind, a softcap, sinks; drawn only for the features the backend declares.

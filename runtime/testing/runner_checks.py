@@ -9,7 +9,7 @@
   eager on the same backend cannot: a wrong causal or tree mask in a kernel;
 - I9 of the executor's eager fallback, in every mode it serves: its outputs come from the eager
   forward, never from a graph's static buffers (sgl #22832), checked by value;
-- I17 the window's poison: NaN in every sliding layer's KV before each request's window start
+- I17 the window's poison: NaN in every sliding layer's KV pages wholly before each request's window start
   leaves the replay's outputs bitwise unchanged;
 - I11 of the executors an engine builds: a graph runner for exactly the uniform modes whose graph
   support the backend declares (sgl #30944 built the draft-extend graph for a list of names).
@@ -87,14 +87,15 @@ def hidden_rule(case, compare) -> None:
 
 
 def window_poison(case, keep_a: RunnerOutput, compare) -> None:
-    """I17: A replayed with NaN in the KV of every sliding layer before each request's window start
-    (its first row's position minus the window plus one; later rows, draft steps and deeper tree
-    tokens see no earlier) gives A's outputs bitwise."""
+    """I17: A replayed with NaN in the KV pages of every sliding layer wholly before each request's
+    window start (its first row's position minus the window plus one; later rows, draft steps and
+    deeper tree tokens see no earlier) gives A's outputs bitwise."""
     rig, cfg = case.rig, case.rig.tc.attention()
     w = rig.tc.sliding_window
     if w is None:
         return
-    slots = torch.cat([rig.mem.req_to_token[r.row, :max(0, r.prefix - w + 1)].long() for r in case.reqs_a])
+    ps = rig.mem.page_size               # whole pages, as a pool frees them (check.features: I17)
+    slots = torch.cat([rig.mem.req_to_token[r.row, :max(0, r.prefix - w + 1) // ps * ps].long() for r in case.reqs_a])
     if not slots.numel():
         return
     layers = [i for i in range(rig.tc.num_layers) if cfg.window(i) is not None]

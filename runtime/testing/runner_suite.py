@@ -18,7 +18,7 @@ passes and failures in a :class:`SuiteReport`, as ``attn_backends.check.suite`` 
       :class:`RunnerRefusal`; every graph carries the captured hidden mode;
 - I12 every per-layer (and per-step) backend instance is refreshed once per replay;
 - I14 replaying A, B, A gives A's output twice;
-- I17 NaN in the sliding layers' KV before each request's window start leaves A's outputs
+- I17 NaN in the sliding layers' KV pages wholly before each request's window start leaves A's outputs
       bitwise unchanged (:mod:`.runner_checks`);
 - I16 KV slots other than the raw rows' new slots and the reserved slot 0 unchanged by a step
       (replay and eager), and the checks of :mod:`.runner_checks` (the one hidden rule, I7; the
