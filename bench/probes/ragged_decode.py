@@ -28,6 +28,7 @@ from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 PAGE = 16
+ORDER = {True: "heads", False: "batch"}       # --orders: the grid's fastest axis
 
 
 def lengths(dist: str, bs: int, seed: int = 0) -> list:
@@ -73,7 +74,8 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
-def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0)):
+def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0),
+         heads_first=None):
     bs, H, D = q.shape
     out = torch.empty_like(q)
     per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
@@ -82,7 +84,7 @@ def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
                                              schedule=schedule, block_n=block_n,
                                              merge=merge if schedule != "split" else "last",
-                                             k_scale=scales[0], v_scale=scales[1])
+                                             k_scale=scales[0], v_scale=scales[1], heads_first=heads_first)
 
 
 def flashinfer_calls(pg, q, kb, vb, fi, ws, scales=(1.0, 1.0)):
@@ -114,7 +116,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
-        kv_dtype=torch.bfloat16) -> dict:
+        kv_dtype=torch.bfloat16, orders=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs)
     pg = paged(lens, Hkv, D, gen)
@@ -125,16 +127,20 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
            "bytes": sum(lens) * Hkv * D * 2 * kb.element_size()}
     out0, split = ours(pg, q, kb, vb, S, "split", scales=sc)
     res["split"] = graph_us(split)
+    for hf in (o for o in orders if o is not None):
+        out, fn = ours(pg, q, kb, vb, S, "split", scales=sc, heads_first=hf)
+        res[f"split {ORDER[hf]}"] = graph_us(fn)
     for bn in (b for b in block_ns if b != 32):
         out, fn = ours(pg, q, kb, vb, S, "split", bn, scales=sc)
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    for m, bn, mg in ((m, bn, mg) for m in mults for bn in block_ns for mg in merges):
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc)
-        res[f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass")] = t = graph_us(fn)
-        assert (out.float() - out0.float()).abs().max() < 2e-2, f"chunks x{m} n{bn} {mg} differ from split"
-        best = min(best or (t, m, bn, mg), (t, m, bn, mg))
+    for m, bn, mg, hf in ((m, bn, mg, hf) for m in mults for bn in block_ns for mg in merges for hf in orders):
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf)
+        name = f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
+        res[name] = t = graph_us(fn)
+        assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
+        best = min(best or (t, m, bn, mg, hf), (t, m, bn, mg, hf), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -145,7 +151,8 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     upg = paged([mean] * bs, Hkv, D, gen)
     ukb, uvb, _ = kv_pair(upg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
-    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc)[1])
+    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
+                                               best[4])[1])
     return res
 
 
@@ -165,6 +172,7 @@ def main(argv=None):
     p.add_argument("--block-ns", default="32", help="the chunk passes' KV tile sizes to try")
     p.add_argument("--merges", default="last,pass", help="the chunk merges to try (last, pass)")
     p.add_argument("--kv-dtypes", default="bf16", help="KV cache dtypes (bf16, fp8: float8_e4m3fn)")
+    p.add_argument("--orders", default="auto", help="grid orders to try: auto (the kernel's rule), heads, batch")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -189,7 +197,8 @@ def main(argv=None):
             firsts = []
             for kv_dtype in kv_dtypes:
                 r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
-                        args.merges.split(","), kv_dtype)
+                        args.merges.split(","), kv_dtype,
+                        [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))
