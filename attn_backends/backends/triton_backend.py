@@ -80,10 +80,19 @@ class TritonBackend(TritonBackendBase):
         group = self.config.num_q_heads // self.config.num_kv_heads
         return is_plain_decode(lay) or (bool(lay.width) and chunk_fits(lay.width, group))
 
+    # Decode chunks where the split rule leaves fewer than this many a request (big batches, the floor
+    # of 2 or 3): twice as many, shorter chunks; long ones ran 1.1-1.3x slower at bs 64-96 on a
+    # bf16 cache (bench/RESULTS.md, 'Ragged batches'). FP8 caches have their own rule (12 an SM).
+    DOUBLE_CHUNKS_BELOW: ClassVar[int] = 4
+
     def _splits(self, lay: Layout) -> int:
         if self.schedule == "invariant" and not self._chunked(lay):
             return 1              # prefill and wide trees: a split count from the batch would make its bits the batch's
-        return super()._splits(lay)
+        splits = super()._splits(lay)
+        if (splits < self.DOUBLE_CHUNKS_BELOW and self.schedule == "chunks" and is_plain_decode(lay)
+                and self.config.cache_dtype not in FP8_KV):
+            return 2 * splits
+        return splits
 
     def _exact_splits_below(self, width: int) -> int:
         return 8 if width <= 1 else 1         # decode: 6 splits at bs 16 (8 on FP8; see _split_rule)

@@ -63,18 +63,19 @@ def test_interpreter_takes_two_splits():
 
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("width,bs,want", [
-    (1, 1, 64), (1, 2, 32), (1, 4, 16), (1, 8, 8), (1, 16, 6), (1, 32, 3),   # decode: 6 per SM, exact
-    (1, 64, 2), (1, 128, 2),                                          # below 8 splits, >= 2 splits
+    (1, 1, 64), (1, 2, 32), (1, 4, 16), (1, 8, 8), (1, 16, 6),        # decode: 6 per SM, exact
+    (1, 32, 6), (1, 64, 4), (1, 128, 4),                              # 3, 2, 2 (>= 2), then chunks doubled
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
     (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM
 ])
-def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None):
+def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None, schedule=None):
     """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8, per mode as the cases
     say: decode 6 programs an SM with counts below 8 taken as they are and at least 2 splits (one
-    split is slower at bs 128), chain verify and the 8-row tree fewer splits as the batch grows,
-    extend 16 programs an SM. The counts follow the split-count probes (figures: bench/RESULTS.md,
-    'Split counts')."""
+    split is slower at bs 128), and on the chunk schedule twice the chunks where that leaves fewer
+    than 4 a request; chain verify and the 8-row tree fewer splits as the batch grows, extend 16
+    programs an SM. The counts follow the probes (figures: bench/RESULTS.md, 'Split counts' and
+    'Ragged batches')."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.batch import ForwardMode
     from attn_backends.check.scenarios import make_memory
@@ -84,11 +85,18 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, 
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16, kv_dtype=kv_dtype)
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
     be = get_backend("triton", cfg, mem)
+    be.schedule = schedule or be.schedule
     monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
     mode = {1: ForwardMode.DECODE, 64: ForwardMode.EXTEND}.get(width, ForwardMode.TARGET_VERIFY)
     mask = MaskKind.TREE if width == 8 else MaskKind.CAUSAL
     lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=mask)
     assert be._splits(lay) == want
+
+
+@pytest.mark.parametrize("bs,want", [(32, 3), (64, 2), (128, 2)])
+def test_equal_splits_keep_the_split_count(h200, monkeypatch, bs, want):
+    """The doubling is the chunk schedule's: equal splits (``schedule = "split"``) keep 3, 2, 2."""
+    test_triton_backend_split_counts(h200, monkeypatch, 32, 1, bs, want, schedule="split")
 
 
 @pytest.mark.parametrize("bs,want", [(1, 64), (2, 32), (8, 16), (16, 8), (24, 8), (32, 6), (64, 3), (128, 2)])
