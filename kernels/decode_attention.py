@@ -36,6 +36,11 @@ from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, walk_page
 from .launch_record import launch
 from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
+# Registers a thread the chunk pass may use (ptxas ``maxnreg``; None: the compiler's choice, 72-80 at
+# d128 on sm_90, 6-7 programs an SM against the split pass's 8 at 64). 64 compiles without spills
+# (bench/probes/offline_sm90.py); not the default until measured on a GPU (bench/RESULTS.md, 'Ragged batches').
+CHUNK_MAXNREG = None
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -166,7 +171,7 @@ def _decode_chunk_kernel(
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
                          num_stages=2, heads_first=None, schedule="split", merge="last", k_scale=1.0,
-                         v_scale=1.0, window=None, softcap=None, sinks=None):
+                         v_scale=1.0, window=None, softcap=None, sinks=None, maxnreg=CHUNK_MAXNREG):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -194,6 +199,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     window, softcap, sinks : the row sees its last ``window`` tokens (read alone); scores capped
         as ``softcap * tanh(s / softcap)``; ``sinks [H]``, a logit a head in the softmax's
         denominator (``AttentionLayer``'s; None: off)
+    maxnreg : the chunk pass's register bound a thread (None: the compiler's; ``CHUNK_MAXNREG``)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -232,7 +238,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, triton.next_power_of_2(Dv), num_warps), MERGE_LAST=merge == "last",
-            num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
+            num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
+            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":
             cl.merge_pass(seq_lens_k, None, out)
         return out

@@ -75,7 +75,7 @@ def graph_us(fn) -> float:
 
 
 def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0),
-         heads_first=None):
+         heads_first=None, maxnreg=None):
     bs, H, D = q.shape
     out = torch.empty_like(q)
     per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
@@ -84,7 +84,8 @@ def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "
     return out, lambda: decode_attention_fwd(q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, out, ws,
                                              schedule=schedule, block_n=block_n,
                                              merge=merge if schedule != "split" else "last",
-                                             k_scale=scales[0], v_scale=scales[1], heads_first=heads_first)
+                                             k_scale=scales[0], v_scale=scales[1], heads_first=heads_first,
+                                             **({} if schedule == "split" else dict(maxnreg=maxnreg)))
 
 
 def flashinfer_calls(pg, q, kb, vb, fi, ws, scales=(1.0, 1.0)):
@@ -116,7 +117,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
-        kv_dtype=torch.bfloat16, orders=(None,)) -> dict:
+        kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs)
     pg = paged(lens, Hkv, D, gen)
@@ -135,12 +136,14 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    for m, bn, mg, hf in ((m, bn, mg, hf) for m in mults for bn in block_ns for mg in merges for hf in orders):
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf)
-        name = f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
+    for m, bn, mg, hf, nr in ((m, bn, mg, hf, nr) for m in mults for bn in block_ns for mg in merges for hf in orders
+                              for nr in maxnregs):
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
+        name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
+                + ("" if nr is None else f" r{nr}"))
         res[name] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
-        best = min(best or (t, m, bn, mg, hf), (t, m, bn, mg, hf), key=lambda b: b[0])
+        best = min(best or (t, m, bn, mg, hf, nr), (t, m, bn, mg, hf, nr), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -152,7 +155,7 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     ukb, uvb, _ = kv_pair(upg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
     res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
-                                               best[4])[1])
+                                               best[4], best[5])[1])
     return res
 
 
@@ -173,6 +176,7 @@ def main(argv=None):
     p.add_argument("--merges", default="last,pass", help="the chunk merges to try (last, pass)")
     p.add_argument("--kv-dtypes", default="bf16", help="KV cache dtypes (bf16, fp8: float8_e4m3fn)")
     p.add_argument("--orders", default="auto", help="grid orders to try: auto (the kernel's rule), heads, batch")
+    p.add_argument("--maxnregs", default="none", help="the chunk pass's register bounds to try: none, 64, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -198,7 +202,8 @@ def main(argv=None):
             for kv_dtype in kv_dtypes:
                 r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
                         args.merges.split(","), kv_dtype,
-                        [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")])
+                        [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
+                        [None if r == "none" else int(r) for r in args.maxnregs.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))
