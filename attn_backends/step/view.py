@@ -6,11 +6,11 @@ into the step. Per-step library state (FlashInfer's planned wrappers, Triton lau
 lives in ``view.cache``, a dict the step owns, under typed keys (:class:`LibraryKey`); a backend
 prepares it once per step by comparing ``view.step_id`` with the step id it last prepared in.
 
-What comes next plugs in here without another redesign: layer groups (sliding-window layers read
-another KV extent than full-attention layers of the same step) become one layout per group, a
-tuple field beside ``layout`` that the step's prep fills in the same launch and a backend indexes
-by the layer's group; a KV dtype (FP8) is the memory's (``view.memory``) and the config's, which
-the records a backend makes per key already see.
+Layer groups (sliding-window layers read another KV extent than full-attention layers of the same
+step) get their layout from this view: :func:`attn_backends.window_layout.step_window_layout`
+derives it from ``layout`` once per step and window and keeps it in ``cache`` (graph keys: buffers
+fixed per key), for every backend and layer of that window. A KV dtype (FP8) is the memory's
+(``view.memory``) and the config's, which the records a backend makes per key already see.
 """
 from __future__ import annotations
 
