@@ -185,13 +185,14 @@ def _graph_scenarios(mla, rng):
 
 def _replay_mismatches(mla):
     """The replays (0, 1, 2 = A, B, A) whose output differs from eager; a crash of the emulated
-    kernel on poisoned metadata (an illegal address on the GPU) is a finding too."""
+    kernel on poisoned metadata (an illegal address on the GPU) or its refusal of a plan whose host
+    lengths differ from the device's (``fi_emulation._check_host``) is a finding too."""
     cfg = _config(mla)
     mem = make_memory(cfg, num_pages=600, max_reqs=40, max_context_len=256, seed=3)
     cls = E.EmulatedFlashInferMLA if mla else E.EmulatedFlashInfer
     try:
         pairs = _graph_case(cls, cfg, mem, _graph_scenarios(mla, random.Random(5)))
-    except (RuntimeError, IndexError) as e:
+    except (RuntimeError, IndexError, AssertionError) as e:
         return [f"crashed: {e}"[:200]]
     return [i for i, (got, want) in enumerate(pairs) if not torch.equal(got, want)]
 

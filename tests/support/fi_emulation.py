@@ -43,6 +43,28 @@ from attn_backends.backends.flashinfer_mla import FlashInferMLABackend
 
 PLANS: list = []          # (kind, batch size, graph form) of every emulated plan() call, in order
 PLAN_ARGS: deque = deque(maxlen=4)   # the arguments of the last scheduler calls, as passed (they hold workspaces)
+HOST: dict = {}           # id(a wrapper's int workspace) -> (kv_indptr, kv_lens or None) its last plan was given
+
+
+def _planned(args, indptr_at: int, lens_at=None) -> None:
+    """Record the host lengths a scheduler call was given (``args[1]``: the wrapper's int workspace)."""
+    HOST[id(args[1])] = (args[indptr_at].clone(), None if lens_at is None else args[lens_at].clone())
+
+
+def _check_host(a, kvp, last, ps: int) -> None:
+    """The real kernels run the schedule their plan made from host lengths over the device
+    buffers: a plan whose host ``kv_indptr`` / KV lengths differ from the device's splits the
+    work wrongly (a light replan copies nothing to the device), so the emulation refuses it."""
+    held = HOST.get(id(a[1]))
+    if held is None:
+        return
+    n, (indptr, lens) = len(last), held
+    dev = kvp[:n + 1].to(torch.int64)
+    if not torch.equal(indptr[:n + 1].to(torch.int64), dev):
+        raise AssertionError(f"planned kv_indptr {indptr[:n + 1].tolist()} != the device's {dev.tolist()}")
+    dev_lens = (dev[1:] - dev[:-1] - 1) * ps + last[:n].to(torch.int64)
+    if lens is not None and not torch.equal(lens[:n].to(torch.int64), dev_lens):
+        raise AssertionError(f"planned KV lengths {lens[:n].tolist()} != the device's {dev_lens.tolist()}")
 
 
 def _kv_rows(cache, indptr, indices, last, ps, i):
@@ -85,6 +107,7 @@ class _Prefill:
     def plan(self, *args):
         PLANS.append(("prefill", args[7], args[11]))
         PLAN_ARGS.append(args)
+        _planned(args, 4, 5)
         return [0]
 
     def paged_run(self, *a):
@@ -92,6 +115,7 @@ class _Prefill:
         mode, mask, moff_all, scale = a[12], a[16], a[17], a[23]
         wl, cap = (a[14] if self.window else -1), (a[22] if self.cap else 0.0)
         ps = k.shape[1]
+        _check_host(a, kvp, last, ps)
         for i in range(len(last)):
             kk, kv = _kv_rows(k, kvp, kvi, last, ps, i)
             vv, _ = _kv_rows(v, kvp, kvi, last, ps, i)
@@ -111,6 +135,7 @@ class _SinkPrefill:
     def plan(self, *args):
         PLANS.append(("sink_prefill", args[7], args[11]))
         PLAN_ARGS.append(args)
+        _planned(args, 4, 5)
         return [0]
 
     def paged_run(self, *a):
@@ -119,6 +144,7 @@ class _SinkPrefill:
         if (q.dtype, k.dtype) != tuple(self.dtypes):
             raise RuntimeError(f"a sink module built for {self.dtypes} handed {q.dtype}, {k.dtype}")
         ps = k.shape[1]
+        _check_host(a, kvp, last, ps)
         for i in range(len(last)):
             kk, kv = _kv_rows(k, kvp, kvi, last, ps, i)
             vv, _ = _kv_rows(v, kvp, kvi, last, ps, i)
@@ -134,11 +160,13 @@ class _Decode:
     def plan(self, *args):
         PLANS.append(("decode", args[4], args[8]))
         PLAN_ARGS.append(args)
+        _planned(args, 3)
         return [0]
 
     def run(self, *a):
         q, k, v, kvp, kvi, last, out, scale = a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[16]
         wl, cap = (a[12] if self.window else -1), (a[15] if self.cap else 0.0)
+        _check_host(a, kvp, last, k.shape[1])
         for i in range(len(last)):
             kk, kv = _kv_rows(k, kvp, kvi, last, k.shape[1], i)
             vv, _ = _kv_rows(v, kvp, kvi, last, k.shape[1], i)
@@ -195,6 +223,7 @@ def install(monkeypatch) -> None:
     pytest.importorskip("flashinfer", reason="flashinfer is not importable here (Python 3.12 wheels)")
     PLANS.clear()
     PLAN_ARGS.clear()
+    HOST.clear()
     monkeypatch.setattr(torch, "empty", _no_pin(torch.empty))
     dec, pre = importlib.import_module("flashinfer.decode"), importlib.import_module("flashinfer.prefill")
     monkeypatch.setattr(dec, "get_batch_decode_module", _Decode)
