@@ -171,7 +171,7 @@ def _decode_chunk_kernel(
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
                          num_stages=2, heads_first=None, schedule="split", merge="last", k_scale=1.0,
-                         v_scale=1.0, window=None, softcap=None, sinks=None, maxnreg=CHUNK_MAXNREG):
+                         v_scale=1.0, window=None, softcap=None, sinks=None, maxnreg=...):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -199,7 +199,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     window, softcap, sinks : the row sees its last ``window`` tokens (read alone); scores capped
         as ``softcap * tanh(s / softcap)``; ``sinks [H]``, a logit a head in the softmax's
         denominator (``AttentionLayer``'s; None: off)
-    maxnreg : the chunk pass's register bound a thread (None: the compiler's; ``CHUNK_MAXNREG``)
+    maxnreg : the chunk pass's register bound a thread (None: the compiler's; default: ``CHUNK_MAXNREG``
+        as it is at the call)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -215,6 +216,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     check_schedule("decode_attention_fwd", schedule, merge)
+    maxnreg = CHUNK_MAXNREG if maxnreg is ... else maxnreg      # read per call: the module's knob
     window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks)
     if bs == 0:
         return out

@@ -10,9 +10,10 @@ draft decode topk > 1   the fa2 kernels: fa3 (SM90) rejects custom masks
 =====================  =========================================================================
 
 Every wrapper is fa2 and reads the KV pool as NHD pages (``[pages, page_size, Hkv, D]`` views of
-the pool, no copy) and the step's ``kv_indices``. A graph wrapper (one per GraphKey and
-step, shared by every layer) reads the step layout's ``cu_seqlens_q``, ``kv_indptr``,
-``kv_indices`` and ``kv_last_page_len``, which the step's prep writes on the device, and owns,
+the pool, no copy) and the step's ``kv_indices``. A graph wrapper (one per GraphKey, step and plan
+variant, shared by every layer of the variant) reads the step layout's ``cu_seqlens_q``, ``kv_indptr``,
+``kv_indices`` and ``kv_last_page_len``, which the step's prep writes on the device (a sliding
+layer's: the window layout's ``kv_indptr`` and ``kv_indices``, derived before its plan), and owns,
 with a mask, the packed mask and ``mask_indptr``. Capture runs ``plan()``; a replay runs
 ``replan()``, the scheduler call of ``plan()`` alone on the step's host lengths
 (:class:`flashinfer_common.HostPlan`), after packing the mask on the device from the step's
@@ -59,7 +60,8 @@ SINK_NO_CAP = ("FlashInfer's sink variant applies no logits transform, and its p
 
 
 class _Call:
-    """One FlashInfer wrapper and the buffers it reads. Graph form: bound to the step's layout
+    """One FlashInfer wrapper and the buffers it reads. Graph form: bound to the step's layout (a
+    sliding variant: the step's window layout, ``window_layout.step_window_layout``)
     (``bound``: its ``cu_seqlens_q``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, which
     the step's prep writes on the device) or, for an eager batch, buffers of its own.
     ``buffers``: the fixed buffers the call owns (``graph_buffers`` lists them)."""

@@ -7,7 +7,8 @@
 * :class:`HostPlan`: the host copies a FlashInfer ``plan()`` reads (``qo_indptr``,
   ``kv_indptr``, ``kv_last_page_len``, KV lengths), derived from the step's ``seq_lens_cpu``
   and the GraphKey (graph mode) or the batch's host copies (eager): never read back from the
-  device. The device ``kv_indices`` is the step's layout buffer itself.
+  device. The device ``kv_indices`` is the step's layout buffer itself (a sliding variant's: the
+  step's window layout's, with the host lengths of ``windowed_host_plan``).
 * :class:`FlashInferBase`: one FlashInfer plan per step and plan variant (a layer's window, cap,
   sinks: ``_variants``), one run per layer. The wrapper of a (backend class, model config, GraphKey,
   variant) lives in the step's cache (``StepView.cache``) so every

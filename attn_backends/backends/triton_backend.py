@@ -82,7 +82,8 @@ class TritonBackend(TritonBackendBase):
 
     # Decode chunks where the split rule leaves fewer than this many a request (big batches, the floor
     # of 2 or 3): twice as many, shorter chunks; long ones ran 1.1-1.3x slower at bs 64-96 on a
-    # bf16 cache (bench/RESULTS.md, 'Ragged batches'). FP8 caches have their own rule (12 an SM).
+    # bf16 cache (bench/RESULTS.md, 'Ragged batches'). FP8 caches have their own rule (12 an SM); the
+    # interpreter's 2 splits stay 2 (occupancy is a GPU's).
     DOUBLE_CHUNKS_BELOW: ClassVar[int] = 4
 
     def _splits(self, lay: Layout) -> int:
@@ -90,7 +91,7 @@ class TritonBackend(TritonBackendBase):
             return 1              # prefill and wide trees: a split count from the batch would make its bits the batch's
         splits = super()._splits(lay)
         if (splits < self.DOUBLE_CHUNKS_BELOW and self.schedule == "chunks" and is_plain_decode(lay)
-                and self.config.cache_dtype not in FP8_KV):
+                and self.config.cache_dtype not in FP8_KV and self.memory.device.type == "cuda"):
             return 2 * splits
         return splits
 

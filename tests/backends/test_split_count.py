@@ -213,3 +213,17 @@ def test_a_bare_cuda_device_is_the_current_one(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     assert mla_wgmma.hopper_device(cuda) and mla_wgmma.hopper_device(torch.device("cuda", 1))
     assert not mla_wgmma.hopper_device(CUDA0)
+
+
+def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
+    """The doubling is for a GPU's occupancy: on the CPU (the interpreter's 2 splits) decode keeps 2."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=32, num_kv_heads=8, head_dim=16, page_size=16)
+    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16))
+    lay = SimpleNamespace(bs=64, width=1, max_seq_len_q=1, mode=ForwardMode.DECODE, mask=MaskKind.CAUSAL)
+    assert be._splits(lay) == 2

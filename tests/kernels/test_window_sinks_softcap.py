@@ -2,7 +2,8 @@
 cache: decode in each schedule (split, chunks with either merge, invariant) and the causal extend
 (prefill of several query blocks, split); tree, draft and verify rows run through the backend
 (tests/backends/test_windows_sinks_softcap.py). The window's poison: NaN in every KV slot before
-each request's window leaves the output bitwise unchanged, so no kernel reads there."""
+each request's window leaves the output bitwise unchanged, so no kernel reads there: decode in two
+schedules, and the extend kernel's prefill, chunked verify, tree and draft paths."""
 import pytest
 import torch
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
@@ -126,3 +127,53 @@ def test_verify_rows_window_over_several_chunks():
                          schedule="chunks", merge="pass", window=window, softcap=0.7, sinks=sinks)
     ref = ref_paged_attention(q, k, v, pt, seq, cu, PAGE, D ** -0.5, window=window, softcap=0.7, sinks=sinks)
     assert_close(out[:len(LONG) * W], ref[:len(LONG) * W], 1e-5)
+
+
+def _poison_before(k, v, pt, firsts, window):
+    """NaN in every slot of the positions before each request's window start (its first row at
+    ``firsts[i]`` sees from ``firsts[i] - window + 1``), whole pages and a page's head alike."""
+    for i, first in enumerate(firsts):
+        for p in range(max(0, first - window + 1)):
+            slot = int(pt[i, p // PAGE]) * PAGE + p % PAGE
+            k[slot], v[slot] = float("nan"), float("nan")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "verify_chunks", "tree", "draft"])
+def test_extend_family_never_reads_before_the_window(kind):
+    """The extend kernel's paths (prefill blocks on splits, verify rows on the chunk schedule, a
+    tree's rows by depth, draft branches by step): NaN at every position before each request's
+    window start, whole pages and the first page's head alike, leaves the output's bits unchanged
+    (the suites' I17 poisons whole pages only)."""
+    window, W, prefixes = 21, 4, [70, 3, 300, 45]
+    kw, lens, rows = {}, [p + W for p in prefixes], [W] * len(prefixes)
+    firsts = list(prefixes)                                       # the first row (a tree's root) at the prefix
+    if kind == "prefill":
+        rows = [40, 3, 70, 17]
+        lens = [p + n for p, n in zip(prefixes, rows)]
+    pt, seq, k, v, q = _batch(lens, rows + [rows[0]])
+    bs = len(lens) + 1
+    cu = torch.tensor([0] + torch.tensor(rows + [rows[0]]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    if kind == "verify_chunks":
+        kw = dict(num_kv_splits=3, schedule="chunks", merge="pass",
+                  workspace=chunk_workspace(bs, slots_per_request("chunks", 3, pt.shape[1] * PAGE), W, H, HKV, D,
+                                            DEVICE))
+    elif kind == "tree":          # root, two children of the root, a grandchild of the first: depths 0, 1, 1, 2
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        kw = dict(mask="tree", custom_mask=tree.flatten().repeat(bs).to(DEVICE), num_kv_splits=2)
+    elif kind == "draft":         # W branches at draft step 2: the prompt, then 2 x W branch tokens
+        step = 2
+        base = [n - W * step for n in lens]
+        kw = dict(mask="draft", draft_prefix_lens=torch.tensor(base + [0], dtype=torch.int32, device=DEVICE)
+                  .clamp(min=0), num_kv_splits=2)
+        firsts = [b + step - 1 for b in base]                    # every branch row sits at its step
+    else:
+        kw = dict(num_kv_splits=2, block_q=16)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        extend_attention_fwd(q, k, v, pt, seq, cu, PAGE, D ** -0.5, max(rows), out, window=window, **kw)
+        return out[:sum(rows)]
+    clean = run()
+    assert not clean.isnan().any()
+    _poison_before(k, v, pt, firsts, window)
+    assert torch.equal(run(), clean), kind
