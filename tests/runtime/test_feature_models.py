@@ -78,7 +78,10 @@ def test_flashinfer_feature_models_bf16_replays(name, spec):
     page multiple, passed by requests of up to 160 tokens), the benchmark pairing of the bf16 EAGLE
     test: graphs replayed hundreds of times, every request finishes, nothing leaks, the acceptance
     stays high. Chain: flashinfer serves every layer (its window layout on the sliding ones); tree:
-    the windowed layers and those with sinks go to a backend that serves them in trees, the others stay."""
+    the windowed layers and those with sinks go to a backend that serves them in trees, the others stay.
+    An engine check, not the window's values (draft and target share the backend, so a consistent
+    error could keep the acceptance): those are test_flashinfer_windows_gpu.py's, against
+    torch_native, and ``check --device cuda``'s."""
     if unavailable_reason(get_backend_class("flashinfer"), "cuda"):
         pytest.skip(unavailable_reason(get_backend_class("flashinfer"), "cuda"))
     tc = TinyConfig.gpu_gqa(num_layers=2, **GPU_FEATURES[name])
