@@ -1,0 +1,254 @@
+"""SGLang's ``TritonAttnBackend`` (``sglang/srt/layers/attention/triton_backend.py``) as an
+attn-backends backend.
+
+Every method hands the call to SGLang's own: ``init_forward_metadata`` (eager),
+``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
+``init_forward_metadata_replay_cuda_graph``, and the forward (``TritonAttnBackend.forward``, its
+Triton decode and extend kernels). What the adapter adds is translation:
+
+- in: our ``ForwardBatch`` / ``GraphInputs`` become SGLang's ``ForwardBatch`` and call
+  arguments. One convention differs: in TARGET_VERIFY SGLang's ``seq_lens`` count the committed
+  prefix (the draft tokens come in as the extend part), ours count prefix + N, so the adapter
+  passes ``seq_lens - N``. The tree mask SGLang reads for a verify is its ``EagleVerifyInput.
+  custom_mask`` (per request ``N x (prefix + N)`` rows, flattened); for a chain the adapter builds
+  the causal one, as SGLang's tree builder does for ``topk == 1``.
+- out: :meth:`SGLangMetadata.as_layout` reads the tensors SGLang's kernels read (the
+  ``ForwardMetadata`` SGLang made at capture, for a graph: the addresses a captured graph holds)
+  and states them as canonical fields, ``docs/plugin-guide.md`` section 4. SGLang's KV is
+  token-indexed (page size 1): ``kv_indices`` are slots and pages at once.
+
+Graph buffers (poisoned by the suite before each replay): SGLang's static ``kv_indptr``,
+``cuda_graph_kv_indices``, ``cuda_graph_num_kv_splits``, ``cuda_graph_attn_logits`` /
+``_lse`` (decode scratch), ``qo_indptr``, ``mask_indptr`` and ``cuda_graph_custom_mask``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+
+from attn_backends import AttentionBackend, Capabilities, ForwardMode, GraphSupport
+from attn_backends.base import ForwardMetadata
+from attn_backends.layout import LayoutError
+
+from . import engine
+
+I32 = torch.int32
+
+
+@dataclass(eq=False)
+class SGLangMetadata(ForwardMetadata):
+    """SGLang's ``ForwardMetadata`` (``sgl``) with what the canonical view needs: the mode, ``bs``,
+    W, and, in graph mode, fixed buffers the derived fields are written into (so that their
+    addresses hold from capture to replay, like SGLang's own)."""
+
+    sgl: object = None
+    mode: ForwardMode = ForwardMode.DECODE
+    bs: int = 0
+    width: int = 1
+    max_k: int = 0
+    own: dict = field(default_factory=dict)
+
+    def _out(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        buf = self.own.get(name)
+        if buf is None or self.key is None:
+            return value.to(I32)
+        buf.copy_(value)
+        return buf
+
+    def as_layout(self) -> dict:
+        """The canonical fields of what SGLang's kernels read (host reads: the suite's, after the
+        replay; never inside one)."""
+        m, bs, w = self.sgl, self.bs, self.width
+        indptr = m.kv_indptr[:bs + 1]
+        kv_len = (indptr[1:] - indptr[:-1]).to(I32)                  # KV tokens SGLang's kernel reads
+        if self.mode == ForwardMode.DECODE:
+            seq = kv_len
+            cu = torch.arange(bs + 1, dtype=I32, device=indptr.device)
+        else:                                                          # verify: the prefix, then N rows
+            seq = kv_len + w
+            cu = m.qo_indptr[:bs + 1]
+        out = {"cu_seqlens_q": self._out("cu_seqlens_q", cu), "seq_lens_k": self._out("seq_lens_k", seq),
+               "prefix_lens": self._out("prefix_lens", seq - w), "max_seq_len_q": w, "max_seq_len_k": self.max_k}
+        if self.mode == ForwardMode.DECODE:     # decode: SGLang's paged form is the canonical one
+            out["kv_indptr"] = indptr
+            used = int(indptr[-1])
+            out["kv_indices"] = m.kv_indices[:used] if 0 <= used <= m.kv_indices.numel() else m.kv_indices
+        return out
+
+
+class SGLangTritonBackend(AttentionBackend):
+    """SGLang's TritonAttnBackend, TP 1, page size 1, through its own metadata methods."""
+
+    name: ClassVar[str] = "sglang_triton"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}), mha=True, mla=False, page_sizes=(1,),
+        topk_gt1=False, draft_decode=False, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"),
+        requires=("sglang",), preference=-10)
+
+    def __init__(self, config, memory) -> None:
+        super().__init__(config, memory)
+        if config.is_mla or config.page_size != 1 or memory.page_size != 1:
+            raise ValueError(f"{self.name}: MHA/GQA on pages of 1 only (SGLang's Triton backend indexes tokens), "
+                             f"got is_mla={config.is_mla} page_size={config.page_size}")
+        engine.sglang()
+        self.sgl = None                       # made at the first batch, when N is known (server args)
+        self.draft_tokens: Optional[int] = None
+        self.graph_state: Optional[tuple] = None
+        self.records: dict = {}
+        self.layers: dict = {}
+
+    # -- SGLang's backend, made once N is known (SGLang reads it from the server args at construction)
+    def _backend(self, spec) -> object:
+        n = spec.num_draft_tokens if spec is not None else None
+        if self.sgl is None:
+            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+            args = engine.ServerArgs(speculative_num_draft_tokens=n, speculative_num_steps=None if n is None else n - 1,
+                                     speculative_eagle_topk=None if n is None else 1)
+            self.sgl = TritonAttnBackend(engine.StandInRunner(self.config, self.memory, args))
+            self.draft_tokens = n
+            if self.graph_state is not None:
+                self.sgl.init_cuda_graph_state(*self.graph_state)
+        elif n is not None and self.draft_tokens is not None and n != self.draft_tokens:
+            raise LayoutError(f"{self.name}: SGLang fixes speculative_num_draft_tokens={self.draft_tokens} at "
+                              f"construction; this batch has N={n}")
+        elif n is not None and self.draft_tokens is None:
+            self.sgl.num_draft_tokens = self.draft_tokens = n      # a decode-only start: the server arg
+        return self.sgl
+
+    def _check(self, mode, spec) -> None:
+        if mode not in self.capabilities.modes:
+            raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs DECODE, TARGET_VERIFY")
+        if spec is not None and (spec.topk > 1 or spec.is_draft_decode):
+            raise LayoutError(f"{self.name}: chain verify and plain decode only (topk={spec.topk}, "
+                              f"draft_step={spec.draft_step})")
+
+    def _spec(self, mode, spec, seq_lens_cpu: torch.Tensor, bs: int):
+        """SGLang's EagleVerifyInput for a chain verify: the causal mask over prefix + N per request."""
+        if mode != ForwardMode.TARGET_VERIFY:
+            return None
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+        n, dev = spec.num_draft_tokens, self.memory.device
+        rows = []
+        for s in seq_lens_cpu[:bs].tolist():             # host lengths: ours (prefix + N)
+            prefix = s - n
+            rows.append(torch.cat([torch.ones(n, prefix, dtype=torch.bool),
+                                   torch.tril(torch.ones(n, n, dtype=torch.bool))], 1).reshape(-1))
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        return EagleVerifyInput(draft_token=None, custom_mask=torch.cat(rows).to(dev), positions=None,
+                                retrive_index=None, retrive_next_token=None, retrive_next_sibling=None,
+                                retrive_cum_len=None, spec_steps=n - 1, topk=1, draft_token_num=n,
+                                capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+
+    def _sgl_seq(self, mode, seq_lens, n):
+        return seq_lens - n if mode == ForwardMode.TARGET_VERIFY else seq_lens
+
+    # -- eager
+    def init_forward_metadata(self, batch) -> None:
+        mode, spec = batch.forward_mode, batch.spec_info
+        self._check(mode, spec)
+        sgl = self._backend(spec)
+        w = batch.width
+        n = w if mode == ForwardMode.TARGET_VERIFY else 0
+        fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n), self._sgl_seq(mode, batch.seq_lens_cpu, n))
+        sgl.init_forward_metadata(fb)
+        self.forward_metadata = SGLangMetadata(None, None, batch, sgl=sgl.forward_metadata, mode=mode,
+                                               bs=batch.batch_size, width=w, max_k=int(batch.seq_lens_cpu.max()))
+        self._fb = fb
+
+    def _sgl_batch(self, batch, seq_lens, seq_lens_cpu):
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        sp = self._spec(batch.forward_mode, batch.spec_info, batch.seq_lens_cpu, batch.batch_size)
+        fb = ForwardBatch(forward_mode=engine.sgl_mode(batch.forward_mode), batch_size=batch.batch_size,
+                          input_ids=torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.memory.device),
+                          req_pool_indices=batch.req_pool_indices.to(torch.int64), seq_lens=seq_lens,
+                          out_cache_loc=batch.out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()),
+                          seq_lens_cpu=seq_lens_cpu, positions=batch.positions, spec_info=sp)
+        fb.token_to_kv_pool = engine.StandInKVPool(self.memory)
+        return fb
+
+    # -- graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_state = (max_bs, max_num_tokens)
+        self.records.clear()
+        self.forward_metadata = None
+        if self.sgl is not None:
+            self.sgl.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, inputs) -> None:
+        key, spec = inputs.key, inputs.spec_info
+        self._check(key.forward_mode, spec)
+        if self.graph_state is None:
+            raise LayoutError("capture before init_cuda_graph_state()")
+        sgl = self._backend(spec)
+        n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
+        sgl.init_forward_metadata_capture_cuda_graph(
+            key.bs, key.bs * key.width, inputs.req_pool_indices.to(torch.int64),
+            self._sgl_seq(key.forward_mode, inputs.seq_lens, n), None, engine.sgl_mode(key.forward_mode),
+            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs))
+        dev = self.memory.device
+        own = {k: torch.zeros(s, dtype=I32, device=dev) for k, s in
+               (("cu_seqlens_q", key.bs + 1), ("seq_lens_k", key.bs), ("prefix_lens", key.bs))}
+        rec = SGLangMetadata(None, key, None, sgl=sgl.forward_metadata, mode=key.forward_mode, bs=key.bs,
+                             width=key.width, max_k=self.memory.max_context_len, own=own)
+        self.records[key] = rec
+        self.forward_metadata = rec
+
+    def init_forward_metadata_replay_cuda_graph(self, inputs) -> None:
+        key, spec = inputs.key, inputs.spec_info
+        rec = self.records.get(key)
+        if rec is None:
+            raise LayoutError(f"no graph captured for {key}; captured: {', '.join(map(str, self.records)) or 'none'}")
+        n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
+        seq_cpu = self._sgl_seq(key.forward_mode, inputs.seq_lens_cpu, n)
+        self.sgl.init_forward_metadata_replay_cuda_graph(
+            key.bs, inputs.req_pool_indices.to(torch.int64), self._sgl_seq(key.forward_mode, inputs.seq_lens, n),
+            int(seq_cpu.sum()), None, engine.sgl_mode(key.forward_mode),
+            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs), seq_cpu)
+        self.forward_metadata = rec
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1 if self.sgl is None else self.sgl.get_cuda_graph_seq_len_fill_value()
+
+    def graph_buffers(self) -> dict:
+        s = self.sgl
+        if s is None or not self.records:
+            return {}
+        names = ("cuda_graph_kv_indices", "cuda_graph_num_kv_splits", "cuda_graph_attn_logits",
+                 "cuda_graph_attn_lse", "qo_indptr", "cuda_graph_custom_mask")
+        out = {k: getattr(s, k) for k in names if isinstance(getattr(s, k, None), torch.Tensor)}
+        # entry 0 of the two indptrs is constant state, not a batch's: zeros from the allocation
+        # (triton_backend.py __init__), never written after; every replay writes [1:bs+1] and its
+        # kernels read [0]. Left out of the poisoning like the contract's other constant kernel
+        # state; poisoned, the interpreter's index kernel stores out of bounds (docs/engines.md).
+        for k in ("kv_indptr", "mask_indptr"):
+            t = getattr(s, k, None)
+            if isinstance(t, torch.Tensor):
+                out[f"{k}[1:]"] = t[1:]
+        return out
+
+    # -- forward: SGLang's, on the metadata a captured graph (or the eager step) reads
+    def forward(self, q, k, v, layer, batch, save_kv_cache: bool = True):
+        meta = self.forward_metadata
+        if meta is None:
+            raise LayoutError("forward() before init_forward_metadata()")
+        if layer.features:
+            raise ValueError(f"{self.name} declares no windows, sinks or softcap (layer {layer.layer_id} uses them)")
+        rl = self.layers.get(layer.layer_id)
+        if rl is None:
+            rl = self.layers[layer.layer_id] = engine.radix_layer(layer, self.config)
+        if meta.key is None:
+            fb = self._fb
+        else:
+            n = meta.width if meta.mode == ForwardMode.TARGET_VERIFY else 0
+            fb = self._sgl_batch(batch, self._sgl_seq(meta.mode, batch.seq_lens, n),
+                                 self._sgl_seq(meta.mode, batch.seq_lens_cpu, n))
+        if k is None and meta.mode == ForwardMode.TARGET_VERIFY:
+            # SGLang's extend kernel takes the new tokens' K/V as arguments (stored at out_cache_loc
+            # first); a read-only call hands them over from the slots they were stored in
+            loc = batch.out_cache_loc
+            k, v = self.memory.pool.k[layer.layer_id][loc], self.memory.pool.v[layer.layer_id][loc]
+        self.sgl.forward_metadata = meta.sgl            # what the captured graph's kernels read
+        out = self.sgl.forward(q.reshape(q.shape[0], -1), k, v, rl, fb, save_kv_cache=save_kv_cache)
+        return out.view(q.shape[0], layer.num_q_heads, layer.v_dim)
