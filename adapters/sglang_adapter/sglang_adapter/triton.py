@@ -103,10 +103,9 @@ class SGLangTritonBackend(AttentionBackend):
     def _backend(self, spec) -> object:
         n = spec.num_draft_tokens if spec is not None else None
         if self.sgl is None:
-            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
             args = engine.ServerArgs(speculative_num_draft_tokens=n, speculative_num_steps=None if n is None else n - 1,
                                      speculative_eagle_topk=None if n is None else 1)
-            self.sgl = TritonAttnBackend(engine.StandInRunner(self.config, self.memory, args))
+            self.sgl = self.engine_class()(engine.StandInRunner(self.config, self.memory, args))
             self.draft_tokens = n
             if self.graph_state is not None:
                 self.sgl.init_cuda_graph_state(*self.graph_state)
@@ -116,6 +115,11 @@ class SGLangTritonBackend(AttentionBackend):
         elif n is not None and self.draft_tokens is None:
             self.sgl.num_draft_tokens = self.draft_tokens = n      # a decode-only start: the server arg
         return self.sgl
+
+    def engine_class(self) -> type:
+        """The SGLang class adapted (a test plants bugs in a subclass of it)."""
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+        return TritonAttnBackend
 
     def _check(self, mode, spec) -> None:
         if mode not in self.capabilities.modes:
