@@ -62,3 +62,67 @@ def test_the_gate_fails_a_planted_short_replay(tmp_path):
     assert r["rc"] == 1 and r["status"] == 1
     assert r["checks"]["I1"][1] > 0 and r["checks"]["I5"][1] > 0, r["checks"]
     assert r["checks"]["I13"] == (4, 0), r["checks"]
+
+
+def messages(r: dict, inv: str) -> list:
+    return [f["message"] for f in r["failures"] if f["invariant"] == inv]
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+def test_sglang_triton_draft_extend_graph_reads_the_new_rows_twice(version, tmp_path):
+    """DRAFT_EXTEND_V2 (N rows a request, seq_lens counting them): SGLang's eager metadata is the
+    extend branch (prefix = extend_prefix_lens) and its numbers hold; capture and replay set
+    kv_indptr from seq_lens, so the extend kernel reads the N new tokens as prefix and again as its
+    rows: replay != eager (I1), seq_lens_k = prefix + 2N (I5), wrong replayed outputs (I9n)."""
+    r = check(version, BACKEND, "draft_extend", tmp_path)
+    assert r["rc"] == 1
+    for inv in ("I2", "I14", "I15"):
+        assert r["checks"][inv][1] == 0 and r["checks"][inv][0] > 0, (inv, r["checks"])
+    assert r["checks"]["I5"] == (0, 6), r["checks"]
+    assert all("seq_lens_k: replay != eager" in m for m in messages(r, "I1")), messages(r, "I1")
+    i9n = messages(r, "I9n")
+    assert i9n and all(m.startswith("replayed output") for m in i9n), i9n      # eager: right
+    assert r["checks"]["I9n"] == (2, 2), r["checks"]
+    packed = [m for m in messages(r, "I1") if "cu_seqlens_q: replay != eager" in m]
+    if version == "0.5.9":      # replay: qo_indptr = cumsum(accept_length), packed; capture: the stride
+        assert len(packed) == 6, messages(r, "I1")
+    else:                       # 0.5.10 replays the stride
+        assert not packed, packed
+
+
+KV_INDPTR0 = """
+import torch
+from sglang_adapter import engine
+from attn_backends import ModelConfig
+from attn_backends.kv_cache import KVMemory
+engine.sglang()
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=1)
+mem = KVMemory(num_layers=1, num_pages=64, page_size=1, max_reqs=4, max_context_len=16, is_mla=False,
+               num_kv_heads=2, head_dim=16)
+mem.req_to_token[1, :5] = torch.arange(10, 15, dtype=torch.int32)
+mem.req_to_token[2, :3] = torch.arange(20, 23, dtype=torch.int32)
+be = TritonAttnBackend(engine.StandInRunner(cfg, mem, engine.ServerArgs()))
+be.init_cuda_graph_state(2, 2)
+req, seq = torch.tensor([1, 2]), torch.tensor([5, 3], dtype=torch.int32)
+be.init_forward_metadata_capture_cuda_graph(2, 2, req, seq, None, ForwardMode.DECODE, None)
+be.kv_indptr[0] = 4
+be.cuda_graph_kv_indices.zero_()
+be.init_forward_metadata_replay_cuda_graph(2, req, seq, 8, None, ForwardMode.DECODE, None, seq)
+print(be.kv_indptr[:3].tolist(), be.cuda_graph_kv_indices[:9].tolist())
+"""
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+def test_sglang_triton_replay_keeps_kv_indptr0(version):
+    """The decode replay writes kv_indptr[1:bs+1] only and its index kernel starts request 0 at
+    kv_indptr[0]: a stale entry 0 (4 here) survives the replay and shifts request 0's slots onto
+    request 1's (why the adapter leaves entry 0 out of the poisoning)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT), str(ADAPTER),
+                                                                                   str(engine(version))])}
+    res = subprocess.run([sys.executable, "-c", KV_INDPTR0], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[4, 5, 8] [0, 0, 0, 0, 10, 20, 21, 22, 14]"

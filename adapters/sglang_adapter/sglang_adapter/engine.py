@@ -160,6 +160,9 @@ def radix_layer(layer, config):
 
 
 def sgl_mode(mode):
-    """SGLang's ``ForwardMode`` for ours (same names for the four batch kinds)."""
+    """SGLang's ``ForwardMode`` for ours. Our DRAFT_EXTEND (every request N rows, ``seq_lens``
+    counting them) is SGLang's ``DRAFT_EXTEND_V2`` (``eagle_info_v2.py``,
+    ``prepare_for_extend_to_fill_draft_kvcache``: ``seq_lens + num_draft_tokens``, N rows each);
+    its ``DRAFT_EXTEND`` (v1) packs ``accept_length`` rows per request, a layout the contract has not."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    return getattr(ForwardMode, mode.name)
+    return getattr(ForwardMode, "DRAFT_EXTEND_V2" if mode.name == "DRAFT_EXTEND" else mode.name)

@@ -11,7 +11,9 @@ Triton decode and extend kernels). What the adapter adds is translation:
   prefix (the draft tokens come in as the extend part), ours count prefix + N, so the adapter
   passes ``seq_lens - N``. The tree mask SGLang reads for a verify is its ``EagleVerifyInput.
   custom_mask`` (per request ``N x (prefix + N)`` rows, flattened); for a chain the adapter builds
-  the causal one, as SGLang's tree builder does for ``topk == 1``.
+  the causal one, as SGLang's tree builder does for ``topk == 1``. Our DRAFT_EXTEND is SGLang's
+  ``DRAFT_EXTEND_V2`` (N rows a request, ``seq_lens`` counting them; eager with the extend fields
+  ``prepare_for_extend_to_fill_draft_kvcache`` sets), not v1's ``DRAFT_EXTEND`` (packed rows).
 - out: :meth:`SGLangMetadata.as_layout` reads the tensors SGLang's kernels read (the
   ``ForwardMetadata`` SGLang made at capture, for a graph: the addresses a captured graph holds)
   and states them as canonical fields, ``docs/plugin-guide.md`` section 4. SGLang's KV is
@@ -63,15 +65,18 @@ class SGLangMetadata(ForwardMetadata):
         m, bs, w = self.sgl, self.bs, self.width
         indptr = m.kv_indptr[:bs + 1]
         kv_len = (indptr[1:] - indptr[:-1]).to(I32)                  # KV tokens SGLang's kernel reads
-        if self.mode == ForwardMode.DECODE:
-            seq = kv_len
+        if self.mode == ForwardMode.DECODE:          # the decode kernel reads kv_indptr's tokens, one row
             cu = torch.arange(bs + 1, dtype=I32, device=indptr.device)
-        else:                                                          # verify: the prefix, then N rows
-            seq = kv_len + w
+            prefix, seq = kv_len - 1, kv_len
+        else:   # the extend kernel: kv_indptr's tokens are the prefix, qo_indptr's rows come after them
             cu = m.qo_indptr[:bs + 1]
+            prefix = kv_len
+            seq = kv_len + (cu[1:] - cu[:-1]).to(I32)
         out = {"cu_seqlens_q": self._out("cu_seqlens_q", cu), "seq_lens_k": self._out("seq_lens_k", seq),
-               "prefix_lens": self._out("prefix_lens", seq - w), "max_seq_len_q": w, "max_seq_len_k": self.max_k}
-        if self.mode == ForwardMode.DECODE:     # decode: SGLang's paged form is the canonical one
+               "prefix_lens": self._out("prefix_lens", prefix),
+               "max_seq_len_q": m.max_extend_len if isinstance(m.max_extend_len, int) else w,
+               "max_seq_len_k": self.max_k}
+        if self.mode == ForwardMode.DECODE:   # decode: SGLang's paged form covers the whole KV, the canonical one
             out["kv_indptr"] = indptr
             used = int(indptr[-1])
             out["kv_indices"] = m.kv_indices[:used] if 0 <= used <= m.kv_indices.numel() else m.kv_indices
@@ -83,7 +88,8 @@ class SGLangTritonBackend(AttentionBackend):
 
     name: ClassVar[str] = "sglang_triton"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}), mha=True, mla=False, page_sizes=(1,),
+        modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        mha=True, mla=False, page_sizes=(1,),
         topk_gt1=False, draft_decode=False, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"),
         requires=("sglang",), preference=-10)
 
@@ -123,13 +129,18 @@ class SGLangTritonBackend(AttentionBackend):
 
     def _check(self, mode, spec) -> None:
         if mode not in self.capabilities.modes:
-            raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs DECODE, TARGET_VERIFY")
+            raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs DECODE, TARGET_VERIFY, DRAFT_EXTEND")
         if spec is not None and (spec.topk > 1 or spec.is_draft_decode):
             raise LayoutError(f"{self.name}: chain verify and plain decode only (topk={spec.topk}, "
                               f"draft_step={spec.draft_step})")
 
     def _spec(self, mode, spec, seq_lens_cpu: torch.Tensor, bs: int):
-        """SGLang's EagleVerifyInput for a chain verify: the causal mask over prefix + N per request."""
+        """SGLang's spec input: EagleVerifyInput for a chain verify (the causal mask over prefix + N
+        per request), EagleDraftInput for a draft extend (its accept lengths)."""
+        if mode == ForwardMode.DRAFT_EXTEND:
+            from sglang.srt.speculative.eagle_info import EagleDraftInput
+            acc = spec.accept_lens[:bs]
+            return EagleDraftInput(accept_length=acc, accept_length_cpu=None)
         if mode != ForwardMode.TARGET_VERIFY:
             return None
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
@@ -169,6 +180,13 @@ class SGLangTritonBackend(AttentionBackend):
                           req_pool_indices=batch.req_pool_indices.to(torch.int64), seq_lens=seq_lens,
                           out_cache_loc=batch.out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()),
                           seq_lens_cpu=seq_lens_cpu, positions=batch.positions, spec_info=sp)
+        if batch.forward_mode == ForwardMode.DRAFT_EXTEND:     # v2's extend fields, as prepare_for_extend_.. sets them
+            n, bs = batch.width, batch.batch_size
+            fb.extend_seq_lens = torch.full((bs,), n, dtype=I32, device=self.memory.device)
+            fb.extend_prefix_lens = (seq_lens - n).to(I32)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = [n] * bs, (seq_lens_cpu - n).tolist()
+            fb.extend_start_loc = torch.arange(0, bs * n, n, dtype=I32, device=self.memory.device)
+            fb.extend_num_tokens = bs * n
         fb.token_to_kv_pool = engine.StandInKVPool(self.memory)
         return fb
 
@@ -220,13 +238,14 @@ class SGLangTritonBackend(AttentionBackend):
         if s is None or not self.records:
             return {}
         names = ("cuda_graph_kv_indices", "cuda_graph_num_kv_splits", "cuda_graph_attn_logits",
-                 "cuda_graph_attn_lse", "qo_indptr", "cuda_graph_custom_mask")
+                 "cuda_graph_attn_lse", "cuda_graph_custom_mask")
         out = {k: getattr(s, k) for k in names if isinstance(getattr(s, k, None), torch.Tensor)}
-        # entry 0 of the two indptrs is constant state, not a batch's: zeros from the allocation
-        # (triton_backend.py __init__), never written after; every replay writes [1:bs+1] and its
-        # kernels read [0]. Left out of the poisoning like the contract's other constant kernel
-        # state; poisoned, the interpreter's index kernel stores out of bounds (docs/engines.md).
-        for k in ("kv_indptr", "mask_indptr"):
+        # entry 0 of the three indptrs is constant state, not a batch's: zero from the allocation
+        # (triton_backend.py __init__) or rewritten as 0; replays write [1:bs+1] (kv_indptr,
+        # mask_indptr; qo_indptr in 0.5.9's draft extend) and the kernels read [0]. Left out of the
+        # poisoning like the contract's other constant kernel state; poisoned, SGLang's kernels read
+        # and store out of bounds and the interpreter's process aborts (docs/engines.md).
+        for k in ("kv_indptr", "mask_indptr", "qo_indptr"):
             t = getattr(s, k, None)
             if isinstance(t, torch.Tensor):
                 out[f"{k}[1:]"] = t[1:]
@@ -248,7 +267,7 @@ class SGLangTritonBackend(AttentionBackend):
             n = meta.width if meta.mode == ForwardMode.TARGET_VERIFY else 0
             fb = self._sgl_batch(batch, self._sgl_seq(meta.mode, batch.seq_lens, n),
                                  self._sgl_seq(meta.mode, batch.seq_lens_cpu, n))
-        if k is None and meta.mode == ForwardMode.TARGET_VERIFY:
+        if k is None and meta.mode != ForwardMode.DECODE:
             # SGLang's extend kernel takes the new tokens' K/V as arguments (stored at out_cache_loc
             # first); a read-only call hands them over from the slots they were stored in
             loc = batch.out_cache_loc
