@@ -88,7 +88,7 @@ class SGLangTritonBackend(AttentionBackend):
 
     name: ClassVar[str] = "sglang_triton"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         mha=True, mla=False, page_sizes=(1,),
         topk_gt1=False, draft_decode=False, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"),
         requires=("sglang",), preference=-10)
@@ -129,7 +129,8 @@ class SGLangTritonBackend(AttentionBackend):
 
     def _check(self, mode, spec) -> None:
         if mode not in self.capabilities.modes:
-            raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs DECODE, TARGET_VERIFY, DRAFT_EXTEND")
+            runs = ", ".join(sorted(m.name for m in self.capabilities.modes))
+            raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs {runs}")
         if spec is not None and (spec.topk > 1 or spec.is_draft_decode):
             raise LayoutError(f"{self.name}: chain verify and plain decode only (topk={spec.topk}, "
                               f"draft_step={spec.draft_step})")
@@ -164,7 +165,7 @@ class SGLangTritonBackend(AttentionBackend):
         mode, spec = batch.forward_mode, batch.spec_info
         self._check(mode, spec)
         sgl = self._backend(spec)
-        w = batch.width
+        w = batch.width if mode != ForwardMode.EXTEND else 0
         n = w if mode == ForwardMode.TARGET_VERIFY else 0
         fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n), self._sgl_seq(mode, batch.seq_lens_cpu, n))
         sgl.init_forward_metadata(fb)
@@ -180,13 +181,19 @@ class SGLangTritonBackend(AttentionBackend):
                           req_pool_indices=batch.req_pool_indices.to(torch.int64), seq_lens=seq_lens,
                           out_cache_loc=batch.out_cache_loc, seq_lens_sum=int(seq_lens_cpu.sum()),
                           seq_lens_cpu=seq_lens_cpu, positions=batch.positions, spec_info=sp)
-        if batch.forward_mode == ForwardMode.DRAFT_EXTEND:     # v2's extend fields, as prepare_for_extend_.. sets them
-            n, bs = batch.width, batch.batch_size
-            fb.extend_seq_lens = torch.full((bs,), n, dtype=I32, device=self.memory.device)
-            fb.extend_prefix_lens = (seq_lens - n).to(I32)
-            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = [n] * bs, (seq_lens_cpu - n).tolist()
-            fb.extend_start_loc = torch.arange(0, bs * n, n, dtype=I32, device=self.memory.device)
-            fb.extend_num_tokens = bs * n
+        mode, bs, dev = batch.forward_mode, batch.batch_size, self.memory.device
+        if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+            # the extend fields, as SGLang's scheduler (EXTEND) and v2's prepare_for_extend_to_fill_
+            # draft_kvcache (DRAFT_EXTEND, N rows each) set them
+            if mode == ForwardMode.EXTEND:
+                ext, ext_cpu = batch.extend_seq_lens.to(I32), batch.extend_seq_lens_cpu.to(torch.int64)
+            else:
+                ext = torch.full((bs,), batch.width, dtype=I32, device=dev)
+                ext_cpu = torch.full((bs,), batch.width, dtype=torch.int64)
+            fb.extend_seq_lens, fb.extend_prefix_lens = ext, (seq_lens - ext).to(I32)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext_cpu.tolist(), (seq_lens_cpu - ext_cpu).tolist()
+            fb.extend_start_loc = (torch.cumsum(ext, 0) - ext).to(I32)
+            fb.extend_num_tokens = int(ext_cpu.sum())
         fb.token_to_kv_pool = engine.StandInKVPool(self.memory)
         return fb
 
