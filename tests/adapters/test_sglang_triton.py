@@ -54,6 +54,26 @@ def test_sglang_triton_passes_the_layout_suite(version, mode, tmp_path):
     assert r["rc"] == 0 and r["status"] == 0
 
 
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+def test_sglang_triton_tree_verify_passes_the_layout_suite(version, tmp_path):
+    """Tree verify (topk 2-8) through SGLang's verify mask: the draft blocks read back from its
+    mask buffer at its mask_indptr equal the runner's trees (I1), pad blocks causal (I3), numbers."""
+    r = check(version, "sglang_adapter.triton:SGLangTritonTreeVerify", "verify_tree", tmp_path)
+    failed = {inv: pf for inv, pf in r["checks"].items() if pf[1] or not pf[0]}
+    assert set(r["checks"]) == LAYOUT_INVARIANTS and not failed, f"{r['checks']}\n{r['stdout'][-3000:]}"
+    assert r["rc"] == 0
+
+
+def test_the_gate_fails_a_planted_open_tree_mask(tmp_path):
+    engine("0.5.10")
+    planted = str(Path(__file__).with_name("sglang_planted.py")) + ":OpenTreeReplayBackend"
+    r = check("0.5.10", planted, "verify_tree", tmp_path)
+    assert r["rc"] == 1
+    assert r["checks"]["I1"] == (0, 6), r["checks"]
+    assert all("custom_mask of the real requests != the runner's tree mask" in m for m in messages(r, "I1"))
+    assert r["checks"]["I9n"][1] == 2 and all(m.startswith("replayed output") for m in messages(r, "I9n"))
+
+
 def test_the_gate_fails_a_planted_short_replay(tmp_path):
     """SGLang's replay made one token short per request: replays fail I1 (!= eager and the runner)
     and I5 (KV extent); the capture (I13) and the eager metadata are SGLang's and pass."""

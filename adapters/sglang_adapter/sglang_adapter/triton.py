@@ -50,14 +50,29 @@ class SGLangMetadata(ForwardMetadata):
     bs: int = 0
     width: int = 1
     max_k: int = 0
+    tree: bool = False
     own: dict = field(default_factory=dict)
 
     def _out(self, name: str, value: torch.Tensor) -> torch.Tensor:
         buf = self.own.get(name)
         if buf is None or self.key is None:
-            return value.to(I32)
+            return value if value.dtype == torch.bool else value.to(I32)
         buf.copy_(value)
         return buf
+
+    def _draft_blocks(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The ``W x W`` draft block of each request in SGLang's verify mask (rows of prefix + W
+        entries from ``mask_indptr[i]``); an all-False block where its ``mask_indptr`` points
+        outside the buffer or at a row length that does not fit."""
+        m, w = self.sgl, self.width
+        starts, lens = m.mask_indptr[:self.bs + 1].tolist(), prefix.tolist()
+        blocks = []
+        for i in range(self.bs):
+            a, n = starts[i], w * (lens[i] + w)
+            ok = 0 <= a and a + n <= m.custom_mask.numel() and starts[i + 1] - a == n
+            rows = m.custom_mask[a:a + n].view(w, lens[i] + w)[:, lens[i]:] if ok else None
+            blocks.append(rows.bool() if ok else torch.zeros(w, w, dtype=torch.bool, device=prefix.device))
+        return torch.stack(blocks).reshape(-1)
 
     def as_layout(self) -> dict:
         """The canonical fields of what SGLang's kernels read (host reads: the suite's, after the
@@ -76,6 +91,8 @@ class SGLangMetadata(ForwardMetadata):
                "prefix_lens": self._out("prefix_lens", prefix),
                "max_seq_len_q": m.max_extend_len if isinstance(m.max_extend_len, int) else w,
                "max_seq_len_k": self.max_k}
+        if self.mode == ForwardMode.TARGET_VERIFY and self.tree:
+            out["custom_mask"] = self._out("custom_mask", self._draft_blocks(prefix))
         if self.mode == ForwardMode.DECODE:   # decode: SGLang's paged form covers the whole KV, the canonical one
             out["kv_indptr"] = indptr
             used = int(indptr[-1])
@@ -109,8 +126,9 @@ class SGLangTritonBackend(AttentionBackend):
     def _backend(self, spec) -> object:
         n = spec.num_draft_tokens if spec is not None else None
         if self.sgl is None:
-            args = engine.ServerArgs(speculative_num_draft_tokens=n, speculative_num_steps=None if n is None else n - 1,
-                                     speculative_eagle_topk=None if n is None else 1)
+            args = engine.ServerArgs(speculative_num_draft_tokens=n,
+                                     speculative_num_steps=None if n is None else spec.num_steps,
+                                     speculative_eagle_topk=None if n is None else spec.topk)
             self.sgl = self.engine_class()(engine.StandInRunner(self.config, self.memory, args))
             self.draft_tokens = n
             if self.graph_state is not None:
@@ -131,13 +149,15 @@ class SGLangTritonBackend(AttentionBackend):
         if mode not in self.capabilities.modes:
             runs = ", ".join(sorted(m.name for m in self.capabilities.modes))
             raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs {runs}")
-        if spec is not None and (spec.topk > 1 or spec.is_draft_decode):
-            raise LayoutError(f"{self.name}: chain verify and plain decode only (topk={spec.topk}, "
-                              f"draft_step={spec.draft_step})")
+        tree_ok = mode == ForwardMode.TARGET_VERIFY and self.capabilities.topk_gt1
+        if spec is not None and ((spec.topk > 1 and not tree_ok) or spec.is_draft_decode):
+            raise LayoutError(f"{self.name}: no topk={spec.topk} in {mode.name}, no draft decode "
+                              f"(draft_step={spec.draft_step})")
 
-    def _spec(self, mode, spec, seq_lens_cpu: torch.Tensor, bs: int):
-        """SGLang's spec input: EagleVerifyInput for a chain verify (the causal mask over prefix + N
-        per request), EagleDraftInput for a draft extend (its accept lengths)."""
+    def _spec(self, mode, spec, seq_lens_cpu: torch.Tensor, bs: int, raw_bs: int):
+        """SGLang's spec input: EagleVerifyInput for a verify (its mask over prefix + N per request:
+        the prefix, then the tree's block, causal for a chain and for pad rows, the runner's pad rule),
+        EagleDraftInput for a draft extend (its accept lengths)."""
         if mode == ForwardMode.DRAFT_EXTEND:
             from sglang.srt.speculative.eagle_info import EagleDraftInput
             acc = spec.accept_lens[:bs]
@@ -146,15 +166,14 @@ class SGLangTritonBackend(AttentionBackend):
             return None
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
         n, dev = spec.num_draft_tokens, self.memory.device
-        rows = []
-        for s in seq_lens_cpu[:bs].tolist():             # host lengths: ours (prefix + N)
-            prefix = s - n
-            rows.append(torch.cat([torch.ones(n, prefix, dtype=torch.bool),
-                                   torch.tril(torch.ones(n, n, dtype=torch.bool))], 1).reshape(-1))
+        rows, tril = [], torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))
+        for i, s in enumerate(seq_lens_cpu[:bs].tolist()):      # host lengths: ours (prefix + N)
+            block = spec.tree_mask[i].to(torch.bool) if spec.topk > 1 and i < raw_bs else tril
+            rows.append(torch.cat([torch.ones(n, s - n, dtype=torch.bool, device=dev), block], 1).reshape(-1))
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        return EagleVerifyInput(draft_token=None, custom_mask=torch.cat(rows).to(dev), positions=None,
+        return EagleVerifyInput(draft_token=None, custom_mask=torch.cat(rows), positions=None,
                                 retrive_index=None, retrive_next_token=None, retrive_next_sibling=None,
-                                retrive_cum_len=None, spec_steps=n - 1, topk=1, draft_token_num=n,
+                                retrive_cum_len=None, spec_steps=spec.num_steps, topk=spec.topk, draft_token_num=n,
                                 capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
 
     def _sgl_seq(self, mode, seq_lens, n):
@@ -170,12 +189,13 @@ class SGLangTritonBackend(AttentionBackend):
         fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n), self._sgl_seq(mode, batch.seq_lens_cpu, n))
         sgl.init_forward_metadata(fb)
         self.forward_metadata = SGLangMetadata(None, None, batch, sgl=sgl.forward_metadata, mode=mode,
-                                               bs=batch.batch_size, width=w, max_k=int(batch.seq_lens_cpu.max()))
+                                               bs=batch.batch_size, width=w, max_k=int(batch.seq_lens_cpu.max()),
+                                               tree=mode == ForwardMode.TARGET_VERIFY and spec.topk > 1)
         self._fb = fb
 
     def _sgl_batch(self, batch, seq_lens, seq_lens_cpu):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-        sp = self._spec(batch.forward_mode, batch.spec_info, batch.seq_lens_cpu, batch.batch_size)
+        sp = self._spec(batch.forward_mode, batch.spec_info, batch.seq_lens_cpu, batch.batch_size, batch.raw_bs)
         fb = ForwardBatch(forward_mode=engine.sgl_mode(batch.forward_mode), batch_size=batch.batch_size,
                           input_ids=torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.memory.device),
                           req_pool_indices=batch.req_pool_indices.to(torch.int64), seq_lens=seq_lens,
@@ -215,12 +235,15 @@ class SGLangTritonBackend(AttentionBackend):
         sgl.init_forward_metadata_capture_cuda_graph(
             key.bs, key.bs * key.width, inputs.req_pool_indices.to(torch.int64),
             self._sgl_seq(key.forward_mode, inputs.seq_lens, n), None, engine.sgl_mode(key.forward_mode),
-            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs))
+            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs))
         dev = self.memory.device
         own = {k: torch.zeros(s, dtype=I32, device=dev) for k, s in
                (("cu_seqlens_q", key.bs + 1), ("seq_lens_k", key.bs), ("prefix_lens", key.bs))}
+        tree = spec is not None and spec.topk > 1 and key.forward_mode == ForwardMode.TARGET_VERIFY
+        if tree:
+            own["custom_mask"] = torch.zeros(key.bs * key.width ** 2, dtype=torch.bool, device=dev)
         rec = SGLangMetadata(None, key, None, sgl=sgl.forward_metadata, mode=key.forward_mode, bs=key.bs,
-                             width=key.width, max_k=self.memory.max_context_len, own=own)
+                             width=key.width, max_k=self.memory.max_context_len, tree=tree, own=own)
         self.records[key] = rec
         self.forward_metadata = rec
 
@@ -234,7 +257,7 @@ class SGLangTritonBackend(AttentionBackend):
         self.sgl.init_forward_metadata_replay_cuda_graph(
             key.bs, inputs.req_pool_indices.to(torch.int64), self._sgl_seq(key.forward_mode, inputs.seq_lens, n),
             int(seq_cpu.sum()), None, engine.sgl_mode(key.forward_mode),
-            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs), seq_cpu)
+            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs), seq_cpu)
         self.forward_metadata = rec
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -282,3 +305,16 @@ class SGLangTritonBackend(AttentionBackend):
         self.sgl.forward_metadata = meta.sgl            # what the captured graph's kernels read
         out = self.sgl.forward(q.reshape(q.shape[0], -1), k, v, rl, fb, save_kv_cache=save_kv_cache)
         return out.view(q.shape[0], layer.num_q_heads, layer.v_dim)
+
+
+class SGLangTritonTreeVerify(SGLangTritonBackend):
+    """The same backend for its verify modes, trees (topk > 1) included. A class of its own because
+    ``Capabilities.topk_gt1`` is one flag for every mode: declared on the backend above it would
+    also declare topk > 1 draft extend, which SGLang's uniform draft extend (spec v2, ``server_args.py``:
+    "Spec v2 currently only supports topk = 1") does not serve."""
+
+    name: ClassVar[str] = "sglang_triton_tree"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        modes=frozenset({ForwardMode.TARGET_VERIFY}), mha=True, mla=False, page_sizes=(1,), topk_gt1=True,
+        draft_decode=False, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("sglang",),
+        preference=-10)
