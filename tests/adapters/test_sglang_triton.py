@@ -148,3 +148,27 @@ def test_sglang_triton_replay_keeps_kv_indptr0(version):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "[4, 5, 8] [0, 0, 0, 0, 10, 20, 21, 22, 14]"
+
+
+TRTLLM = "sglang_adapter.trtllm_mla:SGLangTRTLLMMLABackend"
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+@pytest.mark.parametrize("mode", ["decode", "verify_chain", "draft_extend"])
+def test_sglang_trtllm_mla_layout(version, mode, tmp_path):
+    """SGLang's TRTLLMMLABackend, metadata only (its trtllm-gen forward is CUDA-only: every I9n check
+    fails with that reason, the contract having no layout-only declaration). The issue's anchor:
+    0.5.9's draft-extend replay packs cu_seqlens_q by accept_length + 1 (and, without host accept
+    lengths, sets max_seq_len_q = 1) where the capture and the graph's rows keep the stride N;
+    0.5.10 replays the stride (SGLang PR #21987)."""
+    r = check(version, TRTLLM, mode, tmp_path)
+    assert r["rc"] == 1 and set(r["checks"]) == LAYOUT_INVARIANTS, r["checks"]
+    assert r["checks"]["I9n"] == (0, 4)
+    assert all("forward failed: NotImplementedError" in m and "trtllm-gen" in m for m in messages(r, "I9n"))
+    failed = {inv for inv, (_, f) in r["checks"].items() if f and inv != "I9n"}
+    if version == "0.5.9" and mode == "draft_extend":
+        assert failed == {"I1", "I4", "I5"}, r["checks"]
+        assert r["checks"]["I1"] == (0, 6)
+        assert all("cu_seqlens_q: replay != eager" in m and "max_seq_len_q: 1 vs" in m for m in messages(r, "I1"))
+    else:
+        assert not failed, (r["checks"], r["stdout"][-3000:])

@@ -52,6 +52,7 @@ class SGLangMetadata(ForwardMetadata):
     max_k: int = 0
     tree: bool = False
     own: dict = field(default_factory=dict)
+    runner_seq: Optional[torch.Tensor] = None     # the runner's seq_lens (what a forward of SGLang's reads)
 
     def _out(self, name: str, value: torch.Tensor) -> torch.Tensor:
         buf = self.own.get(name)
@@ -129,16 +130,24 @@ class SGLangTritonBackend(AttentionBackend):
             args = engine.ServerArgs(speculative_num_draft_tokens=n,
                                      speculative_num_steps=None if n is None else spec.num_steps,
                                      speculative_eagle_topk=None if n is None else spec.topk)
-            self.sgl = self.engine_class()(engine.StandInRunner(self.config, self.memory, args))
+            self.sgl = self.engine_class()(self._runner(args))
             self.draft_tokens = n
             if self.graph_state is not None:
-                self.sgl.init_cuda_graph_state(*self.graph_state)
+                self._init_graph_state()
         elif n is not None and self.draft_tokens is not None and n != self.draft_tokens:
             raise LayoutError(f"{self.name}: SGLang fixes speculative_num_draft_tokens={self.draft_tokens} at "
                               f"construction; this batch has N={n}")
         elif n is not None and self.draft_tokens is None:
             self.sgl.num_draft_tokens = self.draft_tokens = n      # a decode-only start: the server arg
         return self.sgl
+
+    def _runner(self, args) -> engine.StandInRunner:
+        return engine.StandInRunner(self.config, self.memory, args)
+
+    def _accept_length(self, spec, bs: int):
+        """SGLang's ``accept_length`` for a draft extend: the Triton backend's replay takes it as the
+        rows of each request (ours, the accepted tokens and the bonus one)."""
+        return spec.accept_lens[:bs]
 
     def engine_class(self) -> type:
         """The SGLang class adapted (a test plants bugs in a subclass of it)."""
@@ -160,8 +169,7 @@ class SGLangTritonBackend(AttentionBackend):
         EagleDraftInput for a draft extend (its accept lengths)."""
         if mode == ForwardMode.DRAFT_EXTEND:
             from sglang.srt.speculative.eagle_info import EagleDraftInput
-            acc = spec.accept_lens[:bs]
-            return EagleDraftInput(accept_length=acc, accept_length_cpu=None)
+            return EagleDraftInput(accept_length=self._accept_length(spec, bs), accept_length_cpu=None)
         if mode != ForwardMode.TARGET_VERIFY:
             return None
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
@@ -188,10 +196,24 @@ class SGLangTritonBackend(AttentionBackend):
         n = w if mode == ForwardMode.TARGET_VERIFY else 0
         fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n), self._sgl_seq(mode, batch.seq_lens_cpu, n))
         sgl.init_forward_metadata(fb)
-        self.forward_metadata = SGLangMetadata(None, None, batch, sgl=sgl.forward_metadata, mode=mode,
+        self.forward_metadata = self.meta_class(None, None, batch, sgl=self._engine_meta(), mode=mode,
                                                bs=batch.batch_size, width=w, max_k=int(batch.seq_lens_cpu.max()),
                                                tree=mode == ForwardMode.TARGET_VERIFY and spec.topk > 1)
+        self.forward_metadata.runner_seq = batch.seq_lens
         self._fb = fb
+
+    meta_class = SGLangMetadata
+
+    def _engine_meta(self):
+        """SGLang's record of the batch just prepared (what its forward reads)."""
+        return self.sgl.forward_metadata
+
+    def _own_buffers(self, key, meta) -> dict:
+        """Fixed buffers for the canonical fields the engine has no tensor for (graph mode: their
+        addresses hold from capture to replay)."""
+        dev = self.memory.device
+        return {k: torch.zeros(s, dtype=I32, device=dev) for k, s in
+                (("cu_seqlens_q", key.bs + 1), ("seq_lens_k", key.bs), ("prefix_lens", key.bs))}
 
     def _sgl_batch(self, batch, seq_lens, seq_lens_cpu):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -223,7 +245,10 @@ class SGLangTritonBackend(AttentionBackend):
         self.records.clear()
         self.forward_metadata = None
         if self.sgl is not None:
-            self.sgl.init_cuda_graph_state(max_bs, max_num_tokens)
+            self._init_graph_state()
+
+    def _init_graph_state(self) -> None:
+        self.sgl.init_cuda_graph_state(*self.graph_state)
 
     def init_forward_metadata_capture_cuda_graph(self, inputs) -> None:
         key, spec = inputs.key, inputs.spec_info
@@ -236,14 +261,14 @@ class SGLangTritonBackend(AttentionBackend):
             key.bs, key.bs * key.width, inputs.req_pool_indices.to(torch.int64),
             self._sgl_seq(key.forward_mode, inputs.seq_lens, n), None, engine.sgl_mode(key.forward_mode),
             self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs))
-        dev = self.memory.device
-        own = {k: torch.zeros(s, dtype=I32, device=dev) for k, s in
-               (("cu_seqlens_q", key.bs + 1), ("seq_lens_k", key.bs), ("prefix_lens", key.bs))}
+        dev, meta = self.memory.device, self._engine_meta()
+        own = self._own_buffers(key, meta)
         tree = spec is not None and spec.topk > 1 and key.forward_mode == ForwardMode.TARGET_VERIFY
         if tree:
             own["custom_mask"] = torch.zeros(key.bs * key.width ** 2, dtype=torch.bool, device=dev)
-        rec = SGLangMetadata(None, key, None, sgl=sgl.forward_metadata, mode=key.forward_mode, bs=key.bs,
-                             width=key.width, max_k=self.memory.max_context_len, tree=tree, own=own)
+        rec = self.meta_class(None, key, None, sgl=meta, mode=key.forward_mode, bs=key.bs, width=key.width,
+                              max_k=self.memory.max_context_len, tree=tree, own=own,
+                              runner_seq=inputs.seq_lens.as_subclass(torch.Tensor))
         self.records[key] = rec
         self.forward_metadata = rec
 
@@ -258,6 +283,7 @@ class SGLangTritonBackend(AttentionBackend):
             key.bs, inputs.req_pool_indices.to(torch.int64), self._sgl_seq(key.forward_mode, inputs.seq_lens, n),
             int(seq_cpu.sum()), None, engine.sgl_mode(key.forward_mode),
             self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs), seq_cpu)
+        rec.runner_seq = inputs.seq_lens.as_subclass(torch.Tensor)     # the runner's buffer, unguarded view
         self.forward_metadata = rec
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
