@@ -138,7 +138,8 @@ class SGLangTritonBackend(AttentionBackend):
             raise LayoutError(f"{self.name}: SGLang fixes speculative_num_draft_tokens={self.draft_tokens} at "
                               f"construction; this batch has N={n}")
         elif n is not None and self.draft_tokens is None:
-            self.sgl.num_draft_tokens = self.draft_tokens = n      # a decode-only start: the server arg
+            raise LayoutError(f"{self.name}: SGLang's backend was made without speculative decoding (its server "
+                              f"args); this batch has N={n}: use a new instance")
         return self.sgl
 
     def _runner(self, args) -> engine.StandInRunner:
