@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install pinned SGLang releases into separate target folders, never into the project's
+# environment: `pip install --target DIR --no-deps` (the project's torch, triton and numpy stay
+# as they are; SGLang's own pins, torch==2.9.1 among them, are not applied).
+#
+#   adapters/install_engines.sh [VERSION ...]      (default: 0.5.9 0.5.10)
+#   ENGINES_DIR=/tmp/engines PYTHON=.venv/bin/python adapters/install_engines.sh 0.5.9
+#
+# Each version lands in $ENGINES_DIR/sglang-VERSION with the light dependencies of
+# sglang_adapter/requirements-light.txt; put that folder on PYTHONPATH to use the adapter.
+# A folder that already holds the version is kept (delete it to reinstall).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+dir="${ENGINES_DIR:-/tmp/engines}"
+py="${PYTHON:-python}"
+versions=("$@")
+[ ${#versions[@]} -eq 0 ] && versions=(0.5.9 0.5.10)
+for v in "${versions[@]}"; do
+  case "$v" in
+    *[!0-9.]*|"") echo "install_engines.sh: error: bad SGLang version '$v' (want digits and dots, e.g. 0.5.9)" >&2; exit 2;;
+  esac
+  target="$dir/sglang-$v"
+  if [ -f "$target/sglang-$v.dist-info/METADATA" ]; then
+    echo "sglang $v: already in $target"
+    continue
+  fi
+  start=$(date +%s)
+  rm -rf "$target.partial"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$target.partial" \
+    "sglang==$v" -r "$here/sglang_adapter/requirements-light.txt"
+  rm -rf "$target" && mv "$target.partial" "$target"
+  echo "sglang $v: installed in $target in $(( $(date +%s) - start )) s"
+done

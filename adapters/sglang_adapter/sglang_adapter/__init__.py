@@ -1,0 +1,9 @@
+"""attn-backends adapters for SGLang's own attention backends (installed apart from the project:
+``adapters/install_engines.sh``; ``docs/engines.md`` says how to run the check on them).
+
+``sglang_adapter.triton:SGLangTritonBackend``: SGLang's ``TritonAttnBackend`` (``SGLangTritonTreeVerify``:
+its verify modes with trees); ``sglang_adapter.trtllm_mla:SGLangTRTLLMMLABackend``: its
+``TRTLLMMLABackend``, metadata only (the forward is CUDA-only).
+Stand-ins: ``standins.py`` (modules that cannot exist on a CPU) and ``engine.py`` (the
+ModelRunner, KV pool and server args an SGLang backend is constructed from).
+"""
