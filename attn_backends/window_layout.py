@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .layout import Layout, flatten_pages
+from .step.view import LibraryKey
 from .validation import LayoutError
 
 
@@ -78,7 +79,6 @@ def window_skip_host(kv_lens: np.ndarray, q_lens: np.ndarray, window: int, page_
 def step_window_layout(view, window: int) -> Layout:
     """The windowed layout of ``view``'s step for ``window``, derived once per step and kept in the
     step's cache (graph steps: buffers fixed per key, for every backend and layer of that window)."""
-    from .step.view import LibraryKey
     owner = LibraryKey(Layout, None, view.key, f"window {window}")
     held = view.cache.get(owner)
     if held is not None and held[0] == view.step_id:

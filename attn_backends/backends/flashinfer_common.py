@@ -41,6 +41,7 @@ from ..window_layout import step_window_layout, window_skip_host
 EXTRA = "pip install 'attn-backends[flashinfer]'"
 WORKSPACE_BYTES = 256 << 20          # float workspace (split-KV partials), one per KV memory
 I32 = torch.int32
+WINDOW_FIELDS = ("seq_lens_k", "prefix_lens", "page_table", "kv_indptr", "kv_indices", "draft_prefix_lens")
 EAGER_CALLS_KEPT = 16                # eager wrappers a step keeps (one per kind and, uniform, per (bs, W))
 
 
@@ -149,6 +150,7 @@ class Planned:
 @dataclass(eq=False)
 class FlashInferMetadata(ForwardMetadata):
     planned: Optional[dict] = None      # variant (``FlashInferBase._variants``) -> Planned
+    windows: Optional[dict] = None      # graph keys: window -> the step's window layout its sliding calls read
 
 
 class FlashInferBase(LayoutBackend):
@@ -206,19 +208,17 @@ class FlashInferBase(LayoutBackend):
         lay = view.layout
         if key is None:
             return FlashInferMetadata(view, None, planned={v: self._eager_call(view, v) for v in self._variants(lay)})
-        planned = {}
+        planned, windows = {}, {}
         for v in self._variants(lay):
+            w = self._window(v, lay)
+            if w is not None and w not in windows:
+                windows[w] = step_window_layout(view, w)
             owner = LibraryKey(type(self), self.config, key, repr(v))
             if owner not in view.cache:
-                w = self._window(v, lay)
-                read = lay if w is None else step_window_layout(view, w)
-                call = self._new_call(read, key, read.kv_indices, bound=True, variant=v)
-                if w is not None:         # fixed per key and rewritten every step: I2 and the poisoning see them
-                    call.window_reads = {k: getattr(read, k) for k in ("seq_lens_k", "prefix_lens", "page_table",
-                                                                       "kv_indptr", "kv_indices")}
-                view.cache[owner] = Planned(call)
+                read = lay if w is None else windows[w]
+                view.cache[owner] = Planned(self._new_call(read, key, read.kv_indices, bound=True, variant=v))
             planned[v] = view.cache[owner]
-        return FlashInferMetadata(view, key, planned=planned)
+        return FlashInferMetadata(view, key, planned=planned, windows=windows)
 
     def _update(self, meta: FlashInferMetadata, view: StepView) -> None:
         host, windowed = None, {}
@@ -279,7 +279,9 @@ class FlashInferBase(LayoutBackend):
                 call = planned.call
                 tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}#{id(call) % 10007}"
                 out.update({f"{tag}.{k}": v for k, v in call.buffers.items()})
-                out.update({f"{tag}.window.{k}": v for k, v in getattr(call, "window_reads", {}).items()})
+            for w, lay in (meta.windows or {}).items():     # fixed per key, rewritten every step (I2, poisoning)
+                tag = f"fi.{key.forward_mode.name}_{key.bs}x{key.width}.window{w}#{id(lay) % 10007}"
+                out.update({f"{tag}.{k}": v for k, v in lay.as_dict().items() if k in WINDOW_FIELDS})
         return out
 
     def _run(self, q: torch.Tensor, layer, meta: FlashInferMetadata) -> torch.Tensor:

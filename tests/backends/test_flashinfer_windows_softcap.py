@@ -178,6 +178,9 @@ def test_replays_after_poison_equal_eager_and_torch_native(name, sinks):
     n = cap.batch.num_tokens
     be.init_cuda_graph_state(cap.batch.batch_size, n)
     be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
+    # the window layout the sliding calls read is among the graph's buffers (poisoned, I2)
+    (win,) = be.forward_metadata.windows.values()
+    assert any(t is win.kv_indices for t in be.graph_buffers().values())
     for i, m in enumerate((a, b, a)):
         poison(be.graph_buffers())
         be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
