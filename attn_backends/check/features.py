@@ -141,16 +141,19 @@ def layer_pools(mem, layers) -> list:
     return [t for i in layers for t in ([pool.kv[i]] if mem.is_mla else [pool.k[i], pool.v[i]])]
 
 
+def slots_before_window(mem, row: int, lo: int) -> torch.Tensor:
+    """The KV slots I17 poisons in request row ``row`` whose first visible position is ``lo``: its
+    whole pages before ``lo`` (what a pool frees; on pages of 1 every token)."""
+    return mem.req_to_token[row, :max(0, lo) // mem.page_size * mem.page_size].long()
+
+
 def window_poison(backend, layer, batch, mem, q: torch.Tensor) -> list:
     """I17 messages: ``backend``'s output on ``batch`` (its metadata current) with NaN in the KV of
     ``layer`` before every request's window start, against its output without; the pool restored."""
     if layer.window is None:
         return []
-    slots, ps = [], mem.page_size
-    for row, base, first_row in window_starts(batch):
-        n = min(base, max(0, first_row - layer.window + 1)) // ps * ps      # whole pages: what a pool frees
-        slots.append(mem.req_to_token[row, :n].long())
-    slots = torch.cat(slots)
+    slots = torch.cat([slots_before_window(mem, row, min(base, first_row - layer.window + 1))
+                       for row, base, first_row in window_starts(batch)])
     if not slots.numel():
         return []
     clean = backend.forward(q, None, None, layer, batch, save_kv_cache=False).clone()

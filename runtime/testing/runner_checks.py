@@ -23,7 +23,7 @@ import torch
 
 from attn_backends import CaptureHiddenMode as H
 from attn_backends import get_backend
-from attn_backends.check.features import layer_pools, poisoned
+from attn_backends.check.features import layer_pools, poisoned, slots_before_window
 from attn_backends.check.numbers import batch_spans, mismatch
 
 from ..attention_hook import splitting
@@ -94,8 +94,7 @@ def window_poison(case, keep_a: RunnerOutput, compare) -> None:
     w = rig.tc.sliding_window
     if w is None:
         return
-    ps = rig.mem.page_size               # whole pages, as a pool frees them (check.features: I17)
-    slots = torch.cat([rig.mem.req_to_token[r.row, :max(0, r.prefix - w + 1) // ps * ps].long() for r in case.reqs_a])
+    slots = torch.cat([slots_before_window(rig.mem, r.row, r.prefix - w + 1) for r in case.reqs_a])
     if not slots.numel():
         return
     layers = [i for i in range(rig.tc.num_layers) if cfg.window(i) is not None]
