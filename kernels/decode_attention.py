@@ -36,10 +36,21 @@ from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, walk_page
 from .launch_record import launch
 from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
-# Registers a thread the chunk pass may use (ptxas ``maxnreg``; None: the compiler's choice, 72-80 at
-# d128 on sm_90, 6-7 programs an SM against the split pass's 8 at 64). 64 compiles without spills
-# (bench/probes/offline_sm90.py); not the default until measured on a GPU (bench/RESULTS.md, 'Ragged batches').
-CHUNK_MAXNREG = None
+# Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
+# CHUNK_MAXNREG_ELEMS elements a head row (d128 x 32 tokens, d64 x 64) and the batch has more than
+# CHUNK_MAXNREG_BS requests: 8 programs an SM as the split pass's, against 6-7 at the compiler's 72-80.
+# Larger tiles, FP8 caches and (at d128) batches of up to 16 spill at 64 on sm_90, and a small batch's
+# grid fits the SMs anyway: those keep the compiler's count (bench/RESULTS.md, 'Ragged batches').
+CHUNK_MAXNREG = 64
+CHUNK_MAXNREG_ELEMS = 128 * 32
+CHUNK_MAXNREG_BS = 16
+
+
+def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int):
+    """The chunk pass's register bound for ``bs`` requests on a cache of ``kv_dtype`` (None: the compiler's)."""
+    bounded = (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
+               and bs > CHUNK_MAXNREG_BS)
+    return CHUNK_MAXNREG if bounded else None
 
 
 @triton.jit
@@ -199,8 +210,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     window, softcap, sinks : the row sees its last ``window`` tokens (read alone); scores capped
         as ``softcap * tanh(s / softcap)``; ``sinks [H]``, a logit a head in the softmax's
         denominator (``AttentionLayer``'s; None: off)
-    maxnreg : the chunk pass's register bound a thread (None: the compiler's; default: ``CHUNK_MAXNREG``
-        as it is at the call)
+    maxnreg : the chunk pass's register bound a thread (None: the compiler's; default: ``chunk_maxnreg``,
+        read at the call)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -216,7 +227,6 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     check_schedule("decode_attention_fwd", schedule, merge)
-    maxnreg = CHUNK_MAXNREG if maxnreg is ... else maxnreg      # read per call: the module's knob
     window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks)
     if bs == 0:
         return out
@@ -227,6 +237,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if block_n is None:   # 64-token tiles for FP8 caches, and head dims <= 64 in the chunk passes
         block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
+        if maxnreg is ...:
+            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs)
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window)
         part, lse = cl.part, cl.lse

@@ -201,10 +201,36 @@ def gqa_configs() -> dict:
             for way in ("fused", "separate")}
 
 
+def gqa_chunk_configs() -> dict:
+    """``{label: thunk}``: GQA decode under the chunk schedule at the backend's defaults (tile, register
+    bound: ``decode_attention.chunk_maxnreg``), bf16 pages of 16 but where named: what the bound's rule
+    must keep free of spills."""
+    import torch
+
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+    from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+    def call(H, Hkv, D, kv=torch.bfloat16, bs=24, **feats):
+        n, dt = 256, torch.bfloat16
+        q, out = torch.zeros(bs, H, D, dtype=dt), torch.zeros(bs, H, D, dtype=dt)
+        k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=kv), torch.zeros(bs * n + 16, Hkv, D, dtype=kv)
+        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), n, dtype=torch.int32)
+        ws = chunk_workspace(bs, slots_per_request("chunks", 4, n), 1, H, Hkv, D, "cpu")
+        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 4, out, ws, schedule="chunks",
+                                            merge="pass", **feats)
+    feats = dict(window=100, softcap=30.0, sinks=torch.zeros(32))
+    return {"chunks 32/8 d128": call(32, 8, 128), "chunks 32/8 d128 bs16": call(32, 8, 128, bs=16),
+            "chunks 32/8 d64": call(32, 8, 64),
+            "chunks 28/4 d128": call(28, 4, 128), "chunks 8/1 d128": call(8, 1, 128),
+            "chunks 64/8 d128": call(64, 8, 128), "chunks 32/8 d128 features": call(32, 8, 128, **feats),
+            "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}
+
+
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    for label, thunk in {**mla_configs(), **gqa_configs()}.items():
+    for label, thunk in {**mla_configs(), **gqa_configs(), **gqa_chunk_configs()}.items():
         if labels and label not in labels:
             continue
         with offline() as launches:
