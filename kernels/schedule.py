@@ -162,11 +162,11 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                              BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                              FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr,
-                             MASK: tl.constexpr, WINDOW: tl.constexpr):
+                             MASK: tl.constexpr, WINDOW: tl.constexpr, SINGLE: tl.constexpr = False):
     """The separate merge (``merge="pass"``): program (query row j of request b, head, column
     block) merges that row's chunk partials, BLOCK_C chunks a load, in chunk order, where the
-    request has more than one chunk (one chunk wrote its output itself). ``cu_q_ptr``: the rows
-    of each request (HAS_CU; else ``rows_per_chunk`` rows a request)."""
+    request has more than one chunk (one chunk wrote its output itself; ``SINGLE``: a partial, merged
+    too). ``cu_q_ptr``: the rows of each request (HAS_CU; else ``rows_per_chunk`` rows a request)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     b = r // rows_per_chunk
@@ -180,7 +180,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if HAS_CU:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if (count > 1) & (j < q_len):
+    if ((count > 1) | SINGLE) & (j < q_len):
         offs_c = tl.arange(0, BLOCK_C)
         offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         mask_dv = offs_dv < HEAD_DIM_V
@@ -233,10 +233,10 @@ class ChunkLaunch:
     mask: int = -1
     draft_prefix_lens: Optional[torch.Tensor] = None
 
-    def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor) -> None:
+    def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
         one program a (query row, head, column block); ``cu_seqlens_q`` None: ``rows_per_chunk``
-        rows a request."""
+        rows a request; ``single``: requests of one chunk too (their pass wrote a partial)."""
         H, Dv = out.shape[1], out.shape[2]
         block_dv = min(triton.next_power_of_2(Dv), 128)
         part, lse = self.part, self.lse
@@ -248,7 +248,7 @@ class ChunkLaunch:
                out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
                BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
-               HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0)
+               HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,

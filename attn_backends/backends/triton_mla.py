@@ -60,7 +60,7 @@ class TritonMLABackend(TritonBackendBase):
         if width > 1 or self.config.num_q_heads >= 64:
             return 1, 1, None
         uniform_causal = lay is None or (lay.mode != ForwardMode.EXTEND and lay.mask == MaskKind.CAUSAL)
-        transposed = uniform_causal and self.schedule == "split" and self._decodes_transposed()
+        transposed = uniform_causal and self._decodes_transposed()      # either schedule (mla.balanced)
         return (1 if transposed else 2), 1, None
 
     def _decodes_transposed(self) -> bool:

@@ -6,8 +6,9 @@ Program (row block x head block, chunk) runs the plain-Triton MLA tile (``walk``
 KV: a request of one chunk writes its output, the chunks of a longer one write float32 partials
 and log2-sum-exps that the separate merge (``ChunkLaunch.merge_pass``) combines in chunk order.
 Uniform rows only (decode, verify chain and tree, draft extend and draft decode masks); ragged
-prefill keeps the split pass (``attention.mla_attention_fwd``). The Gluon kernels do not take
-this schedule: on sm_90 a balanced launch runs the Triton tile.
+prefill keeps the split pass (``attention.mla_attention_fwd``). On sm_90 the Gluon kernels take the
+"chunks" schedule where they serve the launch's tile (``wgmma._program`` with ``CHUNK_BS``), every
+chunk then writing a partial; the Triton tile runs elsewhere and for the invariant schedule.
 """
 
 import torch
@@ -18,7 +19,7 @@ from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
 from ..extend_attention import MASK_KINDS
 from ..launch_record import launch
 from ..schedule import check_schedule, chunk_launch, chunk_of, chunk_slots, slots_per_request
-from .attention import _check_inputs, _tile_config, tile_shape
+from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
 from .walk import _mla_rows, _mla_store, _mla_walk
 
 
@@ -68,11 +69,13 @@ def _mla_chunk_kernel(
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
                   merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None,
-                  kv_scale=1.0):
+                  kv_scale=1.0, kernel=None):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
-    page_size), W, H, 1, 512, device)`` (allocated here when None, which a graph must avoid)."""
+    page_size), W, H, 1, 512, device)`` (allocated here when None, which a graph must avoid). ``kernel``:
+    None: a Gluon kernel where one serves the "chunks" schedule's tile (``mla_attention_fwd``'s rule, knobs
+    None), else the Triton tile; "triton": the Triton tile."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
@@ -84,8 +87,16 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                                                draft_prefix_lens, kv_scale)
     T, H, D = q.shape
     Dv = out.shape[-1]
-    block_w, block_h, block_n, num_warps, num_stages = _tile_config(
-        q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
+    if kernel not in (None, "triton"):
+        raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton')")
+    gluon = _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel,
+                          (block_w, block_h, block_n, num_warps, num_stages))
+    if gluon is not None:
+        block_w, block_h = tile_shape(W, H)
+        block_n = GLUON_TOKENS[gluon]
+    else:
+        block_w, block_h, block_n, num_warps, num_stages = _tile_config(
+            q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
     if bs == 0:
         return out
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
@@ -95,6 +106,11 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
                          f"bound {MAX_GRID_YZ}")
     grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), slots)
+    if gluon is not None:
+        _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
+                      sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask])
+        cl.merge_pass(seq_lens_k, None, out, single=True)
+        return out
     launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
            sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0),
            out.stride(0),
@@ -127,3 +143,36 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
     block_h = min(block_h, CHUNK_TILE_ROWS)
     block_w = max(1, CHUNK_TILE_ROWS // block_h)
     return block_w, block_h, fit_block_n(q, 64, D * q.element_size()), 8, num_stages or 3
+
+
+# KV tokens of each Gluon kernel's tile: the chunk schedule's tile when it runs the launch
+GLUON_TOKENS = {"wgmma": 64, "seesaw": 32, "chunked": 64, "dbuf": 64, "swap": 64}
+
+
+def _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel, knobs):
+    """The Gluon kernel that runs a chunk launch (None: the Triton tile): ``mla_attention_fwd``'s choice
+    for the default tile (not a streaming launch: a program reads a chunk), for the "chunks" schedule
+    and no tile knobs."""
+    if kernel == "triton" or schedule != "chunks" or any(k is not None for k in knobs):
+        return None
+    block_w, block_h = tile_shape(W, H)
+    use = _pick_kernel("mla_chunk_fwd", None, q, kv_buffer, Dv, q.shape[2] - Dv, block_w * block_h, None, None,
+                       None, False, page_size, streaming=False, width=W, mask=mask, block_w=block_w)
+    return None if use == "triton" else use
+
+
+def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, scale_log2, W, H, Dv,
+                  rope, page_size, block_w, block_h, mask_kind):
+    """A Gluon kernel on the chunk schedule (``wgmma._program``): chunk budget in ``NUM_SPLITS``, every
+    chunk's partial at row ``c * W + j`` of the contiguous workspace (the offset the kernel adds per
+    chunk is a head stride times ``(c - b) * W * H``, hence the checks)."""
+    part, lse = cl.part, cl.lse
+    if part.stride(0) != H * part.stride(1) or lse.stride(0) != H or lse.stride(1) != 1:
+        raise ValueError(f"mla_chunk_fwd: the Gluon chunk pass needs a contiguous workspace (part strides "
+                         f"{part.stride()}, lse strides {lse.stride()}; chunk_workspace's are)")
+    gluon_kernel, warps = GLUON_LAUNCH[use]
+    launch(gluon_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, part, lse, scale_log2,
+           q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), part.stride(0), part.stride(1),
+           part.stride(1), lse.stride(0), lse.stride(1), W, cl.num_chunks, NUM_HEADS=H, BLOCK_H=block_h,
+           BLOCK_W=block_w, LATENT=Dv, ROPE=rope, PAGE_SIZE=page_size, WRITE_LSE=True, MASK=mask_kind,
+           CHUNK_BS=max(32, cl.consts["BLOCK_BS"]), **warps)

@@ -31,7 +31,7 @@ def _mla_chunked_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = chunked.NUM_STAGES
     RING: gl.constexpr = chunked.RING
@@ -68,9 +68,12 @@ def _mla_chunked_kernel(
     smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
     bars = (ready, empty, bar_a, bar_b, bar_l)
     gl.warp_specialize([
-        (chunked._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (chunked._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (chunked._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (chunked._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                         CHUNK_BS)),
+        (chunked._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                          CHUNK_BS)),
+        (chunked._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                           CHUNK_BS)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -86,7 +89,7 @@ def _mla_dbuf_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = dbuf.NUM_STAGES
     RING: gl.constexpr = dbuf.RING
@@ -119,9 +122,12 @@ def _mla_dbuf_kernel(
     smem = (q_lat, q_pe, lat, rope, alpha_x, l_x)
     bars = (ready, empty, p_ready, bar_l)
     gl.warp_specialize([
-        (dbuf._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (dbuf._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (dbuf._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                      CHUNK_BS)),
+        (dbuf._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                       CHUNK_BS)),
+        (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                        CHUNK_BS)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -137,7 +143,7 @@ def _mla_seesaw_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = seesaw.NUM_STAGES
     N: gl.constexpr = seesaw.BLOCK_N
@@ -169,9 +175,12 @@ def _mla_seesaw_kernel(
     smem = (q_lat, q_pe, lat, rope, m_a, m_b, l_x)
     bars = (ready, empty, bar_a, bar_b, bar_l)
     gl.warp_specialize([
-        (seesaw._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (seesaw._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (seesaw._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (seesaw._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                        CHUNK_BS)),
+        (seesaw._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                         CHUNK_BS)),
+        (seesaw._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                          CHUNK_BS)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -187,7 +196,7 @@ def _mla_swap_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = swap.NUM_STAGES
     RING: gl.constexpr = swap.RING
@@ -216,8 +225,10 @@ def _mla_swap_kernel(
     smem = (q_lat, q_pe, lat, rope, p_t, unused)
     bars = (ready, empty, unused_bar, unused_bar)
     gl.warp_specialize([
-        (swap._consumer, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
-        (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)),
+        (swap._consumer, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                          CHUNK_BS)),
+        (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
+                        CHUNK_BS)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
@@ -233,10 +244,10 @@ def _mla_wgmma_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
 ):
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     wgmma._body((q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
                  scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
                  stride_os, stride_lt, stride_lh, W, NUM_SPLITS),
-                NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK)
+                NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK, CHUNK_BS)

@@ -32,11 +32,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_core import cuda_index
+from ..schedule import MIN_CHUNK_TOKENS as _MIN_CHUNK_TOKENS
 
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
 BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
 NUM_WARPS = gl.constexpr(WARPS)      # two warp groups
+MIN_CHUNK_TOKENS = gl.constexpr(_MIN_CHUNK_TOKENS)   # the chunk schedule's shortest chunk
 
 
 @gluon.jit
@@ -70,27 +72,69 @@ def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
 @gluon.jit
 def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
              NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-             N: gl.constexpr):
+             N: gl.constexpr, CHUNK_BS: gl.constexpr = 0):
     """This program's head block, row block, request, split, the request's prefix and draft
-    prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count."""
+    prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
+
+    ``CHUNK_BS`` > 0: the chunk schedule (``schedule.chunk_of``; ``_chunk_of``) over the grid's
+    ``num_programs(1) = NUM_SPLITS + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget. Every chunk
+    writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
+    contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W, NUM_HEADS]``
+    log-sum-exps: the stores add ``split * stride_os`` and ``split`` to the request's row, so
+    ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
     wb = pid // NUM_HB
-    b = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b)
+    if CHUNK_BS > 0:
+        c = gl.program_id(1)
+        b, start, end, total = _chunk_of(seq_lens_ptr, c, gl.num_programs(1) - NUM_SPLITS, NUM_SPLITS, N, CHUNK_BS)
+        split = (c - b).to(gl.int64) * W * NUM_HEADS
+        seq_len = gl.load(seq_lens_ptr + b)
+        if c >= total:
+            end = start        # a slot past the batch's last chunk: no tile
+    else:
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + b)
+        split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + N - 1) // N) * N
+        start = split * split_len
+        end = gl.minimum(start + split_len, seq_len)
     prefix = seq_len - W
     draft_prefix = 0
     if MASK == 2:
         draft_prefix = gl.load(draft_prefix_ptr + b)
-    split_len = (((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + N - 1) // N) * N
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
     if MASK == 0:  # causal: nothing past the block's last row is visible
         end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
     num_tiles = gl.maximum(end - start + N - 1, 0) // N
     return hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr):
+    """``schedule.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
+    (the last request past the batch's last chunk), KV range ``[start, end)`` and the batch's
+    chunk count. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
+    within a warp: each partition of a warp-specialized kernel computes them alone."""
+    L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
+    MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
+    offs = gl.arange(0, CHUNK_BS, layout=L)
+    lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
+    tiles = (lens + N - 1) // N
+    per = gl.maximum((gl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
+    n = gl.where(offs < bs, gl.maximum((tiles + per - 1) // per, 1), 0)
+    ends = gl.associative_scan(n, 0, _add)
+    total = gl.sum(n, 0)
+    b = gl.minimum(gl.sum((ends <= c).to(gl.int32), 0), bs - 1)
+    mine = offs == b
+    first = gl.sum(gl.where(mine, ends - n, 0), 0)
+    start = (c - first) * per * N
+    return b, start, gl.minimum(start + per * N, gl.sum(gl.where(mine, lens, 0), 0)), total
 
 
 @gluon.jit
@@ -161,7 +205,7 @@ def _softmax(s, m_i, l_i, S_L: gl.constexpr, n0, end, j, row_ok, prefix, draft_p
 @gluon.jit
 def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-          WRITE_LSE: gl.constexpr, MASK: gl.constexpr):
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
     """``_mla_wgmma_kernel`` (``prologue``) on its launch arguments ``ptrs``."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
@@ -179,7 +223,7 @@ def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.cons
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N)
+        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
     row0 = b.to(gl.int64) * W
     q_len = W
     mask_base = b.to(gl.int64) * W * W

@@ -54,11 +54,22 @@ CASES = [   # page size, lengths, W, heads, mask, splits a request
     (16, [513, 512, 511], 2, 16, CAUSAL, 1),         # near-uniform
     (16, [8, 2100, 700], 4, 16, CAUSAL, 2),          # the long request not first: its merged rows are b * W on
 ]
+# On an H200 the default runs the Gluon kernels where they serve a tile (the cases above at page 16 with
+# 64-row tiles: wgmma's; page 64: chunked's); these take the others: swap (16-head decode), chunked with
+# 128 heads, seesaw (page 32), and chunked's draft mask.
+GLUON_CASES = [
+    (64, [3000, 40, 5, 300, 64], 1, 16, CAUSAL, 2),
+    (64, [5000, 40, 700, 2000], 1, 128, CAUSAL, 1),
+    (32, [1900, 8, 700], 4, 16, CAUSAL, 2),
+    (64, [1500, 30, 600], 4, 16, DRAFT, 2),
+] if DEVICE == "cuda" else []
+KERNELS = [None, "triton"] if DEVICE == "cuda" else [None]       # the CPU's default is the Triton tile
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("schedule", ["chunks", "invariant"])
-@pytest.mark.parametrize("page_size,seq_lens,W,H,mask,splits", CASES)
-def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule):
+@pytest.mark.parametrize("page_size,seq_lens,W,H,mask,splits", CASES + GLUON_CASES)
+def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule, kernel):
     latent, rope, dtype = (32, 16, torch.float32) if DEVICE == "cpu" else (512, 64, torch.bfloat16)
     page_table, lens, kv, q, custom, draft = _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, 0)
     bs = lens.shape[0]
@@ -68,7 +79,8 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask, custom_mask=custom,
-                  workspace=ws, draft_prefix_lens=draft, schedule=schedule, block_n=16 if DEVICE == "cpu" else None)
+                  workspace=ws, draft_prefix_lens=draft, schedule=schedule, block_n=16 if DEVICE == "cpu" else None,
+                  kernel=kernel)
     ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, mask, custom, draft)
     assert_close(out[:len(seq_lens) * W], ref, 1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -84,12 +96,15 @@ def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), merge="last")
     with pytest.raises(TypeError):
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), cu_seqlens_q=lens)
+    with pytest.raises(ValueError, match="kernel='wgmma'"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), kernel="wgmma")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("W,mask", [(1, CAUSAL), (4, TREE)])
-def test_mla_chunk_pass_replays_other_lengths(W, mask):
+def test_mla_chunk_pass_replays_other_lengths(W, mask, kernel):
     """One graph captured on a long-tail batch, replayed on uniform lengths: the schedule is
     recomputed on the device from the new lengths."""
     latent, rope, page_size, H, splits = 512, 64, 64, 16, 4
@@ -103,7 +118,7 @@ def test_mla_chunk_pass_replays_other_lengths(W, mask):
 
     def run():
         mla_chunk_fwd(q, kv_big, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask,
-                      custom_mask=custom, workspace=ws, draft_prefix_lens=draft)
+                      custom_mask=custom, workspace=ws, draft_prefix_lens=draft, kernel=kernel)
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

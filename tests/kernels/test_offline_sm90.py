@@ -143,3 +143,25 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
     bounded = not label.endswith(("fp8", "d256", "bs16"))
     assert chunk[0]["stack"] == 0, f"spills: {chunk[0]}"
     assert (chunk[0]["regs"] <= 64) == bounded, chunk[0]
+
+
+BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
+                  ("balanced mla128 decode", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
+                  ("balanced mla16 verify4", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
+                  ("balanced mla16 tree8 page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
+                  ("balanced mla16 draft4 page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
+                  ("balanced mla16 verify4 page 32", "_mla_seesaw_kernel", SEESAW_MAX_STACK),
+                  ("balanced mla16 verify4 page 16", "_mla_wgmma_kernel", 0)]
+
+
+@pytest.mark.parametrize("label,kernel,max_stack", BALANCED_GLUON)
+def test_chunk_schedule_runs_the_gluon_kernels(compiled, label, kernel, max_stack):
+    """The MLA chunk pass on sm_90 (``mla.balanced``, kernel=None): the Gluon kernel that serves the
+    launch's tile (the split launch's rule) on the chunk schedule, then the merge pass; within one
+    program's shared memory and the split launch's spill bounds; ``kernel="triton"`` keeps the Triton tile."""
+    launches = compiled[label]
+    assert [r["kernel"] for r in launches] == [kernel, "_merge_chunk_pass_kernel"], launches
+    assert launches[0]["stack"] <= max_stack, f"spills: {launches[0]}"
+    assert launches[0]["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {launches[0]}"
+    if f"balanced triton {label[9:]}" in compiled:
+        assert compiled[f"balanced triton {label[9:]}"][0]["kernel"] == "_mla_chunk_kernel"
