@@ -29,9 +29,12 @@ def kinds_for(caps) -> list:
             and (k.batch != "draft_decode" or caps.topk_gt1)]
 
 
-def plan_cases(caps, cases: int, seed: int) -> list:
-    """``[(case seed, runner kind, mla)]`` of a run, by the count rule of the module docstring."""
-    kinds = kinds_for(caps)
+def plan_cases(caps, cases: int, seed: int, only=None) -> list:
+    """``[(case seed, runner kind, mla)]`` of a run, by the count rule of the module docstring; ``only``:
+    those of the declared kinds alone."""
+    kinds = [k for k in kinds_for(caps) if only is None or k in only]
+    if not kinds:
+        raise ValueError(f"runner kinds {only}: none of them declared ({', '.join(kinds_for(caps))})")
     models = [mla for mla, ok in ((False, caps.mha), (True, caps.mla)) if ok]
     k = len(kinds)
     return [(s, kinds[s % k], models[(s % k + s // k) % len(models)]) for s in range(seed, seed + max(cases, k))]

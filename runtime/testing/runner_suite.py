@@ -339,14 +339,16 @@ class _Case:
 
 def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed: int = 0,
                      progress: Optional[Callable[[int, int], None]] = None,
-                     report: Optional[SuiteReport] = None, kv_dtype: Optional[torch.dtype] = None) -> SuiteReport:
+                     report: Optional[SuiteReport] = None, kv_dtype: Optional[torch.dtype] = None,
+                     kinds: Optional[tuple] = None) -> SuiteReport:
     """Run random runner cases on ``backend`` (a registered name, ``module:Class`` or
     ``file.py:Class``) and record I7-I12, I14 and I16 per (backend, "runner:<kind>"): ``cases``
     of them, or one of each runner kind the backend declares where that is more (the count rule
     of :mod:`.runner_cases`: every run draws every kind). Failures carry the seed of their case:
     ``cases=1, seed=s`` runs that case first. On the GPU: bf16 and bitwise equality with the
     eager forward of the same padded batch (torch_native: float32 within 1e-4). ``kv_dtype``: the
-    rigs' and the tiny engine's KV caches in that dtype (``fp8_scales``); the backend must read it."""
+    rigs' and the tiny engine's KV caches in that dtype (``fp8_scales``); the backend must read it. ``kinds``:
+    those runner kinds alone (``rig.KINDS`` names; None: every kind the backend declares)."""
     cls = get_backend_class(backend)
     reason = unavailable_reason(cls, device)
     if reason:
@@ -354,7 +356,7 @@ def run_runner_suite(backend: str, *, device: str = "cpu", cases: int = 20, seed
     caps = cls.capabilities
     report = report or SuiteReport()
     cuda = device == "cuda"
-    plan = plan_cases(caps, cases, seed)
+    plan = plan_cases(caps, cases, seed, kinds)
     for i, (case_seed, kind, mla) in enumerate(plan):
         rng = random.Random(case_seed)
         spec = random_spec(rng, kind, backend, caps, mla, device, case_seed)

@@ -10,8 +10,8 @@ import torch
 from attn_backends import ForwardMode, LayoutError, ModelConfig, get_backend
 from attn_backends.backends.hybrid import HybridBackend, compose, compose_selected
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
-from attn_backends.check.suite import run_suite
-from attn_backends.registry import list_backends
+from attn_backends.check.suite import declared_modes, run_suite
+from attn_backends.registry import get_backend_class, list_backends, register
 from attn_backends_runtime.full_graph import UniformGraphRunner
 from attn_backends_runtime.models import TinyConfig, TinyModel
 from attn_backends_runtime.runner_base import run_eager
@@ -21,7 +21,7 @@ from attn_backends_runtime.testing.runner_suite import check_case, run_runner_su
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIFORM = ("decode", "target_verify", "draft_extend")
 # Cases: the CPU runs trtllm_mla's Triton kernel in the interpreter (seconds a case), so it takes
-# fewer; tests/check/test_layout_suite.py runs trtllm_mla's layout suite per mode as well.
+# fewer; tests/check/test_layout_suite.py runs trtllm_mla's layout suite per mode.
 FEW = 6 if DEVICE == "cuda" else 2
 CPU_HYBRID = {"extend": "torch_native", **{m: ("triton", "trtllm_mla") for m in UNIFORM}}
 
@@ -32,24 +32,37 @@ def cpu_hybrid():
     return compose(CPU_HYBRID, name="hybrid_cpu_test")
 
 
-def test_trtllm_mla_layout_suite():
-    report = run_suite("trtllm_mla", device=DEVICE, cases=FEW, seed=21)
-    assert not report.failures, "\n".join(map(str, report.failures[:5]))
-    assert {m for _, m in report.cases} == {"decode", "draft_decode", "extend", "verify_chain", "verify_tree",
-                                             "draft_extend"}
+@pytest.fixture
+def light_hybrid():
+    """The suites' hybrid on the CPU: the reference in every mode, under a second name for the uniform modes so
+    that a step has two instances to refresh (the interpreted kernels have suites of their own; here the hybrid's
+    delegation and fan-out are under test)."""
+    register("torch_native_twin", "attn_backends.backends.torch_native:TorchNativeBackend")
+    return compose({**CPU_HYBRID, **{m: "torch_native_twin" for m in UNIFORM}}, name="hybrid_light_test")
+
+
+def test_trtllm_mla_layout_suite_covers_every_mode():
+    """Its layout suite runs per mode in tests/check/test_layout_suite.py; here, that the modes are all six."""
+    caps = get_backend_class("trtllm_mla").capabilities
+    assert set(declared_modes(caps)) == {"decode", "draft_decode", "extend", "verify_chain", "verify_tree",
+                                         "draft_extend"}
 
 
 def test_trtllm_mla_runner_suite():
-    report = run_runner_suite("trtllm_mla", device=DEVICE, cases=FEW // 2, seed=5)
+    """The graph runners of trtllm_mla's modes (its metadata per mode); the piecewise and breakable runners,
+    the same for every backend, run with the others in tests/runtime/test_runners.py."""
+    kinds = None if DEVICE == "cuda" else ("decode", "verify", "verify_tree", "draft_extend", "draft_decode")
+    report = run_runner_suite("trtllm_mla", device=DEVICE, cases=FEW // 2, seed=5, kinds=kinds)
+    assert {m for _, m in report.cases} >= {f"runner:{k}" for k in kinds or ()}, report.cases
     assert not report.failures, "\n".join(map(str, report.failures[:5]))
 
 
-def test_hybrid_suites_and_fan_out(cpu_hybrid):
-    report = run_suite("hybrid_cpu_test", device=DEVICE, cases=FEW // 2, seed=8)
+def test_hybrid_suites_and_fan_out(light_hybrid):
+    report = run_suite("hybrid_light_test", device=DEVICE, cases=FEW // 2, seed=8)
     assert not report.failures, "\n".join(map(str, report.failures[:5]))
-    report = run_runner_suite("hybrid_cpu_test", device=DEVICE, cases=FEW // 2, seed=9)
+    report = run_runner_suite("hybrid_light_test", device=DEVICE, cases=FEW // 2, seed=9)
     assert not report.failures, "\n".join(map(str, report.failures[:5]))
-    assert report.counts[("hybrid_cpu_test", next(m for _, m in report.cases), "I12")][0] > 0
+    assert report.counts[("hybrid_light_test", next(m for _, m in report.cases), "I12")][0] > 0
 
 
 def test_planted_hybrid_that_skips_a_sub_backend_is_caught(cpu_hybrid, monkeypatch):

@@ -86,6 +86,14 @@ def test_run_reports_every_kind_at_one_case():
     assert {m for _, m in rep.cases} == {k.label for k in RUNNER_KINDS.values()} | {"runner:executor"}
 
 
+def test_a_run_of_some_kinds_runs_those_alone():
+    rep = run_runner_suite("torch_native", cases=1, seed=0, kinds=("decode", "draft_extend"))
+    assert rep.ok, "\n".join(map(str, rep.failures))
+    assert {m for _, m in rep.cases} == {"runner:decode", "runner:draft_extend", "runner:executor"}
+    with pytest.raises(ValueError, match="none of them declared"):
+        plan_cases(get_backend_class("torch_native").capabilities, 1, 0, ("nonexistent",))
+
+
 @pytest.mark.parametrize("plant,invariant", [(piecewise_accepts_target_verify, "I11"),
                                              (piecewise_ignores_input_embeds, "I9")],
                          ids=["accepts_target_verify", "ignores_input_embeds"])
