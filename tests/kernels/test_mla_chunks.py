@@ -134,3 +134,17 @@ def test_mla_chunk_pass_replays_other_lengths(W, mask, kernel):
     graph.replay()
     ref = _reference([2000] * 3, W, page_table, lens, kv_big, q, latent, page_size, mask, custom, draft)
     assert_close(out[:3 * W], ref, 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (the Gluon chunk pass)")
+def test_a_merge_that_skips_one_chunk_requests_fails_the_gluon_cases(monkeypatch):
+    """The Gluon chunk pass writes a partial for every chunk: a merge pass that leaves one-chunk
+    requests alone (the Triton tile's rule) leaves their rows as they were, which the float64 test
+    must catch."""
+    from attn_backends_kernels import schedule
+    merge = schedule.ChunkLaunch.merge_pass
+    monkeypatch.setattr(schedule.ChunkLaunch, "merge_pass",
+                        lambda self, lens, cu, out, single=False: merge(self, lens, cu, out))
+    with pytest.raises(AssertionError):
+        test_mla_chunk_pass_against_float64(64, [3000, 40, 5, 300, 64], 1, 16, CAUSAL, 2, "chunks", None)
