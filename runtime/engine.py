@@ -31,6 +31,7 @@ from .limits import ConfigError
 from .models import TinyConfig, TinyModel
 from .request import Request, SamplingParams, Status
 from .stats import EngineStats
+from .tp import TensorParallel, shard_config, shard_model
 
 
 def powers_of_two(limit: int, start: int = 1) -> tuple:
@@ -59,6 +60,7 @@ class EngineConfig:
     # (make_top_layers_skippable), so that a draft of that many layers agrees with it: another
     # target, chosen here, plain or speculative alike. None: the target as seeded; no draft changes it.
     skippable_from: Optional[int] = None
+    tp: Optional[TensorParallel] = None       # this process's rank (runtime/tp.py); None: one process
 
     @property
     def draft_layers(self) -> int:
@@ -99,16 +101,19 @@ class Engine:
         if too_big:
             raise ConfigError(lambda x: too_big)
         draft_layers = cfg.draft_layers
-        attn = replace(c, num_layers=c.num_layers + draft_layers).attention()   # target and draft layers
+        self.tp = cfg.tp or TensorParallel()
+        local = shard_config(c, self.tp)                    # this rank's heads (all of them at TP 1)
+        attn = replace(local, num_layers=c.num_layers + draft_layers).attention()   # target and draft layers
         self.memory = KVMemory(num_layers=c.num_layers + draft_layers, num_pages=cfg.pages, page_size=c.page_size,
                                max_reqs=cfg.max_batch, max_context_len=cfg.max_context_len, is_mla=c.is_mla,
-                               num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_lora_rank=c.kv_lora_rank,
+                               num_kv_heads=local.num_kv_heads, head_dim=c.head_dim, kv_lora_rank=c.kv_lora_rank,
                                rope_dim=c.qk_rope_head_dim, dtype=attn.cache_dtype, device=cfg.device,
                                page_order=cfg.page_order)
         aux = spec.target_aux_layers(c.num_layers) if spec else ()
         self.target_model = TinyModel(c, cfg.device, aux_hidden_layers=aux)
         if cfg.skippable_from is not None:
             make_top_layers_skippable(self.target_model, cfg.skippable_from)
+        shard_model(self.target_model, self.tp)             # the full seeded model's slices: TP 1's weights
         buckets = cfg.buckets or powers_of_two(cfg.max_batch)
         tokens = cfg.token_buckets or powers_of_two(cfg.max_prefill_tokens, 16)
         kw = dict(buckets=buckets, token_buckets=tokens, graphs=cfg.graphs)
@@ -196,10 +201,19 @@ class Engine:
             emitted = self._decode()
             self.stats.decode_seconds += time.perf_counter() - t0
             self.stats.decode_tokens += emitted
+        self._check_ranks()
         for r in [r for r in self.running if r.finished]:
             self._release(r)
             done.append(r)
         return done
+
+    def _check_ranks(self) -> None:
+        """Debug mode at TP > 1: the step's requests, tokens and KV slots equal on every rank."""
+        if not self.tp.debug or self.tp.size == 1:
+            return
+        rows = [torch.tensor([r.rid, r.num_tokens, *r.output], dtype=torch.float64) for r in self.running]
+        slots = [self.memory.req_to_token[r.row, :r.num_tokens].double().cpu() for r in self.running]
+        self.tp.check_same("the step's requests, tokens and KV slots", torch.cat(rows + slots + [torch.zeros(1)]))
 
     def _prefill(self, reqs: list) -> None:
         mem, spec = self.memory, self.cfg.spec

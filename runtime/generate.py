@@ -7,6 +7,7 @@ without importing this package (dependencies point one way).
 """
 from __future__ import annotations
 
+import io
 import random
 import sys
 import time
@@ -27,6 +28,7 @@ from .engine import refusal as engine_refusal
 from .limits import ConfigError, Names
 from .models import TINY_MODELS, TinyConfig
 from .request import SamplingParams
+from .tp import TensorParallel, launch, shard_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,6 +73,10 @@ def register(subparsers) -> None:
                    help="tiny: CPU test sizes; bench: TinyConfig.gpu_gqa/gpu_mla (4 layers, hidden 1024)")
     p.add_argument("--no-graphs", action="store_true", help="run every forward eagerly")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--tp", type=cli.count(1), default=1,
+                   help="tensor-parallel ranks, one process each (gloo on cpu, NCCL on cuda: a GPU a rank)")
+    p.add_argument("--tp-debug", action="store_true",
+                   help="compare every rank's step (requests, tokens, KV slots) after each step; a divergence fails")
     p.set_defaults(handler=run_generate)
 
 
@@ -156,6 +162,28 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
         print(f"generate: note: in {args.dtype} speculative tokens can differ from --spec none's where the top "
               "two logits nearly tie (the verify and decode kernels sum in different orders); float32: identical",
               file=err)
+    if args.tp_debug and args.tp == 1:
+        raise UsageError("--tp-debug compares ranks: it needs --tp 2 or more")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        raise UsageError(f"--tp {args.tp} on cuda needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
+    if args.tp > 1:
+        try:
+            shard_config(cfg.model, TensorParallel(0, args.tp))
+        except ConfigError as e:
+            raise UsageError(e.render(FLAGS)) from None
+        text = launch(_generate, args.tp, args.device, (cfg, args), debug=args.tp_debug)[0]
+    else:
+        text = _generate(None, cfg, args, err)
+    print(text, file=out, end="")
+    return 0
+
+
+def _generate(tp, cfg, args, err: TextIO = None) -> str:
+    """One rank's generation (every rank runs the same requests): rank 0's report (progress to ``err``,
+    default stderr), the other ranks' ''."""
+    cfg = replace(cfg, tp=tp)
+    out = io.StringIO()
+    err = err or (sys.stderr if tp is None or tp.rank == 0 else io.StringIO())
     try:
         engine = Engine(cfg)
     except ValueError as e:                 # an unknown backend, or one that cannot serve this model
@@ -179,14 +207,15 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
     what = "plain decode" if spec is None else (f"{spec.method} topk={spec.topk} steps={spec.num_steps} "
                                                 f"N={spec.num_draft_tokens} acceptance={args.acceptance}")
     kv = "" if args.kv_dtype == "model" else f", KV {args.kv_dtype}"
+    tp_note = f", TP {args.tp}" if args.tp > 1 else ""
     print(f"\n{args.model} on {args.backend} ({args.device}, {args.dtype}{kv}, "
-          f"{'eager' if args.no_graphs else 'graphs'}), {what}", file=out)
+          f"{'eager' if args.no_graphs else 'graphs'}{tp_note}), {what}", file=out)
     mixed = [f"{ex.name} layers: {', '.join(f'{i} {n}' for i, n in ex.layer_names.items())}"    # pool layer ids
              for ex in engine.executors if ex.layer_names and set(ex.layer_names.values()) != {args.backend}]
     for line in mixed:           # layers whose window, sinks or cap the backend asked for lacks
         print(line, file=out)
     print(engine.summary(), file=out)
-    return 0
+    return out.getvalue() if tp is None or tp.rank == 0 else ""
 
 
 if __name__ == "__main__":      # python -m attn_backends_runtime.generate ...: `attn-backends generate ...`

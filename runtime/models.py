@@ -139,6 +139,11 @@ TINY_MODELS = {"tiny-gqa": TinyConfig, "tiny-mla": lambda **kw: TinyConfig(is_ml
                "tiny-gemma2": gemma2_like, "tiny-gptoss": gptoss_like}
 
 
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """A block's sum over tensor-parallel ranks at TP 1 (``tp.shard_model`` sets the all-reduce)."""
+    return x
+
+
 class GQABlock(nn.Module):
     def __init__(self, c: TinyConfig, layer_id: int) -> None:
         super().__init__()
@@ -149,6 +154,7 @@ class GQABlock(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
         self.o = nn.Linear(c.num_q_heads * c.head_dim, c.hidden_size, bias=False)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.reduce = no_reduce
 
     def pre_attn(self, h, positions):
         c, t = self.c, h.shape[0]
@@ -159,8 +165,8 @@ class GQABlock(nn.Module):
         return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
     def post_attn(self, h, o):
-        h = h + self.o(o.reshape(h.shape[0], -1))
-        return h + self.mlp(self.norm2(h))
+        h = h + self.reduce(self.o(o.reshape(h.shape[0], -1)))
+        return h + self.reduce(self.mlp(self.norm2(h)))
 
 
 class MLABlock(nn.Module):
@@ -178,6 +184,7 @@ class MLABlock(nn.Module):
         self.w_vc = nn.Parameter(torch.randn(n, c.kv_lora_rank, c.v_head_dim) * scale)        # latent -> v
         self.o = nn.Linear(n * c.v_head_dim, h, bias=False)
         self.mlp = SwiGLU(h, c.intermediate_size)
+        self.reduce = no_reduce
 
     def pre_attn(self, h, positions):
         c, t = self.c, h.shape[0]
@@ -194,8 +201,8 @@ class MLABlock(nn.Module):
 
     def post_attn(self, h, o):
         v = torch.einsum("thl,hlv->thv", o, self.w_vc.to(o.dtype))                 # [T, H, v_head]
-        h = h + self.o(v.reshape(h.shape[0], -1))
-        return h + self.mlp(self.norm2(h))
+        h = h + self.reduce(self.o(v.reshape(h.shape[0], -1)))
+        return h + self.reduce(self.mlp(self.norm2(h)))
 
 
 Backends = Union[AttentionBackend, Sequence[AttentionBackend]]
