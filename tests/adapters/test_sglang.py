@@ -140,33 +140,47 @@ def test_sglang_triton_draft_extend_graph_reads_the_new_rows_twice(version, tmp_
 
 KV_INDPTR0 = """
 import torch
-from sglang_adapter import engine
+from sglang_adapter import engine, ingraph
 from attn_backends import ModelConfig
 from attn_backends.kv_cache import KVMemory
 engine.sglang()
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=1)
 mem = KVMemory(num_layers=1, num_pages=64, page_size=1, max_reqs=4, max_context_len=16, is_mla=False,
                num_kv_heads=2, head_dim=16)
 mem.req_to_token[1, :5] = torch.arange(10, 15, dtype=torch.int32)
 mem.req_to_token[2, :3] = torch.arange(20, 23, dtype=torch.int32)
-be = TritonAttnBackend(engine.StandInRunner(cfg, mem, engine.ServerArgs()))
+new = ingraph.in_graph_api()
+be = TritonAttnBackend((ingraph.StandInRunner13 if new else engine.StandInRunner)(cfg, mem, engine.ServerArgs()))
 be.init_cuda_graph_state(2, 2)
 req, seq = torch.tensor([1, 2]), torch.tensor([5, 3], dtype=torch.int32)
-be.init_forward_metadata_capture_cuda_graph(2, 2, req, seq, None, ForwardMode.DECODE, None)
+def batch():   # 0.5.13+: the padded batch a graph runner hands the out-of-graph prep
+    z = torch.zeros(2, dtype=torch.int64)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=z, req_pool_indices=req, seq_lens=seq,
+                      out_cache_loc=z, seq_lens_sum=8, seq_lens_cpu=seq, positions=z)
+    be.kv_index_translator.bind_own_plan(fb)
+    return fb
+if new:
+    be.init_forward_metadata_out_graph(batch(), in_capture=True)
+else:
+    be.init_forward_metadata_capture_cuda_graph(2, 2, req, seq, None, ForwardMode.DECODE, None)
 be.kv_indptr[0] = 4
 be.cuda_graph_kv_indices.zero_()
-be.init_forward_metadata_replay_cuda_graph(2, req, seq, 8, None, ForwardMode.DECODE, None, seq)
+if new:
+    be.init_forward_metadata_out_graph(batch())
+else:
+    be.init_forward_metadata_replay_cuda_graph(2, req, seq, 8, None, ForwardMode.DECODE, None, seq)
 print(be.kv_indptr[:3].tolist(), be.cuda_graph_kv_indices[:9].tolist())
 """
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.23"])
 def test_sglang_triton_replay_keeps_kv_indptr0(version):
     """The decode replay writes kv_indptr[1:bs+1] only and its index kernel starts request 0 at
     kv_indptr[0]: a stale entry 0 (4 here) survives the replay and shifts request 0's slots onto
-    request 1's (why the adapter leaves entry 0 out of the poisoning)."""
+    request 1's (why the adapter leaves entry 0 out of the poisoning). 0.5.23 too (its replay's
+    out-of-graph prep, _fill_kv_indptr_and_indices)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT), str(ADAPTER),
                                                                                    str(engine(version))])}

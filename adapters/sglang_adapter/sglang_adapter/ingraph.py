@@ -23,7 +23,8 @@ over ``req_to_token``) through a per-batch ``KVLocPlan``: both are SGLang's own,
 Stand-ins added for this generation (on top of ``engine.StandInRunner``'s):
 
 - :class:`StandInRunner13` ``decode_num_tokens_per_req()``: ``ModelRunner``'s method (its module
-  imports the HTTP server stack: uvicorn, fastapi, ...); for EAGLE it is SGLang's own
+  does not import here: ``distributed/gated_launch.py`` imports ``uvicorn``, a server dependency the
+  light install leaves out); for EAGLE it is SGLang's own
   ``resolve_num_tokens_per_req(phase="target_verify")``, else 1 (no dLLM, no DSpark here).
 - Model-config fields the constructor reads (``get_max_num_attention_heads``, ``v_head_dim``,
   ``hf_config`` with no hybrid/linear-attention layers), as in SGLang's ``TinyModelConfig``.
