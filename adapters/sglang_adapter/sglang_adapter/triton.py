@@ -3,8 +3,10 @@ attn-backends backend.
 
 Every method hands the call to SGLang's own: ``init_forward_metadata`` (eager),
 ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
-``init_forward_metadata_replay_cuda_graph``, and the forward (``TritonAttnBackend.forward``, its
-Triton decode and extend kernels). What the adapter adds is translation:
+``init_forward_metadata_replay_cuda_graph`` (SGLang 0.5.13+: ``init_forward_metadata_out_graph`` /
+``_in_graph`` as its graph runners call them, ``ingraph.py``), and the forward
+(``TritonAttnBackend.forward``, its Triton decode and extend kernels). What the adapter adds is
+translation:
 
 - in: our ``ForwardBatch`` / ``GraphInputs`` become SGLang's ``ForwardBatch`` and call
   arguments. One convention differs: in TARGET_VERIFY SGLang's ``seq_lens`` count the committed
@@ -21,7 +23,8 @@ Triton decode and extend kernels). What the adapter adds is translation:
 
 Graph buffers (poisoned by the suite before each replay): SGLang's static ``kv_indptr``,
 ``cuda_graph_kv_indices``, ``cuda_graph_num_kv_splits``, ``cuda_graph_attn_logits`` /
-``_lse`` (decode scratch), ``qo_indptr``, ``mask_indptr`` and ``cuda_graph_custom_mask``.
+``_lse`` (decode scratch), ``qo_indptr``, ``mask_indptr`` and ``cuda_graph_custom_mask`` (0.5.13+:
+``_verify_mask.buffer``; besides, ``cuda_graph_uneven_batch`` and the lean-decode scratch).
 """
 from __future__ import annotations
 
