@@ -7,7 +7,8 @@
 #   ENGINES_DIR=/tmp/engines PYTHON=.venv/bin/python adapters/install_engines.sh 0.5.9
 #
 # Each version lands in $ENGINES_DIR/sglang-VERSION with the light dependencies of
-# sglang_adapter/requirements-light.txt; put that folder on PYTHONPATH to use the adapter.
+# sglang_adapter/requirements-light.txt (0.5.13 and later: requirements-light-0.5.13.txt, the
+# newer transformers / tokenizers / openai pins and tvm_ffi); put that folder on PYTHONPATH.
 # A folder that already holds the version is kept (delete it to reinstall).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -24,10 +25,14 @@ for v in "${versions[@]}"; do
     echo "sglang $v: already in $target"
     continue
   fi
+  reqs="$here/sglang_adapter/requirements-light.txt"
+  if [ "$(printf '%s\n' 0.5.13 "$v" | sort -V | head -1)" = 0.5.13 ]; then
+    reqs="$here/sglang_adapter/requirements-light-0.5.13.txt"
+  fi
   start=$(date +%s)
   rm -rf "$target.partial"
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$target.partial" \
-    "sglang==$v" -r "$here/sglang_adapter/requirements-light.txt"
+    "sglang==$v" -r "$reqs"
   rm -rf "$target" && mv "$target.partial" "$target"
   echo "sglang $v: installed in $target in $(( $(date +%s) - start )) s"
 done

@@ -1,6 +1,6 @@
 """Planted engine bugs for the SGLang adapter's tests. ShortReplayBackend: SGLang's own TritonAttnBackend whose graph
-replay writes every request's KV extent one token short (what a replay that takes its lengths
-from a stale buffer does). Eager metadata and the capture are SGLang's, unchanged."""
+replay (0.5.13+: a replay's out-of-graph prep) writes every request's KV extent one token short (what a
+replay that takes its lengths from a stale buffer does). Eager metadata and the capture are SGLang's, unchanged."""
 from sglang_adapter.triton import SGLangTritonBackend, SGLangTritonTreeVerify
 
 
@@ -14,6 +14,11 @@ class ShortReplayBackend(SGLangTritonBackend):
             def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, *rest):
                 super().init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens - 1, seq_lens_sum - bs,
                                                                 *rest)
+
+            def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):   # SGLang 0.5.13+
+                if not in_capture:
+                    forward_batch.seq_lens = forward_batch.seq_lens - 1
+                super().init_forward_metadata_out_graph(forward_batch, in_capture)
 
         return ShortReplay
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -25,20 +26,25 @@ def engine(version: str) -> Path:
     return target
 
 
-def check(version: str, backend: str, mode: str, tmp_path: Path, cases: int = 2) -> dict:
-    """Run the layout suite on ``backend`` with SGLang ``version``; the --json result, by (mode, invariant)."""
+def check(version: str, backend: str, mode: Optional[str], tmp_path: Path, cases: int = 2) -> dict:
+    """Run the layout suite on ``backend`` with SGLang ``version`` (every declared mode where ``mode`` is
+    None); the --json result, by (mode, invariant) under ``by_mode`` and by invariant of ``mode`` under
+    ``checks``."""
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(path + [str(ROOT), str(ADAPTER), str(engine(version))])}
-    out = tmp_path / f"{version}-{mode}.json"
+    out = tmp_path / f"{version}-{mode or 'all'}.json"
     res = subprocess.run([sys.executable, "-m", "attn_backends.check.cli", "check", "--backend", backend,
-                          "--device", "cpu", "--suite", "layout", "--mode", mode, "--cases", str(cases),
-                          "--json", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          "--device", "cpu", "--suite", "layout", *(["--mode", mode] if mode else []),
+                          "--cases", str(cases), "--json", str(out)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.exists(), f"check wrote no result (exit {res.returncode}): {res.stderr[-2000:]}"
     data = json.loads(out.read_text())
     (be,) = data["backends"]
-    return {"status": data["status"], "rc": res.returncode,
-            "checks": {c["invariant"]: (c["passed"], c["failed"]) for c in be["checks"] if c["mode"] == mode},
+    by_mode: dict = {}
+    for c in be["checks"]:
+        by_mode.setdefault(c["mode"], {})[c["invariant"]] = (c["passed"], c["failed"])
+    return {"status": data["status"], "rc": res.returncode, "checks": by_mode.get(mode, {}), "by_mode": by_mode,
             "failures": be.get("failures", []), "stdout": res.stdout}
 
 
@@ -54,7 +60,7 @@ def test_sglang_triton_passes_the_layout_suite(version, mode, tmp_path):
     assert r["rc"] == 0 and r["status"] == 0
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.23"])
 def test_sglang_triton_tree_verify_passes_the_layout_suite(version, tmp_path):
     """Tree verify (topk 2-8) through SGLang's verify mask: the draft blocks read back from its
     mask buffer at its mask_indptr equal the runner's trees (I1), pad blocks causal (I3), numbers."""
@@ -62,6 +68,25 @@ def test_sglang_triton_tree_verify_passes_the_layout_suite(version, tmp_path):
     failed = {inv: pf for inv, pf in r["checks"].items() if pf[1] or not pf[0]}
     assert set(r["checks"]) == LAYOUT_INVARIANTS and not failed, f"{r['checks']}\n{r['stdout'][-3000:]}"
     assert r["rc"] == 0
+
+
+def test_sglang_0_5_23_triton_layout_suite(tmp_path):
+    """SGLang 0.5.23, the in-graph metadata API (init_forward_metadata_out_graph / _in_graph), one
+    process over the four declared modes. Extend, decode and verify_chain pass every invariant. Draft
+    extend's replay passes (0.5.23 takes the prefix as seq_lens - spec_info.extend_seq_lens_tensor:
+    finding (a) is gone), its capture does not: the capture batch has no extend_seq_lens_tensor, so
+    the captured kv_indptr counts the N new tokens as prefix again (finding (f)): I13 alone fails."""
+    r = check("0.5.23", BACKEND, None, tmp_path, cases=1)
+    assert set(r["by_mode"]) == {"extend", "decode", "verify_chain", "draft_extend"}, r["by_mode"]
+    for mode, checks in r["by_mode"].items():
+        want = LAYOUT_INVARIANTS - {"I2", "I13", "I15"} if mode == "extend" else LAYOUT_INVARIANTS
+        assert set(checks) == want and all(p > 0 for p, _ in checks.values()), (mode, checks)
+        failed = {inv for inv, (_, f) in checks.items() if f}
+        assert failed == ({"I13"} if mode == "draft_extend" else set()), (mode, checks, r["stdout"][-3000:])
+    assert r["by_mode"]["draft_extend"]["I13"] == (1, 1)        # the capture fails, the replay batch passes
+    (msg,) = messages(r, "I13")
+    assert msg.startswith("captured layout") and "seq_lens_k=" in msg and "!= prefix" in msg, msg
+    assert r["rc"] == 1
 
 
 def test_the_gate_fails_a_planted_open_tree_mask(tmp_path):
@@ -74,10 +99,11 @@ def test_the_gate_fails_a_planted_open_tree_mask(tmp_path):
     assert r["checks"]["I9n"][1] == 2 and all(m.startswith("replayed output") for m in messages(r, "I9n"))
 
 
-def test_the_gate_fails_a_planted_short_replay(tmp_path):
-    """SGLang's replay made one token short per request: replays fail I1 (!= eager and the runner)
-    and I5 (KV extent); the capture (I13) and the eager metadata are SGLang's and pass."""
-    version = "0.5.10"
+@pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
+def test_the_gate_fails_a_planted_short_replay(version, tmp_path):
+    """SGLang's replay made one token short per request (0.5.10: its replay method; 0.5.23: the
+    replay's init_forward_metadata_out_graph): replays fail I1 (!= eager and the runner) and I5 (KV
+    extent); the capture (I13) and the eager metadata are SGLang's and pass."""
     engine(version)
     planted = str(Path(__file__).with_name("sglang_planted.py")) + ":ShortReplayBackend"
     r = check(version, planted, "decode", tmp_path)
@@ -114,33 +140,47 @@ def test_sglang_triton_draft_extend_graph_reads_the_new_rows_twice(version, tmp_
 
 KV_INDPTR0 = """
 import torch
-from sglang_adapter import engine
+from sglang_adapter import engine, ingraph
 from attn_backends import ModelConfig
 from attn_backends.kv_cache import KVMemory
 engine.sglang()
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=1)
 mem = KVMemory(num_layers=1, num_pages=64, page_size=1, max_reqs=4, max_context_len=16, is_mla=False,
                num_kv_heads=2, head_dim=16)
 mem.req_to_token[1, :5] = torch.arange(10, 15, dtype=torch.int32)
 mem.req_to_token[2, :3] = torch.arange(20, 23, dtype=torch.int32)
-be = TritonAttnBackend(engine.StandInRunner(cfg, mem, engine.ServerArgs()))
+new = ingraph.in_graph_api()
+be = TritonAttnBackend((ingraph.StandInRunner13 if new else engine.StandInRunner)(cfg, mem, engine.ServerArgs()))
 be.init_cuda_graph_state(2, 2)
 req, seq = torch.tensor([1, 2]), torch.tensor([5, 3], dtype=torch.int32)
-be.init_forward_metadata_capture_cuda_graph(2, 2, req, seq, None, ForwardMode.DECODE, None)
+def batch():   # 0.5.13+: the padded batch a graph runner hands the out-of-graph prep
+    z = torch.zeros(2, dtype=torch.int64)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=z, req_pool_indices=req, seq_lens=seq,
+                      out_cache_loc=z, seq_lens_sum=8, seq_lens_cpu=seq, positions=z)
+    be.kv_index_translator.bind_own_plan(fb)
+    return fb
+if new:
+    be.init_forward_metadata_out_graph(batch(), in_capture=True)
+else:
+    be.init_forward_metadata_capture_cuda_graph(2, 2, req, seq, None, ForwardMode.DECODE, None)
 be.kv_indptr[0] = 4
 be.cuda_graph_kv_indices.zero_()
-be.init_forward_metadata_replay_cuda_graph(2, req, seq, 8, None, ForwardMode.DECODE, None, seq)
+if new:
+    be.init_forward_metadata_out_graph(batch())
+else:
+    be.init_forward_metadata_replay_cuda_graph(2, req, seq, 8, None, ForwardMode.DECODE, None, seq)
 print(be.kv_indptr[:3].tolist(), be.cuda_graph_kv_indices[:9].tolist())
 """
 
 
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.10"])
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.23"])
 def test_sglang_triton_replay_keeps_kv_indptr0(version):
     """The decode replay writes kv_indptr[1:bs+1] only and its index kernel starts request 0 at
     kv_indptr[0]: a stale entry 0 (4 here) survives the replay and shifts request 0's slots onto
-    request 1's (why the adapter leaves entry 0 out of the poisoning)."""
+    request 1's (why the adapter leaves entry 0 out of the poisoning). 0.5.23 too (its replay's
+    out-of-graph prep, _fill_kv_indptr_and_indices)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT), str(ADAPTER),
                                                                                    str(engine(version))])}

@@ -46,6 +46,9 @@ def sglang():
                           "its target folder on PYTHONPATH") from e
     _one_rank_attention_tp()
     _sync_free_interpreter_launches()
+    # our kernels package patches the interpreter for numpy >= 2.4 (kernels/_interpret_compat.py): SGLang
+    # 0.5.23's index kernel loops to a bound loaded from memory, which the unpatched interpreter refuses
+    importlib.import_module("attn_backends_kernels")
     return sgl
 
 

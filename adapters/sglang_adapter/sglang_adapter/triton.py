@@ -3,8 +3,10 @@ attn-backends backend.
 
 Every method hands the call to SGLang's own: ``init_forward_metadata`` (eager),
 ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
-``init_forward_metadata_replay_cuda_graph``, and the forward (``TritonAttnBackend.forward``, its
-Triton decode and extend kernels). What the adapter adds is translation:
+``init_forward_metadata_replay_cuda_graph`` (SGLang 0.5.13+: ``init_forward_metadata_out_graph`` /
+``_in_graph`` as its graph runners call them, ``ingraph.py``), and the forward
+(``TritonAttnBackend.forward``, its Triton decode and extend kernels). What the adapter adds is
+translation:
 
 - in: our ``ForwardBatch`` / ``GraphInputs`` become SGLang's ``ForwardBatch`` and call
   arguments. One convention differs: in TARGET_VERIFY SGLang's ``seq_lens`` count the committed
@@ -21,7 +23,8 @@ Triton decode and extend kernels). What the adapter adds is translation:
 
 Graph buffers (poisoned by the suite before each replay): SGLang's static ``kv_indptr``,
 ``cuda_graph_kv_indices``, ``cuda_graph_num_kv_splits``, ``cuda_graph_attn_logits`` /
-``_lse`` (decode scratch), ``qo_indptr``, ``mask_indptr`` and ``cuda_graph_custom_mask``.
+``_lse`` (decode scratch), ``qo_indptr``, ``mask_indptr`` and ``cuda_graph_custom_mask`` (0.5.13+:
+``_verify_mask.buffer``; besides, ``cuda_graph_uneven_batch`` and the lean-decode scratch).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from attn_backends import AttentionBackend, Capabilities, ForwardMode, GraphSupp
 from attn_backends.base import ForwardMetadata
 from attn_backends.layout import LayoutError
 
-from . import engine
+from . import engine, ingraph
 
 I32 = torch.int32
 
@@ -143,7 +146,8 @@ class SGLangTritonBackend(AttentionBackend):
         return self.sgl
 
     def _runner(self, args) -> engine.StandInRunner:
-        return engine.StandInRunner(self.config, self.memory, args)
+        cls = ingraph.StandInRunner13 if ingraph.in_graph_api() else engine.StandInRunner
+        return cls(self.config, self.memory, args)
 
     def _accept_length(self, spec, bs: int):
         """SGLang's ``accept_length`` for a draft extend: the Triton backend's replay takes it as the
@@ -168,6 +172,8 @@ class SGLangTritonBackend(AttentionBackend):
         """SGLang's spec input: EagleVerifyInput for a verify (its mask over prefix + N per request:
         the prefix, then the tree's block, causal for a chain and for pad rows, the runner's pad rule),
         EagleDraftInput for a draft extend (its accept lengths)."""
+        if mode == ForwardMode.DRAFT_EXTEND and ingraph.in_graph_api():
+            return ingraph.draft_extend_input(spec.num_draft_tokens)
         if mode == ForwardMode.DRAFT_EXTEND:
             from sglang.srt.speculative.eagle_info import EagleDraftInput
             return EagleDraftInput(accept_length=self._accept_length(spec, bs), accept_length_cpu=None)
@@ -180,10 +186,11 @@ class SGLangTritonBackend(AttentionBackend):
             block = spec.tree_mask[i].to(torch.bool) if spec.topk > 1 and i < raw_bs else tril
             rows.append(torch.cat([torch.ones(n, s - n, dtype=torch.bool, device=dev), block], 1).reshape(-1))
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        return EagleVerifyInput(draft_token=None, custom_mask=torch.cat(rows), positions=None,
-                                retrive_index=None, retrive_next_token=None, retrive_next_sibling=None,
-                                retrive_cum_len=None, spec_steps=spec.num_steps, topk=spec.topk, draft_token_num=n,
-                                capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None, seq_lens_cpu=None)
+        return EagleVerifyInput(**ingraph.spec_fields(
+            EagleVerifyInput, draft_token=None, custom_mask=torch.cat(rows), positions=None, retrive_index=None,
+            retrive_next_token=None, retrive_next_sibling=None, retrive_cum_len=None, spec_steps=spec.num_steps,
+            topk=spec.topk, draft_token_num=n, capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=None,
+            seq_lens_cpu=None))
 
     def _sgl_seq(self, mode, seq_lens, n):
         return seq_lens - n if mode == ForwardMode.TARGET_VERIFY else seq_lens
@@ -238,6 +245,8 @@ class SGLangTritonBackend(AttentionBackend):
             fb.extend_start_loc = (torch.cumsum(ext, 0) - ext).to(I32)
             fb.extend_num_tokens = int(ext_cpu.sum())
         fb.token_to_kv_pool = engine.StandInKVPool(self.memory)
+        if ingraph.in_graph_api():
+            ingraph.bind_plan(self.sgl, fb)
         return fb
 
     # -- graphs
@@ -258,10 +267,13 @@ class SGLangTritonBackend(AttentionBackend):
             raise LayoutError("capture before init_cuda_graph_state()")
         sgl = self._backend(spec)
         n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
-        sgl.init_forward_metadata_capture_cuda_graph(
-            key.bs, key.bs * key.width, inputs.req_pool_indices.to(torch.int64),
-            self._sgl_seq(key.forward_mode, inputs.seq_lens, n), None, engine.sgl_mode(key.forward_mode),
-            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs))
+        if ingraph.in_graph_api():
+            ingraph.capture(sgl, self._graph_batch(inputs, replay=False))
+        else:
+            sgl.init_forward_metadata_capture_cuda_graph(
+                key.bs, key.bs * key.width, inputs.req_pool_indices.to(torch.int64),
+                self._sgl_seq(key.forward_mode, inputs.seq_lens, n), None, engine.sgl_mode(key.forward_mode),
+                self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs))
         dev, meta = self.memory.device, self._engine_meta()
         own = self._own_buffers(key, meta)
         tree = spec is not None and spec.topk > 1 and key.forward_mode == ForwardMode.TARGET_VERIFY
@@ -280,12 +292,36 @@ class SGLangTritonBackend(AttentionBackend):
             raise LayoutError(f"no graph captured for {key}; captured: {', '.join(map(str, self.records)) or 'none'}")
         n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
         seq_cpu = self._sgl_seq(key.forward_mode, inputs.seq_lens_cpu, n)
-        self.sgl.init_forward_metadata_replay_cuda_graph(
-            key.bs, inputs.req_pool_indices.to(torch.int64), self._sgl_seq(key.forward_mode, inputs.seq_lens, n),
-            int(seq_cpu.sum()), None, engine.sgl_mode(key.forward_mode),
-            self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs), seq_cpu)
+        if ingraph.in_graph_api():
+            self.sgl.forward_metadata = rec.sgl                 # the graph of this key
+            ingraph.replay(self.sgl, self._graph_batch(inputs, replay=True))
+        else:
+            self.sgl.init_forward_metadata_replay_cuda_graph(
+                key.bs, inputs.req_pool_indices.to(torch.int64), self._sgl_seq(key.forward_mode, inputs.seq_lens, n),
+                int(seq_cpu.sum()), None, engine.sgl_mode(key.forward_mode),
+                self._spec(key.forward_mode, spec, inputs.seq_lens_cpu, key.bs, inputs.raw_bs), seq_cpu)
         rec.runner_seq = inputs.seq_lens.as_subclass(torch.Tensor)     # the runner's buffer, unguarded view
         self.forward_metadata = rec
+
+    def _graph_batch(self, inputs, replay: bool):
+        """SGLang 0.5.13+: the padded batch its graph runners hand the backend's graph prep (capture:
+        the capture batch; replay: the replay view), from the runner's padded inputs."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        key, dev = inputs.key, self.memory.device
+        mode, bs, w = key.forward_mode, key.bs, key.width
+        n = w if mode == ForwardMode.TARGET_VERIFY else 0
+        seq_cpu = self._sgl_seq(mode, inputs.seq_lens_cpu, n)
+        if mode == ForwardMode.DRAFT_EXTEND:
+            sp = ingraph.draft_extend_input(w, torch.full((bs,), w, dtype=I32, device=dev) if replay else None)
+        else:
+            sp = self._spec(mode, inputs.spec_info, inputs.seq_lens_cpu, bs, inputs.raw_bs)
+        zeros = torch.zeros(bs * w, dtype=torch.int64, device=dev)
+        fb = ForwardBatch(forward_mode=engine.sgl_mode(mode), batch_size=bs, input_ids=zeros,
+                          req_pool_indices=inputs.req_pool_indices.to(torch.int64),
+                          seq_lens=self._sgl_seq(mode, inputs.seq_lens, n), out_cache_loc=zeros,
+                          seq_lens_sum=int(seq_cpu.sum()), seq_lens_cpu=seq_cpu, positions=zeros, spec_info=sp)
+        ingraph.bind_plan(self.sgl, fb)
+        return fb
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1 if self.sgl is None else self.sgl.get_cuda_graph_seq_len_fill_value()
@@ -295,8 +331,13 @@ class SGLangTritonBackend(AttentionBackend):
         if s is None or not self.records:
             return {}
         names = ("cuda_graph_kv_indices", "cuda_graph_num_kv_splits", "cuda_graph_attn_logits",
-                 "cuda_graph_attn_lse", "cuda_graph_custom_mask")
+                 "cuda_graph_attn_lse", "cuda_graph_custom_mask",      # 0.5.13+ besides: the lean-decode
+                 "cuda_graph_uneven_batch", "cuda_graph_lean_Mp", "cuda_graph_lean_Lp", "cuda_graph_lean_Op",
+                 "cuda_graph_lean_locks")                               # scratch, the uneven-batch flag
         out = {k: getattr(s, k) for k in names if isinstance(getattr(s, k, None), torch.Tensor)}
+        vm = getattr(s, "_verify_mask", None)          # 0.5.13+: the verify mask buffer (VerifyMask)
+        if vm is not None:
+            out["verify_mask.buffer"] = vm.buffer
         # entry 0 of the three indptrs is constant state, not a batch's: zero from the allocation
         # (triton_backend.py __init__) or rewritten as 0; replays write [1:bs+1] (kv_indptr,
         # mask_indptr; qo_indptr in 0.5.9's draft extend) and the kernels read [0]. Left out of the

@@ -39,7 +39,7 @@ import torch
 
 from attn_backends import AttentionBackend, Capabilities, ForwardMode, GraphSupport
 
-from . import engine
+from . import engine, ingraph
 from .triton import I32, SGLangMetadata, SGLangTritonBackend
 
 
@@ -105,6 +105,9 @@ class SGLangTRTLLMMLABackend(SGLangTritonBackend):
             raise ValueError(f"{self.name}: MLA on pages of 64 only, got is_mla={config.is_mla} "
                              f"page_size={config.page_size}")
         engine.sglang()
+        if ingraph.in_graph_api():
+            raise ValueError(f"{self.name}: SGLang {engine.sglang_version()} has the in-graph metadata API (0.5.13+), "
+                             "which this adapter does not map yet; it runs SGLang 0.5.9 and 0.5.10")
         install_standins()
         self.sgl, self.draft_tokens, self.graph_state = None, None, None
         self.records, self.layers = {}, {}
