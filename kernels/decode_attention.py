@@ -37,19 +37,22 @@ from .launch_record import launch
 from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
 
 # Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
-# CHUNK_MAXNREG_ELEMS elements a head row (d128 x 32 tokens, d64 x 64) and the batch has more than
-# CHUNK_MAXNREG_BS requests: 8 programs an SM as the split pass's, against 6-7 at the compiler's 72-80.
-# Larger tiles, FP8 caches and (at d128) batches of up to 16 spill at 64 on sm_90, and a small batch's
-# grid fits the SMs anyway: those keep the compiler's count (bench/RESULTS.md, 'Ragged batches').
+# CHUNK_MAXNREG_ELEMS elements a head row (d128 x 32 tokens, d64 x 64), the query tile at most 16 heads
+# (a GQA group of <= 16) and the batch has more than CHUNK_MAXNREG_BS requests: 8 programs an SM as the
+# split pass's, against 6-7 at the compiler's 72-80. Larger tiles, groups of 32, FP8 caches and (at d128)
+# batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
+# compiler's count (bench/RESULTS.md, 'Ragged batches').
 CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
+CHUNK_MAXNREG_HEADS = 16
 
 
-def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int):
-    """The chunk pass's register bound for ``bs`` requests on a cache of ``kv_dtype`` (None: the compiler's)."""
+def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1):
+    """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
+    (None: the compiler's)."""
     bounded = (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
-               and bs > CHUNK_MAXNREG_BS)
+               and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
     return CHUNK_MAXNREG if bounded else None
 
 
@@ -238,7 +241,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
         if maxnreg is ...:
-            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs)
+            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv)
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window)
         part, lse = cl.part, cl.lse

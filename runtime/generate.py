@@ -28,7 +28,7 @@ from .engine import refusal as engine_refusal
 from .limits import ConfigError, Names
 from .models import TINY_MODELS, TinyConfig
 from .request import SamplingParams
-from .tp import TensorParallel, launch, shard_config
+from .tp import RankFailed, TensorParallel, launch, shard_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -171,7 +171,12 @@ def run_generate(args, out: TextIO = None, err: TextIO = None) -> int:
             shard_config(cfg.model, TensorParallel(0, args.tp))
         except ConfigError as e:
             raise UsageError(e.render(FLAGS)) from None
-        text = launch(_generate, args.tp, args.device, (cfg, args), debug=args.tp_debug)[0]
+        try:
+            text = launch(_generate, args.tp, args.device, (cfg, args), debug=args.tp_debug)[0]
+        except RankFailed as e:        # a setting a rank's model refuses: the one line of TP 1
+            if e.error.startswith("UsageError: "):
+                raise UsageError(e.error[len("UsageError: "):]) from None
+            raise
     else:
         text = _generate(None, cfg, args, err)
     print(text, file=out, end="")

@@ -92,17 +92,18 @@ def shard_config(c: TinyConfig, tp: TensorParallel) -> TinyConfig:
     return replace(c, num_q_heads=c.num_q_heads // n, num_kv_heads=kv, intermediate_size=c.intermediate_size // n)
 
 
-def _rows(linear: nn.Linear, index) -> nn.Linear:
-    out = nn.Linear(linear.in_features, len(index), bias=False)
-    out.weight = nn.Parameter(linear.weight.data[index].clone(), requires_grad=False)
+def _linear(w: torch.Tensor) -> nn.Linear:
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")     # no initialisation to throw away
+    out.weight = nn.Parameter(w, requires_grad=False)
     return out
+
+
+def _rows(linear: nn.Linear, index) -> nn.Linear:
+    return _linear(linear.weight.data[index].clone())
 
 
 def _cols(linear: nn.Linear, cols: slice) -> nn.Linear:
-    w = linear.weight.data[:, cols].clone()
-    out = nn.Linear(w.shape[1], w.shape[0], bias=False)
-    out.weight = nn.Parameter(w, requires_grad=False)
-    return out
+    return _linear(linear.weight.data[:, cols].clone())
 
 
 def _heads(start_stop: slice, width: int, offset: int = 0) -> list:
@@ -149,7 +150,9 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, size: int, device: str, port: int, debug: bool, fn: Callable, args: tuple,
                results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for k, v in NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=size,
@@ -188,20 +191,27 @@ def launch(fn: Callable, size: int, device: str = "cpu", args: tuple = (), debug
         os.environ.setdefault(k, v)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    failure = None
+    failure, out = None, {}
+
+    def drain() -> None:               # read while the ranks run: a result larger than the pipe blocks its put
+        while not results.empty():
+            rank, value = results.get()
+            if isinstance(value, RankFailed) and "failed" not in out:
+                out["failed"] = value      # the first recorded: the cause
+            out.setdefault(rank, value)
+    procs = mp.start_processes(_rank_main, args=(size, device, _free_port(), debug, fn, args, results),
+                               nprocs=size, join=False, start_method="spawn")
     try:
-        mp.start_processes(_rank_main, args=(size, device, _free_port(), debug, fn, args, results), nprocs=size,
-                           join=True, start_method="spawn")
+        while not procs.join(timeout=0.05):
+            drain()
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         failure = e
-    out: dict = {}
-    while not results.empty():
-        rank, value = results.get()
-        if isinstance(value, RankFailed) and not isinstance(out.get("failed"), RankFailed):
-            out["failed"] = value          # the first recorded: the cause
-        out.setdefault(rank, value)
+    drain()
     if failure is not None:
-        raise out.get("failed") or RankFailed(failure.error_index, str(failure)) from failure
+        silent = isinstance(failure, mp.ProcessExitedException) and failure.error_index not in out
+        if silent or "failed" not in out:  # a rank killed by a signal records nothing: it is the cause
+            raise RankFailed(failure.error_index, str(failure).strip()) from failure
+        raise out["failed"] from failure
     return [out[r] for r in range(size)]
 
 

@@ -229,7 +229,7 @@ def gqa_chunk_configs() -> dict:
                                             merge="pass", **feats)
     feats = dict(window=100, softcap=30.0, sinks=torch.zeros(32))
     return {"chunks 32/8 d128": call(32, 8, 128), "chunks 32/8 d128 bs16": call(32, 8, 128, bs=16),
-            "chunks 32/8 d64": call(32, 8, 64),
+            "chunks 32/8 d64": call(32, 8, 64), "chunks 32/1 d128": call(32, 1, 128),
             "chunks 28/4 d128": call(28, 4, 128), "chunks 8/1 d128": call(8, 1, 128),
             "chunks 64/8 d128": call(64, 8, 128), "chunks 32/8 d128 features": call(32, 8, 128, **feats),
             "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}

@@ -63,6 +63,14 @@ def test_a_failing_rank_ends_the_run_with_its_error():
         launch(_fail_on_rank_one, 2, "cpu")
 
 
+def _large(tp):
+    return bytes(200_000)            # more than a pipe holds: the launcher must read while the ranks run
+
+
+def test_results_larger_than_a_pipe_come_back():
+    assert [len(r) for r in launch(_large, 2, "cpu")] == [200_000, 200_000]
+
+
 def test_debug_mode_fails_a_diverging_rank():
     cases = [("gqa", MODELS["gqa kv split"], None)]
     with pytest.raises(RankFailed, match="ranks diverged"):
@@ -89,6 +97,9 @@ def test_generate_tp_prints_the_tokens_of_tp_1(capsys):
     assert [line for line in text.splitlines() if line.startswith("[")] == one and "TP 2" in text
     assert main(["generate", "--tp-debug"]) == 2
     assert "--tp-debug compares ranks" in capsys.readouterr().err
+    assert main(["generate", "--tp", "2", "--backend", "no_such_backend", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err            # a rank's refusal: TP 1's one line, not a rank's traceback
+    assert "no_such_backend" in err and "Traceback" not in err, err
 
 
 @pytest.mark.cuda
