@@ -114,18 +114,6 @@ def mla_configs() -> dict:
 
     from attn_backends_kernels.mla.attention import mla_attention_fwd
 
-    def chunked(H, W, splits=2, page=64, kernel=None, mask="causal"):   # the chunk pass (``mla.balanced``), merge
-        from attn_backends_kernels.mla.balanced import mla_chunk_fwd
-        bs, kv = 2, 256
-        q, out = torch.zeros(bs * W, H, 576, dtype=torch.bfloat16), torch.zeros(bs * W, H, 512, dtype=torch.bfloat16)
-        buf = torch.zeros(bs * kv + 64, 1, 576, dtype=torch.bfloat16)
-        pt = torch.arange(bs * kv // page, dtype=torch.int32).view(bs, -1)
-        lens = torch.full((bs,), kv, dtype=torch.int32)
-        cm = torch.ones(bs * W * W, dtype=torch.bool) if mask == "tree" else None
-        draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
-        return lambda: mla_chunk_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W, kernel=kernel, mask=mask,
-                                     custom_mask=cm, draft_prefix_lens=draft)
-
     def call(H, W, splits, mask="causal", dtype=torch.bfloat16, page=64, kernel=None, block_h=None):
         bs, kv = 2, 256
         q = torch.zeros(bs * W, H, 576, dtype=dtype)
@@ -160,6 +148,27 @@ def mla_configs() -> dict:
                     "default mla64 decode": call(64, 1, 2),
                     "default mla16 verify4 page 32": call(16, 4, 2, page=32),
                     "default mla16 verify4 page 16": call(16, 4, 2, page=16)})
+    return {**configs, **mla_chunk_configs()}
+
+
+def mla_chunk_configs() -> dict:
+    """``{label: thunk}``: the MLA chunk pass (``mla.balanced``) and its merge at the sweep's shapes,
+    on the Gluon kernels (the default) and on the Triton tile (``balanced triton ...``)."""
+    import torch
+
+    def chunked(H, W, splits=2, page=64, kernel=None, mask="causal"):   # the chunk pass (``mla.balanced``), merge
+        from attn_backends_kernels.mla.balanced import mla_chunk_fwd
+        bs, kv = 2, 256
+        q, out = torch.zeros(bs * W, H, 576, dtype=torch.bfloat16), torch.zeros(bs * W, H, 512, dtype=torch.bfloat16)
+        buf = torch.zeros(bs * kv + 64, 1, 576, dtype=torch.bfloat16)
+        pt = torch.arange(bs * kv // page, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), kv, dtype=torch.int32)
+        cm = torch.ones(bs * W * W, dtype=torch.bool) if mask == "tree" else None
+        draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
+        return lambda: mla_chunk_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W, kernel=kernel, mask=mask,
+                                     custom_mask=cm, draft_prefix_lens=draft)
+
+    configs = {}
     configs.update({f"balanced{'' if kernel is None else ' triton'} {label}": chunked(H, W, kernel=kernel)
                     for label, H, W in (("mla16 decode", 16, 1), ("mla128 decode", 128, 1), ("mla16 verify4", 16, 4))
                     for kernel in (None, "triton")})

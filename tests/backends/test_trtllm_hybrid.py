@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attn_backends import ForwardMode, LayoutError, ModelConfig, get_backend
+from attn_backends import ForwardMode, LayoutError, ModelConfig, get_backend, registry
 from attn_backends.backends.hybrid import HybridBackend, compose, compose_selected
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
 from attn_backends.check.suite import declared_modes, run_suite
@@ -33,10 +33,11 @@ def cpu_hybrid():
 
 
 @pytest.fixture
-def light_hybrid():
+def light_hybrid(monkeypatch):
     """The suites' hybrid on the CPU: the reference in every mode, under a second name for the uniform modes so
     that a step has two instances to refresh (the interpreted kernels have suites of their own; here the hybrid's
     delegation and fan-out are under test)."""
+    monkeypatch.setattr(registry, "_extra", dict(registry._extra))    # both names gone after the test (`list`)
     register("torch_native_twin", "attn_backends.backends.torch_native:TorchNativeBackend")
     return compose({**CPU_HYBRID, **{m: "torch_native_twin" for m in UNIFORM}}, name="hybrid_light_test")
 

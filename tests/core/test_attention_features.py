@@ -143,7 +143,7 @@ def test_forward_refuses_a_layer_record_its_backend_does_not_declare(plain):
     assert be.forward(q, None, None, gemma.layer(1), m.batch, save_kv_cache=False).shape == (1, 4, 64)
 
 
-def test_list_shows_what_each_backend_declares(capsys):
+def test_list_shows_what_each_backend_declares(capsys, builtin_registry):
     assert cli.main(["list", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     blocks = out.split("\ntorch_native")[1]
