@@ -89,11 +89,10 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     Dv = out.shape[-1]
     if kernel not in (None, "triton"):
         raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton')")
-    gluon = _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel,
-                          (block_w, block_h, block_n, num_warps, num_stages))
+    gluon, tile = _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel,
+                                (block_w, block_h, block_n, num_warps, num_stages))
     if gluon is not None:
-        block_w, block_h = tile_shape(W, H)
-        block_n = GLUON_TOKENS[gluon]
+        (block_w, block_h), block_n = tile, GLUON_TOKENS[gluon]
     else:
         block_w, block_h, block_n, num_warps, num_stages = _tile_config(
             q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
@@ -150,15 +149,15 @@ GLUON_TOKENS = {"wgmma": 64, "seesaw": 32, "chunked": 64, "dbuf": 64, "swap": 64
 
 
 def _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel, knobs):
-    """The Gluon kernel that runs a chunk launch (None: the Triton tile): ``mla_attention_fwd``'s choice
-    for the default tile (not a streaming launch: a program reads a chunk), for the "chunks" schedule
-    and no tile knobs."""
+    """``(kernel, (block_w, block_h))``: the Gluon kernel that runs a chunk launch and its tile, or ``(None,
+    None)`` for the Triton tile: ``mla_attention_fwd``'s choice for the default tile (not a streaming launch: a
+    program reads a chunk), for the "chunks" schedule and no tile knobs."""
     if kernel == "triton" or schedule != "chunks" or any(k is not None for k in knobs):
-        return None
+        return None, None
     block_w, block_h = tile_shape(W, H)
     use = _pick_kernel("mla_chunk_fwd", None, q, kv_buffer, Dv, q.shape[2] - Dv, block_w * block_h, None, None,
                        None, False, page_size, streaming=False, width=W, mask=mask, block_w=block_w)
-    return None if use == "triton" else use
+    return (None, None) if use == "triton" else (use, (block_w, block_h))
 
 
 def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, scale_log2, W, H, Dv,
