@@ -33,9 +33,12 @@ from .launch_record import launch
 MIN_CHUNK_TOKENS = 256
 MERGE_LSE = tl.constexpr(32)      # chunks' log-sum-exps a load in the merge
 MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
-# The separate merge pass: chunks a load ([chunks, 128 columns] of one row and head). A request's
-# merge by its last chunk program reads its chunks serially; the pass spreads them over programs.
+# The separate merge pass: chunks a load, and partial values a load ([heads, chunks, 128 columns] of
+# one row); programs wanted before a program's columns are cut over the grid. A request's merge by its
+# last chunk program reads its chunks serially; the pass spreads them over programs.
 MERGE_PASS_CHUNKS = 16
+MERGE_PASS_VALUES = 4096
+MERGE_PASS_PROGRAMS = 264
 MERGES = ("last", "pass")
 
 
@@ -159,16 +162,20 @@ def merge_chunks_if_last(sem_ptr, count, part_rows, lse_rows, out_rows, rows_ok,
 @triton.jit
 def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr, bs, num_chunks, rows_per_chunk,
                              window, draft_prefix_ptr, stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
-                             NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                             FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr,
-                             MASK: tl.constexpr, WINDOW: tl.constexpr, SINGLE: tl.constexpr = False):
-    """The separate merge (``merge="pass"``): program (query row j of request b, head, column
-    block) merges that row's chunk partials, BLOCK_C chunks a load, in chunk order, where the
-    request has more than one chunk (one chunk wrote its output itself; ``SINGLE``: a partial, merged
-    too). ``cu_q_ptr``: the rows of each request (HAS_CU; else ``rows_per_chunk`` rows a request)."""
+                             NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_HM: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
+                             BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
+                             SINGLE: tl.constexpr = False):
+    """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
+    block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
+    chunks a load, in chunk order, where the request has more than one chunk (one chunk wrote its
+    output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
+    else ``rows_per_chunk`` rows a request). Fat programs: the schedule, the log-sum-exps and the
+    partials are a chain of dependent loads, so a program a (row, head, 128 columns) was bound by
+    that latency (bench/RESULTS.md, 'Ragged batches'). The tile shape is a function of the heads and
+    columns alone, so a row's sums do not depend on the batch (the batch-invariant schedule)."""
     r = tl.program_id(0)
-    h = tl.program_id(1)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
     offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, rows_per_chunk, draft_prefix_ptr,
@@ -181,27 +188,58 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if ((count > 1) | SINGLE) & (j < q_len):
+        offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
+        ok_h = offs_h < NUM_HEADS
         offs_c = tl.arange(0, BLOCK_C)
-        offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        mask_dv = offs_dv < HEAD_DIM_V
-        m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        m = tl.full([BLOCK_HM, BLOCK_C], float("-inf"), tl.float32)
         for c0 in range(0, count, BLOCK_C):
             rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-            m = tl.maximum(m, tl.load(lse_ptr + rows * stride_lt + h * stride_lh, mask=c0 + offs_c < count,
+            ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
+            m = tl.maximum(m, tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
                                       other=float("-inf")))
-        top = tl.maximum(tl.max(m, 0), -1e30)            # a row no chunk saw anything of: zeros
-        w_sum = tl.zeros([BLOCK_C], tl.float32)
-        acc = tl.zeros([BLOCK_C, BLOCK_DV], tl.float32)
-        for c0 in range(0, count, BLOCK_C):
-            ok = c0 + offs_c < count
-            rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-            w = tl.exp2(tl.load(lse_ptr + rows * stride_lt + h * stride_lh, mask=ok, other=float("-inf")) - top)
-            part = tl.load(part_ptr + rows[:, None] * stride_pt + h * stride_ph + offs_dv[None, :],
-                           mask=ok[:, None] & mask_dv[None, :], other=0.0)
-            w_sum += w                                   # elementwise: the sums over chunks come after the loop
-            acc += w[:, None] * part
-        out = tl.sum(acc, 0) / tl.maximum(tl.sum(w_sum, 0), 1e-30)
-        tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + h * stride_oh + offs_dv, out, mask=mask_dv)
+        top = tl.maximum(tl.max(m, 1), -1e30)            # a row no chunk saw anything of: zeros
+        w_sum = tl.zeros([BLOCK_HM, BLOCK_C], tl.float32)
+        den = tl.full([BLOCK_HM], 1.0, tl.float32)
+        for step in tl.static_range(DV_STEPS):
+            offs_dv = (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+            ok_dv = offs_dv < HEAD_DIM_V
+            acc = tl.zeros([BLOCK_HM, BLOCK_C, BLOCK_DV], tl.float32)
+            for c0 in range(0, count, BLOCK_C):
+                rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+                ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
+                w = tl.exp2(tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
+                                    other=float("-inf")) - top[:, None])
+                if step == 0:
+                    w_sum += w                           # elementwise: the sums over chunks after the loop
+                part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
+                               + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
+                acc += w[:, :, None] * part.to(tl.float32)
+            if step == 0:
+                den = tl.maximum(tl.sum(w_sum, 1), 1e-30)
+            out = tl.sum(acc, 1) / den[:, None]
+            tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :],
+                     out, mask=ok_h[:, None] & ok_dv[None, :])
+
+
+def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int) -> tuple:
+    """``(BLOCK_C, BLOCK_HM, BLOCK_DV, DV_STEPS, column blocks)`` of the merge pass over ``rows`` query
+    rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule):
+    MERGE_PASS_CHUNKS chunks of one head a load where the budget gives more than 2 a request (the GQA
+    budgets: a long request's merge is a chain of loads, kept short and spread over heads), else 4
+    chunks of as many heads as fill MERGE_PASS_VALUES partial values (MLA's budgets: heads first,
+    fewer programs). A function of the budget, ``H`` and ``Dv`` alone: the invariant schedule's
+    budget is 0, its loads MERGE_PASS_CHUNKS chunks whatever the batch; each program's columns cut into grid blocks
+    only while rows x head blocks leave fewer than MERGE_PASS_PROGRAMS programs."""
+    block_c = MERGE_PASS_CHUNKS if chunks == 0 or chunks > 2 else 4
+    block_dv = min(triton.next_power_of_2(Dv), 128)
+    block_hm = 1 if block_c == MERGE_PASS_CHUNKS else min(triton.next_power_of_2(H),
+                                                          max(1, MERGE_PASS_VALUES // (block_c * block_dv)))
+    col_blocks, programs = triton.cdiv(Dv, block_dv), rows * triton.cdiv(H, block_hm)
+    z = 1
+    while z < col_blocks and programs * z < MERGE_PASS_PROGRAMS:
+        z *= 2
+    z = min(z, col_blocks)
+    return block_c, block_hm, block_dv, triton.cdiv(col_blocks, z), z
 
 
 def check_schedule(name: str, schedule: str, merge: str) -> None:
@@ -235,33 +273,38 @@ class ChunkLaunch:
 
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
-        one program a (query row, head, column block); ``cu_seqlens_q`` None: ``rows_per_chunk``
-        rows a request; ``single``: requests of one chunk too (their pass wrote a partial)."""
+        one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
+        None: ``rows_per_chunk`` rows a request; ``single``: requests of one chunk too (their pass wrote a partial)."""
         H, Dv = out.shape[1], out.shape[2]
-        block_dv = min(triton.next_power_of_2(Dv), 128)
+        rows = self.bs * self.rows_per_chunk
+        budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
+        block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget)
         part, lse = self.part, self.lse
-        launch(_merge_chunk_pass_kernel, (self.bs * self.rows_per_chunk, H, triton.cdiv(Dv, block_dv)),
+        launch(_merge_chunk_pass_kernel, (rows, triton.cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
                self.num_chunks, self.rows_per_chunk, self.window,
                seq_lens_k if self.draft_prefix_lens is None else self.draft_prefix_lens,
                part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-               out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
-               BLOCK_C=MERGE_PASS_CHUNKS, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
+               out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_HM=block_hm, BLOCK_DV=block_dv,
+               DV_STEPS=steps, BLOCK_C=block_c, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
-                 heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None) -> ChunkLaunch:
+                 heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None,
+                 part_dtype: torch.dtype = torch.float32) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
     grid (``(Hkv, slots)`` or ``(slots, Hkv)``, ``attention_core.heads_first_grid``); ``window``
     (0: none), the launch's mask kind (``kv_walk.MASK_KINDS``, -1: decode) and draft prefixes
-    for the merge pass's schedule."""
+    for the merge pass's schedule; ``part_dtype``: the partials' dtype where the workspace is
+    allocated here (a given one may hold float32 or ``part_dtype``)."""
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
-    part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, rows_per_chunk, num_kv_heads)
+    part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, rows_per_chunk, num_kv_heads,
+                                        part_dtype)
     slots = chunk_slots(bs, per_request)
     heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (num_kv_heads, slots), (slots, num_kv_heads))
     consts = dict(MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
@@ -276,35 +319,39 @@ def chunk_slots(bs: int, chunks_per_request: int) -> int:
 
 
 def chunk_workspace(bs: int, chunks_per_request: int, rows_per_chunk: int, num_heads: int,
-                    num_kv_heads: int, head_dim_v: int, device) -> tuple:
+                    num_kv_heads: int, head_dim_v: int, device, part_dtype: torch.dtype = torch.float32) -> tuple:
     """The workspace of a chunk schedule, allocated once (at graph capture): ``(part [slots *
-    rows_per_chunk, H, Dv] float32, lse [slots * rows_per_chunk, H] float32, counters [bs * Hkv]
+    rows_per_chunk, H, Dv] part_dtype, lse [slots * rows_per_chunk, H] float32, counters [bs * Hkv]
     int32 zeros)``, slots from :func:`chunk_slots`; ``rows_per_chunk``: the query rows of a
-    request (1 for decode)."""
+    request (1 for decode). ``part_dtype``: float32, or the output's 16-bit dtype where a kernel
+    stores 16-bit partials faster (MLA's warp-specialized kernels: ``warpspec.partial_dtype``); the
+    merge sums in float32 either way."""
     rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
-    return (torch.empty(rows, num_heads, head_dim_v, dtype=torch.float32, device=device),
+    return (torch.empty(rows, num_heads, head_dim_v, dtype=part_dtype, device=device),
             torch.empty(rows, num_heads, dtype=torch.float32, device=device),
             torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=device))
 
 
 def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_request: int,
-                  rows_per_chunk: int, num_kv_heads: int) -> tuple:
+                  rows_per_chunk: int, num_kv_heads: int, part_dtype: torch.dtype = torch.float32) -> tuple:
     """The workspace a chunk-scheduled pass writes, checked (allocated where None, which a graph
-    must avoid): ``(part, lse, counters)``."""
+    must avoid, with ``part_dtype`` partials): ``(part, lse, counters)``; a given one's partials
+    float32 or ``part_dtype``."""
     H, Dv = out.shape[1], out.shape[2]
     if workspace is None:
-        return chunk_workspace(bs, chunks_per_request, rows_per_chunk, H, num_kv_heads, Dv, out.device)
+        return chunk_workspace(bs, chunks_per_request, rows_per_chunk, H, num_kv_heads, Dv, out.device, part_dtype)
     rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
     if len(workspace) != 3:
         raise ValueError(f"{name}: a chunk workspace is (part, lse, counters) as chunk_workspace returns, "
                          f"got {len(workspace)} tensors")
     part, lse, counters = workspace
-    if (part.shape[0] < rows or tuple(part.shape[1:]) != (H, Dv) or part.dtype != torch.float32
+    if (part.shape[0] < rows or tuple(part.shape[1:]) != (H, Dv) or part.dtype not in (torch.float32, part_dtype)
             or lse.shape[0] < rows or tuple(lse.shape[1:]) != (H,) or lse.dtype != torch.float32
             or part.stride(-1) != 1 or lse.stride(-1) != 1 or counters.dtype != torch.int32
             or counters.numel() < bs * num_kv_heads or counters.stride(0) != 1
             or any(t.device != out.device for t in workspace)):
         raise ValueError(f"{name}: chunk workspace {tuple(part.shape)} {part.dtype} / {tuple(lse.shape)} / "
                          f"counters {tuple(counters.shape)} does not fit {rows} rows, H={H}, Dv={Dv}, "
-                         f"{bs * num_kv_heads} counters (float32, float32, int32 zeros on {out.device})")
+                         f"{bs * num_kv_heads} counters (float32 or {part_dtype}, float32, int32 zeros on "
+                         f"{out.device})")
     return workspace

@@ -204,7 +204,8 @@ class TritonBackendBase(LayoutBackend):
         if self._chunked(view.layout) and key is not None:     # _chunked first: it refuses a bad schedule
             tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
             ws = chunk_workspace(key.bs, slots_per_request(self.schedule, splits, tokens), key.width,
-                                 self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device)
+                                 self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device,
+                                 self._part_dtype(key.width))
         elif key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,

@@ -21,6 +21,7 @@ from ..launch_record import launch
 from ..schedule import check_schedule, chunk_launch, chunk_of, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
 from .walk import _mla_rows, _mla_store, _mla_walk
+from .warpspec import partial_dtype
 
 
 @triton.jit
@@ -73,7 +74,8 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
-    page_size), W, H, 1, 512, device)`` (allocated here when None, which a graph must avoid). ``kernel``:
+    page_size), W, H, 1, 512, device, part_dtype)`` with float32 partials or ``warpspec.partial_dtype``'s for
+    the default tile (allocated here when None, with the latter, which a graph must avoid). ``kernel``:
     None: a Gluon kernel where one serves the "chunks" schedule's tile (``mla_attention_fwd``'s rule, knobs
     None), else the Triton tile; "triton": the Triton tile."""
     name = "mla_chunk_fwd"
@@ -98,8 +100,10 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
             q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
     if bs == 0:
         return out
+    rows = tile_shape(W, H)         # the default tile's: the backend sizes its graph workspace alike
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
-                      heads_first=False)
+                      heads_first=False, part_dtype=partial_dtype(kv_buffer.dtype, out.device, page_size,
+                                                                  rows[0] * rows[1], Dv, D - Dv))
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "

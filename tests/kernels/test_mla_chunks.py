@@ -6,7 +6,9 @@ import pytest
 import torch
 from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
 
+from attn_backends_kernels.mla.attention import tile_shape
 from attn_backends_kernels.mla.balanced import mla_chunk_fwd
+from attn_backends_kernels.mla.warpspec import partial_dtype
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,8 +76,12 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     page_table, lens, kv, q, custom, draft = _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, 0)
     bs = lens.shape[0]
     out = torch.full((bs * W, H, latent), float("nan"), device=DEVICE, dtype=dtype)
+    # the default takes the partials the backend allocates (16-bit on the warp-specialized kernels); the Triton
+    # tile float32
+    bw, bh = tile_shape(W, H)
+    part = partial_dtype(dtype, q.device, page_size, bw * bh, latent, rope) if kernel is None else torch.float32
     ws = chunk_workspace(bs, slots_per_request(schedule, splits, page_table.shape[1] * page_size), W, H, 1, latent,
-                         DEVICE)
+                         DEVICE, part)
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask, custom_mask=custom,
@@ -98,6 +104,9 @@ def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), cu_seqlens_q=lens)
     with pytest.raises(ValueError, match="kernel='wgmma'"):
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), kernel="wgmma")
+    ws = chunk_workspace(2, 2, 1, 16, 1, 32, "cpu", torch.float16)     # 16-bit partials where the tile takes float32
+    with pytest.raises(ValueError, match="float32 or torch.float32"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), workspace=ws)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,139 @@
+"""MLA's split against its chunk schedule at the kernel level, each launch's time apart: where the
+chunk pass's time goes on uniform rows (issue #40), and what 16-bit chunk partials change.
+
+    python bench/probes/mla_chunks.py [--rows 16x1:48,128x1:48,16x4:48,128x4:24/2] [--dists uniform,ragged,longtail]
+
+Per row (heads x query rows a request : batch[/split count, else the backend's]) and length
+distribution (``bench/sweep``'s), bf16, page 64, shuffled pages: graph-replay time
+(``triton.testing.do_bench``, median) of "split" (``mla_attention_fwd`` at the backend's split count
+and partial dtype), "chunks f32" (``mla_chunk_fwd``, float32 partials: the schedule before 16-bit
+chunk partials) and "chunks" (``warpspec.partial_dtype``'s partials, as the backend allocates them);
+then each launch's device time from the profiler over 20 replays, with its registers, shared memory
+and blocks an SM as the trace reports them. Outputs are compared with the split's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sweep"))
+from sweep_rows import lengths  # noqa: E402
+
+from attn_backends.backends.triton_common import choose_num_kv_splits  # noqa: E402
+from attn_backends_kernels.attention_core import decode_workspace  # noqa: E402
+from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape  # noqa: E402
+from attn_backends_kernels.mla.balanced import mla_chunk_fwd  # noqa: E402
+from attn_backends_kernels.mla.warpspec import partial_dtype  # noqa: E402
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request  # noqa: E402
+
+PAGE = 64
+SPLIT_TOKENS = 128           # triton_mla's verify split floor (two 64-token tiles)
+
+
+def paged(lens: list, gen) -> tuple:
+    counts = [-(-n // PAGE) for n in lens]
+    perm = (torch.randperm(sum(counts), generator=gen) + 1).int()
+    table = torch.zeros(len(lens), max(counts), dtype=torch.int32)
+    at = 0
+    for i, c in enumerate(counts):
+        table[i, :c] = perm[at:at + c]
+        at += c
+    return table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), 1 + sum(counts)
+
+
+def graph(fn) -> tuple:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g, triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
+
+
+def launches(g, n: int = 20) -> dict:
+    """``{kernel: (us a replay, registers, shared bytes, blocks an SM)}`` over ``n`` replays."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            g.replay()
+        torch.cuda.synchronize()
+    path = f"/tmp/mla_chunks_{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    total, info = defaultdict(float), {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            name = e["name"].split("(")[0][-40:]
+            total[name] += e["dur"] / n
+            a = e.get("args", {})
+            info[name] = (a.get("registers per thread"), a.get("shared memory"), a.get("blocks per SM"))
+    return {k: (round(v, 1), *info[k]) for k, v in total.items()}
+
+
+def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
+    gen = torch.Generator().manual_seed(bs + H + W)
+    lens = lengths(dist, bs, kv=16384)
+    lens = [max(n, W) for n in lens]
+    table, seq, slots = paged(lens, gen)
+    kv = torch.randn(slots * PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(bs * W, H, 576, device="cuda", dtype=torch.bfloat16)
+    bw, bh = tile_shape(W, H)
+    programs = bs * -(-W // bw) * -(-H // bh)
+    S = choose_num_kv_splits(programs, q.device, table.shape[1], 1, W, 1, None,
+                             1 if W == 1 else SPLIT_TOKENS // PAGE, 1) if splits is None else splits
+    part16 = partial_dtype(kv.dtype, q.device, PAGE, bw * bh, 512, 64)
+    res = {"row": f"mla{H} W{W} bs{bs} {dist}", "S": S, "part": str(part16)[6:], "tokens": sum(lens)}
+    outs = {}
+
+    def split():
+        out = outs.setdefault("split", torch.empty(bs * W, H, 512, device="cuda", dtype=q.dtype))
+        ws = decode_workspace(bs * W, H, 512, S, "cuda", 0, part16) if S > 1 else None
+        return lambda: mla_attention_fwd(q, kv, table, seq, PAGE, 0.07, S, out, q_per_req=W, workspace=ws)
+
+    def chunks(label, dtype):
+        out = outs.setdefault(label, torch.empty(bs * W, H, 512, device="cuda", dtype=q.dtype))
+        ws = chunk_workspace(bs, slots_per_request("chunks", S, table.shape[1] * PAGE), W, H, 1, 512, "cuda", dtype)
+        return lambda: mla_chunk_fwd(q, kv, table, seq, PAGE, 0.07, S, out, q_per_req=W, workspace=ws)
+
+    for label, make in (("split", split), ("chunks f32", lambda: chunks("chunks f32", torch.float32)),
+                        ("chunks", lambda: chunks("chunks", part16))):
+        g, us = graph(make())
+        res[label] = round(us, 1)
+        res[label + " launches"] = launches(g)
+    ref = outs["split"].float()
+    res["max diff"] = max(round((outs[k].float() - ref).abs().max().item(), 4) for k in outs)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="16x1:48,128x1:48,16x4:48,128x4:24")
+    ap.add_argument("--dists", default="uniform,ragged,longtail")
+    ap.add_argument("--json", help="append each row as a JSON line to this file")
+    args = ap.parse_args(argv)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    for spec in args.rows.split(","):
+        hw, bs = spec.split(":")
+        H, W = (int(x) for x in hw.split("x"))
+        bs, _, splits = bs.partition("/")
+        for dist in args.dists.split(","):
+            r = row(H, W, int(bs), dist, int(splits) if splits else None)
+            print(f"{r['row']} S={r['S']} part={r['part']}: split {r['split']} / chunks f32 {r['chunks f32']} / "
+                  f"chunks {r['chunks']} us (max diff {r['max diff']})")
+            for label in ("split", "chunks f32", "chunks"):
+                print(f"    {label}: {r[label + ' launches']}")
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
