@@ -4,8 +4,9 @@ Every mode runs the MLA kernel, which loads each latent tile once for a block of
 rows and heads and uses it as both K (all 576 columns) and V (the latent 512): DECODE,
 TARGET_VERIFY (chain and tree), DRAFT_EXTEND, draft decode (branch mask) and ragged EXTEND
 (rows from ``cu_seqlens_q``, the grid sized by the host bound ``max_seq_len_q``). With
-``schedule = "chunks"`` (``BalancedTritonMLABackend``) the uniform modes run the chunk schedule's
-pass (``kernels/mla/balanced.py``) instead.
+the chunk schedule (``schedule = "auto"``, the default, on a 16-bit cache on sm_90; ``"chunks"``,
+``BalancedTritonMLABackend``, everywhere) the uniform modes run the chunk schedule's pass
+(``kernels/mla/balanced.py``) instead.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape
 from attn_backends_kernels.mla.balanced import mla_chunk_fwd
 from attn_backends_kernels.mla.swap import decodes_transposed
 from attn_backends_kernels.mla.warpspec import partial_dtype
+from attn_backends_kernels.mla.wgmma import hopper_device
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
@@ -36,11 +38,14 @@ class TritonMLABackend(TritonBackendBase):
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("triton",), kv_dtypes=FP8_KV)
     fuses_merge: ClassVar[bool] = False       # the MLA kernels merge in a separate pass
     # "chunks": the uniform modes cut the batch's KV into equal chunks on the device
-    # (``kernels/mla/balanced.py``, on the Triton tile, merged by a second launch); "split", the
-    # default until measured on the GPU: equal splits of every request (the Gluon kernels on sm_90).
-    schedule = "split"
+    # (``kernels/mla/balanced.py``, merged by a second launch); "split": equal splits of every
+    # request; "auto" (the default): chunks where the Gluon kernels run them (a 16-bit cache on
+    # sm_90: faster on ragged, long-tail and bimodal batches, within 0.94-1.02x of the split on
+    # uniform ones), the split elsewhere (FP8 caches and the Triton tile: chunks not measured there;
+    # figures: bench/RESULTS.md, 'Ragged batches').
+    schedule = "auto"
     chunk_merge = "pass"
-    SCHEDULES: ClassVar[tuple] = ("split", "chunks")
+    SCHEDULES: ClassVar[tuple] = ("split", "chunks", "auto")
 
     def _programs(self, bs: int, width: int) -> int:
         block_w, block_h = tile_shape(width, self.config.num_q_heads)          # the wrapper's tiles
@@ -82,7 +87,11 @@ class TritonMLABackend(TritonBackendBase):
         if self.schedule not in self.SCHEDULES or self.chunk_merge != "pass":
             raise ValueError(f"triton_mla: schedule={self.schedule!r} not in {self.SCHEDULES}, or chunk_merge="
                              f"{self.chunk_merge!r} not 'pass' (no batch-invariant MLA mode; one chunk merge)")
-        return self.schedule == "chunks" and lay.mode != ForwardMode.EXTEND
+        if lay.mode == ForwardMode.EXTEND:
+            return False
+        if self.schedule == "auto":
+            return self.memory.pool.kv[0].dtype in (torch.float16, torch.bfloat16) and hopper_device(self.memory.device)
+        return self.schedule == "chunks"
 
     def _launch(self, q: torch.Tensor, kv: tuple, out: torch.Tensor, layer: AttentionLayer,
                 meta: TritonMetadata) -> None:
@@ -91,7 +100,7 @@ class TritonMLABackend(TritonBackendBase):
         if self._chunked(lay):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
-                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self.schedule, merge=self.chunk_merge,
+                          draft_prefix_lens=lay.draft_prefix_lens, schedule="chunks", merge=self.chunk_merge,
                           kv_scale=layer.k_scale)
             return
         ragged = lay.mode == ForwardMode.EXTEND
@@ -110,3 +119,11 @@ class BalancedTritonMLABackend(TritonMLABackend):
 
     name: ClassVar[str] = "triton_mla_balanced"
     schedule = "chunks"
+
+
+class SplitTritonMLABackend(TritonMLABackend):
+    """``triton_mla`` with ``schedule = "split"`` (equal splits of every request: 1.0-1.06x faster than the
+    chunks on some uniform batches, far slower on ragged ones), by name as ``BalancedTritonMLABackend``."""
+
+    name: ClassVar[str] = "triton_mla_split"
+    schedule = "split"

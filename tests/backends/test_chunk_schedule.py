@@ -3,6 +3,7 @@
 are merged (the other backend tests' contexts are shorter than a chunk): every uniform mode, eager
 against the float64 reference and the graph metadata path (capture another batch, replay this one)
 equal to eager bitwise."""
+import dataclasses
 import random
 
 import pytest
@@ -119,3 +120,26 @@ def test_triton_mla_refuses_what_it_has_not(attr, value):
     m = materialize(Scenario(ForwardMode.DECODE, 2, [40, 7]), mem, be.get_cuda_graph_seq_len_fill_value())
     with pytest.raises(ValueError, match=f"{value!r}"):
         be.init_forward_metadata(m.batch)
+
+
+@pytest.mark.parametrize("hopper,kv_dtype,chunked", [(True, torch.bfloat16, True), (True, torch.float8_e4m3fn, False),
+                                                     (False, torch.bfloat16, False)])
+def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monkeypatch, hopper, kv_dtype, chunked):
+    """The default ``schedule = "auto"``: the chunk schedule for the uniform modes on a 16-bit cache on
+    sm_90 (the Gluon kernels), the split on an FP8 cache or elsewhere, and never for ragged extend."""
+    from attn_backends.backends import triton_mla
+    from attn_backends.backends.triton_mla import SplitTritonMLABackend
+    monkeypatch.setattr(triton_mla, "hopper_device", lambda device: hopper)
+    cfg = dataclasses.replace(_mla_config(), dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    mem = make_memory(cfg, num_pages=64, max_reqs=8, max_context_len=256, device=DEVICE)
+    auto, split = TritonMLABackend(cfg, mem), SplitTritonMLABackend(cfg, mem)
+    assert auto.schedule == "auto"
+
+    def layout(be, mode):
+        extend = [5, 3] if mode == ForwardMode.EXTEND else None
+        m = materialize(Scenario(mode, 2, [40, 7], extend_lens=extend), mem, be.get_cuda_graph_seq_len_fill_value())
+        be.init_forward_metadata(m.batch)
+        return be.forward_metadata.layout
+    assert auto._chunked(layout(auto, ForwardMode.DECODE)) is chunked
+    assert auto._chunked(layout(auto, ForwardMode.EXTEND)) is False
+    assert split._chunked(layout(split, ForwardMode.DECODE)) is False
