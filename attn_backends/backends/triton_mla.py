@@ -40,7 +40,7 @@ class TritonMLABackend(TritonBackendBase):
     # "chunks": the uniform modes cut the batch's KV into equal chunks on the device
     # (``kernels/mla/balanced.py``, merged by a second launch); "split": equal splits of every
     # request; "auto" (the default): chunks where the Gluon kernels run them (a 16-bit cache on
-    # sm_90: faster on ragged, long-tail and bimodal batches, within 0.94-1.02x of the split on
+    # sm_90: far faster on ragged, long-tail and bimodal batches, 0.99-1.07x the split's time on
     # uniform ones), the split elsewhere (FP8 caches and the Triton tile: chunks not measured there;
     # figures: bench/RESULTS.md, 'Ragged batches').
     schedule = "auto"
