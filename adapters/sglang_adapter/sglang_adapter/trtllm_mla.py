@@ -23,7 +23,8 @@ server's global args are absent:
 
 Mapping (the canonical fields): the block table is the page table (``-1`` past each row's pages,
 as SGLang writes it, stated as the reserved page 0 there); decode's KV lengths are the runner's
-``seq_lens`` (SGLang's decode forward reads ``forward_batch.seq_lens``); verify and draft extend
+``seq_lens`` (0.5.9 / 0.5.10's decode forward reads ``forward_batch.seq_lens``; 0.5.23's reads the
+metadata's ``seq_lens_k`` first, so the view states that one); verify and draft extend
 read ``seq_lens_k``; draft extend's query rows are its ``cu_seqlens_q`` and each request's padded
 query width ``max_seq_len_q`` (the kernel's query row j of a request sits at
 ``seq_lens_k - max_seq_len_q + j``).
@@ -116,7 +117,10 @@ class TRTLLMMetadata(SGLangMetadata):
         m, bs, w, ps = self.sgl, self.bs, self.width, self.page_size
         if self.mode == ForwardMode.DECODE:
             cu = torch.arange(bs + 1, dtype=I32, device=m.block_kv_indices.device)
-            seq, q_pad = self.runner_seq[:bs].to(I32), 1
+            # the decode kernel's lengths: the metadata's seq_lens_k where SGLang made one (0.5.13+:
+            # forward_decode reads it first), else the batch's seq_lens (0.5.9 / 0.5.10's forward)
+            own = isinstance(m.seq_lens_k, torch.Tensor)
+            seq, q_pad = (m.seq_lens_k[:bs] if own else self.runner_seq[:bs]).to(I32), 1
         elif self.mode == ForwardMode.TARGET_VERIFY:
             cu = torch.arange(0, (bs + 1) * w, w, dtype=I32, device=m.block_kv_indices.device)
             seq, q_pad = m.seq_lens_k[:bs], w
