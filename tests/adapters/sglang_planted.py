@@ -1,6 +1,7 @@
 """Planted engine bugs for the SGLang adapter's tests. ShortReplayBackend: SGLang's own TritonAttnBackend whose graph
 replay (0.5.13+: a replay's out-of-graph prep) writes every request's KV extent one token short (what a
 replay that takes its lengths from a stale buffer does). Eager metadata and the capture are SGLang's, unchanged."""
+import torch
 from sglang_adapter.triton import SGLangTritonBackend, SGLangTritonTreeVerify
 from sglang_adapter.trtllm_mla import SGLangTRTLLMMLABackend
 
@@ -86,3 +87,24 @@ class ShortDraftReplayBackend(SGLangTritonBackend):
                 super().init_forward_metadata_out_graph(forward_batch, in_capture)
 
         return ShortReplay
+
+
+class PackedDraftExtendTRTLLMBackend(SGLangTRTLLMMLABackend):
+    """SGLang 0.5.13+'s TRTLLMMLABackend whose draft-extend replay writes a packed cu_seqlens_q (N - 1 rows a
+    request: finding (d)'s class) into the buffer the graph holds. That buffer is constant state the adapter
+    leaves out of the poisoning (0.5.23 writes it at graph creation only); I1 must still see the write."""
+
+    name = "sglang_trtllm_mla_packed_draft_extend"
+
+    def engine_class(self) -> type:
+        base = super().engine_class()
+
+        class PackedReplay(base):
+            def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+                super().init_forward_metadata_out_graph(forward_batch, in_capture)
+                if not in_capture and forward_batch.forward_mode.is_draft_extend_v2():
+                    bs, m = forward_batch.batch_size, self.decode_cuda_graph_metadata[forward_batch.batch_size]
+                    rows = torch.arange(1, bs + 1, dtype=torch.int32, device=m.cu_seqlens_q.device)
+                    m.cu_seqlens_q[1:bs + 1].copy_(rows * (self.num_draft_tokens - 1))
+
+        return PackedReplay

@@ -288,6 +288,15 @@ def planted_short_draft_replay_fails(rs, version):
     assert all(m.startswith("replayed output") for m in messages(r, "I9n")), messages(r, "I9n")
 
 
+def planted_packed_trtllm_draft_extend_fails(rs, version):
+    """0.5.23 writes a draft extend's cu_seqlens_q at graph creation only, so the adapter leaves it out of the
+    poisoning; a replay that writes it packed (finding (d)'s class) still fails I1 on every replay."""
+    r = rs["packed_trtllm"]
+    c = r["checks"]["draft_extend"]
+    assert r["rc"] == 1 and c["I1"] == (0, 6) and failed(c) == {"I1", "I9n"}, c
+    assert all("cu_seqlens_q: replay != eager" in m for m in messages(r, "I1")), messages(r, "I1")
+
+
 SCRIPTS = {"kv_indptr0": {"script": KV_INDPTR0}, "draft_pad": {"script": DRAFT_PAD}}
 COMMON = {"tree": check(TREE, "verify_tree"), "trtllm": check(TRTLLM)}
 PLANTS = {"short_replay": check(f"{PLANTED}:ShortReplayBackend", "decode"),
@@ -307,8 +316,10 @@ VERSIONS = {
                COMMON_CHECKS + [triton_draft_extend_reads_the_new_rows_twice, planted_open_tree_mask_fails]
                + PLANT_CHECKS),
     # the newest release: one case a mode for the Triton backend (its draft extend fails I13 once a case)
-    "0.5.23": ({**SCRIPTS, "triton": check(BACKEND, cases=1), **COMMON, **PLANTS},
-               COMMON_CHECKS + [triton_0_5_23_draft_extend_capture] + PLANT_CHECKS),
+    "0.5.23": ({**SCRIPTS, "triton": check(BACKEND, cases=1), **COMMON, **PLANTS,
+                "packed_trtllm": check(f"{PLANTED}:PackedDraftExtendTRTLLMBackend", "draft_extend")},
+               COMMON_CHECKS + [triton_0_5_23_draft_extend_capture, planted_packed_trtllm_draft_extend_fails]
+               + PLANT_CHECKS),
 }
 
 

@@ -59,7 +59,7 @@ def backend(adapter, spec):
         adapter.draft_key = (spec.num_steps, spec.topk, spec.draft_step)
         adapter.sgl = multi.attn_backends[spec.draft_step - 1]
         if adapter.graph_state is not None:
-            multi.init_cuda_graph_state(*adapter.graph_state)
+            adapter._init_graph_state()
     elif adapter.draft_key != (spec.num_steps, spec.topk, spec.draft_step):
         raise LayoutError(f"{adapter.name}: made for (num_steps, topk, draft_step)={adapter.draft_key} (SGLang's "
                           f"server args and the step's backend); this batch has "

@@ -4,7 +4,8 @@ attn-backends backend.
 Every method hands the call to SGLang's own: ``init_forward_metadata`` (eager),
 ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
 ``init_forward_metadata_replay_cuda_graph`` (SGLang 0.5.13+: ``init_forward_metadata_out_graph`` /
-``_in_graph`` as its graph runners call them, ``ingraph.py``), and the forward
+``_in_graph`` as its graph runners call them, ``ingraph.py``; draft decode: its
+``TritonMultiStepDraftBackend``'s, ``draft.py``), and the forward
 (``TritonAttnBackend.forward``, its Triton decode and extend kernels). What the adapter adds is
 translation:
 

@@ -1,7 +1,8 @@
 """SGLang's ``TRTLLMMLABackend`` (``sglang/srt/layers/attention/trtllm_mla_backend.py``) as an
 attn-backends backend: its block-table metadata (``TRTLLMMLADecodeMetadata``) from its own
-``init_forward_metadata``, ``init_cuda_graph_state`` and capture / replay methods, the block
-tables written by its Triton kernel (``create_flashmla_kv_indices_triton``) in the interpreter.
+``init_forward_metadata``, ``init_cuda_graph_state`` and capture / replay methods (SGLang 0.5.13+:
+``init_forward_metadata_out_graph`` / ``_in_graph``, ``ingraph.py``), the block tables written by
+its Triton kernel (``create_flashmla_kv_indices_triton``) in the interpreter.
 
 The forward cannot run here: it is FlashInfer's trtllm-gen kernel (CUDA, SM100). The contract has
 no way to declare "the layout invariants alone" (docs/engines.md), so :meth:`forward` raises and
@@ -20,6 +21,10 @@ server's global args are absent:
   (chunked prefix cache off: no extend path here).
 - ``kv_indices_buf``: SGLang's own optional argument of ``init_cuda_graph_state``; without it the
   FlashInfer parent allocates on ``"cuda"`` by name. The trtllm paths do not read it.
+- 0.5.13+, without CUDA only (the constructor's CUDA-only parts, each a function below with its
+  reason): the parent's pinned host buffers (allocated unpinned), the ``fixup_zero_kv`` JIT prebuild,
+  trtllm-gen's multi-CTA KV counters; the global server args are SGLang's published config there
+  (``ingraph.publish``).
 
 Mapping (the canonical fields): the block table is the page table (``-1`` past each row's pages,
 as SGLang writes it, stated as the reserved page 0 there); decode's KV lengths are the runner's
