@@ -120,6 +120,8 @@ class ServerArgs:
     chunked_prefill_size: int = 8192
     page_size: int = 1
     kv_cache_dtype: str = "auto"
+    speculative_draft_window_size: Optional[int] = None     # 0.5.23's draft decode: full attention
+    speculative_draft_sink_size: Optional[int] = None
 
 
 class _ModelConfig:

@@ -55,7 +55,7 @@ def publish(args: engine.ServerArgs) -> None:
     rc = importlib.import_module("sglang.srt.runtime_context")
     spec = args.speculative_num_draft_tokens is not None
     rc.get_context().override_server_args(
-        tp_size=1, dp_size=1, pp_size=1, page_size=1, kv_cache_dtype=args.kv_cache_dtype,
+        tp_size=1, dp_size=1, pp_size=1, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
         chunked_prefill_size=args.chunked_prefill_size,
         triton_attention_num_kv_splits=args.triton_attention_num_kv_splits,
         triton_attention_split_tile_size=args.triton_attention_split_tile_size,
@@ -87,7 +87,7 @@ class StandInRunner13(engine.StandInRunner):
         self.kv_index_translator = KVIndexTranslator(
             req_to_token=self.req_to_token_pool.req_to_token,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, token_to_kv_pool=self.token_to_kv_pool,
-            page_size=1, device=self.device, is_draft_worker=False)
+            page_size=server_args.page_size, device=self.device, is_draft_worker=False)
 
     def decode_num_tokens_per_req(self) -> int:
         if not self.spec_algorithm.is_speculative():

@@ -4,7 +4,8 @@ attn-backends backend.
 Every method hands the call to SGLang's own: ``init_forward_metadata`` (eager),
 ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
 ``init_forward_metadata_replay_cuda_graph`` (SGLang 0.5.13+: ``init_forward_metadata_out_graph`` /
-``_in_graph`` as its graph runners call them, ``ingraph.py``), and the forward
+``_in_graph`` as its graph runners call them, ``ingraph.py``; draft decode: its
+``TritonMultiStepDraftBackend``'s, ``draft.py``), and the forward
 (``TritonAttnBackend.forward``, its Triton decode and extend kernels). What the adapter adds is
 translation:
 
@@ -28,80 +29,17 @@ Graph buffers (poisoned by the suite before each replay): SGLang's static ``kv_i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
 
 from attn_backends import AttentionBackend, Capabilities, ForwardMode, GraphSupport
-from attn_backends.base import ForwardMetadata
 from attn_backends.layout import LayoutError
 
-from . import engine, ingraph
+from . import draft, engine, ingraph
+from .metadata import I32, SGLangMetadata
 
-I32 = torch.int32
-
-
-@dataclass(eq=False)
-class SGLangMetadata(ForwardMetadata):
-    """SGLang's ``ForwardMetadata`` (``sgl``) with what the canonical view needs: the mode, ``bs``,
-    W, and, in graph mode, fixed buffers the derived fields are written into (so that their
-    addresses hold from capture to replay, like SGLang's own)."""
-
-    sgl: object = None
-    mode: ForwardMode = ForwardMode.DECODE
-    bs: int = 0
-    width: int = 1
-    max_k: int = 0
-    tree: bool = False
-    own: dict = field(default_factory=dict)
-    runner_seq: Optional[torch.Tensor] = None     # the runner's seq_lens (what a forward of SGLang's reads)
-
-    def _out(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        buf = self.own.get(name)
-        if buf is None or self.key is None:
-            return value if value.dtype == torch.bool else value.to(I32)
-        buf.copy_(value)
-        return buf
-
-    def _draft_blocks(self, prefix: torch.Tensor) -> torch.Tensor:
-        """The ``W x W`` draft block of each request in SGLang's verify mask (rows of prefix + W
-        entries from ``mask_indptr[i]``); an all-False block where its ``mask_indptr`` points
-        outside the buffer or at a row length that does not fit."""
-        m, w = self.sgl, self.width
-        starts, lens = m.mask_indptr[:self.bs + 1].tolist(), prefix.tolist()
-        blocks = []
-        for i in range(self.bs):
-            a, n = starts[i], w * (lens[i] + w)
-            ok = 0 <= a and a + n <= m.custom_mask.numel() and starts[i + 1] - a == n
-            rows = m.custom_mask[a:a + n].view(w, lens[i] + w)[:, lens[i]:] if ok else None
-            blocks.append(rows.bool() if ok else torch.zeros(w, w, dtype=torch.bool, device=prefix.device))
-        return torch.stack(blocks).reshape(-1)
-
-    def as_layout(self) -> dict:
-        """The canonical fields of what SGLang's kernels read (host reads: the suite's, after the
-        replay; never inside one)."""
-        m, bs, w = self.sgl, self.bs, self.width
-        indptr = m.kv_indptr[:bs + 1]
-        kv_len = (indptr[1:] - indptr[:-1]).to(I32)                  # KV tokens SGLang's kernel reads
-        if self.mode == ForwardMode.DECODE:          # the decode kernel reads kv_indptr's tokens, one row
-            cu = torch.arange(bs + 1, dtype=I32, device=indptr.device)
-            prefix, seq = kv_len - 1, kv_len
-        else:   # the extend kernel: kv_indptr's tokens are the prefix, qo_indptr's rows come after them
-            cu = m.qo_indptr[:bs + 1]
-            prefix = kv_len
-            seq = kv_len + (cu[1:] - cu[:-1]).to(I32)
-        out = {"cu_seqlens_q": self._out("cu_seqlens_q", cu), "seq_lens_k": self._out("seq_lens_k", seq),
-               "prefix_lens": self._out("prefix_lens", prefix),
-               "max_seq_len_q": m.max_extend_len if isinstance(m.max_extend_len, int) else w,
-               "max_seq_len_k": self.max_k}
-        if self.mode == ForwardMode.TARGET_VERIFY and self.tree:
-            out["custom_mask"] = self._out("custom_mask", self._draft_blocks(prefix))
-        if self.mode == ForwardMode.DECODE:   # decode: SGLang's paged form covers the whole KV, the canonical one
-            out["kv_indptr"] = indptr
-            used = int(indptr[-1])
-            out["kv_indices"] = m.kv_indices[:used] if 0 <= used <= m.kv_indices.numel() else m.kv_indices
-        return out
+__all__ = ["I32", "SGLangMetadata", "SGLangTritonBackend", "SGLangTritonTreeVerify"]
 
 
 class SGLangTritonBackend(AttentionBackend):
@@ -111,7 +49,7 @@ class SGLangTritonBackend(AttentionBackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         mha=True, mla=False, page_sizes=(1,),
-        topk_gt1=False, draft_decode=False, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"),
+        topk_gt1=False, draft_decode=True, graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"),
         requires=("sglang",), preference=-10)
 
     def __init__(self, config, memory) -> None:
@@ -128,6 +66,8 @@ class SGLangTritonBackend(AttentionBackend):
 
     # -- SGLang's backend, made once N is known (SGLang reads it from the server args at construction)
     def _backend(self, spec) -> object:
+        if draft.is_draft(spec):           # SGLang's multi-step draft backend, this step's backend
+            return draft.backend(self, spec)
         n = spec.num_draft_tokens if spec is not None else None
         if self.sgl is None:
             args = engine.ServerArgs(speculative_num_draft_tokens=n,
@@ -159,12 +99,18 @@ class SGLangTritonBackend(AttentionBackend):
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
         return TritonAttnBackend
 
+    def draft_engine_class(self) -> type:
+        """The SGLang class adapted for draft decode (``draft.py``; a test plants bugs in a subclass)."""
+        from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+        return TritonMultiStepDraftBackend
+
     def _check(self, mode, spec) -> None:
         if mode not in self.capabilities.modes:
             runs = ", ".join(sorted(m.name for m in self.capabilities.modes))
             raise LayoutError(f"{self.name} does not run mode {mode.name}; it runs {runs}")
         tree_ok = mode == ForwardMode.TARGET_VERIFY and self.capabilities.topk_gt1
-        if spec is not None and ((spec.topk > 1 and not tree_ok) or spec.is_draft_decode):
+        draft_ok = spec is None or not spec.is_draft_decode or self.capabilities.draft_decode
+        if spec is not None and ((spec.topk > 1 and not tree_ok) or not draft_ok):
             raise LayoutError(f"{self.name}: no topk={spec.topk} in {mode.name}, no draft decode "
                               f"(draft_step={spec.draft_step})")
 
@@ -202,8 +148,12 @@ class SGLangTritonBackend(AttentionBackend):
         sgl = self._backend(spec)
         w = batch.width if mode != ForwardMode.EXTEND else 0
         n = w if mode == ForwardMode.TARGET_VERIFY else 0
-        fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n), self._sgl_seq(mode, batch.seq_lens_cpu, n))
-        sgl.init_forward_metadata(fb)
+        if draft.is_draft(spec):
+            fb = draft.eager(self, batch)
+        else:
+            fb = self._sgl_batch(batch, self._sgl_seq(mode, batch.seq_lens, n),
+                                 self._sgl_seq(mode, batch.seq_lens_cpu, n))
+            sgl.init_forward_metadata(fb)
         self.forward_metadata = self.meta_class(None, None, batch, sgl=self._engine_meta(), mode=mode,
                                                bs=batch.batch_size, width=w, max_k=int(batch.seq_lens_cpu.max()),
                                                tree=mode == ForwardMode.TARGET_VERIFY and spec.topk > 1)
@@ -258,7 +208,7 @@ class SGLangTritonBackend(AttentionBackend):
             self._init_graph_state()
 
     def _init_graph_state(self) -> None:
-        self.sgl.init_cuda_graph_state(*self.graph_state)
+        (getattr(self, "multi", None) or self.sgl).init_cuda_graph_state(*self.graph_state)
 
     def init_forward_metadata_capture_cuda_graph(self, inputs) -> None:
         key, spec = inputs.key, inputs.spec_info
@@ -267,7 +217,9 @@ class SGLangTritonBackend(AttentionBackend):
             raise LayoutError("capture before init_cuda_graph_state()")
         sgl = self._backend(spec)
         n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
-        if ingraph.in_graph_api():
+        if draft.is_draft(spec):
+            draft.capture(self, inputs)
+        elif ingraph.in_graph_api():
             ingraph.capture(sgl, self._graph_batch(inputs, replay=False))
         else:
             sgl.init_forward_metadata_capture_cuda_graph(
@@ -282,6 +234,8 @@ class SGLangTritonBackend(AttentionBackend):
         rec = self.meta_class(None, key, None, sgl=meta, mode=key.forward_mode, bs=key.bs, width=key.width,
                               max_k=self.memory.max_context_len, tree=tree, own=own,
                               runner_seq=inputs.seq_lens.as_subclass(torch.Tensor))
+        if draft.is_draft(spec):
+            rec.kv_full = draft.graph_kv_indices(self, meta)
         self.records[key] = rec
         self.forward_metadata = rec
 
@@ -292,7 +246,9 @@ class SGLangTritonBackend(AttentionBackend):
             raise LayoutError(f"no graph captured for {key}; captured: {', '.join(map(str, self.records)) or 'none'}")
         n = key.width if key.forward_mode == ForwardMode.TARGET_VERIFY else 0
         seq_cpu = self._sgl_seq(key.forward_mode, inputs.seq_lens_cpu, n)
-        if ingraph.in_graph_api():
+        if draft.is_draft(spec):
+            draft.replay(self, inputs)
+        elif ingraph.in_graph_api():
             self.sgl.forward_metadata = rec.sgl                 # the graph of this key
             ingraph.replay(self.sgl, self._graph_batch(inputs, replay=True))
         else:
@@ -370,7 +326,8 @@ class SGLangTritonBackend(AttentionBackend):
             # first); a read-only call hands them over from the slots they were stored in
             loc = batch.out_cache_loc
             k, v = self.memory.pool.k[layer.layer_id][loc], self.memory.pool.v[layer.layer_id][loc]
-        self.sgl.forward_metadata = meta.sgl            # what the captured graph's kernels read
+        # what the captured graph's kernels read
+        self.sgl.forward_metadata = meta.sgl if meta.kv_full is None else draft.with_graph_kv(meta)
         out = self.sgl.forward(q.reshape(q.shape[0], -1), k, v, rl, fb, save_kv_cache=save_kv_cache)
         return out.view(q.shape[0], layer.num_q_heads, layer.v_dim)
 
