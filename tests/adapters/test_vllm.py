@@ -55,7 +55,8 @@ def messages(r: dict, inv: str) -> list:
 
 
 def test_vllm_triton_declares_what_vllm_serves():
-    """Decode, extend and chain verify; no tree verify (vLLM has none), no draft modes, no topk > 1;
+    """Decode, extend, chain verify and draft extend (vLLM's draft prefill: the target's batch shape and
+    metadata); no tree verify (vLLM has none), no draft decode, no topk > 1;
     pages of vLLM's block sizes (multiples of 16). Read without vLLM installed (the adapter imports vLLM in
     its constructor only)."""
     sys.path.insert(0, str(ADAPTER))
@@ -64,16 +65,17 @@ def test_vllm_triton_declares_what_vllm_serves():
     finally:
         sys.path.remove(str(ADAPTER))
     caps = VLLMTritonBackend.capabilities
-    assert caps.modes == frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
+    assert caps.modes == frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                                    ForwardMode.DRAFT_EXTEND})
     assert not caps.topk_gt1 and not caps.draft_decode and not caps.mla
     assert all(ps % 16 == 0 for ps in caps.page_sizes)
 
 
 def test_vllm_triton_passes_the_layout_suite(tmp_path):
-    """vLLM 0.33's builder and unified_attention, one process over the three declared modes: every
+    """vLLM 0.33's builder and unified_attention, one process over the four declared modes: every
     invariant passes (I9n: vLLM's kernel in the interpreter against torch_native)."""
     r = check(BACKEND, None, tmp_path)
-    assert set(r["by_mode"]) == {"decode", "extend", "verify_chain"}, r["by_mode"]
+    assert set(r["by_mode"]) == {"decode", "extend", "verify_chain", "draft_extend"}, r["by_mode"]
     for mode, checks in r["by_mode"].items():
         want = LAYOUT_INVARIANTS - EAGER_ONLY if mode == "extend" else LAYOUT_INVARIANTS
         assert set(checks) == want and all(p > 0 for p, _ in checks.values()), (mode, checks)

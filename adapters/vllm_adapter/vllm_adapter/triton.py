@@ -19,6 +19,15 @@ capture, on vLLM's dummy capture batch). The forward is ``TritonAttentionImpl.fo
   graph reads: the captured record's host ints over the persistent buffers.
 - eager (EXTEND, and DECODE / TARGET_VERIFY without a graph): the same preparation, unpadded, ``build``.
 
+Modes: DECODE, EXTEND (prefill and chunked prefill: eager or piecewise, never in a FULL graph),
+TARGET_VERIFY as vLLM verifies (a chain: ``1 + num_speculative_tokens`` rows a request, causal; vLLM has
+no tree verify) and DRAFT_EXTEND, vLLM's draft prefill: its speculators keep the target's batch shape
+(each request's N rows, rejected positions included) and reuse the target's attention metadata
+(``spec_decode/target_dependent_ar/speculator.py`` ``propose``, FULL graphs captured like the target's in
+``target_dependent_ar/cudagraph_utils.py``); accept lengths only select rows, as in ours. Not declared:
+draft decode (its steps' ``seq_lens`` come from the speculator's ``prepare_decode_inputs`` kernel, which
+the adapter does not drive) and topk > 1.
+
 Conventions translated, not changed (:meth:`VLLMMetadata.as_layout`): vLLM pads a graph's batch with
 requests of no query rows and no KV (``query_start_loc`` past the real requests = their token count,
 ``seq_lens`` 0, block-table rows the null block 0, slots -1); the canonical pad request has W rows and
@@ -98,7 +107,8 @@ class VLLMTritonBackend(AttentionBackend):
 
     name: ClassVar[str] = "vllm_triton"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}),
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                         ForwardMode.DRAFT_EXTEND}),
         mha=True, mla=False, page_sizes=(16, 64), topk_gt1=False, draft_decode=False,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), head_dims=(32, 64, 128),
         requires=("vllm",), preference=-10)
