@@ -59,16 +59,30 @@ def test_vllm_triton_declares_what_vllm_serves():
     metadata); no tree verify (vLLM has none), no draft decode, no topk > 1;
     pages of vLLM's block sizes (multiples of 16). Read without vLLM installed (the adapter imports vLLM in
     its constructor only)."""
+    caps = _adapter_class().capabilities
+    assert caps.modes == frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                                    ForwardMode.DRAFT_EXTEND})
+    assert not caps.topk_gt1 and not caps.draft_decode and not caps.mla
+    assert all(ps % 16 == 0 for ps in caps.page_sizes)
+
+
+def _adapter_class():
     sys.path.insert(0, str(ADAPTER))
     try:
         from vllm_adapter.triton import VLLMTritonBackend
     finally:
         sys.path.remove(str(ADAPTER))
-    caps = VLLMTritonBackend.capabilities
-    assert caps.modes == frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
-                                    ForwardMode.DRAFT_EXTEND})
-    assert not caps.topk_gt1 and not caps.draft_decode and not caps.mla
-    assert all(ps % 16 == 0 for ps in caps.page_sizes)
+    return VLLMTritonBackend
+
+
+def test_vllm_triton_refuses_pages_vllm_does_not_take():
+    """Pages of 1 (SGLang's token pages) are no vLLM block size: a one-line error before vLLM is imported."""
+    from attn_backends import KVMemory, ModelConfig
+    cfg = ModelConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=1)
+    mem = KVMemory(num_layers=1, num_pages=64, page_size=1, max_reqs=4, max_context_len=64, is_mla=False,
+                   num_kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match=r"multiples of 16 only .*page_size=1$"):
+        _adapter_class()(cfg, mem)
 
 
 def test_vllm_triton_passes_the_layout_suite(tmp_path):

@@ -32,7 +32,9 @@ import torch
 
 from attn_backends.check.hostsync import GuardedTensor
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+# the stand-in config's cudagraph_capture_sizes: vLLM's default list up to 32 (the builder picks its 2D/3D
+# kernel threshold as the capture size nearest 128 / num_kv_heads)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,10 +57,6 @@ def vllm():
         bu.is_uva_available = lambda: False
     _sync_free_interpreter_launches()
     return v
-
-
-def vllm_version() -> str:
-    return getattr(vllm(), "__version__", "?")
 
 
 def _sync_free_interpreter_launches() -> None:
