@@ -56,13 +56,14 @@ def messages(r: dict, inv: str) -> list:
 
 def test_vllm_triton_declares_what_vllm_serves():
     """Decode, extend, chain verify and draft extend (vLLM's draft prefill: the target's batch shape and
-    metadata); no tree verify (vLLM has none), no draft decode, no topk > 1;
+    metadata); sinks and softcap (its kernel's); no tree verify (vLLM has none), no draft decode, no topk > 1;
     pages of vLLM's block sizes (multiples of 16). Read without vLLM installed (the adapter imports vLLM in
     its constructor only)."""
     caps = _adapter_class().capabilities
     assert caps.modes == frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                                     ForwardMode.DRAFT_EXTEND})
     assert not caps.topk_gt1 and not caps.draft_decode and not caps.mla
+    assert caps.sinks and caps.softcap and not caps.windows    # windows: vLLM's runner masks blocks below them
     assert all(ps % 16 == 0 for ps in caps.page_sizes)
 
 

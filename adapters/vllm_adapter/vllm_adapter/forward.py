@@ -15,12 +15,17 @@ import torch
 
 
 def _impl(backend, layer):
-    impl = backend.impls.get(layer.layer_id)
+    """vLLM's impl of one layer: its logit softcap and sink logits (gpt-oss's: each head's softmax
+    denominator gains ``exp(sinks[h])``, our ``torch_native``'s semantics) handed over as vLLM's
+    ``Attention`` layer hands them."""
+    key = (layer.layer_id, layer.softcap, None if layer.sinks is None else layer.sinks.data_ptr())
+    impl = backend.impls.get(key)
     if impl is None:
         from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-        impl = backend.impls[layer.layer_id] = TritonAttentionImpl(
+        impl = backend.impls[key] = TritonAttentionImpl(
             num_heads=layer.num_q_heads, head_size=layer.qk_dim, scale=layer.scaling,
-            num_kv_heads=layer.num_kv_heads, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+            num_kv_heads=layer.num_kv_heads, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+            logits_soft_cap=layer.softcap, sinks=layer.sinks)
     return impl
 
 

@@ -111,7 +111,7 @@ class VLLMTritonBackend(AttentionBackend):
                          ForwardMode.DRAFT_EXTEND}),
         mha=True, mla=False, page_sizes=(16, 64), topk_gt1=False, draft_decode=False,
         graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), head_dims=(32, 64, 128),
-        requires=("vllm",), preference=-10)
+        sinks=True, softcap=True, requires=("vllm",), preference=-10)
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -250,6 +250,7 @@ class VLLMTritonBackend(AttentionBackend):
         meta = self.forward_metadata
         if meta is None:
             raise LayoutError("forward() before init_forward_metadata()")
-        if layer.features:
-            raise ValueError(f"{self.name} declares no windows, sinks or softcap (layer {layer.layer_id} uses them)")
+        if layer.window is not None:
+            # vLLM's runner masks the blocks below a window to its null block (gather_block_tables), not mirrored
+            raise ValueError(f"{self.name} declares no sliding windows (layer {layer.layer_id} has {layer.window})")
         return forward.run(self, q, k, v, layer, meta, save_kv_cache)
