@@ -61,6 +61,7 @@ class VLLMMetadata(ForwardMetadata):
     width: int = 1
     raw_bs: int = 0
     fill: int = 1
+    page_size: int = 16
     own: dict = field(default_factory=dict)
 
     def _out(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -98,8 +99,6 @@ class VLLMMetadata(ForwardMetadata):
                 # columns past a row's pages are not read by the kernel (it stops at seq_lens)
                 "page_table": self._out("page_table", torch.where(used, page_table, 0)),
                 "max_seq_len_q": int(m.max_query_len), "max_seq_len_k": int(m.max_seq_len)}
-
-    page_size: int = 16
 
 
 class VLLMTritonBackend(AttentionBackend):
