@@ -5,6 +5,7 @@
 #
 #   adapters/install_engines.sh [VERSION ...]      (default: 0.5.9 0.5.10)
 #   ENGINES_DIR=/tmp/engines PYTHON=.venv/bin/python adapters/install_engines.sh 0.5.9
+#   adapters/install_engines.sh vllm-0.33.0         (vLLM: the engine's name before the version)
 #
 # Each version lands in $ENGINES_DIR/sglang-VERSION with the light dependencies of
 # sglang_adapter/requirements-light.txt (0.5.13 and later: requirements-light-0.5.13.txt, the
@@ -16,7 +17,29 @@ dir="${ENGINES_DIR:-/tmp/engines}"
 py="${PYTHON:-python}"
 versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(0.5.9 0.5.10)
+# vLLM (an argument vllm-VERSION): $ENGINES_DIR/vllm-VERSION with vllm_adapter/requirements-light.txt,
+# the light modules on the import path of its Triton attention backend and V2 runner helpers.
+install_vllm() {
+  local v="$1" target="$dir/vllm-$1" start
+  case "$v" in
+    *[!0-9.]*|"") echo "install_engines.sh: error: bad vLLM version '$v' (want digits and dots, e.g. vllm-0.33.0)" >&2; exit 2;;
+  esac
+  if [ -f "$target/vllm-$v.dist-info/METADATA" ]; then
+    echo "vllm $v: already in $target"
+    return
+  fi
+  start=$(date +%s)
+  rm -rf "$target.partial"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$target.partial" \
+    "vllm==$v" -r "$here/vllm_adapter/requirements-light.txt"
+  rm -rf "$target" && mv "$target.partial" "$target"
+  echo "vllm $v: installed in $target in $(( $(date +%s) - start )) s"
+}
 for v in "${versions[@]}"; do
+  if [[ "$v" == vllm-* ]]; then
+    install_vllm "${v#vllm-}"
+    continue
+  fi
   case "$v" in
     *[!0-9.]*|"") echo "install_engines.sh: error: bad SGLang version '$v' (want digits and dots, e.g. 0.5.9)" >&2; exit 2;;
   esac
