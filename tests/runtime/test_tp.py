@@ -21,9 +21,9 @@ MODELS = {"gqa kv split": TinyConfig(), "gqa kv replicated": TinyConfig(num_q_he
 SPECS = {"plain": None, "eagle": SpecConfig("eagle", 1, 3, 4), "tree": SpecConfig("eagle", 2, 2, 4)}
 
 
-def _outputs(tp, device, cases, backend="torch_native", skew=False):
+def _outputs(tp, device, cases, backend="torch_native", skew=False, replays=None):
     """Every case's generated tokens on this rank (``backend`` "triton": triton or triton_mla by the model;
-    ``skew``: rank 1's LM head negated, a diverging rank)."""
+    ``skew``: rank 1's LM head negated, a diverging rank; ``replays``: a list each case's graph replays go to)."""
     out = {}
     for name, model, spec in cases:
         be = ("triton_mla" if model.is_mla else "triton") if backend == "triton" else backend
@@ -36,6 +36,8 @@ def _outputs(tp, device, cases, backend="torch_native", skew=False):
         rng = random.Random(0)
         prompts = [[rng.randrange(model.vocab_size) for _ in range(rng.randint(5, 12))] for _ in range(3)]
         out[name] = [r.output for r in engine.generate(prompts, SamplingParams(8))]
+        if replays is not None:
+            replays.append(sum(c["graph"] for ex in engine.executors for c in ex.counts.values()))
     return out
 
 
@@ -105,8 +107,16 @@ def test_generate_tp_prints_the_tokens_of_tp_1(capsys):
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp_two_gpus():
-    """NCCL, CUDA graphs (the all-reduce captured) and EAGLE at TP 2 against TP 1, float32 on the Triton backends."""
+    """NCCL, CUDA graphs (the all-reduce captured) and EAGLE at TP 2 against TP 1, float32 on the Triton backends;
+    every engine replayed graphs (a run that fell back to eager everywhere would pass the token check alone)."""
     cases = [(f"{m} {s}", MODELS[m], SPECS[s]) for m in ("gqa kv split", "mla") for s in ("plain", "eagle")]
-    one = _outputs(None, "cuda", cases, backend="triton")
-    two = launch(_outputs, 2, "cuda", ("cuda", cases, "triton"), debug=True)
-    assert two[0] == two[1] == one
+    one, one_replays = _outputs_and_replays(None, "cuda", cases)
+    two = launch(_outputs_and_replays, 2, "cuda", ("cuda", cases), debug=True)
+    assert two[0][0] == two[1][0] == one, {k: (one[k], two[0][0][k], two[1][0][k]) for k in one}
+    assert min(one_replays + two[0][1] + two[1][1]) > 0, (one_replays, two[0][1], two[1][1])
+
+
+def _outputs_and_replays(tp, device, cases):
+    """``_outputs`` on the Triton backends and each case's graph replays on this rank."""
+    replays = []
+    return _outputs(tp, device, cases, backend="triton", replays=replays), replays
