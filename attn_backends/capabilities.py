@@ -78,6 +78,11 @@ class Capabilities:
     why_not : tuple of (str, str)
         ``(feature, reason)``: why a feature is refused (not declared, not with ``topk > 1``, or not
         with the other of an ``apart`` pair: key ``"a+b"``), appended to that refusal.
+    layout_only : str
+        Why its ``forward`` cannot run on any declared device (empty: it runs): an adapter of an
+        engine whose kernel needs hardware the check does not run on. ``check`` then runs the
+        layout invariants alone and reports the checks that need a forward as not run, with this
+        reason; ``select`` refuses it for serving.
     """
 
     modes: frozenset
@@ -105,6 +110,7 @@ class Capabilities:
     topk_gt1_features: Optional[tuple] = None
     apart: tuple = ()
     why_not: tuple = ()
+    layout_only: str = ""
 
     def features(self) -> tuple:
         """The attention features (``config.FEATURES``) it declares."""
@@ -161,6 +167,8 @@ class Capabilities:
                     + where + "".join(f": {why[f]}" for f in off if f in why))
         if device not in self.devices:
             return f"device {device} not supported (needs {', '.join(self.devices)})"
+        if self.layout_only:
+            return f"its forward does not run here, layout checks only: {self.layout_only}"
         if device == "cuda" and sm is not None and sm < self.min_sm:
             return f"needs sm_{self.min_sm}+, device is sm_{sm}"
         if device == "cuda" and sm is not None and fp8:

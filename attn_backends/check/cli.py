@@ -180,6 +180,10 @@ def _run_backend(name: str, cls, plan: list, args, out: TextIO, err: TextIO) -> 
         if kv_kw and suite != LAYOUT_SUITE and not _takes(run, "kv_dtype"):
             print(f"note: the {suite} suite takes no kv_dtype: not run at --kv-dtype {args.kv_dtype}", file=err)
             continue
+        if suite != LAYOUT_SUITE and cls.capabilities.layout_only:
+            print(f"note: the {suite} suite runs forwards: not run on {name}, which declares layout checks only "
+                  f"({cls.capabilities.layout_only})", file=err)
+            continue
         progress = progress_for(f"{name} {suite}", err, args.progress_every)
         n0 = len(report.failures)
         try:

@@ -86,7 +86,7 @@ def _worker(conn, done, backend: str, device: str, cases: int, seed: int, modes:
         rep = run_suite(backend, device=device, cases=cases, seed=seed, modes=modes, progress=progress,
                         shard=(part, parts), kv_dtype=kv_dtype)
         msg = ("ok", ({k: list(v) for k, v in rep.counts.items()}, rep.failures, dict(rep.cases),
-                       dict(rep.feature_cases)))
+                       dict(rep.feature_cases), dict(rep.not_run)))
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it as one process would
         msg = _error(_portable(e), type(e).__name__, str(e), traceback.format_exc())
     try:
@@ -97,11 +97,11 @@ def _worker(conn, done, backend: str, device: str, cases: int, seed: int, modes:
 
 
 def merge(report: SuiteReport, shards: list, modes: list) -> SuiteReport:
-    """Add the workers' ``(counts, failures, cases, feature cases)`` into ``report``, the failures in the serial
-    order: by ``modes`` (the run's modes in running order), then by seed (a stable sort keeps one
+    """Add the workers' ``(counts, failures, cases, feature cases, checks not run)`` into ``report``, the
+    failures in the serial order: by ``modes`` (the run's modes in running order), then by seed (a stable sort keeps one
     case's failures in the order it found them)."""
     failures = []
-    for counts, fails, cases, feature_cases in shards:
+    for counts, fails, cases, feature_cases, not_run in shards:
         for key, (passed, failed) in counts.items():
             report.counts[key][0] += passed
             report.counts[key][1] += failed
@@ -109,6 +109,8 @@ def merge(report: SuiteReport, shards: list, modes: list) -> SuiteReport:
             report.cases[key] += n
         for key, n in feature_cases.items():
             report.feature_cases[key] += n
+        for key, (n, reason) in not_run.items():
+            report.not_run.setdefault(key, [0, reason])[0] += n
         failures += fails
     rank = {m: i for i, m in enumerate(modes)}
     report.failures += sorted(failures, key=lambda f: (rank[f.mode], f.seed))

@@ -25,7 +25,8 @@ def _caps_cells(caps) -> list:
         return ["-"] * 5
     kinds = "+".join(k for k, on in (("MHA", caps.mha), ("MLA", caps.mla)) if on) or "-"
     return [kinds, ",".join(map(str, caps.page_sizes)), "yes" if caps.topk_gt1 else "no",
-            caps.graph.name.lower(), ",".join(caps.devices) + (f" (sm_{caps.min_sm}+)" if caps.min_sm else "")]
+            caps.graph.name.lower(), ",".join(caps.devices) + (f" (sm_{caps.min_sm}+)" if caps.min_sm else "")
+            + (" (layout checks only)" if caps.layout_only else "")]
 
 
 def _class_of(info):

@@ -104,6 +104,8 @@ def as_json(results: list, *, command: str, device: str, seed: int, cases: int, 
             "checks": [{"suite": suite_of(m), "mode": m, "invariant": inv, "passed": p, "failed": f}
                        for (b, m, inv), (p, f) in sorted(rep.counts.items(), key=lambda kv: (
                            kv[0][0], kv[0][1], invariant_key(kv[0][2]))) if b == r.name],
+            "not_run": [{"suite": suite_of(m), "mode": m, "invariant": inv, "checks": n, "reason": why}
+                        for (b, m, inv), (n, why) in sorted(rep.not_run.items()) if b == r.name],
             "failures": [f.as_dict() for f in rep.failures],
         })
     return {"command": command, "device": device, "seed": seed, "cases": cases, "suite_cases": suite_cases,

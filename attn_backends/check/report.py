@@ -97,9 +97,14 @@ class SuiteReport:
     failures: list = field(default_factory=list)
     cases: dict = field(default_factory=lambda: defaultdict(int))               # (backend, mode) -> cases
     feature_cases: dict = field(default_factory=lambda: defaultdict(int))       # (backend, mode, label) -> cases
+    not_run: dict = field(default_factory=dict)    # (backend, mode, invariant) -> [checks not run, the declared reason]
 
     def record(self, backend: str, mode: str, invariant: str, ok: bool) -> None:
         self.counts[(backend, mode, invariant)][0 if ok else 1] += 1
+
+    def skip(self, backend: str, mode: str, invariant: str, reason: str) -> None:
+        """One check not run because the backend declares it cannot (``Capabilities.layout_only``)."""
+        self.not_run.setdefault((backend, mode, invariant), [0, reason])[0] += 1
 
     def fail(self, f: Failure) -> None:
         """Record one failed check."""
@@ -131,22 +136,25 @@ class SuiteReport:
         ``ok N`` (all N checks passed) or ``FAIL F of N``; wrapped to ``width`` columns."""
         blocks = []
         for (backend, suite), modes in _sections(self.counts):
-            invs = sorted({k[2] for k in self.counts if (k[0], k[1]) in {(backend, m) for m in modes}},
-                          key=invariant_key)
+            mine = {(backend, m) for m in modes}
+            invs = sorted({k[2] for k in [*self.counts, *self.not_run] if (k[0], k[1]) in mine}, key=invariant_key)
             head = ["invariant"] + [_column(m) for m in modes]
             rows = [["cases"] + [str(self.cases.get((backend, m), 0)) for m in modes]]
             labels = sorted({k[2] for k in self.feature_cases if k[0] == backend and k[1] in modes})
             rows += [[FEATURE_ROW + lab] + [str(self.feature_cases.get((backend, m, lab), 0)) for m in modes]
                      for lab in labels]
-            rows += [[inv] + [_cell(*self.counts.get((backend, m, inv), (0, 0))) for m in modes] for inv in invs]
+            rows += [[inv] + [_cell(*self.counts.get((backend, m, inv), (0, 0)), self.not_run.get((backend, m, inv)))
+                              for m in modes] for inv in invs]
             blocks.append(f"{backend}, {suite} suite:\n" + grid(head, rows, width))
         return "\n\n".join(blocks)
 
     def legend(self, width: int = WIDTH) -> str:
         """What each invariant of the table means, and how to read a cell."""
-        ids = sorted({k[2] for k in self.counts}, key=invariant_key)
+        ids = sorted({k[2] for k in [*self.counts, *self.not_run]}, key=invariant_key)
         pad = max([len(i) for i in ids] + [3]) + 2
         lines = ["cells: checks of an invariant in a mode; ok N = all N passed, FAIL F of N = F of them failed"]
+        for reason in sorted({r for _, r in self.not_run.values()}):
+            lines += textwrap.wrap(f"not run N: N checks the backend declares it cannot run ({reason})", width)
         if self.feature_cases:
             lines += textwrap.wrap(f"'{FEATURE_ROW.strip()} ...' rows: cases whose layer used that feature (w=1, "
                                    "w<W: below the query width, w%page: not a page multiple, w>seq: beyond the "
@@ -181,8 +189,10 @@ def _sections(counts: dict) -> list:
     return [(k, sorted(groups[k], key=_mode_key)) for k in sorted(groups, key=order)]
 
 
-def _cell(passed: int, failed: int) -> str:
+def _cell(passed: int, failed: int, not_run=None) -> str:
     total = passed + failed
+    if total == 0 and not_run:
+        return f"not run {not_run[0]}"
     return "-" if total == 0 else f"ok {total}" if failed == 0 else f"FAIL {failed} of {total}"
 
 

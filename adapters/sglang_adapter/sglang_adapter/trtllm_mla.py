@@ -148,7 +148,8 @@ class SGLangTRTLLMMLABackend(SGLangTritonBackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND}),
         mha=False, mla=True, page_sizes=(64,), topk_gt1=False, draft_decode=False,
-        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("sglang",), preference=-10)
+        graph=GraphSupport.UNIFORM_BATCH, devices=("cpu", "cuda"), requires=("sglang",), preference=-10,
+        layout_only="SGLang's forward is FlashInfer's trtllm-gen kernel (CUDA, SM100)")
     meta_class = TRTLLMMetadata
 
     def __init__(self, config, memory) -> None:
