@@ -171,10 +171,9 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
     chunks a load, in chunk order, where the request has more than one chunk (one chunk wrote its
     output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
-    else ``rows_per_chunk`` rows a request). Fat programs: the schedule, the log-sum-exps and the
-    partials are a chain of dependent loads, so a program a (row, head, 128 columns) was bound by
-    that latency (bench/RESULTS.md, 'Ragged batches'). The tile shape is a function of the heads and
-    columns alone, so a row's sums do not depend on the batch (the batch-invariant schedule)."""
+    else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
+    log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
+    (bench/RESULTS.md, 'Ragged batches')."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
@@ -223,19 +222,20 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
 
 def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int) -> tuple:
     """``(BLOCK_C, BLOCK_HM, BLOCK_DV, DV_STEPS, column blocks)`` of the merge pass over ``rows`` query
-    rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule):
-    MERGE_PASS_CHUNKS chunks of one head a load where the budget gives more than 2 a request (the GQA
-    budgets: a long request's merge is a chain of loads, kept short and spread over heads), else 4
-    chunks of as many heads as fill MERGE_PASS_VALUES partial values (MLA's budgets: heads first,
-    fewer programs). A function of the budget, ``H`` and ``Dv`` alone: the invariant schedule's
-    budget is 0, its loads MERGE_PASS_CHUNKS chunks whatever the batch; each program's columns cut into grid blocks
-    only while rows x head blocks leave fewer than MERGE_PASS_PROGRAMS programs."""
-    block_c = MERGE_PASS_CHUNKS if chunks == 0 or chunks > 2 else 4
+    rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule).
+    MLA's latent (``Dv`` > 256) at budgets of 1-2 chunks a request: 4 chunks of as many heads as fill
+    MERGE_PASS_VALUES partial values a load (heads first: a program a head and 128 columns made tens of
+    thousands of latency-bound programs). Else (GQA, the invariant schedule): MERGE_PASS_CHUNKS chunks
+    of one head a load (a long request's merge is a chain of loads: kept short, spread over heads).
+    Each program's columns are cut into grid blocks while rows x head blocks leave fewer than
+    MERGE_PASS_PROGRAMS programs; the invariant schedule's always, so that its tiles and steps are a
+    function of ``H`` and ``Dv`` alone and a row's sums do not depend on the batch."""
+    fat = Dv > 256 and 0 < chunks <= 2
+    block_c = 4 if fat else MERGE_PASS_CHUNKS
     block_dv = min(triton.next_power_of_2(Dv), 128)
-    block_hm = 1 if block_c == MERGE_PASS_CHUNKS else min(triton.next_power_of_2(H),
-                                                          max(1, MERGE_PASS_VALUES // (block_c * block_dv)))
+    block_hm = min(triton.next_power_of_2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1
     col_blocks, programs = triton.cdiv(Dv, block_dv), rows * triton.cdiv(H, block_hm)
-    z = 1
+    z = col_blocks if chunks == 0 else 1
     while z < col_blocks and programs * z < MERGE_PASS_PROGRAMS:
         z *= 2
     z = min(z, col_blocks)
@@ -345,6 +345,7 @@ def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_r
         raise ValueError(f"{name}: a chunk workspace is (part, lse, counters) as chunk_workspace returns, "
                          f"got {len(workspace)} tensors")
     part, lse, counters = workspace
+    allowed = "float32" if part_dtype == torch.float32 else f"float32 or {str(part_dtype)[6:]}"
     if (part.shape[0] < rows or tuple(part.shape[1:]) != (H, Dv) or part.dtype not in (torch.float32, part_dtype)
             or lse.shape[0] < rows or tuple(lse.shape[1:]) != (H,) or lse.dtype != torch.float32
             or part.stride(-1) != 1 or lse.stride(-1) != 1 or counters.dtype != torch.int32
@@ -352,6 +353,5 @@ def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_r
             or any(t.device != out.device for t in workspace)):
         raise ValueError(f"{name}: chunk workspace {tuple(part.shape)} {part.dtype} / {tuple(lse.shape)} / "
                          f"counters {tuple(counters.shape)} does not fit {rows} rows, H={H}, Dv={Dv}, "
-                         f"{bs * num_kv_heads} counters (float32 or {part_dtype}, float32, int32 zeros on "
-                         f"{out.device})")
+                         f"{bs * num_kv_heads} counters ({allowed}, float32, int32 zeros on {out.device})")
     return workspace

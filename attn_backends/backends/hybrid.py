@@ -77,6 +77,7 @@ def compose_capabilities(by_mode: dict) -> Capabilities:
                                                                  else c.topk_gt1_features) for c in topk_users)),
         apart=tuple(dict.fromkeys(p for c in caps for p in c.apart)),
         why_not=tuple(dict.fromkeys(p for c in caps + topk_users for p in c.why_not)),
+        layout_only="; ".join(dict.fromkeys(c.layout_only for c in caps if c.layout_only)),   # one layout-only part
         **{f: all(getattr(c, f) for c in caps) for f in FEATURES})    # every delegate runs every layer
 
 

@@ -124,6 +124,10 @@ class TritonBackendBase(LayoutBackend):
         (1: every count a power of two)."""
         return 1
 
+    def _kernel_schedule(self) -> str:
+        """The schedule a chunked launch hands its kernel wrapper (``kernels/schedule.py``'s names)."""
+        return self.schedule
+
     def _part_dtype(self, width: int) -> torch.dtype:
         """The dtype of the split partials in a graph's workspace for batches of ``width`` query
         rows a request (the kernel wrapper's own choice where it allocates one)."""
@@ -203,7 +207,7 @@ class TritonBackendBase(LayoutBackend):
         ws = None
         if self._chunked(view.layout) and key is not None:     # _chunked first: it refuses a bad schedule
             tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
-            ws = chunk_workspace(key.bs, slots_per_request(self.schedule, splits, tokens), key.width,
+            ws = chunk_workspace(key.bs, slots_per_request(self._kernel_schedule(), splits, tokens), key.width,
                                  self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device,
                                  self._part_dtype(key.width))
         elif key is not None and splits > 1:

@@ -68,6 +68,9 @@ class TritonMLABackend(TritonBackendBase):
         transposed = uniform_causal and self._decodes_transposed()      # either schedule (mla.balanced)
         return (1 if transposed else 2), 1, None
 
+    def _kernel_schedule(self) -> str:
+        return "chunks" if self.schedule == "auto" else self.schedule     # "auto" chunks where _chunked says
+
     def _decodes_transposed(self) -> bool:
         return decodes_transposed(self.memory.device, self.memory.pool.kv[0].dtype, self.memory.page_size)
 
@@ -100,8 +103,8 @@ class TritonMLABackend(TritonBackendBase):
         if self._chunked(lay):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
-                          draft_prefix_lens=lay.draft_prefix_lens, schedule="chunks", merge=self.chunk_merge,
-                          kv_scale=layer.k_scale)
+                          draft_prefix_lens=lay.draft_prefix_lens, schedule=self._kernel_schedule(),
+                          merge=self.chunk_merge, kv_scale=layer.k_scale)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,

@@ -67,8 +67,10 @@ def print_failures(report: SuiteReport, out: TextIO, verbose: bool = False) -> N
 def summary(r: BackendResult) -> str:
     rep = r.report
     checks = rep.checks()
+    skipped = sum(n for n, _ in rep.not_run.values())
     if r.ok:
-        return f"{r.name}: ok, {checks} checks in {duration(r.seconds)}"
+        return (f"{r.name}: ok, {checks} checks" + (f", {skipped} not run (declared layout checks only)" if skipped
+                                                    else "") + f" in {duration(r.seconds)}")
     parts = []
     if rep.failures:
         invs = ", ".join(sorted(rep.failed_invariants(), key=invariant_key))
@@ -105,7 +107,8 @@ def as_json(results: list, *, command: str, device: str, seed: int, cases: int, 
                        for (b, m, inv), (p, f) in sorted(rep.counts.items(), key=lambda kv: (
                            kv[0][0], kv[0][1], invariant_key(kv[0][2]))) if b == r.name],
             "not_run": [{"suite": suite_of(m), "mode": m, "invariant": inv, "checks": n, "reason": why}
-                        for (b, m, inv), (n, why) in sorted(rep.not_run.items()) if b == r.name],
+                        for (b, m, inv), (n, why) in sorted(rep.not_run.items(), key=lambda kv: (
+                            kv[0][0], kv[0][1], invariant_key(kv[0][2]))) if b == r.name],
             "failures": [f.as_dict() for f in rep.failures],
         })
     return {"command": command, "device": device, "seed": seed, "cases": cases, "suite_cases": suite_cases,

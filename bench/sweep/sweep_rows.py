@@ -99,6 +99,7 @@ class Workload:
     width: int           # W: query rows per request
     topk: int = 1
     balanced: bool = False   # MLA: ours with the chunk schedule (BalancedTritonMLABackend)
+    split: bool = False      # MLA: ours with equal splits (SplitTritonMLABackend; the default is "auto")
     kv_dtype: Optional[torch.dtype] = None   # the KV cache's dtype (None: the model's); FP8 stored with FP8_SCALES
     window: Optional[int] = None    # issue #42: a sliding window (HF's sliding_window), a softcap, sinks (SINKS)
     softcap: Optional[float] = None
@@ -114,6 +115,8 @@ class Workload:
     def backend(self) -> str:
         if self.balanced:
             return "attn_backends.backends.triton_mla:BalancedTritonMLABackend"
+        if self.split:
+            return "attn_backends.backends.triton_mla:SplitTritonMLABackend"
         return "triton_mla" if self.family == "mla" else "triton"
 
     @property
@@ -183,6 +186,9 @@ WORKLOADS = tuple(
 BY_NAME = {w.name: w for w in WORKLOADS}
 # by name only (not in a grid): the MLA rows with ours on the chunk schedule, e.g. mla16_decode_balanced
 BY_NAME.update({f"{w.name}_balanced": replace(w, name=f"{w.name}_balanced", balanced=True)
+                for w in WORKLOADS if w.family == "mla"})
+# by name only: the MLA rows with ours on equal splits, e.g. mla16_decode_split (the default is "auto")
+BY_NAME.update({f"{w.name}_split": replace(w, name=f"{w.name}_split", split=True)
                 for w in WORKLOADS if w.family == "mla"})
 # by name only: the GQA rows on an FP8 (e4m3) cache, e.g. gqa28_4_d128_decode_fp8
 BY_NAME.update({f"{w.name}_fp8": replace(w, name=f"{w.name}_fp8", kv_dtype=torch.float8_e4m3fn)

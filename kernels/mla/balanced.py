@@ -3,7 +3,8 @@
 a grid fixed by host ints (any lengths its workspace holds replay in one graph).
 
 Program (row block x head block, chunk) runs the plain-Triton MLA tile (``walk``) over its chunk's
-KV: a request of one chunk writes its output, the chunks of a longer one write float32 partials
+KV: a request of one chunk writes its output, the chunks of a longer one write partials (the
+workspace's dtype: float32, or 16-bit where ``warpspec.partial_dtype`` says so for the default tile)
 and log2-sum-exps that the separate merge (``ChunkLaunch.merge_pass``) combines in chunk order.
 Uniform rows only (decode, verify chain and tree, draft extend and draft decode masks); ragged
 prefill keeps the split pass (``attention.mla_attention_fwd``). On sm_90 the Gluon kernels take the

@@ -261,7 +261,9 @@ def partial_dtype(dtype: torch.dtype, device: torch.device, page_size: int, rows
     launches round alike. As FlashInfer's MLA plan (partial_o at 2 bytes a value); the merge sums
     in float32. 16-bit partials are faster on the warp-specialized kernels and slower on the
     transposed kernel (4-byte 16-bit stores), so float32 there (figures: bench/RESULTS.md, 'MLA
-    kernels'). The Triton kernel (off sm_90) keeps float32: not measured with 16-bit partials."""
+    kernels'). Off sm_90 the Triton kernel keeps float32 (not measured with 16-bit partials); on sm_90 a
+    launch the Gluon kernels refuse (a q's strides, or the chunk pass's Triton tile) stores into the
+    16-bit workspace sized by this rule (its stores convert to the workspace's dtype)."""
     warp_specialized = (dtype in (torch.float16, torch.bfloat16) and rows == BLOCK_M.value
                         and (latent, rope) == (512, 64) and hopper_device(device)
                         and warp_specialized_refusal(32, 4, page_size) is None)

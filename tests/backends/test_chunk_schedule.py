@@ -131,7 +131,7 @@ def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monke
     from attn_backends.backends.triton_mla import SplitTritonMLABackend
     monkeypatch.setattr(triton_mla, "hopper_device", lambda device: hopper)
     cfg = dataclasses.replace(_mla_config(), dtype=torch.bfloat16, kv_dtype=kv_dtype)
-    mem = make_memory(cfg, num_pages=64, max_reqs=8, max_context_len=256, device=DEVICE)
+    mem = make_memory(cfg, num_pages=64, max_reqs=12, max_context_len=256, device=DEVICE)
     auto, split = TritonMLABackend(cfg, mem), SplitTritonMLABackend(cfg, mem)
     assert auto.schedule == "auto"
 
@@ -143,3 +143,9 @@ def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monke
     assert auto._chunked(layout(auto, ForwardMode.DECODE)) is chunked
     assert auto._chunked(layout(auto, ForwardMode.EXTEND)) is False
     assert split._chunked(layout(split, ForwardMode.DECODE)) is False
+    if chunked:     # the wrapper gets a schedule it knows ("auto" is the backend's word): a forward runs
+        m = materialize(Scenario(ForwardMode.DECODE, 2, [40, 7]), mem, auto.get_cuda_graph_seq_len_fill_value())
+        auto.init_forward_metadata(m.batch)
+        q = torch.randn(m.batch.num_tokens, cfg.num_q_heads, cfg.qk_dim).to(DEVICE, torch.bfloat16)
+        out = auto.forward(q, None, None, cfg.layer(1), m.batch, save_kv_cache=False)
+        assert out.shape == (2, cfg.num_q_heads, cfg.kv_lora_rank) and bool(out.float().isfinite().all())

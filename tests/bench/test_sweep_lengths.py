@@ -98,11 +98,12 @@ def test_the_selection_flags_pick_a_subset_and_bad_ones_are_refused():
 def test_an_mla_rows_balanced_form_is_taken_by_exact_name_only():
     """``mla16_decode_balanced``: the MLA row with ours on the chunk schedule, in no grid, taken
     where named exactly; patterns match the grid's workloads only."""
-    got = M.select_workloads(["mla16_decode", "mla16_decode_balanced"], R.WORKLOADS)
-    assert [w.name for w in got] == ["mla16_decode", "mla16_decode_balanced"]
+    got = M.select_workloads(["mla16_decode", "mla16_decode_balanced", "mla16_decode_split"], R.WORKLOADS)
+    assert [w.name for w in got] == ["mla16_decode", "mla16_decode_balanced", "mla16_decode_split"]
     assert got[1].backend.endswith(":BalancedTritonMLABackend") and got[0].backend == "triton_mla"
-    assert got[1].geometry == got[0].geometry, "the balanced form would not share the row's KV pool"
-    assert not any(w.balanced for w in M.select_workloads(["mla*"], R.WORKLOADS))
+    assert got[2].backend.endswith(":SplitTritonMLABackend")
+    assert got[1].geometry == got[0].geometry == got[2].geometry, "a form would not share the row's KV pool"
+    assert not any(w.balanced or w.split for w in M.select_workloads(["mla*"], R.WORKLOADS))
     assert not any(w.balanced for w in M.select_workloads(None, R.WORKLOADS))
     with pytest.raises(ValueError, match="gqa8_1_d128_decode_balanced"):
         M.select_workloads(["gqa8_1_d128_decode_balanced"], R.WORKLOADS)

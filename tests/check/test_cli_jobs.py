@@ -190,15 +190,16 @@ def test_merge_adds_the_shards_and_restores_the_serial_order():
     def fail(mode, seed, inv):
         return Failure("b", mode, inv, "m", "c", seed)
     shards = [({("b", "decode", "I1"): [2, 1]}, [fail("verify_chain", 0, "I1"), fail("decode", 5, "I1")],
-               {("b", "decode"): 2}, {("b", "decode", "window w=1"): 1}),
+               {("b", "decode"): 2}, {("b", "decode", "window w=1"): 1}, {("b", "decode", "I9n"): [1, "why"]}),
               ({("b", "decode", "I1"): [1, 2], ("b", "decode", "I3"): [0, 1]},
                [fail("decode", 2, "I1"), fail("decode", 2, "I3"), fail("decode", 9, "I1"),
                 fail("draft_decode", 0, "I5")],
-               {("b", "decode"): 1}, {("b", "decode", "window w=1"): 2})]
+               {("b", "decode"): 1}, {("b", "decode", "window w=1"): 2}, {("b", "decode", "I9n"): [2, "why"]})]
     rep = cli_jobs.merge(SuiteReport(), shards, ["decode", "draft_decode", "verify_chain"])
     assert rep.counts == {("b", "decode", "I1"): [3, 3], ("b", "decode", "I3"): [0, 1]}
     assert rep.cases == {("b", "decode"): 3}
     assert rep.feature_cases == {("b", "decode", "window w=1"): 3}
+    assert rep.not_run == {("b", "decode", "I9n"): [3, "why"]}
     assert [(f.mode, f.seed, f.invariant) for f in rep.failures] == [
         ("decode", 2, "I1"), ("decode", 2, "I3"), ("decode", 5, "I1"), ("decode", 9, "I1"),
         ("draft_decode", 0, "I5"), ("verify_chain", 0, "I1")]

@@ -4,10 +4,9 @@ attn-backends backend: its block-table metadata (``TRTLLMMLADecodeMetadata``) fr
 ``init_forward_metadata_out_graph`` / ``_in_graph``, ``ingraph.py``), the block tables written by
 its Triton kernel (``create_flashmla_kv_indices_triton``) in the interpreter.
 
-The forward cannot run here: it is FlashInfer's trtllm-gen kernel (CUDA, SM100). The contract has
-no way to declare "the layout invariants alone" (docs/engines.md), so :meth:`forward` raises and
-the suite reports I9n as failed with that reason; every other layout invariant reads SGLang's
-metadata.
+The forward cannot run here: it is FlashInfer's trtllm-gen kernel (CUDA, SM100). The class declares
+``Capabilities.layout_only`` with that reason, so the suite reports I9n as not run (:meth:`forward`
+raises, should anything call it); every other layout invariant reads SGLang's metadata.
 
 Stand-ins besides the Triton adapter's (``engine.py``), installed only where FlashInfer or the
 server's global args are absent:
