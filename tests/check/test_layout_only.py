@@ -61,3 +61,14 @@ def test_check_and_select(tmp_path, capsys):
     refusal = LayoutOnly.capabilities.refusal(cfg, ForwardMode.DECODE, "cpu")
     assert refusal is not None and REASON in refusal, refusal
     assert TorchNativeBackend.capabilities.refusal(cfg, ForwardMode.DECODE, "cpu") is None
+
+
+def test_a_composition_with_a_layout_only_part_is_layout_only(monkeypatch):
+    """A hybrid whose decode is a layout-only backend cannot serve either: the declaration carries over."""
+    from attn_backends import registry
+    from attn_backends.backends.hybrid import compose_capabilities
+    monkeypatch.setitem(registry._extra, "layout_only_native", "test_layout_only:LayoutOnly")
+    caps = compose_capabilities({ForwardMode.DECODE: ("layout_only_native", None),
+                                 ForwardMode.EXTEND: ("torch_native", None)})
+    assert caps.layout_only == REASON
+    assert compose_capabilities({ForwardMode.DECODE: ("torch_native", None)}).layout_only == ""
