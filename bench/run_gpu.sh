@@ -10,7 +10,8 @@
 #            "fi" is issue #8, in three parts that also run alone (each fits a 10-minute call):
 #            "fitests" the FlashInfer family's GPU tests, "ficheck" `check` on flashinfer, flashinfer_mla,
 #            trtllm_mla and hybrid (FI_CASES / FI_SUITE_CASES cases, FI_BACKENDS), "fibench"
-#            bench/bench_flashinfer_backends.py and its table
+#            bench/bench_flashinfer_backends.py and its table; "tp" (two GPUs): tests/runtime/test_tp.py and
+#            bench/bench_tp.py at TP 1 and 2 (TP_MODELS, default large-gqa,bench-gqa; TP_TIMEOUT)
 #   SWEEP_COMMIT the commit the sweep names (where the copied tree has no current git metadata)
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports)
@@ -125,6 +126,14 @@ if [[ $stages == *" fibench "* ]]; then
   timeout "${FI_BENCH_TIMEOUT:-420}" python -m pytest bench/bench_flashinfer_backends.py -q -p no:cacheprovider \
       --benchmark-columns=median,rounds 2>&1 | tee "$out/fi_bench.log" | tail -4 || status=1
   python bench/bench_flashinfer_backends.py "$BENCH_RESULTS" | tee "$out/fi_table.txt"
+fi
+if [[ $stages == *" tp "* ]]; then   # issue #44, on a machine of two GPUs (nvidia-h200-x2)
+  echo "== tensor parallel: NCCL, graphs and EAGLE at TP 2 against TP 1; tokens/s (bench/bench_tp.py)"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 200 python -m pytest -q -p no:cacheprovider -m cuda tests/runtime/test_tp.py 2>&1 | tee "$out/tp_tests.log" \
+      | tail -3 || status=1
+  timeout "${TP_TIMEOUT:-330}" python bench/bench_tp.py --tp 2 --device cuda --models "${TP_MODELS:-large-gqa,bench-gqa}" \
+      --out "$out/tp.jsonl" 2>&1 | tee "$out/tp.log" | grep -v Warn || status=1
 fi
 if [[ $stages == *" eagle "* ]]; then
   echo "== EAGLE vs plain decode, tokens/s (bench/bench_eagle.py)"
