@@ -17,45 +17,36 @@ dir="${ENGINES_DIR:-/tmp/engines}"
 py="${PYTHON:-python}"
 versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(0.5.9 0.5.10)
-# vLLM (an argument vllm-VERSION): $ENGINES_DIR/vllm-VERSION with vllm_adapter/requirements-light.txt,
-# the light modules on the import path of its Triton attention backend and V2 runner helpers.
-install_vllm() {
-  local v="$1" target="$dir/vllm-$1" start
-  case "$v" in
-    *[!0-9.]*|"") echo "install_engines.sh: error: bad vLLM version '$v' (want digits and dots, e.g. vllm-0.33.0)" >&2; exit 2;;
-  esac
-  if [ -f "$target/vllm-$v.dist-info/METADATA" ]; then
-    echo "vllm $v: already in $target"
+# install ENGINE VERSION REQUIREMENTS: $ENGINES_DIR/ENGINE-VERSION, kept where it already holds the version
+install() {
+  local name="$1" v="$2" reqs="$3" target="$dir/$1-$2" start
+  if [ -f "$target/$name-$v.dist-info/METADATA" ]; then
+    echo "$name $v: already in $target"
     return
   fi
   start=$(date +%s)
   rm -rf "$target.partial"
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$target.partial" \
-    "vllm==$v" -r "$here/vllm_adapter/requirements-light.txt"
+    "$name==$v" -r "$reqs"
   rm -rf "$target" && mv "$target.partial" "$target"
-  echo "vllm $v: installed in $target in $(( $(date +%s) - start )) s"
+  echo "$name $v: installed in $target in $(( $(date +%s) - start )) s"
 }
 for v in "${versions[@]}"; do
+  # vLLM (an argument vllm-VERSION): vllm_adapter/requirements-light.txt, the light modules on the
+  # import path of its Triton attention backend and V2 runner helpers.
   if [[ "$v" == vllm-* ]]; then
-    install_vllm "${v#vllm-}"
+    case "${v#vllm-}" in
+      *[!0-9.]*|"") echo "install_engines.sh: error: bad vLLM version '${v#vllm-}' (want digits and dots, e.g. vllm-0.33.0)" >&2; exit 2;;
+    esac
+    install vllm "${v#vllm-}" "$here/vllm_adapter/requirements-light.txt"
     continue
   fi
   case "$v" in
     *[!0-9.]*|"") echo "install_engines.sh: error: bad SGLang version '$v' (want digits and dots, e.g. 0.5.9)" >&2; exit 2;;
   esac
-  target="$dir/sglang-$v"
-  if [ -f "$target/sglang-$v.dist-info/METADATA" ]; then
-    echo "sglang $v: already in $target"
-    continue
-  fi
   reqs="$here/sglang_adapter/requirements-light.txt"
   if [ "$(printf '%s\n' 0.5.13 "$v" | sort -V | head -1)" = 0.5.13 ]; then
     reqs="$here/sglang_adapter/requirements-light-0.5.13.txt"
   fi
-  start=$(date +%s)
-  rm -rf "$target.partial"
-  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$target.partial" \
-    "sglang==$v" -r "$reqs"
-  rm -rf "$target" && mv "$target.partial" "$target"
-  echo "sglang $v: installed in $target in $(( $(date +%s) - start )) s"
+  install sglang "$v" "$reqs"
 done

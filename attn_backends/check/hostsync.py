@@ -91,3 +91,29 @@ def no_host_sync(memory, simulate_capture: bool = False, steps=()):
             setattr(p, n, t)
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def unguard_interpreted_launches() -> None:
+    """For adapters of engines whose Triton kernels run under ``TRITON_INTERPRET=1``: an interpreted
+    launch copies its tensor arguments to the host and back (it emulates the device on the CPU); on a
+    GPU a launch reads device memory on the device and is no host sync. The I15 guard would count the
+    interpreter's copies (or break its numpy conversion), so guarded arguments reach an interpreted
+    kernel as plain tensors; the engine's Python around the launch stays guarded. Idempotent: every
+    adapter of a process shares the one patch."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.run, "_unguarded", False):
+        return
+    run = cls.run
+
+    def plain(a):
+        return a.as_subclass(torch.Tensor) if isinstance(a, GuardedTensor) else a
+
+    def unguarded_run(self, *args, **kwargs):
+        return run(self, *map(plain, args), **{k: plain(v) for k, v in kwargs.items()})
+
+    unguarded_run._unguarded = True
+    cls.run = unguarded_run

@@ -6,23 +6,27 @@ from sglang_adapter.triton import SGLangTritonBackend, SGLangTritonTreeVerify
 from sglang_adapter.trtllm_mla import SGLangTRTLLMMLABackend
 
 
+def _short_replay(base: type) -> type:
+    """``base`` (an SGLang attention backend class) whose replay writes every KV extent one token short:
+    its replay method (0.5.9 / 0.5.10) or a replay's out-of-graph prep (0.5.13+)."""
+    class ShortReplay(base):
+        def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, *rest):
+            super().init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens - 1, seq_lens_sum - bs,
+                                                            *rest)
+
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):   # SGLang 0.5.13+
+            if not in_capture:
+                forward_batch.seq_lens = forward_batch.seq_lens - 1
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+
+    return ShortReplay
+
+
 class ShortReplayBackend(SGLangTritonBackend):
     name = "sglang_triton_short_replay"
 
     def engine_class(self) -> type:
-        base = super().engine_class()
-
-        class ShortReplay(base):
-            def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, *rest):
-                super().init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens - 1, seq_lens_sum - bs,
-                                                                *rest)
-
-            def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):   # SGLang 0.5.13+
-                if not in_capture:
-                    forward_batch.seq_lens = forward_batch.seq_lens - 1
-                super().init_forward_metadata_out_graph(forward_batch, in_capture)
-
-        return ShortReplay
+        return _short_replay(super().engine_class())
 
 
 class OpenTreeReplayBackend(SGLangTritonTreeVerify):
@@ -49,19 +53,7 @@ class ShortTRTLLMReplayBackend(SGLangTRTLLMMLABackend):
     name = "sglang_trtllm_mla_short_replay"
 
     def engine_class(self) -> type:
-        base = super().engine_class()
-
-        class ShortReplay(base):
-            def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, *rest):
-                super().init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens - 1, seq_lens_sum - bs,
-                                                                *rest)
-
-            def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):   # SGLang 0.5.13+
-                if not in_capture:
-                    forward_batch.seq_lens = forward_batch.seq_lens - 1
-                super().init_forward_metadata_out_graph(forward_batch, in_capture)
-
-        return ShortReplay
+        return _short_replay(super().engine_class())
 
 
 class ShortDraftReplayBackend(SGLangTritonBackend):

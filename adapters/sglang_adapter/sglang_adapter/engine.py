@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import types
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from attn_backends.check.hostsync import GuardedTensor
+from attn_backends.check.hostsync import unguard_interpreted_launches
 
 from . import standins
 
@@ -45,7 +44,7 @@ def sglang():
         raise ImportError(f"SGLang cannot be imported ({e}); install it with adapters/install_engines.sh and put "
                           "its target folder on PYTHONPATH") from e
     _one_rank_attention_tp()
-    _sync_free_interpreter_launches()
+    unguard_interpreted_launches()      # interpreted launches are no host sync (I15)
     # our kernels package patches the interpreter for numpy >= 2.4 (kernels/_interpret_compat.py): SGLang
     # 0.5.23's index kernel loops to a bound loaded from memory, which the unpatched interpreter refuses
     importlib.import_module("attn_backends_kernels")
@@ -60,31 +59,6 @@ def _one_rank_attention_tp() -> None:
     ps = importlib.import_module("sglang.srt.distributed.parallel_state")
     if getattr(ps, "_ATTN_TP", None) is None:
         ps._ATTN_TP = types.SimpleNamespace(world_size=1, rank_in_group=0, rank=0)
-
-
-def _sync_free_interpreter_launches() -> None:
-    """Under ``TRITON_INTERPRET=1`` a launch copies its tensor arguments to the host and back (it
-    emulates the device on the CPU); on a GPU a launch reads device memory on the device and is
-    not a host sync. The suite's I15 guard (a tensor subclass that raises on host reads) would
-    see the interpreter's copies, or break its numpy conversion, so guarded arguments are handed
-    to the interpreted kernel as plain tensors. What SGLang's Python does with them around the
-    launch (``.item()``, ``.tolist()``, boolean indexing) is still guarded."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-    cls = interpreter.InterpretedFunction
-    if getattr(cls.run, "_sgl_adapter", False):
-        return
-    run = cls.run
-
-    def plain(a):
-        return a.as_subclass(torch.Tensor) if isinstance(a, GuardedTensor) else a
-
-    def unguarded_run(self, *args, **kwargs):
-        return run(self, *map(plain, args), **{k: plain(v) for k, v in kwargs.items()})
-
-    unguarded_run._sgl_adapter = True
-    cls.run = unguarded_run
 
 
 class StandInKVPool:

@@ -30,7 +30,7 @@ import types
 import numpy as np
 import torch
 
-from attn_backends.check.hostsync import GuardedTensor
+from attn_backends.check.hostsync import unguard_interpreted_launches
 
 # the stand-in config's cudagraph_capture_sizes: vLLM's default list up to 32 (the builder picks its 2D/3D
 # kernel threshold as the capture size nearest 128 / num_kv_heads)
@@ -55,31 +55,8 @@ def vllm():
                           "vllm-0.33.0 and put its target folder on PYTHONPATH") from e
     if not torch.cuda.is_available():
         bu.is_uva_available = lambda: False
-    _sync_free_interpreter_launches()
+    unguard_interpreted_launches()      # interpreted launches are no host sync (I15)
     return v
-
-
-def _sync_free_interpreter_launches() -> None:
-    """Under ``TRITON_INTERPRET=1`` a launch copies its tensor arguments to the host and back; on a GPU
-    it reads device memory on the device and is no host sync. The suite's I15 guard (a tensor subclass)
-    would count the interpreter's copies, so guarded arguments reach an interpreted kernel as plain
-    tensors; vLLM's Python around the launch stays guarded. (The SGLang adapter does the same.)"""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-    cls = interpreter.InterpretedFunction
-    if getattr(cls.run, "_unguarded", False):
-        return
-    run = cls.run
-
-    def plain(a):
-        return a.as_subclass(torch.Tensor) if isinstance(a, GuardedTensor) else a
-
-    def unguarded_run(self, *args, **kwargs):
-        return run(self, *map(plain, args), **{k: plain(v) for k, v in kwargs.items()})
-
-    unguarded_run._unguarded = True
-    cls.run = unguarded_run
 
 
 def standin_config(config, memory, max_bs: int, num_spec: int):
