@@ -16,6 +16,7 @@
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
 #   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports)
 #   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two);
+#                CHECK_BACKENDS the check stage's backends (default: triton triton_mla torch_native);
 #                CHECK_TIMEOUT a backend's check (default 250 s: triton_mla took 157-164 s at 14 jobs, fresh H200)
 #   BENCH_FILES  the benchmark files of the "bench" stage (default: kernels, replay, runtime)
 #   FlashInfer is measured beside our kernels when `import flashinfer` works (carry .whl).
@@ -65,7 +66,7 @@ if [[ $stages == *" tests "* ]]; then
 fi
 if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
-  for b in triton triton_mla torch_native; do
+  for b in ${CHECK_BACKENDS:-triton triton_mla torch_native}; do
     timeout "${CHECK_TIMEOUT:-250}" python -m attn_backends.check.cli check --backend $b --device cuda --jobs "$jobs" \
         --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
   done
