@@ -141,4 +141,12 @@ class BatchInvariantTritonBackend(TritonBackend):
         super().__init__(config, memory, batch_invariant=True)
 
 
-__all__ = ("TritonBackend", "BatchInvariantTritonBackend", "MaskKind")
+class ExactSplitsTritonBackend(TritonBackend):
+    """``triton`` with ``EXACT_CHUNK_SPLITS`` (chunked launches at the split rule's count, not a power
+    of two), by name for the sweep's ``*_exact`` rows and ``attn-backends check``."""
+
+    name: ClassVar[str] = "triton_exact"
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = True
+
+
+__all__ = ("TritonBackend", "BatchInvariantTritonBackend", "ExactSplitsTritonBackend", "MaskKind")

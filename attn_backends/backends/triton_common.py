@@ -87,6 +87,10 @@ class TritonBackendBase(LayoutBackend):
     schedule: str = "split"
     # How a request's chunks are merged (``kernels/schedule.py``): "last" or "pass".
     chunk_merge: str = "last"
+    # Chunked launches take the split rule's count as it is, not rounded down to a power of two (the
+    # chunk schedule cuts any count; at bs 13 the rounding leaves MLA-128 104 of 132 programs). Off
+    # until measured: the sweep's ``*_exact`` rows (bench/RESULTS.md, 'Ragged batches').
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = False
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -140,9 +144,11 @@ class TritonBackendBase(LayoutBackend):
         if key not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             per_sm, floor, floor_per_sm = self._split_rule(width, lay)
+            exact = self._exact_splits_below(width)
+            if self.EXACT_CHUNK_SPLITS and self._chunked(lay):
+                exact = WIDE_MAX_KV_SPLITS + 1
             cache[key] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
-                                              per_sm, width, floor, floor_per_sm, self._split_pages(width),
-                                              self._exact_splits_below(width))
+                                              per_sm, width, floor, floor_per_sm, self._split_pages(width), exact)
         return cache[key]
 
     def _chunked(self, lay: Layout) -> bool:

@@ -130,3 +130,11 @@ class SplitTritonMLABackend(TritonMLABackend):
 
     name: ClassVar[str] = "triton_mla_split"
     schedule = "split"
+
+
+class ExactSplitsTritonMLABackend(TritonMLABackend):
+    """``triton_mla`` with ``EXACT_CHUNK_SPLITS`` (chunked launches at the split rule's count, not a
+    power of two), by name as ``BalancedTritonMLABackend``."""
+
+    name: ClassVar[str] = "triton_mla_exact"
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = True

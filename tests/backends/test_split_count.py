@@ -227,3 +227,42 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16))
     lay = SimpleNamespace(bs=64, width=1, max_seq_len_q=1, mode=ForwardMode.DECODE, mask=MaskKind.CAUSAL)
     assert be._splits(lay) == 2
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,width,bs,want_pow2,want_exact", [
+    ("gqa", 28, 4, 1, 13, 8, 15),          # 52 programs, 6 an SM wanted: 15.2
+    ("gqa", 32, 8, 1, 11, 8, 9),           # 88 programs: 9
+    ("gqa", 32, 8, 64, 12, 16, 16),        # extend: never chunked, a power of two either way (22 wanted)
+    ("mla", 128, 1, 1, 13, 4, 5),          # 26 programs (two 64-head tiles a request), one an SM: 5
+    ("mla", 16, 1, 1, 13, 8, 10),          # the transposed kernel, one an SM: 10
+    ("mla", 128, 1, 1, 48, 1, 1),          # 96 programs: 1.4 -> 1, the same either way
+])
+def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, bs, want_pow2, want_exact):
+    """``EXACT_CHUNK_SPLITS`` (the ``*_exact`` classes): a chunked launch takes the split rule's count
+    as it is; without it, and for launches that are not chunked, a power of two below it (MLA on a
+    16-bit cache: ``schedule = "auto"`` chunks there on sm_90)."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.backends import triton_mla
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_mla, "hopper_device", lambda device: True)   # "auto" chunks as on an H200
+    mla = family == "mla"
+    cfg = (ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
+                       qk_rope_head_dim=64, page_size=64, dtype=torch.float16) if mla else
+           ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=16, page_size=16))
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=16384)
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.EXTEND
+    lay = SimpleNamespace(bs=bs, width=width if width == 1 else 0, max_seq_len_q=width, mode=mode,
+                          mask=MaskKind.CAUSAL)
+    got = {}
+    for name in (("triton_mla", "attn_backends.backends.triton_mla:ExactSplitsTritonMLABackend") if mla else
+                 ("triton", "attn_backends.backends.triton_backend:ExactSplitsTritonBackend")):
+        be = get_backend(name, cfg, mem)
+        monkeypatch.setattr(be, "_decodes_transposed", lambda: heads < 64, raising=False)
+        monkeypatch.setattr(mem, "device", CUDA0)
+        got[name.split(":")[-1]] = be._splits(lay)
+        monkeypatch.setattr(mem, "device", torch.device("cpu"))
+    assert list(got.values()) == [want_pow2, want_exact], got

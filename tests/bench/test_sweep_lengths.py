@@ -107,3 +107,14 @@ def test_an_mla_rows_balanced_form_is_taken_by_exact_name_only():
     assert not any(w.balanced for w in M.select_workloads(None, R.WORKLOADS))
     with pytest.raises(ValueError, match="gqa8_1_d128_decode_balanced"):
         M.select_workloads(["gqa8_1_d128_decode_balanced"], R.WORKLOADS)
+
+
+def test_every_rows_exact_form_is_taken_by_exact_name_only():
+    """``*_exact``: ours at the split rule's exact counts (``EXACT_CHUNK_SPLITS``), GQA and MLA, in no
+    grid, taken where named exactly, on the row's KV pool."""
+    got = M.select_workloads(["gqa28_4_d64_decode", "gqa28_4_d64_decode_exact", "mla128_decode_exact"], R.WORKLOADS)
+    assert [w.name for w in got] == ["gqa28_4_d64_decode", "gqa28_4_d64_decode_exact", "mla128_decode_exact"]
+    assert got[1].backend.endswith(":ExactSplitsTritonBackend") and got[0].backend == "triton"
+    assert got[2].backend.endswith(":ExactSplitsTritonMLABackend")
+    assert got[1].geometry == got[0].geometry
+    assert not any(w.exact for w in M.select_workloads(["gqa*", "mla*"], R.WORKLOADS))
