@@ -53,7 +53,7 @@ VARIANTS = [("triton", False, "last"), ("triton", True, "last"), ("triton", Fals
 
 @pytest.mark.parametrize("backend,invariant,merge", VARIANTS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_chunk_schedule_through_the_backend(name, backend, invariant, merge):
+def test_chunk_schedule_through_the_backend(name, backend, invariant, merge, exact=False):
     cfg = _mla_config() if backend == "triton_mla" else _gqa_config()
     mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
                       seed=1, device=DEVICE)
@@ -63,6 +63,7 @@ def test_chunk_schedule_through_the_backend(name, backend, invariant, merge):
     else:
         be = TritonBackend(cfg, mem, batch_invariant=invariant)
         be.chunk_merge = merge
+    be.EXACT_CHUNK_SPLITS = exact
     fill = be.get_cuda_graph_seq_len_fill_value()
     m = materialize(SCENARIOS[name](), mem, fill)
     g = torch.Generator().manual_seed(3)
@@ -149,3 +150,18 @@ def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monke
         q = torch.randn(m.batch.num_tokens, cfg.num_q_heads, cfg.qk_dim).to(DEVICE, torch.bfloat16)
         out = auto.forward(q, None, None, cfg.layer(1), m.batch, save_kv_cache=False)
         assert out.shape == (2, cfg.num_q_heads, cfg.kv_lora_rank) and bool(out.float().isfinite().all())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter takes 2 splits whatever the rule (choose_num_kv_splits)")
+@pytest.mark.parametrize("backend", ["triton", "triton_mla"])
+@pytest.mark.parametrize("name", ["decode", "verify_chain", "draft_decode_topk4"])
+def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
+    """``EXACT_CHUNK_SPLITS`` on a GPU whose SM count (patched to 37) makes the rule's counts odd: the
+    chunk schedule at a count that is not a power of two, against the reference and replayed."""
+    from attn_backends.backends import triton_common
+    monkeypatch.setattr(triton_common, "sm_count", lambda index: 37)
+    seen = []
+    real_choose = triton_common.choose_num_kv_splits
+    monkeypatch.setattr(triton_common, "choose_num_kv_splits", lambda *a: seen.append(real_choose(*a)) or seen[-1])
+    test_chunk_schedule_through_the_backend(name, backend, False, "pass", exact=True)
+    assert seen and any(n & (n - 1) for n in seen), f"counts {seen}: all powers of two, the case is not exercised"
