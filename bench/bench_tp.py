@@ -1,10 +1,11 @@
 """Tokens per second at TP 1 and TP N (issue #44): the engine on the bench-size models and on a model
 large enough that splitting its heads and MLP can pay, plain decode and EAGLE, each rank's graph
 replays against eager fallbacks. TP N runs one process a rank (``runtime/tp.py``: NCCL on CUDA, a GPU
-a rank). Each row says whether TP N's tokens equal TP 1's: in float32 (``--smoke``) they must (exit
-status 1 otherwise); in bf16 the all-reduce's summation order can flip a near tie, reported, not failed.
+a rank). A TP N row counts the requests whose tokens equal TP 1's on every rank: in float32 (``--smoke``)
+all must (exit status 1 otherwise); in bf16 the all-reduce's summation order can flip a near tie, reported,
+not failed.
 
-    python bench/bench_tp.py --tp 2 [--device cuda] [--models bench-gqa,bench-mla,large-gqa] [--out FILE]
+    python bench/bench_tp.py --tp 2 [--device cuda] [--models bench-gqa,bench-mla,large-gqa,llama8b-gqa] [--out FILE]
     python bench/bench_tp.py --tp 2 --device cpu --smoke       # plumbing on the CPU (tiny models, gloo)
 
 One line a (model, spec, tp): tokens/s (all steps, and decode steps alone), the mean accept length,
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
         for k, spec in enumerate(specs):
             one, ranks = ones[k], [r[k] for r in by_rank]
             # requests whose tokens equal TP 1's on every rank (TP 1's own row: None)
-            same = sum(all(r["outputs"][i] == out for r in ranks) for i, out in enumerate(one["outputs"]))
+            same = sum(all(len(r["outputs"]) == len(one["outputs"]) and r["outputs"][i] == out for r in ranks)
+                       for i, out in enumerate(one["outputs"]))
             for tp, res in ((1, [one]), (args.tp, ranks)):
                 row = dict(model=name, spec="eagle" if spec else "plain", tp=tp, tok_s=res[0]["tok_s"],
                            decode_tok_s=res[0]["decode_tok_s"], accept=res[0]["accept"],

@@ -68,7 +68,7 @@ if [[ $stages == *" check "* ]]; then
   echo "== attn-backends check on cuda"
   for b in ${CHECK_BACKENDS:-triton triton_mla torch_native}; do
     timeout "${CHECK_TIMEOUT:-250}" python -m attn_backends.check.cli check --backend $b --device cuda --jobs "$jobs" \
-        --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_$b.log" | tail -9 || status=1
+        --cases "${CHECK_CASES:-200}" --suite-cases "${CHECK_SUITE_CASES:-60}" 2>&1 | tee "$out/check_${b//[:.]/_}.log" | tail -9 || status=1
   done
 fi
 if [[ $stages == *" sanitize "* ]]; then
@@ -118,7 +118,7 @@ if [[ $stages == *" ficheck "* ]]; then
   echo "== attn-backends check on cuda (FlashInfer family)"
   for b in ${FI_BACKENDS:-flashinfer flashinfer_mla trtllm_mla hybrid}; do
     timeout "${CHECK_TIMEOUT:-300}" python -m attn_backends.check.cli check --backend $b --device cuda --jobs "$jobs" \
-        --cases "${FI_CASES:-60}" --suite-cases "${FI_SUITE_CASES:-24}" 2>&1 | tee "$out/check_$b.log" | tail -12 \
+        --cases "${FI_CASES:-60}" --suite-cases "${FI_SUITE_CASES:-24}" 2>&1 | tee "$out/check_${b//[:.]/_}.log" | tail -12 \
         || status=1
   done
 fi

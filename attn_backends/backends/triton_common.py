@@ -139,7 +139,8 @@ class TritonBackendBase(LayoutBackend):
 
     def _splits(self, lay: Layout) -> int:
         width = lay.width or max(1, lay.max_seq_len_q)
-        key = (lay.bs, width, lay.mode, lay.mask)       # a function of the GraphKey alone
+        # the GraphKey's facts, and the instance's schedule and count rule (a caller may set them after construction)
+        key = (lay.bs, width, lay.mode, lay.mask, self.schedule, self.EXACT_CHUNK_SPLITS)
         cache = self._split_cache
         if key not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
@@ -199,9 +200,9 @@ class TritonBackendBase(LayoutBackend):
         capture (the breakable runner's attention between its graph segments) keeps its own in
         the key's record, whose every tensor but q, KV and out is static and whose host values
         come from the key, so one recording serves every later replay."""
-        # the schedule and merge too: instances that differ in them launch other kernels on one step
-        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge), None,
-                           "recorded launches")
+        # the schedule, merge and count rule too: instances that differ in them launch other kernels on one step
+        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge,
+                                        self.EXACT_CHUNK_SPLITS), None, "recorded launches")
         held = view.cache.get(owner)
         if held is None or held[0] != view.step_id:
             held = view.cache[owner] = (view.step_id, {})

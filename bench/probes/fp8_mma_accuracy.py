@@ -5,15 +5,18 @@ One layer's attention over an e4m3 KV cache (scale from the cache's largest valu
 float64 reference over the *dequantized* cache (the contract's reference, #41.4):
 
 * ``16-bit MMA``: what the kernels do today: q in the model's dtype, K and V widened to it, P rounded to it before
-  P.V, float32 accumulation, online softmax over 64-token tiles;
+  P.V (the softmax's denominator sums the float32 P, as ``kernels/kv_walk.py``), float32 accumulation, online
+  softmax over 64-token tiles;
 * ``FP8 MMA``: q quantized to e4m3 (a scale a query row and head: amax / 448), Q.K^T on the e4m3 values, P of each
   tile (relative to the running max, <= 1) rounded to e4m3 before P.V on the e4m3 V; float32 accumulation
   (an emulation: Hopper's FP8 MMA accumulates with fewer bits, so this is its best case);
 * ``FP8 MMA, P 16-bit``: the same with P kept in the model's dtype (an FP8 Q.K^T, a 16-bit P.V on V widened);
-* ``FP8 P.V only``: q and K in the model's dtype, P rounded to e4m3 for an FP8 P.V on the e4m3 V (V never widened).
+* ``FP8 P.V only``: q and K in the model's dtype, P rounded to e4m3 for an FP8 P.V on the e4m3 V (V never widened);
+  ``x 256``: P scaled by 2^8 before the rounding (out of e4m3's subnormals) and back after the MMA.
 
-Error = max |out - ref| / max |ref|, the bf16 tests' tolerance being 2e-2. Scores are N(0, sharp^2) (``sharp`` 1:
-flat attention, 4: peaked), the head dims and groups of the sweep's rows, ragged lengths.
+Error = max |out - ref| / max |ref|, the bf16 tests' tolerance being 2e-2; the reference takes q unrounded, so
+every column includes q's rounding. Scores are N(0, sharp^2) (``sharp`` 1: flat attention, 4: peaked); the head
+dims and groups of the sweep's rows, one request of ``kv`` keys; verify rows unmasked (W query rows over all keys).
 
     python bench/probes/fp8_mma_accuracy.py [--kv 256,4096,16384] [--sharp 1,4] [--dtype bfloat16]
 """
@@ -31,9 +34,9 @@ SHAPES = (("GQA 28/4 d128", 28, 4, 128, 128, 1), ("GQA 32/8 d64 verify4", 32, 8,
           ("GQA 8/1 d128", 8, 1, 128, 128, 1), ("MLA 16", 16, 1, 576, 512, 1), ("MLA 128 verify4", 128, 1, 576, 512, 4))
 
 
-# (name, q in e4m3, P in e4m3)
-MODES = (("16-bit MMA", False, False), ("FP8 MMA", True, True), ("FP8 MMA, P 16-bit", True, False),
-         ("FP8 P.V only", False, True))
+# (name, q in e4m3, P in e4m3 at this scale (None: P in the 16-bit dtype))
+MODES = (("16-bit MMA", False, None), ("FP8 MMA", True, 1.0), ("FP8 MMA, P 16-bit", True, None),
+         ("FP8 P.V only", False, 1.0), ("FP8 P.V, P x 256", False, 256.0))
 
 
 def e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +50,10 @@ def quantize(x: torch.Tensor, dim) -> tuple:
     return e4m3(x / scale), scale
 
 
-def attend(q, k, v, sm_scale, lo16, q_fp8: bool, p_fp8: bool) -> torch.Tensor:
+def attend(q, k, v, sm_scale, lo16, q_fp8: bool, p_scale) -> torch.Tensor:
     """Online softmax over ``TILE``-token tiles, float32 accumulation. ``q [W, H, D]``, ``k [S, H, D]`` and
-    ``v [S, H, Dv]`` (KV heads repeated to the query heads), float32 holding the operands' values."""
+    ``v [S, H, Dv]`` (KV heads repeated to the query heads), float32 holding the operands' values; P.V's P in
+    e4m3 at ``p_scale`` (None: in ``lo16``), the denominator over the float32 P."""
     qs = torch.ones(1)
     if q_fp8:
         q, qs = quantize(q, dim=-1)               # a scale a row and head
@@ -62,9 +66,9 @@ def attend(q, k, v, sm_scale, lo16, q_fp8: bool, p_fp8: bool) -> torch.Tensor:
         s = torch.einsum("whd,shd->whs", q, k[t:t + TILE]) * qs * sm_scale
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p = torch.exp(s - m_new)
-        p = e4m3(p) if p_fp8 else p.to(lo16).float()
+        pv = p.to(lo16).float() if p_scale is None else e4m3(p * p_scale) / p_scale
         alpha = torch.exp(m - m_new)
-        acc = acc * alpha + torch.einsum("whs,shd->whd", p, v[t:t + TILE])
+        acc = acc * alpha + torch.einsum("whs,shd->whd", pv, v[t:t + TILE])
         den = den * alpha + p.sum(-1, keepdim=True)
         m = m_new
     return acc / den

@@ -236,6 +236,7 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     ("mla", 128, 1, 1, 13, 4, 5),          # 26 programs (two 64-head tiles a request), one an SM: 5
     ("mla", 16, 1, 1, 13, 8, 10),          # the transposed kernel, one an SM: 10
     ("mla", 128, 1, 1, 48, 1, 1),          # 96 programs: 1.4 -> 1, the same either way
+    ("mla32", 128, 1, 1, 13, 4, 4),        # a float32 cache: "auto" takes the split, a power of two either way
 ])
 def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, bs, want_pow2, want_exact):
     """``EXACT_CHUNK_SPLITS`` (the ``*_exact`` classes): a chunked launch takes the split rule's count
@@ -249,9 +250,10 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton_mla, "hopper_device", lambda device: True)   # "auto" chunks as on an H200
-    mla = family == "mla"
+    mla = family.startswith("mla")
+    dtype = torch.float32 if family == "mla32" else torch.float16
     cfg = (ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
-                       qk_rope_head_dim=64, page_size=64, dtype=torch.float16) if mla else
+                       qk_rope_head_dim=64, page_size=64, dtype=dtype) if mla else
            ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=16, page_size=16))
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=16384)
     mode = ForwardMode.DECODE if width == 1 else ForwardMode.EXTEND

@@ -17,9 +17,9 @@ def test_the_emulation_unquantized_is_the_reference(monkeypatch):
     q, k, v = (torch.randn(*s, generator=g) for s in ((4, 8, 32), (300, 8, 32), (300, 8, 16)))   # 300: a partial tile
     s = torch.einsum("whd,shd->whs", q.double(), k.double()) * 0.7
     ref = torch.einsum("whs,shd->whd", torch.softmax(s, -1), v.double())
-    got = P.attend(q, k, v, 0.7, torch.float32, q_fp8=False, p_fp8=False)
+    got = P.attend(q, k, v, 0.7, torch.float32, q_fp8=False, p_scale=None)
     assert float((got.double() - ref).abs().max()) < 1e-5
-    for qf, pf in ((True, False), (False, True)):          # each rounding shows
+    for qf, pf in ((True, None), (False, 1.0), (False, 256.0)):          # each rounding shows
         assert float((P.attend(q, k, v, 0.7, torch.float32, qf, pf).double() - ref).abs().max()) > 1e-4
 
 

@@ -64,6 +64,8 @@ GLUON_CASES = [
     (64, [5000, 40, 700, 2000], 1, 128, CAUSAL, 1),
     (32, [1900, 8, 700], 4, 16, CAUSAL, 2),
     (64, [1500, 30, 600], 4, 16, DRAFT, 2),
+    (64, [3000, 40, 5, 300, 64], 1, 16, CAUSAL, 5),     # counts that are not powers of two (EXACT_CHUNK_SPLITS):
+    (64, [5000, 40, 700, 2000], 1, 128, CAUSAL, 5),     # swap and chunked-128 at 5 chunks a request's budget
 ] if DEVICE == "cuda" else []
 KERNELS = [None, "triton"] if DEVICE == "cuda" else [None]       # the CPU's default is the Triton tile
 
