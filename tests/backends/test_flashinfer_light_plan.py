@@ -172,3 +172,36 @@ def test_page_views_follow_a_replaced_pool_tensor(mla):
             lst = getattr(mem.pool, n)
             lst[0] = torch.randn_like(lst[0].float()).to(lst[0].dtype)
     assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_per_layer_instances_plan_once_a_step(mla):
+    """A backend instance per layer on one runner's step (``runner.prepare``: every instance's replay
+    update, I12) share one wrapper a step and plan it once: the first instance updated in a step plans
+    (light at replays), the others only refresh. Eager steps likewise."""
+    from attn_backends.step import Step, prep_placement
+    cfg = _config(mla)
+    mem = make_memory(cfg, num_pages=600, max_reqs=40, max_context_len=256, seed=1)
+    cls = E.EmulatedFlashInferMLA if mla else E.EmulatedFlashInfer
+    layers = [cls(cfg, mem) for _ in range(4)]
+    rng = random.Random(3)
+    cap, *reps = [materialize(Scenario(ForwardMode.DECODE, 4, [rng.randint(10, 200) for _ in range(n)]), mem, 1)
+                  for n in (4, 3, 2)]
+    for be in layers:
+        be.init_cuda_graph_state(4, 4)
+    step = Step(mem, 1, max_bs=4, max_width=1, prep=prep_placement(layers))
+    gi = step.graph_inputs(cap.batch.graph_key(), step.capture_inputs(cap.batch.graph_inputs()))
+    for be in layers:
+        be.init_forward_metadata_capture_cuda_graph(gi)
+    assert len({id(p.call) for be in layers for p in be.forward_metadata.planned.values()}) == 1, "a wrapper each"
+    for m in reps:
+        gi = step.graph_inputs(m.batch.graph_key(), step.update_inputs(m.batch.graph_inputs()))
+        E.PLAN_ARGS.clear()
+        for be in layers:
+            be.init_forward_metadata_replay_cuda_graph(gi)
+        assert len(E.PLAN_ARGS) == 1, f"{len(E.PLAN_ARGS)} scheduler calls for one replay of 4 instances"
+    eager = Step(mem, 1).build(reps[0].batch)
+    E.PLAN_ARGS.clear()
+    for be in layers:
+        be.init_forward_metadata(eager)
+    assert len(E.PLAN_ARGS) == 1, f"{len(E.PLAN_ARGS)} plans for one eager step of 4 instances"
