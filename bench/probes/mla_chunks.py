@@ -25,6 +25,9 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sweep"))
 from sweep_rows import lengths  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from ragged_decode import captured  # noqa: E402
+
 from attn_backends.backends.triton_common import choose_num_kv_splits  # noqa: E402
 from attn_backends_kernels.attention_core import decode_workspace  # noqa: E402
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape  # noqa: E402
@@ -45,15 +48,6 @@ def paged(lens: list, gen) -> tuple:
         table[i, :c] = perm[at:at + c]
         at += c
     return table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), 1 + sum(counts)
-
-
-def graph(fn) -> tuple:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g, triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
 def launches(g, n: int = 20) -> dict:
@@ -104,7 +98,7 @@ def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
 
     for label, make in (("split", split), ("chunks f32", lambda: chunks("chunks f32", torch.float32)),
                         ("chunks", lambda: chunks("chunks", part16))):
-        g, us = graph(make())
+        g, us = captured(make())
         res[label] = round(us, 1)
         res[label + " launches"] = launches(g)
     ref = outs["split"].float()

@@ -65,13 +65,18 @@ def paged(lens: list, Hkv: int, D: int, gen):
                 indices=perm.cuda(), last=torch.tensor(last, **dev), num_pages=num_pages)
 
 
-def graph_us(fn) -> float:
+def captured(fn) -> tuple:
+    """``fn`` captured in a CUDA graph (after one eager call) and its replay's median time, us."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
+    return g, triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    return captured(fn)[1]
 
 
 def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0),
