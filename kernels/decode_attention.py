@@ -247,7 +247,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         part, lse = cl.part, cl.lse
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,
-            sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, window, softcap_log2, sinks_arg,
+            sm_scale * LOG2E * k_scale, v_scale, bs, cl.budget, window, softcap_log2, sinks_arg,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),

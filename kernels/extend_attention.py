@@ -343,7 +343,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         part, lse = cl.part, cl.lse
         launch(_extend_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqlens_q, mask_arg, draft_arg, part, lse, out,
-            cl.counters, sm_scale * LOG2E * k_scale, v_scale, bs, cl.num_chunks, max_q_len, window, softcap_log2,
+            cl.counters, sm_scale * LOG2E * k_scale, v_scale, bs, cl.budget, max_q_len, window, softcap_log2,
             sinks_arg,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),

@@ -6,10 +6,13 @@ every program finds its work on the device from ``seq_lens_k``: the batch's KV
 tiles (``BLOCK_N`` tokens) are cut into chunks of ``per = max(cdiv(tiles, num_chunks), MIN_TILES)``
 tiles, a request of ``t`` tiles taking ``cdiv(t, per)`` of them (at least one), numbered request
 after request. ``sum(cdiv(t_b, per)) <= tiles / per + bs <= num_chunks + bs``, so the grid covers
-every chunk; programs past the last do nothing. A long request is cut into many chunks and short
-ones stay whole, so programs read about the same KV whatever the lengths, and one captured graph
-serves any lengths its buffers allow: no host plan, no host sync, no schedule buffer (each
-program recomputes it from ``bs`` lengths, cheaper than a launch that would write one).
+every chunk; programs past the last do nothing. Where whole chunks a request overrun the budget
+and the budget is one wave of programs, the wave fit (a negative budget: ``_balanced_per``) takes
+the smallest chunk that fits it, so the few chunks past it do not run as a second wave. A long
+request is cut into many chunks and short ones stay whole, so programs read about the same KV
+whatever the lengths, and one captured graph serves any lengths its buffers allow: no host plan,
+no host sync, no schedule buffer (each program recomputes it from ``bs`` lengths, cheaper than a
+launch that would write one).
 
 A request of one chunk writes its output directly. A request of several writes a partial per chunk
 (normalised output, log2-sum-exp) to the chunk's workspace slot, merged in chunk order by a second
@@ -82,11 +85,37 @@ def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr
             dp = tl.load(draft_prefix_ptr + offs, mask=offs < bs, other=0)
         lo = tl.where(offs < bs, window_lo(lens, q_rows, dp, 0, window, MASK), 0)
     tiles = (lens - lo + BLOCK_N - 1) // BLOCK_N
-    per = tl.maximum((tl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
     if FIXED_TILES > 0:
-        per = per * 0 + FIXED_TILES
+        per = tl.sum(tiles, 0) * 0 + FIXED_TILES
+    else:
+        per = _balanced_per(tiles, offs < bs, bs, num_chunks, MIN_TILES)
     n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
     return offs, lens, lo, per, n, tl.cumsum(n, 0)
+
+
+@triton.jit
+def _balanced_per(tiles, valid, bs, num_chunks, MIN_TILES: tl.constexpr):
+    """The balanced chunk in tiles: ``cdiv(tiles, |num_chunks|)``, at least ``MIN_TILES``. A
+    negative ``num_chunks`` asks for the wave fit (``ChunkLaunch.budget``): where rounding each
+    request up to whole chunks left more than the budget (a second wave of programs for the few
+    chunks past it), the smallest chunk that fits the budget, if one wave of it costs less than two
+    of the balanced one (``MIN_TILES`` a chunk's fixed cost)."""
+    budget = tl.maximum(num_chunks, -num_chunks)     # not abs: a launch arg of 1 is a constexpr
+    total = tl.sum(tiles, 0)
+    per = tl.maximum((total + budget - 1) // budget, MIN_TILES)
+    over = tl.sum(tl.where(valid, tl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
+    # a request of t tiles takes at most t / p + 1 chunks: p = cdiv(total, budget - bs) fits
+    hi = tl.maximum(tl.max(tiles, 0), per)
+    hi = tl.where(budget > bs, tl.minimum(hi, tl.maximum((total + budget - bs - 1) // tl.maximum(budget - bs, 1),
+                                                         per)), hi)
+    lo = per
+    hi = tl.where((num_chunks < 0) & over & (budget >= bs), hi, per)
+    while lo < hi:              # the smallest chunk whose count fits the budget (counts fall as chunks grow)
+        mid = (lo + hi) // 2
+        fits = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    return tl.where(hi + MIN_TILES < 2 * (per + MIN_TILES), hi, per)
 
 
 @triton.jit
@@ -97,7 +126,8 @@ def chunk_of(seq_lens_ptr, j, bs, num_chunks, window, q_rows, draft_prefix_ptr, 
     bs``: past the last chunk), the index of the request's first chunk, the request's chunk count,
     the chunk's KV token range ``[start, end)`` and the batch's chunk count. ``FIXED_TILES`` > 0:
     chunks of that many tiles whatever the batch (the batch-invariant schedule, whose grid covers
-    as many chunks a request as the page table's width allows: ``slots_per_request``). ``WINDOW``:
+    as many chunks a request as the page table's width allows: ``slots_per_request``); a negative
+    ``num_chunks``: the wave fit (``_balanced_per``). ``WINDOW``:
     chunks from each request's window start (``_chunk_counts``)."""
     offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr,
                                                  BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW)
@@ -270,6 +300,13 @@ class ChunkLaunch:
     window: int = 0
     mask: int = -1
     draft_prefix_lens: Optional[torch.Tensor] = None
+    fit: bool = False
+
+    @property
+    def budget(self) -> int:
+        """The kernels' ``num_chunks`` argument: the chunk budget, negative for the wave fit
+        (``_balanced_per``)."""
+        return -self.num_chunks if self.fit else self.num_chunks
 
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
@@ -282,7 +319,7 @@ class ChunkLaunch:
         part, lse = self.part, self.lse
         launch(_merge_chunk_pass_kernel, (rows, triton.cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
-               self.num_chunks, self.rows_per_chunk, self.window,
+               self.budget, self.rows_per_chunk, self.window,
                seq_lens_k if self.draft_prefix_lens is None else self.draft_prefix_lens,
                part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
                out.stride(0), out.stride(1), NUM_HEADS=H, HEAD_DIM_V=Dv, BLOCK_HM=block_hm, BLOCK_DV=block_dv,
@@ -294,14 +331,17 @@ class ChunkLaunch:
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
                  heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None,
-                 part_dtype: torch.dtype = torch.float32) -> ChunkLaunch:
+                 part_dtype: torch.dtype = torch.float32, fit: bool = False) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
     grid (``(Hkv, slots)`` or ``(slots, Hkv)``, ``attention_core.heads_first_grid``); ``window``
     (0: none), the launch's mask kind (``kv_walk.MASK_KINDS``, -1: decode) and draft prefixes
     for the merge pass's schedule; ``part_dtype``: the partials' dtype where the workspace is
-    allocated here (a given one may hold float32 or ``part_dtype``)."""
+    allocated here (a given one may hold float32 or ``part_dtype``); ``fit``: the wave fit
+    (``_balanced_per``; the balanced schedule only)."""
+    if fit and schedule != "chunks":
+        raise ValueError(f"{name}: the wave fit is the 'chunks' schedule's, not {schedule!r}'s")
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
     part, lse, counters = chunk_targets(name, out, workspace, bs, per_request, rows_per_chunk, num_kv_heads,
                                         part_dtype)
@@ -310,7 +350,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     consts = dict(MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=triton.next_power_of_2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
-                       window or 0, mask, draft_prefix_lens)
+                       window or 0, mask, draft_prefix_lens, fit)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

@@ -141,12 +141,12 @@ class BatchInvariantTritonBackend(TritonBackend):
         super().__init__(config, memory, batch_invariant=True)
 
 
-class ExactSplitsTritonBackend(TritonBackend):
-    """``triton`` with ``EXACT_CHUNK_SPLITS`` (chunked launches at the split rule's count, not a power
-    of two), by name for the sweep's ``*_exact`` rows and ``attn-backends check``."""
+class Pow2SplitsTritonBackend(TritonBackend):
+    """``triton`` without ``EXACT_CHUNK_SPLITS`` (chunked launches at a power of two below the split
+    rule's count, the rule before it), by name for the sweep's ``*_pow2`` rows and ``attn-backends check``."""
 
-    name: ClassVar[str] = "triton_exact"
-    EXACT_CHUNK_SPLITS: ClassVar[bool] = True
+    name: ClassVar[str] = "triton_pow2"
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = False
 
 
-__all__ = ("TritonBackend", "BatchInvariantTritonBackend", "ExactSplitsTritonBackend", "MaskKind")
+__all__ = ("TritonBackend", "BatchInvariantTritonBackend", "Pow2SplitsTritonBackend", "MaskKind")

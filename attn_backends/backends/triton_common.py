@@ -88,9 +88,9 @@ class TritonBackendBase(LayoutBackend):
     # How a request's chunks are merged (``kernels/schedule.py``): "last" or "pass".
     chunk_merge: str = "last"
     # Chunked launches take the split rule's count as it is, not rounded down to a power of two (the
-    # chunk schedule cuts any count; at bs 13 the rounding leaves MLA-128 104 of 132 programs). Off
-    # until measured: the sweep's ``*_exact`` rows (bench/RESULTS.md, 'Ragged batches').
-    EXACT_CHUNK_SPLITS: ClassVar[bool] = False
+    # chunk schedule cuts any count; at bs 13 the rounding left MLA-128 104 of 132 SMs): 1.07-1.19x
+    # on GQA 28/4 bs 13 (bench/RESULTS.md, 'Ragged batches'; the sweep's ``*_pow2`` rows: the rule before).
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = True
 
     def __init__(self, config, memory) -> None:
         super().__init__(config, memory)
@@ -151,6 +151,15 @@ class TritonBackendBase(LayoutBackend):
             cache[key] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
                                               per_sm, width, floor, floor_per_sm, self._split_pages(width), exact)
         return cache[key]
+
+    def _fits_wave(self, lay: Layout) -> bool:
+        """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
+        of one-an-SM programs is the most one wave holds, so chunks past it would run as a second wave."""
+        if not (self.EXACT_CHUNK_SPLITS and self._chunked(lay) and self.memory.device.type == "cuda"):
+            return False
+        width = lay.width or max(1, lay.max_seq_len_q)
+        programs, sms = self._programs(lay.bs, width), sm_count(cuda_index(self.memory.device))
+        return self._split_rule(width, lay)[0] == 1 and self._splits(lay) == sms // programs
 
     def _chunked(self, lay: Layout) -> bool:
         """Whether the launch of ``lay`` balances the batch's KV over chunks on the device

@@ -104,7 +104,7 @@ class TritonMLABackend(TritonBackendBase):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
                           draft_prefix_lens=lay.draft_prefix_lens, schedule=self._kernel_schedule(),
-                          merge=self.chunk_merge, kv_scale=layer.k_scale)
+                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=self._fits_wave(lay))
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
@@ -132,9 +132,9 @@ class SplitTritonMLABackend(TritonMLABackend):
     schedule = "split"
 
 
-class ExactSplitsTritonMLABackend(TritonMLABackend):
-    """``triton_mla`` with ``EXACT_CHUNK_SPLITS`` (chunked launches at the split rule's count, not a
-    power of two), by name as ``BalancedTritonMLABackend``."""
+class Pow2SplitsTritonMLABackend(TritonMLABackend):
+    """``triton_mla`` without ``EXACT_CHUNK_SPLITS`` (chunked launches at a power of two below the
+    split rule's count, and so without the wave fit), by name as ``BalancedTritonMLABackend``."""
 
-    name: ClassVar[str] = "triton_mla_exact"
-    EXACT_CHUNK_SPLITS: ClassVar[bool] = True
+    name: ClassVar[str] = "triton_mla_pow2"
+    EXACT_CHUNK_SPLITS: ClassVar[bool] = False

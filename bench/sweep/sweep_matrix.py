@@ -63,14 +63,14 @@ class Point:
 def select_workloads(patterns: Optional[list], pool) -> list:
     """The workloads of ``pool`` whose name (or its long alias) matches one of ``patterns``
     (names or fnmatch patterns such as ``gqa*_d64_decode``), in ``pool``'s order; all without patterns.
-    The MLA rows' ``*_balanced`` / ``*_split`` forms, every row's ``*_exact`` and the GQA rows' ``*_fp8``
+    The MLA rows' ``*_balanced`` / ``*_split`` forms, every row's ``*_pow2`` and the GQA rows' ``*_fp8``
     forms, in no grid, are taken where named exactly."""
     if not patterns:
         return list(pool)
-    # a by-name-only workload (*_balanced, *_split, *_exact, *_fp8, #42's *_w4096 / *_cap / *_sinks) joins
+    # a by-name-only workload (*_balanced, *_split, *_pow2, *_fp8, #42's *_w4096 / *_cap / *_sinks) joins
     # where named exactly
     pool = list(pool) + [BY_NAME[p] for p in patterns if p in BY_NAME and BY_NAME[p] not in pool
-                         and (BY_NAME[p].balanced or BY_NAME[p].split or BY_NAME[p].exact
+                         and (BY_NAME[p].balanced or BY_NAME[p].split or BY_NAME[p].pow2
                               or BY_NAME[p].kv_dtype is not None or BY_NAME[p].variant or BY_NAME[p].sinks)]
     names = {w.name: {w.name} | {a for a, v in BY_NAME.items() if v.name == w.name} for w in pool}
     for p in patterns:

@@ -100,7 +100,7 @@ class Workload:
     topk: int = 1
     balanced: bool = False   # MLA: ours with the chunk schedule (BalancedTritonMLABackend)
     split: bool = False      # MLA: ours with equal splits (SplitTritonMLABackend; the default is "auto")
-    exact: bool = False      # ours with chunked launches at exact split counts (EXACT_CHUNK_SPLITS)
+    pow2: bool = False       # ours with chunked launches at power-of-two split counts (EXACT_CHUNK_SPLITS off)
     kv_dtype: Optional[torch.dtype] = None   # the KV cache's dtype (None: the model's); FP8 stored with FP8_SCALES
     window: Optional[int] = None    # issue #42: a sliding window (HF's sliding_window), a softcap, sinks (SINKS)
     softcap: Optional[float] = None
@@ -118,9 +118,9 @@ class Workload:
             return "attn_backends.backends.triton_mla:BalancedTritonMLABackend"
         if self.split:
             return "attn_backends.backends.triton_mla:SplitTritonMLABackend"
-        if self.exact:
-            return ("attn_backends.backends.triton_mla:ExactSplitsTritonMLABackend" if self.family == "mla"
-                    else "attn_backends.backends.triton_backend:ExactSplitsTritonBackend")
+        if self.pow2:
+            return ("attn_backends.backends.triton_mla:Pow2SplitsTritonMLABackend" if self.family == "mla"
+                    else "attn_backends.backends.triton_backend:Pow2SplitsTritonBackend")
         return "triton_mla" if self.family == "mla" else "triton"
 
     @property
@@ -194,8 +194,8 @@ BY_NAME.update({f"{w.name}_balanced": replace(w, name=f"{w.name}_balanced", bala
 # by name only: the MLA rows with ours on equal splits, e.g. mla16_decode_split (the default is "auto")
 BY_NAME.update({f"{w.name}_split": replace(w, name=f"{w.name}_split", split=True)
                 for w in WORKLOADS if w.family == "mla"})
-# by name only: ours at the split rule's exact counts where chunked, e.g. mla128_decode_exact
-BY_NAME.update({f"{w.name}_exact": replace(w, name=f"{w.name}_exact", exact=True) for w in WORKLOADS})
+# by name only: ours at power-of-two counts where chunked (the rule before EXACT_CHUNK_SPLITS), e.g. mla128_decode_pow2
+BY_NAME.update({f"{w.name}_pow2": replace(w, name=f"{w.name}_pow2", pow2=True) for w in WORKLOADS})
 # by name only: the GQA rows on an FP8 (e4m3) cache, e.g. gqa28_4_d128_decode_fp8
 BY_NAME.update({f"{w.name}_fp8": replace(w, name=f"{w.name}_fp8", kv_dtype=torch.float8_e4m3fn)
                 for w in WORKLOADS if w.family == "gqa"})

@@ -71,14 +71,15 @@ def _mla_chunk_kernel(
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
                   merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None,
-                  kv_scale=1.0, kernel=None):
+                  kv_scale=1.0, kernel=None, fit=False):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
     page_size), W, H, 1, 512, device, part_dtype)`` with float32 partials or ``warpspec.partial_dtype``'s for
     the default tile (allocated here when None, with the latter, which a graph must avoid). ``kernel``:
     None: a Gluon kernel where one serves the "chunks" schedule's tile (``mla_attention_fwd``'s rule, knobs
-    None), else the Triton tile; "triton": the Triton tile."""
+    None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``schedule._balanced_per``:
+    chunks past the budget would run as a second wave)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
@@ -104,7 +105,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     rows = tile_shape(W, H)         # the default tile's: the backend sizes its graph workspace alike
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
                       heads_first=False, part_dtype=partial_dtype(kv_buffer.dtype, out.device, page_size,
-                                                                  rows[0] * rows[1], Dv, D - Dv))
+                                                                  rows[0] * rows[1], Dv, D - Dv), fit=fit)
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
@@ -119,7 +120,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
            sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0),
            out.stride(0),
            out.stride(1), cl.part.stride(0), cl.part.stride(1), cl.lse.stride(0), cl.lse.stride(1), W, bs,
-           cl.num_chunks, NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
+           cl.budget, NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
            PAGE_SIZE=page_size, BLOCK_N=block_n, MASK=MASK_KINDS[mask],
            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_TILES=cl.consts["MIN_TILES"],
            FIXED_TILES=cl.consts["FIXED_TILES"], BLOCK_BS=cl.consts["BLOCK_BS"], num_warps=num_warps,
@@ -177,6 +178,6 @@ def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg,
     gluon_kernel, warps = GLUON_LAUNCH[use]
     launch(gluon_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, part, lse, scale_log2,
            q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), part.stride(0), part.stride(1),
-           part.stride(1), lse.stride(0), lse.stride(1), W, cl.num_chunks, NUM_HEADS=H, BLOCK_H=block_h,
+           part.stride(1), lse.stride(0), lse.stride(1), W, cl.budget, NUM_HEADS=H, BLOCK_H=block_h,
            BLOCK_W=block_w, LATENT=Dv, ROPE=rope, PAGE_SIZE=page_size, WRITE_LSE=True, MASK=mask_kind,
            CHUNK_BS=max(32, cl.consts["BLOCK_BS"]), **warps)

@@ -77,7 +77,8 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
     prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
 
     ``CHUNK_BS`` > 0: the chunk schedule (``schedule.chunk_of``; ``_chunk_of``) over the grid's
-    ``num_programs(1) = NUM_SPLITS + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget. Every chunk
+    ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
+    (``ChunkLaunch.budget``). Every chunk
     writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
     contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W, NUM_HEADS]``
     log-sum-exps: the stores add ``split * stride_os`` and ``split`` to the request's row, so
@@ -88,7 +89,8 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
     wb = pid // NUM_HB
     if CHUNK_BS > 0:
         c = gl.program_id(1)
-        b, start, end, total = _chunk_of(seq_lens_ptr, c, gl.num_programs(1) - NUM_SPLITS, NUM_SPLITS, N, CHUNK_BS)
+        bs = gl.num_programs(1) - gl.maximum(NUM_SPLITS, -NUM_SPLITS)     # negative: the wave fit
+        b, start, end, total = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS)
         split = (c - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
         if c >= total:
@@ -126,8 +128,24 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     offs = gl.arange(0, CHUNK_BS, layout=L)
     lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + N - 1) // N
-    per = gl.maximum((gl.sum(tiles, 0) + num_chunks - 1) // num_chunks, MIN_TILES)
-    n = gl.where(offs < bs, gl.maximum((tiles + per - 1) // per, 1), 0)
+    valid = offs < bs
+    # schedule._balanced_per, op for op (the merge pass recomputes the schedule in Triton)
+    budget = gl.maximum(num_chunks, -num_chunks)
+    total = gl.sum(tiles, 0)
+    per = gl.maximum((total + budget - 1) // budget, MIN_TILES)
+    over = gl.sum(gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
+    hi = gl.maximum(gl.max(tiles, 0), per)
+    hi = gl.where(budget > bs, gl.minimum(hi, gl.maximum((total + budget - bs - 1) // gl.maximum(budget - bs, 1),
+                                                         per)), hi)
+    lo = per
+    hi = gl.where((num_chunks < 0) & over & (budget >= bs), hi, per)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
+        hi = gl.where(fits, mid, hi)
+        lo = gl.where(fits, lo, mid + 1)
+    per = gl.where(hi + MIN_TILES < 2 * (per + MIN_TILES), hi, per)
+    n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
     ends = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, 0)
     b = gl.minimum(gl.sum((ends <= c).to(gl.int32), 0), bs - 1)

@@ -53,7 +53,7 @@ VARIANTS = [("triton", False, "last"), ("triton", True, "last"), ("triton", Fals
 
 @pytest.mark.parametrize("backend,invariant,merge", VARIANTS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_chunk_schedule_through_the_backend(name, backend, invariant, merge, exact=False):
+def test_chunk_schedule_through_the_backend(name, backend, invariant, merge, exact=True):
     cfg = _mla_config() if backend == "triton_mla" else _gqa_config()
     mem = make_memory(cfg, num_pages=9000 // 16 + 64, max_reqs=12, max_context_len=3072, page_order="shuffled",
                       seed=1, device=DEVICE)
@@ -156,8 +156,9 @@ def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monke
 @pytest.mark.parametrize("backend", ["triton", "triton_mla"])
 @pytest.mark.parametrize("name", ["decode", "verify_chain", "draft_decode_topk4"])
 def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
-    """``EXACT_CHUNK_SPLITS`` on a GPU whose SM count (patched to 37) makes the rule's counts odd: the
-    chunk schedule at a count that is not a power of two, against the reference and replayed."""
+    """``EXACT_CHUNK_SPLITS`` (the default) on a GPU whose SM count (patched to 37) makes the rule's
+    counts odd: the chunk schedule at a count that is not a power of two (and MLA's wave fit),
+    against the reference and replayed."""
     from attn_backends.backends import triton_common
     monkeypatch.setattr(triton_common, "sm_count", lambda index: 37)
     seen = []

@@ -63,7 +63,7 @@ def test_interpreter_takes_two_splits():
 
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("width,bs,want", [
-    (1, 1, 64), (1, 2, 32), (1, 4, 16), (1, 8, 8), (1, 16, 6),        # decode: 6 per SM, exact
+    (1, 1, 64), (1, 2, 32), (1, 4, 24), (1, 8, 12), (1, 16, 6),       # decode: 6 per SM, exact (chunks)
     (1, 32, 6), (1, 64, 4), (1, 128, 4),                              # 3, 2, 2 (>= 2), then chunks doubled
     (4, 1, 64), (4, 4, 16), (4, 16, 4), (4, 64, 1),                  # chain verify <= 4 rows: 4
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
@@ -71,7 +71,8 @@ def test_interpreter_takes_two_splits():
 ])
 def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None, schedule=None):
     """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8, per mode as the cases
-    say: decode 6 programs an SM with counts below 8 taken as they are and at least 2 splits (one
+    say: decode 6 programs an SM, the count taken as it is (the chunk schedule cuts any; below 8 on
+    equal splits) and at least 2 splits (one
     split is slower at bs 128), and on the chunk schedule twice the chunks where that leaves fewer
     than 4 a request; chain verify and the 8-row tree fewer splits as the batch grows, extend 16
     programs an SM. The counts follow the probes (figures: bench/RESULTS.md, 'Split counts' and
@@ -99,7 +100,7 @@ def test_equal_splits_keep_the_split_count(h200, monkeypatch, bs, want):
     test_triton_backend_split_counts(h200, monkeypatch, 32, 1, bs, want, schedule="split")
 
 
-@pytest.mark.parametrize("bs,want", [(1, 64), (2, 32), (8, 16), (16, 8), (24, 8), (32, 6), (64, 3), (128, 2)])
+@pytest.mark.parametrize("bs,want", [(1, 64), (2, 32), (8, 24), (16, 12), (24, 8), (32, 6), (64, 3), (128, 2)])
 def test_triton_fp8_decode_takes_twice_the_programs(h200, monkeypatch, bs, want):
     """An FP8 cache's decode: 12 programs an SM, not 6 (its 64-token tiles hold half a bf16
     tile's bytes in flight), the caps and the floor of 2 as for bf16; other modes unchanged."""
@@ -122,7 +123,7 @@ def test_one_token_extends_on_fp8_keep_the_decode_count_of_bf16(h200, monkeypatc
     monkeypatch.setattr(mem, "device", CUDA0)
     lay = SimpleNamespace(bs=16, width=0, max_seq_len_q=1, mode=ForwardMode.EXTEND, mask=MaskKind.CAUSAL)
     assert be._splits(lay) == 6
-    assert be._splits(SimpleNamespace(**(vars(lay) | dict(width=1, mode=ForwardMode.DECODE)))) == 8
+    assert be._splits(SimpleNamespace(**(vars(lay) | dict(width=1, mode=ForwardMode.DECODE)))) == 12
 
 
 def test_split_pages(h200):
@@ -229,19 +230,24 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     assert be._splits(lay) == 2
 
 
-@pytest.mark.parametrize("family,heads,kv_heads,width,bs,want_pow2,want_exact", [
-    ("gqa", 28, 4, 1, 13, 8, 15),          # 52 programs, 6 an SM wanted: 15.2
-    ("gqa", 32, 8, 1, 11, 8, 9),           # 88 programs: 9
-    ("gqa", 32, 8, 64, 12, 16, 16),        # extend: never chunked, a power of two either way (22 wanted)
-    ("mla", 128, 1, 1, 13, 4, 5),          # 26 programs (two 64-head tiles a request), one an SM: 5
-    ("mla", 16, 1, 1, 13, 8, 10),          # the transposed kernel, one an SM: 10
-    ("mla", 128, 1, 1, 48, 1, 1),          # 96 programs: 1.4 -> 1, the same either way
-    ("mla32", 128, 1, 1, 13, 4, 4),        # a float32 cache: "auto" takes the split, a power of two either way
+@pytest.mark.parametrize("family,heads,kv_heads,width,bs,want_exact,want_pow2,fits", [
+    ("gqa", 28, 4, 1, 13, 15, 8, False),     # 52 programs, 6 an SM wanted: 15.2; 6 an SM is no wave
+    ("gqa", 32, 8, 1, 11, 9, 8, False),      # 88 programs: 9
+    ("gqa", 32, 8, 64, 12, 16, 16, False),   # extend: never chunked, a power of two either way (22 wanted)
+    ("mla", 128, 1, 1, 13, 5, 4, True),      # 26 programs (two 64-head tiles a request), one an SM: 5 fill 130
+    ("mla", 16, 1, 1, 13, 10, 8, True),      # the transposed kernel, one an SM: 10
+    ("mla", 16, 1, 1, 3, 44, 32, True),
+    ("mla", 128, 1, 1, 48, 1, 1, True),      # 96 programs: 1.4 -> 1, the same either way; one wave
+    ("mla", 128, 1, 1, 80, 1, 1, False),     # 160 programs: two waves whatever the chunks
+    ("mla", 128, 1, 4, 3, 5, 4, True),       # verify: 24 programs (4 rows x 2 head tiles a request... W-blocks)
+    ("mla32", 128, 1, 1, 13, 4, 4, False),   # a float32 cache: "auto" takes the split, a power of two either way
 ])
-def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, bs, want_pow2, want_exact):
-    """``EXACT_CHUNK_SPLITS`` (the ``*_exact`` classes): a chunked launch takes the split rule's count
-    as it is; without it, and for launches that are not chunked, a power of two below it (MLA on a
-    16-bit cache: ``schedule = "auto"`` chunks there on sm_90)."""
+def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, bs, want_exact, want_pow2, fits):
+    """``EXACT_CHUNK_SPLITS`` (the default; off in the ``Pow2Splits*`` classes): a chunked launch
+    takes the split rule's count as it is; without it, and for launches that are not chunked, a power
+    of two below it (MLA on a 16-bit cache: ``schedule = "auto"`` chunks there on sm_90). ``fits``:
+    the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills one
+    wave), never without the exact count."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
     from attn_backends.batch import ForwardMode
@@ -256,15 +262,17 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
                        qk_rope_head_dim=64, page_size=64, dtype=dtype) if mla else
            ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=kv_heads, head_dim=16, page_size=16))
     mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=16384)
-    mode = ForwardMode.DECODE if width == 1 else ForwardMode.EXTEND
-    lay = SimpleNamespace(bs=bs, width=width if width == 1 else 0, max_seq_len_q=width, mode=mode,
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY if mla else ForwardMode.EXTEND
+    lay = SimpleNamespace(bs=bs, width=width if width == 1 or mla else 0, max_seq_len_q=width, mode=mode,
                           mask=MaskKind.CAUSAL)
-    got = {}
-    for name in (("triton_mla", "attn_backends.backends.triton_mla:ExactSplitsTritonMLABackend") if mla else
-                 ("triton", "attn_backends.backends.triton_backend:ExactSplitsTritonBackend")):
+    got, fit = {}, {}
+    for name in (("triton_mla", "attn_backends.backends.triton_mla:Pow2SplitsTritonMLABackend") if mla else
+                 ("triton", "attn_backends.backends.triton_backend:Pow2SplitsTritonBackend")):
         be = get_backend(name, cfg, mem)
         monkeypatch.setattr(be, "_decodes_transposed", lambda: heads < 64, raising=False)
         monkeypatch.setattr(mem, "device", CUDA0)
         got[name.split(":")[-1]] = be._splits(lay)
+        fit[name.split(":")[-1]] = be._fits_wave(lay)
         monkeypatch.setattr(mem, "device", torch.device("cpu"))
-    assert list(got.values()) == [want_pow2, want_exact], got
+    assert list(got.values()) == [want_exact, want_pow2], got
+    assert list(fit.values()) == [fits, False], fit

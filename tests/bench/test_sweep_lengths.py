@@ -109,12 +109,12 @@ def test_an_mla_rows_balanced_form_is_taken_by_exact_name_only():
         M.select_workloads(["gqa8_1_d128_decode_balanced"], R.WORKLOADS)
 
 
-def test_every_rows_exact_form_is_taken_by_exact_name_only():
-    """``*_exact``: ours at the split rule's exact counts (``EXACT_CHUNK_SPLITS``), GQA and MLA, in no
-    grid, taken where named exactly, on the row's KV pool."""
-    got = M.select_workloads(["gqa28_4_d64_decode", "gqa28_4_d64_decode_exact", "mla128_decode_exact"], R.WORKLOADS)
-    assert [w.name for w in got] == ["gqa28_4_d64_decode", "gqa28_4_d64_decode_exact", "mla128_decode_exact"]
-    assert got[1].backend.endswith(":ExactSplitsTritonBackend") and got[0].backend == "triton"
-    assert got[2].backend.endswith(":ExactSplitsTritonMLABackend")
+def test_every_rows_pow2_form_is_taken_by_exact_name_only():
+    """``*_pow2``: ours at power-of-two counts (``EXACT_CHUNK_SPLITS`` off, the rule before it), GQA and
+    MLA, in no grid, taken where named exactly, on the row's KV pool."""
+    got = M.select_workloads(["gqa28_4_d64_decode", "gqa28_4_d64_decode_pow2", "mla128_decode_pow2"], R.WORKLOADS)
+    assert [w.name for w in got] == ["gqa28_4_d64_decode", "gqa28_4_d64_decode_pow2", "mla128_decode_pow2"]
+    assert got[1].backend.endswith(":Pow2SplitsTritonBackend") and got[0].backend == "triton"
+    assert got[2].backend.endswith(":Pow2SplitsTritonMLABackend")
     assert got[1].geometry == got[0].geometry
-    assert not any(w.exact for w in M.select_workloads(["gqa*", "mla*"], R.WORKLOADS))
+    assert not any(w.pow2 for w in M.select_workloads(["gqa*", "mla*"], R.WORKLOADS))

@@ -163,26 +163,53 @@ def _schedule_probe(seq_lens_ptr, out_ptr, bs, num_chunks, BLOCK_N: tl.constexpr
         tl.store(out_ptr + j * 5 + i, x)
 
 
-@pytest.mark.parametrize("lens,per_request", [([32768, 300, 2000, 256, 1024, 700, 5, 1], 2),
-                                              ([4096] * 6, 4), ([1, 1, 1], 1), ([16384, 256, 512], 8)])
-def test_chunk_schedule_covers_every_token_once_in_equal_chunks(lens, per_request):
+def _fitted_per(tiles, budget, least, fit):
+    """The chunk the schedule should take, found by counting up (the kernel bisects)."""
+    per = max(-(-sum(tiles) // budget), least)
+
+    def count(p):
+        return sum(max(1, -(-t // p)) for t in tiles)
+    if not fit or count(per) <= budget or len(tiles) > budget:
+        return per
+    p = per
+    while count(p) > budget:
+        p += 1
+    return p if p + least < 2 * (per + least) else per
+
+
+@pytest.mark.parametrize("lens,per_request,fit,fitted", [
+    ([32768, 300, 2000, 256, 1024, 700, 5, 1], 2, False, None),
+    ([32768, 300, 2000, 256, 1024, 700, 5, 1], 2, True, 114),   # 22 chunks for a budget of 16: 16 of 114 tiles
+    ([4096] * 6, 4, True, None), ([1, 1, 1], 1, False, None),
+    ([16384, 256, 512], 8, False, None), ([16384, 256, 512], 8, True, 24),
+    ([8192, 64, 64, 64], 1, True, None),          # one chunk a request would cost more than two waves: not fitted
+    ([0, 3000, 0, 2000, 40], 3, True, 14),        # empty rows take a chunk too
+])
+def test_chunk_schedule_covers_every_token_once_in_equal_chunks(lens, per_request, fit, fitted):
     """Every request's tokens fall in its chunks exactly once, in order; chunks past the last do
-    nothing; no chunk spans more than the schedule's share (long requests are cut, short ones not)."""
+    nothing; no chunk spans more than the schedule's share (long requests are cut, short ones not).
+    ``fit`` (a negative budget, ``ChunkLaunch.budget``): where whole chunks a request overran the
+    budget, the smallest chunk that fits it, if that costs less than two waves (``fitted``: the tiles
+    it takes; None: the plain share)."""
     block_n, bs = 32, len(lens)
     num_chunks = bs * per_request
     slots = chunk_slots(bs, per_request)
     got = torch.full((slots, 5), -1, dtype=torch.int32)
-    _schedule_probe[(slots,)](torch.tensor(lens, dtype=torch.int32), got, bs, num_chunks, BLOCK_N=block_n,
-                              MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs))
+    _schedule_probe[(slots,)](torch.tensor(lens, dtype=torch.int32), got, bs, -num_chunks if fit else num_chunks,
+                              BLOCK_N=block_n, MIN_TILES=min_tiles(block_n), BLOCK_BS=triton.next_power_of_2(bs))
     tiles = [-(-n // block_n) for n in lens]
-    per = max(-(-sum(tiles) // num_chunks), min_tiles(block_n))
+    per = _fitted_per(tiles, num_chunks, min_tiles(block_n), fit)
+    plain = max(-(-sum(tiles) // num_chunks), min_tiles(block_n))
+    assert per == (fitted or plain), (per, fitted, plain)
+    if per != plain:
+        assert sum(max(1, -(-t // per)) for t in tiles) <= num_chunks
     rows = got.tolist()
     for b, n in enumerate(lens):
         mine = [r for r in rows if r[0] == b]
         assert [r[3] for r in mine] == list(range(0, n, per * block_n)) or (n == 0 and len(mine) == 1)
         assert all(r[2] == len(mine) and r[1] == rows.index(mine[0]) for r in mine)
-        assert sum(r[4] - r[3] for r in mine) == n and all(0 < r[4] - r[3] <= per * block_n for r in mine)
-    assert all(r[0] >= bs for r in rows[sum(-(-t // per) for t in tiles):])
+        assert sum(r[4] - r[3] for r in mine) == n and all(0 < r[4] - r[3] <= per * block_n or n == 0 for r in mine)
+    assert all(r[0] >= bs for r in rows[sum(max(1, -(-t // per)) for t in tiles):])
 
 
 @pytest.mark.cuda

@@ -71,9 +71,11 @@ KERNELS = [None, "triton"] if DEVICE == "cuda" else [None]       # the CPU's def
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("schedule", ["chunks", "invariant"])
+@pytest.mark.parametrize("schedule,fit", [("chunks", False), ("chunks", True), ("invariant", False)])
 @pytest.mark.parametrize("page_size,seq_lens,W,H,mask,splits", CASES + GLUON_CASES)
-def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule, kernel):
+def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule, fit, kernel):
+    """``fit``: the wave fit (``schedule._balanced_per``), which the long-tail cases take (their whole
+    chunks a request overrun the budget): the kernel and the merge pass must cut alike."""
     latent, rope, dtype = (32, 16, torch.float32) if DEVICE == "cpu" else (512, 64, torch.bfloat16)
     page_table, lens, kv, q, custom, draft = _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, 0)
     bs = lens.shape[0]
@@ -88,7 +90,7 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     ws[1].fill_(float("nan"))
     mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask, custom_mask=custom,
                   workspace=ws, draft_prefix_lens=draft, schedule=schedule, block_n=16 if DEVICE == "cpu" else None,
-                  kernel=kernel)
+                  kernel=kernel, fit=fit)
     ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, mask, custom, draft)
     assert_close(out[:len(seq_lens) * W], ref, 1e-5 if dtype == torch.float32 else 2e-2)
 
