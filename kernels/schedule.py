@@ -97,9 +97,11 @@ def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr
 def _balanced_per(tiles, valid, bs, num_chunks, MIN_TILES: tl.constexpr):
     """The balanced chunk in tiles: ``cdiv(tiles, |num_chunks|)``, at least ``MIN_TILES``. A
     negative ``num_chunks`` asks for the wave fit (``ChunkLaunch.budget``): where rounding each
-    request up to whole chunks left more than the budget (a second wave of programs for the few
-    chunks past it), the smallest chunk that fits the budget, if one wave of it costs less than two
-    of the balanced one (``MIN_TILES`` a chunk's fixed cost)."""
+    request up to whole chunks left more than the budget (programs past one wave for the few chunks
+    past it), the smallest chunk that fits the budget, if it costs at most 4/3 of the balanced one
+    (``MIN_TILES`` a chunk's fixed cost): SMs that finish short chunks early take the overrun, so it
+    costs less than a wave (fits to up to twice the chunk lost 0.68-0.81x: bench/RESULTS.md, 'Ragged
+    batches')."""
     budget = tl.maximum(num_chunks, -num_chunks)     # not abs: a launch arg of 1 is a constexpr
     total = tl.sum(tiles, 0)
     per = tl.maximum((total + budget - 1) // budget, MIN_TILES)
@@ -115,7 +117,7 @@ def _balanced_per(tiles, valid, bs, num_chunks, MIN_TILES: tl.constexpr):
         fits = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
         hi = tl.where(fits, mid, hi)
         lo = tl.where(fits, lo, mid + 1)
-    return tl.where(hi + MIN_TILES < 2 * (per + MIN_TILES), hi, per)
+    return tl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
 
 
 @triton.jit

@@ -144,7 +144,7 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
         fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
         hi = gl.where(fits, mid, hi)
         lo = gl.where(fits, lo, mid + 1)
-    per = gl.where(hi + MIN_TILES < 2 * (per + MIN_TILES), hi, per)
+    per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
     n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
     ends = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, 0)

@@ -160,4 +160,4 @@ def test_a_merge_that_skips_one_chunk_requests_fails_the_gluon_cases(monkeypatch
     monkeypatch.setattr(schedule.ChunkLaunch, "merge_pass",
                         lambda self, lens, cu, out, single=False: merge(self, lens, cu, out))
     with pytest.raises(AssertionError):
-        test_mla_chunk_pass_against_float64(64, [3000, 40, 5, 300, 64], 1, 16, CAUSAL, 2, "chunks", None)
+        test_mla_chunk_pass_against_float64(64, [3000, 40, 5, 300, 64], 1, 16, CAUSAL, 2, "chunks", False, None)
