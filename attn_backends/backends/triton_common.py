@@ -154,12 +154,14 @@ class TritonBackendBase(LayoutBackend):
 
     def _fits_wave(self, lay: Layout) -> bool:
         """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
-        of one-an-SM programs is the most one wave holds, so chunks past it would run as a second wave."""
+        of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
+        wave (a fit to a budget that leaves SMs idle lost up to 0.81x: bench/RESULTS.md, 'Ragged batches')."""
         if not (self.EXACT_CHUNK_SPLITS and self._chunked(lay) and self.memory.device.type == "cuda"):
             return False
         width = lay.width or max(1, lay.max_seq_len_q)
         programs, sms = self._programs(lay.bs, width), sm_count(cuda_index(self.memory.device))
-        return self._split_rule(width, lay)[0] == 1 and self._splits(lay) == sms // programs
+        splits = self._splits(lay)
+        return self._split_rule(width, lay)[0] == 1 and splits == sms // programs and 8 * splits * programs >= 7 * sms
 
     def _chunked(self, lay: Layout) -> bool:
         """Whether the launch of ``lay`` balances the batch's KV over chunks on the device

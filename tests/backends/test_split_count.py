@@ -237,17 +237,18 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     ("mla", 128, 1, 1, 13, 5, 4, True),      # 26 programs (two 64-head tiles a request), one an SM: 5 fill 130
     ("mla", 16, 1, 1, 13, 10, 8, True),      # the transposed kernel, one an SM: 10
     ("mla", 16, 1, 1, 3, 44, 32, True),
-    ("mla", 128, 1, 1, 48, 1, 1, True),      # 96 programs: 1.4 -> 1, the same either way; one wave
+    ("mla", 128, 1, 1, 48, 1, 1, False),     # 96 programs: 1.4 -> 1, the same either way; 36 SMs idle: no fit
+    ("mla", 128, 1, 1, 24, 2, 2, False),     # 96 programs of 132 again
     ("mla", 128, 1, 1, 80, 1, 1, False),     # 160 programs: two waves whatever the chunks
-    ("mla", 128, 1, 4, 3, 5, 4, True),       # verify: 24 programs (4 rows x 2 head tiles a request... W-blocks)
+    ("mla", 128, 1, 4, 3, 5, 4, True),       # verify: 24 programs, 5 splits fill 120 of 132 SMs
     ("mla32", 128, 1, 1, 13, 4, 4, False),   # a float32 cache: "auto" takes the split, a power of two either way
 ])
 def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, bs, want_exact, want_pow2, fits):
     """``EXACT_CHUNK_SPLITS`` (the default; off in the ``Pow2Splits*`` classes): a chunked launch
     takes the split rule's count as it is; without it, and for launches that are not chunked, a power
     of two below it (MLA on a 16-bit cache: ``schedule = "auto"`` chunks there on sm_90). ``fits``:
-    the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills one
-    wave), never without the exact count."""
+    the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills at least
+    7/8 of the SMs), never without the exact count."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
     from attn_backends.batch import ForwardMode
