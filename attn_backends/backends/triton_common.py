@@ -155,7 +155,7 @@ class TritonBackendBase(LayoutBackend):
     def _fits_wave(self, lay: Layout) -> bool:
         """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
         of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
-        wave (a fit to a budget that leaves SMs idle lost up to 0.81x: bench/RESULTS.md, 'Ragged batches')."""
+        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
         if not (self.EXACT_CHUNK_SPLITS and self._chunked(lay) and self.memory.device.type == "cuda"):
             return False
         width = lay.width or max(1, lay.max_seq_len_q)

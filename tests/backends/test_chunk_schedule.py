@@ -157,8 +157,8 @@ def test_triton_mla_auto_takes_the_chunks_where_the_gluon_kernels_run_them(monke
 @pytest.mark.parametrize("name", ["decode", "verify_chain", "draft_decode_topk4"])
 def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
     """``EXACT_CHUNK_SPLITS`` (the default) on a GPU whose SM count (patched to 37) makes the rule's
-    counts odd: the chunk schedule at a count that is not a power of two (and MLA's wave fit),
-    against the reference and replayed."""
+    counts odd: the chunk schedule at a count that is not a power of two, against the reference and
+    replayed; and the power-of-two rule (``Pow2Splits*``) the same way."""
     from attn_backends.backends import triton_common
     monkeypatch.setattr(triton_common, "sm_count", lambda index: 37)
     seen = []
@@ -166,3 +166,19 @@ def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
     monkeypatch.setattr(triton_common, "choose_num_kv_splits", lambda *a: seen.append(real_choose(*a)) or seen[-1])
     test_chunk_schedule_through_the_backend(name, backend, False, "pass", exact=True)
     assert seen and any(n & (n - 1) for n in seen), f"counts {seen}: all powers of two, the case is not exercised"
+    test_chunk_schedule_through_the_backend(name, backend, False, "pass", exact=False)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+@pytest.mark.parametrize("name", ["decode", "verify_chain"])
+def test_triton_mla_hands_the_wave_fit_to_the_chunk_pass(monkeypatch, name, fits):
+    """``triton_mla`` passes ``_fits_wave``'s answer to the chunk pass as ``fit`` (a launch without it
+    would overrun one wave where the rule asks for the fit; a GPU decides it, so it is patched
+    here), and the fitted schedule matches the reference and its replay."""
+    from attn_backends.backends import triton_mla
+    seen = []
+    real = triton_mla.mla_chunk_fwd
+    monkeypatch.setattr(triton_mla, "mla_chunk_fwd", lambda *a, **kw: seen.append(kw["fit"]) or real(*a, **kw))
+    monkeypatch.setattr(TritonMLABackend, "_fits_wave", lambda self, lay: fits)
+    test_chunk_schedule_through_the_backend(name, "triton_mla", False, "pass")
+    assert seen and set(seen) == {fits}, seen

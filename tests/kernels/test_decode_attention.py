@@ -180,7 +180,7 @@ def _fitted_per(tiles, budget, least, fit):
 @pytest.mark.parametrize("lens,per_request,fit,fitted", [
     ([32768, 300, 2000, 256, 1024, 700, 5, 1], 2, False, None),
     ([32768, 300, 2000, 256, 1024, 700, 5, 1], 2, True, None),  # 22 chunks for 16: 114 tiles fit, 73 balanced
-    ([32768, 300, 2000, 256, 1024, 700, 5, 1], 6, True, 27),    # 52 chunks for 48: 27 tiles for 25
+    ([32768, 300, 2000, 256, 1024, 700, 5, 1], 6, True, 27),    # 51 chunks for 48: 27 tiles for 25
     ([4096] * 6, 4, True, None), ([1, 1, 1], 1, False, None),
     ([16384, 256, 512], 8, False, None), ([16384, 256, 512], 8, True, 24),
     ([8192, 64, 64, 64], 1, True, None),          # one chunk a request: dearer than the overrun, not fitted

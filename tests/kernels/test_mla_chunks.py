@@ -115,11 +115,13 @@ def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("fit", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("W,mask", [(1, CAUSAL), (4, TREE)])
-def test_mla_chunk_pass_replays_other_lengths(W, mask, kernel):
+def test_mla_chunk_pass_replays_other_lengths(W, mask, kernel, fit):
     """One graph captured on a long-tail batch, replayed on uniform lengths: the schedule is
-    recomputed on the device from the new lengths."""
+    recomputed on the device from the new lengths (``fit``: with the wave fit, which a long tail
+    can take and uniform lengths do not)."""
     latent, rope, page_size, H, splits = 512, 64, 64, 16, 4
     first = _batch([6000, 40, 300], W, page_size, H, latent, rope, torch.bfloat16, mask, 1, max_pages=128)
     second = _batch([2000, 2000, 2000], W, page_size, H, latent, rope, torch.bfloat16, mask, 2, max_pages=128)
@@ -131,7 +133,7 @@ def test_mla_chunk_pass_replays_other_lengths(W, mask, kernel):
 
     def run():
         mla_chunk_fwd(q, kv_big, page_table, lens, page_size, 0.1, splits, out, q_per_req=W, mask=mask,
-                      custom_mask=custom, workspace=ws, draft_prefix_lens=draft, kernel=kernel)
+                      custom_mask=custom, workspace=ws, draft_prefix_lens=draft, kernel=kernel, fit=fit)
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
