@@ -101,12 +101,19 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE over the last dim of ``x [T, heads, d]`` at ``positions [T]``."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_angles(positions: torch.Tensor, d: int, theta: float) -> tuple:
+    """``(cos, sin) [T, 1, d/2]`` float32 of rotate-half RoPE at ``positions [T]``: a step computes
+    them once for every layer (each layer's own were a dozen graph nodes twice over)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d)
     ang = positions.float()[:, None] * inv[None, :]                      # [T, d/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, positions, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim of ``x [T, heads, d]`` at ``positions [T]``, or with the
+    ``(cos, sin)`` of :func:`rope_angles` (the same values)."""
+    d = x.shape[-1]
+    cos, sin = rope_angles(positions, d, theta) if isinstance(positions, torch.Tensor) else positions
     x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
@@ -264,8 +271,10 @@ class TinyModel(nn.Module):
         per_layer = self.backends_per_layer(backends)
         h = self.embed(batch.input_ids) if input_embeds is None else input_embeds.to(self.config.dtype)
         states = [h]
+        c = self.config
+        rope = rope_angles(batch.positions, c.qk_rope_head_dim if c.is_mla else c.head_dim, c.rope_theta)
         for block, be in zip(self.layers, per_layer):
-            q, k, v = block.pre_attn(h, batch.positions)
+            q, k, v = block.pre_attn(h, rope)
             o = attention_call(be, q, k, v, block.layer, batch)
             h = block.post_attn(h, o)
             states.append(h)
