@@ -170,8 +170,7 @@ def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
 
 
 @pytest.mark.parametrize("fits", [True, False])
-@pytest.mark.parametrize("name", ["decode", "verify_chain"])
-def test_triton_mla_hands_the_wave_fit_to_the_chunk_pass(monkeypatch, name, fits):
+def test_triton_mla_hands_the_wave_fit_to_the_chunk_pass(monkeypatch, fits, name="decode"):
     """``triton_mla`` passes ``_fits_wave``'s answer to the chunk pass as ``fit`` (a launch without it
     would overrun one wave where the rule asks for the fit; a GPU decides it, so it is patched
     here), and the fitted schedule matches the reference and its replay."""
