@@ -57,11 +57,12 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
-    """The split count and split workspace of a key (or an eager step), and the launches recorded
-    by graph metadata called outside a capture ((softmax scale, k_scale, v_scale[, window, softcap,
-    has sinks]) -> :class:`Recorded`)."""
+    """The split count, wave fit (``_fits_wave``) and split workspace of a key (or an eager step),
+    and the launches recorded by graph metadata called outside a capture ((softmax scale, k_scale,
+    v_scale[, window, softcap, has sinks]) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
+    wave_fit: bool = False
     workspace: Optional[tuple] = None
     book: dict = field(default_factory=dict)
 
@@ -232,7 +233,7 @@ class TritonBackendBase(LayoutBackend):
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))
-        return TritonMetadata(view, key, num_kv_splits=splits, workspace=ws,
+        return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=self._fits_wave(view.layout), workspace=ws,
                               book={} if key is not None else self._step_book(view))
 
     def _extra_graph_buffers(self) -> dict:

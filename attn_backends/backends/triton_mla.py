@@ -104,7 +104,7 @@ class TritonMLABackend(TritonBackendBase):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
                           draft_prefix_lens=lay.draft_prefix_lens, schedule=self._kernel_schedule(),
-                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=self._fits_wave(lay))
+                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=meta.wave_fit)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,
