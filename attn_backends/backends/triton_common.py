@@ -139,6 +139,16 @@ class TritonBackendBase(LayoutBackend):
         return torch.float32
 
     def _splits(self, lay: Layout) -> int:
+        return self._split_plan(lay)[0]
+
+    def _fits_wave(self, lay: Layout) -> bool:
+        """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
+        of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
+        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
+        return self._split_plan(lay)[1]
+
+    def _split_plan(self, lay: Layout) -> tuple:
+        """``(count, fit)`` of the split rule for ``lay``, computed once a key (``_splits``, ``_fits_wave``)."""
         width = lay.width or max(1, lay.max_seq_len_q)
         # the GraphKey's facts, and the instance's schedule and count rule (a caller may set them after construction)
         key = (lay.bs, width, lay.mode, lay.mask, self.schedule, self.EXACT_CHUNK_SPLITS)
@@ -146,23 +156,17 @@ class TritonBackendBase(LayoutBackend):
         if key not in cache:
             max_pages = -(-self.memory.max_context_len // self.memory.page_size)
             per_sm, floor, floor_per_sm = self._split_rule(width, lay)
+            programs, device = self._programs(lay.bs, width), self.memory.device
             exact = self._exact_splits_below(width)
-            if self.EXACT_CHUNK_SPLITS and self._chunked(lay):
+            chunked_exact = self.EXACT_CHUNK_SPLITS and self._chunked(lay)
+            if chunked_exact:
                 exact = WIDE_MAX_KV_SPLITS + 1
-            cache[key] = choose_num_kv_splits(self._programs(lay.bs, width), self.memory.device, max_pages,
-                                              per_sm, width, floor, floor_per_sm, self._split_pages(width), exact)
+            count = choose_num_kv_splits(programs, device, max_pages, per_sm, width, floor, floor_per_sm,
+                                         self._split_pages(width), exact)
+            sms = sm_count(cuda_index(device)) if device.type == "cuda" else 0
+            cache[key] = count, (chunked_exact and per_sm == 1 and sms > 0 and count == sms // programs
+                                 and 8 * count * programs >= 7 * sms)
         return cache[key]
-
-    def _fits_wave(self, lay: Layout) -> bool:
-        """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
-        of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
-        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
-        if not (self.EXACT_CHUNK_SPLITS and self._chunked(lay) and self.memory.device.type == "cuda"):
-            return False
-        width = lay.width or max(1, lay.max_seq_len_q)
-        programs, sms = self._programs(lay.bs, width), sm_count(cuda_index(self.memory.device))
-        splits = self._splits(lay)
-        return self._split_rule(width, lay)[0] == 1 and splits == sms // programs and 8 * splits * programs >= 7 * sms
 
     def _chunked(self, lay: Layout) -> bool:
         """Whether the launch of ``lay`` balances the batch's KV over chunks on the device
