@@ -95,29 +95,30 @@ def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr
 
 @triton.jit
 def _balanced_per(tiles, valid, bs, num_chunks, MIN_TILES: tl.constexpr):
-    """The balanced chunk in tiles: ``cdiv(tiles, |num_chunks|)``, at least ``MIN_TILES``. A
-    negative ``num_chunks`` asks for the wave fit (``ChunkLaunch.budget``): where rounding each
-    request up to whole chunks left more than the budget (programs past one wave for the few chunks
-    past it), the smallest chunk that fits the budget, if it costs at most 4/3 of the balanced one
-    (``MIN_TILES`` a chunk's fixed cost): SMs that finish short chunks early take the overrun, so it
-    costs less than a wave (fits to up to twice the chunk lost 0.68-0.81x: bench/RESULTS.md, 'Ragged
-    batches')."""
+    """The balanced chunk in tiles: ``cdiv(tiles, |num_chunks|)``, at least ``MIN_TILES``. A negative
+    ``num_chunks`` asks for the wave fit (``ChunkLaunch.budget``): where rounding each request up to whole
+    chunks left more than the budget (programs past one wave for the few chunks past it), the smallest chunk
+    that fits the budget, if it costs at most 4/3 of the balanced one (``MIN_TILES`` a chunk's fixed cost):
+    SMs that finish short chunks early take the overrun, so it costs less than a wave (fits to up to twice
+    the chunk lost 0.68-0.81x: bench/RESULTS.md, 'Ragged batches')."""
     budget = tl.maximum(num_chunks, -num_chunks)     # not abs: a launch arg of 1 is a constexpr
     total = tl.sum(tiles, 0)
     per = tl.maximum((total + budget - 1) // budget, MIN_TILES)
-    over = tl.sum(tl.where(valid, tl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
-    # a request of t tiles takes at most t / p + 1 chunks: p = cdiv(total, budget - bs) fits
-    hi = tl.maximum(tl.max(tiles, 0), per)
-    hi = tl.where(budget > bs, tl.minimum(hi, tl.maximum((total + budget - bs - 1) // tl.maximum(budget - bs, 1),
-                                                         per)), hi)
-    lo = per
-    hi = tl.where((num_chunks < 0) & over & (budget >= bs), hi, per)
-    while lo < hi:              # the smallest chunk whose count fits the budget (counts fall as chunks grow)
-        mid = (lo + hi) // 2
-        fits = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
-        hi = tl.where(fits, mid, hi)
-        lo = tl.where(fits, lo, mid + 1)
-    return tl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
+    if num_chunks < 0:          # the fit's reductions where asked alone: every chunk and merge program runs this
+        over = tl.sum(tl.where(valid, tl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
+        # a request of t tiles takes at most t / p + 1 chunks: p = cdiv(total, budget - bs) fits
+        hi = tl.maximum(tl.max(tiles, 0), per)
+        hi = tl.where(budget > bs, tl.minimum(hi, tl.maximum((total + budget - bs - 1) // tl.maximum(budget - bs, 1),
+                                                             per)), hi)
+        lo = per
+        hi = tl.where(over & (budget >= bs), hi, per)
+        while lo < hi:          # the smallest chunk whose count fits the budget (counts fall as chunks grow)
+            mid = (lo + hi) // 2
+            fits = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid + 1)
+        per = tl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
+    return per
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import random
 import torch
 import triton
 
+import attn_backends_kernels.schedule as schedule
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends.check.suite import fp8_scales
 from attn_backends.kv_cache import to_cache
@@ -31,10 +32,10 @@ PAGE = 16
 ORDER = {True: "heads", False: "batch"}       # --orders: the grid's fastest axis
 
 
-def lengths(dist: str, bs: int, seed: int = 0) -> list:
+def lengths(dist: str, bs: int, seed: int = 0, kv: int = 16384) -> list:
     rng = random.Random(seed)
     if dist == "uniform":
-        return [16384] * bs
+        return [kv] * bs
     if dist == "ragged":
         return [rng.randint(256, 16384) for _ in range(bs)]
     if dist == "longtail":
@@ -122,9 +123,9 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
-        kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,)) -> dict:
+        kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
-    lens = lengths(dist, bs)
+    lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
     kb, vb, sc = kv_pair(pg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
@@ -141,12 +142,15 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    for m, bn, mg, hf, nr in ((m, bn, mg, hf, nr) for m in mults for bn in block_ns for mg in merges for hf in orders
-                              for nr in maxnregs):
+    default_min = schedule.MIN_CHUNK_TOKENS
+    for m, bn, mg, hf, nr, mt in ((m, bn, mg, hf, nr, mt) for m in mults for bn in block_ns for mg in merges
+                                  for hf in orders for nr in maxnregs for mt in min_tokens):
+        schedule.MIN_CHUNK_TOKENS = mt or default_min      # the chunk's floor (min_tiles reads it at launch)
         out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
         name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
-                + ("" if nr is None else f" r{nr}"))
+                + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}"))
         res[name] = t = graph_us(fn)
+        schedule.MIN_CHUNK_TOKENS = default_min
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
         best = min(best or (t, m, bn, mg, hf, nr), (t, m, bn, mg, hf, nr), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
@@ -182,6 +186,9 @@ def main(argv=None):
     p.add_argument("--kv-dtypes", default="bf16", help="KV cache dtypes (bf16, fp8: float8_e4m3fn)")
     p.add_argument("--orders", default="auto", help="grid orders to try: auto (the kernel's rule), heads, batch")
     p.add_argument("--maxnregs", default="none", help="the chunk pass's register bounds to try: none, 64, ...")
+    p.add_argument("--kv", type=int, default=16384, help="the uniform rows' KV length")
+    p.add_argument("--min-chunk-tokens", default="none",
+                   help="the chunk schedule's floors to try (schedule.MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -208,7 +215,8 @@ def main(argv=None):
                 r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
                         args.merges.split(","), kv_dtype,
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
-                        [None if r == "none" else int(r) for r in args.maxnregs.split(",")])
+                        [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,
+                        [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))

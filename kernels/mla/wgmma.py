@@ -133,18 +133,19 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     budget = gl.maximum(num_chunks, -num_chunks)
     total = gl.sum(tiles, 0)
     per = gl.maximum((total + budget - 1) // budget, MIN_TILES)
-    over = gl.sum(gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
-    hi = gl.maximum(gl.max(tiles, 0), per)
-    hi = gl.where(budget > bs, gl.minimum(hi, gl.maximum((total + budget - bs - 1) // gl.maximum(budget - bs, 1),
-                                                         per)), hi)
-    lo = per
-    hi = gl.where((num_chunks < 0) & over & (budget >= bs), hi, per)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
-        hi = gl.where(fits, mid, hi)
-        lo = gl.where(fits, lo, mid + 1)
-    per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
+    if num_chunks < 0:
+        over = gl.sum(gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
+        hi = gl.maximum(gl.max(tiles, 0), per)
+        hi = gl.where(budget > bs, gl.minimum(hi, gl.maximum((total + budget - bs - 1) // gl.maximum(budget - bs, 1),
+                                                             per)), hi)
+        lo = per
+        hi = gl.where(over & (budget >= bs), hi, per)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
+            hi = gl.where(fits, mid, hi)
+            lo = gl.where(fits, lo, mid + 1)
+        per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
     n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
     ends = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, 0)
