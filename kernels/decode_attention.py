@@ -46,6 +46,10 @@ CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
 CHUNK_MAXNREG_HEADS = 16
+# A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is verify's, whose chunks re-read
+# W query rows): one row a chunk re-reads costs little, and at 256 a batch of 1-4 requests of 4096
+# tokens ran on 16-64 programs, slower than at 64 on every row measured (bench/RESULTS.md, 'Ragged batches').
+DECODE_MIN_CHUNK_TOKENS = 64
 
 
 def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1):
@@ -243,7 +247,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         if maxnreg is ...:
             maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv)
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
-                          schedule, block_n, heads_first, window)
+                          schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS)
         part, lse = cl.part, cl.lse
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,

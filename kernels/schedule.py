@@ -52,8 +52,8 @@ INVARIANT_CHUNK_TOKENS = 1024
 SCHEDULES = ("split", "chunks", "invariant")
 
 
-def min_tiles(block_n: int) -> int:
-    return max(1, MIN_CHUNK_TOKENS // block_n)
+def min_tiles(block_n: int, tokens=None) -> int:
+    return max(1, (tokens or MIN_CHUNK_TOKENS) // block_n)
 
 
 def fixed_tiles(schedule: str, block_n: int) -> int:
@@ -334,7 +334,7 @@ class ChunkLaunch:
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
                  heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None,
-                 part_dtype: torch.dtype = torch.float32, fit: bool = False) -> ChunkLaunch:
+                 part_dtype: torch.dtype = torch.float32, fit: bool = False, min_tokens=None) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
@@ -342,7 +342,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     (0: none), the launch's mask kind (``kv_walk.MASK_KINDS``, -1: decode) and draft prefixes
     for the merge pass's schedule; ``part_dtype``: the partials' dtype where the workspace is
     allocated here (a given one may hold float32 or ``part_dtype``); ``fit``: the wave fit
-    (``_balanced_per``; the balanced schedule only)."""
+    (``_balanced_per``; the balanced schedule only); ``min_tokens``: a chunk's floor (None: MIN_CHUNK_TOKENS)."""
     if fit and schedule != "chunks":
         raise ValueError(f"{name}: the wave fit is the 'chunks' schedule's, not {schedule!r}'s")
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
@@ -350,7 +350,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
                                         part_dtype)
     slots = chunk_slots(bs, per_request)
     heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (num_kv_heads, slots), (slots, num_kv_heads))
-    consts = dict(MIN_TILES=min_tiles(block_n), FIXED_TILES=fixed_tiles(schedule, block_n),
+    consts = dict(MIN_TILES=min_tiles(block_n, min_tokens), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=triton.next_power_of_2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
                        window or 0, mask, draft_prefix_lens, fit)

@@ -75,7 +75,9 @@ class TritonBackend(TritonBackendBase):
             self.schedule = "invariant"
 
     def _chunked(self, lay: Layout) -> bool:
-        if self.schedule == "split":
+        # One request's decode has nothing to balance: the split pass merges in its own launch, where
+        # chunks take a second (bench/RESULTS.md, 'Ragged batches'). The invariant schedule's bits need chunks.
+        if self.schedule == "split" or (self.schedule == "chunks" and lay.bs == 1 and is_plain_decode(lay)):
             return False
         group = self.config.num_q_heads // self.config.num_kv_heads
         return is_plain_decode(lay) or (bool(lay.width) and chunk_fits(lay.width, group))
@@ -117,7 +119,8 @@ class TritonBackend(TritonBackendBase):
                       window=layer.window, softcap=layer.softcap, sinks=layer.sinks)
         if is_plain_decode(lay):
             decode_attention_fwd(q, kb, vb, lay.page_table, lay.seq_lens_k, lay.page_size,
-                                 layer.scaling, splits, out, workspace=ws, schedule=self.schedule, merge=merge,
+                                 layer.scaling, splits, out, workspace=ws, merge=merge,
+                                 schedule=self.schedule if chunked else "split",
                                  **scales)
             return
         if self.schedule == "invariant" and not chunked:   # the batch's longest query would pick the tile

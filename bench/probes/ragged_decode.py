@@ -20,7 +20,7 @@ import random
 import torch
 import triton
 
-import attn_backends_kernels.schedule as schedule
+import attn_backends_kernels.decode_attention as decode
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends.check.suite import fp8_scales
 from attn_backends.kv_cache import to_cache
@@ -142,15 +142,15 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    default_min = schedule.MIN_CHUNK_TOKENS
+    default_min = decode.DECODE_MIN_CHUNK_TOKENS
     for m, bn, mg, hf, nr, mt in ((m, bn, mg, hf, nr, mt) for m in mults for bn in block_ns for mg in merges
                                   for hf in orders for nr in maxnregs for mt in min_tokens):
-        schedule.MIN_CHUNK_TOKENS = mt or default_min      # the chunk's floor (min_tiles reads it at launch)
+        decode.DECODE_MIN_CHUNK_TOKENS = mt or default_min      # the chunk's floor (read at the launch)
         out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
         name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
                 + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}"))
         res[name] = t = graph_us(fn)
-        schedule.MIN_CHUNK_TOKENS = default_min
+        decode.DECODE_MIN_CHUNK_TOKENS = default_min
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
         best = min(best or (t, m, bn, mg, hf, nr), (t, m, bn, mg, hf, nr), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
@@ -188,7 +188,7 @@ def main(argv=None):
     p.add_argument("--maxnregs", default="none", help="the chunk pass's register bounds to try: none, 64, ...")
     p.add_argument("--kv", type=int, default=16384, help="the uniform rows' KV length")
     p.add_argument("--min-chunk-tokens", default="none",
-                   help="the chunk schedule's floors to try (schedule.MIN_CHUNK_TOKENS): none (as it is), 64, ...")
+                   help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None

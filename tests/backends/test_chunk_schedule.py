@@ -84,6 +84,38 @@ def test_chunk_schedule_through_the_backend(name, backend, invariant, merge, exa
     replayed = be.forward(q, k, v, cfg.layer(1), m.batch, save_kv_cache=False)
     assert torch.equal(replayed.cpu()[real], out.cpu()[real]), "the graph path differs from eager on the same batch"
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_one_request_decode_takes_the_split_pass(monkeypatch, invariant):
+    """A decode of one request has nothing to balance: the default takes the split pass (its merge in
+    its own launch), eager and through the graph path, against float64; two requests take the chunks,
+    and the invariant schedule keeps its chunks at one request too (its bits must not depend on the batch)."""
+    from attn_backends.backends import triton_backend
+    seen = []
+    real = triton_backend.decode_attention_fwd
+    monkeypatch.setattr(triton_backend, "decode_attention_fwd", lambda *a, **kw: seen.append(kw["schedule"])
+                        or real(*a, **kw))
+    cfg = _gqa_config()
+    mem = make_memory(cfg, num_pages=4000 // 16 + 64, max_reqs=4, max_context_len=3072, page_order="shuffled",
+                      seed=2, device=DEVICE)
+    be = TritonBackend(cfg, mem, batch_invariant=invariant)
+    for lens in ([2000], [2000, 17]):
+        m = materialize(Scenario(ForwardMode.DECODE, len(lens), lens), mem, be.get_cuda_graph_seq_len_fill_value())
+        q = torch.randn(len(lens), cfg.num_q_heads, cfg.qk_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+        be.init_forward_metadata(m.batch)
+        del seen[:]
+        out = be.forward(q, None, None, cfg.layer(1), m.batch, save_kv_cache=False)
+        want = "invariant" if invariant else "split" if len(lens) == 1 else "chunks"
+        assert seen == [want], f"bs {len(lens)}: schedules {seen}, expected {want}"
+        ref = dense_reference(m.batch, mem, 1, q.cpu(), cfg.layer(1).scaling, cfg.kv_lora_rank)
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert err < 1e-4, f"bs {len(lens)}: relative error {err:.2e}"
+        be.init_cuda_graph_state(4, 4)
+        be.init_forward_metadata_capture_cuda_graph(m.batch.graph_inputs())
+        be.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
+        replayed = be.forward(q, None, None, cfg.layer(1), m.batch, save_kv_cache=False)
+        assert torch.equal(replayed, out), f"bs {len(lens)}: the graph path differs from eager"
+
+
 def test_instances_of_other_merges_on_one_step_keep_their_own_launches():
     """Two ``triton`` instances on one eager step (a backend per layer), one merging by a second
     launch and one by the last chunk: each records and replays its own launches (a shared book

@@ -153,6 +153,17 @@ def test_decode_chunk_schedule_cpu(page_size, seq_lens, H, Hkv, per_request, hea
     assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
 
 
+def test_decode_chunks_span_the_decode_floor():
+    """Decode chunks span at least ``DECODE_MIN_CHUNK_TOKENS`` (64), not the other modes' 256: one
+    request of 256 tokens at a budget of 4 chunks of 32-token tiles runs as 4 chunks, each writing a
+    partial (at a 256-token floor it is one chunk, written whole: no partial)."""
+    from attn_backends_kernels.decode_attention import DECODE_MIN_CHUNK_TOKENS
+    assert DECODE_MIN_CHUNK_TOKENS == 64
+    out, ref, ws = run_chunked([256], 16, 2, 1, 16, 4, torch.float32, "cpu", pad_rows=0, block_n=32, merge="pass")
+    assert_close(out, ref, 1e-5)
+    assert int(ws[1][:, 0].isfinite().sum()) == 4, "the chunks a 256-token request was cut into, by their partials"
+
+
 @triton.jit
 def _schedule_probe(seq_lens_ptr, out_ptr, bs, num_chunks, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                     BLOCK_BS: tl.constexpr):
