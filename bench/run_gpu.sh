@@ -14,7 +14,8 @@
 #            bench/bench_tp.py at TP 1 and 2 (TP_MODELS, default large-gqa,bench-gqa; TP_TIMEOUT)
 #   SWEEP_COMMIT the commit the sweep names (where the copied tree has no current git metadata)
 #   TEST_PATHS   the test paths of the "tests" stage (default: tests)
-#   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports)
+#   TEST_ARGS    more pytest arguments (after "-n JOBS --dist load", which it gets where pytest-xdist imports;
+#                split on spaces: TEST_K="not soak" for a -k expression of several words)
 #   CHECK_JOBS   `check --jobs` of the check stages, and the xdist workers (default: the cores but two);
 #                CHECK_BACKENDS the check stage's backends (default: triton triton_mla torch_native);
 #                CHECK_TIMEOUT a backend's check (default 250 s: triton_mla took 157-164 s at 14 jobs, fresh H200)
@@ -61,7 +62,7 @@ jobs=${CHECK_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
 if [[ $stages == *" tests "* ]]; then
   echo "== GPU tests (every test marked cuda)"
   xdist=$(python -c "import xdist" 2>/dev/null && echo "-n $jobs --dist load")
-  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider $xdist ${TEST_ARGS:-} 2>&1 \
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest ${TEST_PATHS:-tests} -q -m cuda --maxfail=25 -p no:cacheprovider $xdist ${TEST_ARGS:-} ${TEST_K:+-k "$TEST_K"} 2>&1 \
       | tee "$out/tests.log" | tail -15 || status=1
 fi
 if [[ $stages == *" check "* ]]; then

@@ -32,9 +32,10 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
+from .chunk_kernels import chunk_of, merge_chunks_if_last
 from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, walk_paged, window_lo
 from .launch_record import launch
-from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
+from .schedule import check_schedule, chunk_launch
 
 # Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
 # CHUNK_MAXNREG_ELEMS elements a head row (d128 x 32 tokens, d64 x 64), the query tile at most 16 heads
@@ -144,7 +145,7 @@ def _decode_chunk_kernel(
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """The chunk schedule's split pass (``schedule.chunk_of``): program (KV head, chunk c); the grid
+    """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining."""
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
@@ -207,7 +208,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     heads_first : a request's KV heads on the fastest grid axis (None: from ``HEADS_FIRST_BS``
         requests on, where it measured faster; ``attention_core.heads_first_grid``)
     schedule : "split": ``num_kv_splits`` equal splits of every request; "chunks": the batch's KV
-        cut into about ``bs * num_kv_splits`` equal chunks on the device (``schedule.chunk_of``),
+        cut into about ``bs * num_kv_splits`` equal chunks on the device (``chunk_kernels.chunk_of``),
         ``workspace`` then from ``schedule.chunk_workspace`` (rows_per_chunk 1, chunks a request
         ``schedule.slots_per_request``); "invariant": chunks of ``INVARIANT_CHUNK_TOKENS`` whatever
         the batch (a request's output bitwise the same in any batch and bucket; ``num_kv_splits`` unused)

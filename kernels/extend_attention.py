@@ -40,6 +40,7 @@ from .attention_core import (
     split_targets,
     store_partial,
 )
+from .chunk_kernels import chunk_of, merge_chunks_if_last
 from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     MASK_KINDS,
     feature_args,
@@ -50,7 +51,7 @@ from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     window_lo,
 )
 from .launch_record import launch
-from .schedule import check_schedule, chunk_launch, chunk_of, merge_chunks_if_last
+from .schedule import check_schedule, chunk_launch
 
 
 @triton.jit
@@ -160,7 +161,7 @@ def _extend_chunk_kernel(
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """The chunk schedule (``schedule.chunk_of``) over requests whose rows fit one tile (verify,
+    """The chunk schedule (``chunk_kernels.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
     chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -264,7 +265,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         one split nothing is merged), the workspace holding counters or None; False: the
         separate merge pass)
     schedule : "split" (``num_kv_splits`` equal splits of every request) or "chunks" (the batch's
-        KV cut into about ``bs * num_kv_splits`` equal chunks on the device, ``schedule.chunk_of``;
+        KV cut into about ``bs * num_kv_splits`` equal chunks on the device, ``chunk_kernels.chunk_of``;
         every request's rows in one tile, ``chunk_fits``; ``workspace`` from
         ``schedule.chunk_workspace`` with ``max_q_len`` rows a chunk and
         ``schedule.slots_per_request`` chunks a request), or "invariant" (fixed chunks: a

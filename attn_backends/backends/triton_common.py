@@ -142,7 +142,7 @@ class TritonBackendBase(LayoutBackend):
         return self._split_plan(lay)[0]
 
     def _fits_wave(self, lay: Layout) -> bool:
-        """Whether a chunked launch asks for the wave fit (``schedule._balanced_per``): its budget
+        """Whether a chunked launch asks for the wave fit (``chunk_kernels._balanced_per``): its budget
         of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
         wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
         return self._split_plan(lay)[1]

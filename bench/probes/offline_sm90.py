@@ -244,10 +244,31 @@ def gqa_chunk_configs() -> dict:
             "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}
 
 
+def one_pass_configs() -> dict:
+    """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
+    default) at 16 and 64 chunks a load, on GQA's tiles and MLA's fat ones (several heads and column steps)."""
+    import attn_backends_kernels.chunk_kernels as ck
+
+    def one_pass(thunk, block_c):
+        def run():
+            saved = ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS
+            ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS = block_c, True
+            try:
+                thunk()
+            finally:
+                ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
+        return run
+    gqa, mla = gqa_chunk_configs(), mla_chunk_configs()
+    return {"one pass c16 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 16),
+            "one pass c64 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 64),
+            "one pass c64 32/8 d64": one_pass(gqa["chunks 32/8 d64"], 64),
+            "one pass mla128 decode": one_pass(mla["balanced mla128 decode"], 16)}
+
+
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    for label, thunk in {**mla_configs(), **gqa_configs(), **gqa_chunk_configs()}.items():
+    for label, thunk in {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs()}.items():
         if labels and label not in labels:
             continue
         with offline() as launches:

@@ -20,6 +20,7 @@ import random
 import torch
 import triton
 
+import attn_backends_kernels.chunk_kernels as chunk_kernels
 import attn_backends_kernels.decode_attention as decode
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends.check.suite import fp8_scales
@@ -123,7 +124,8 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
-        kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,)) -> dict:
+        kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
+        pass_forms=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
@@ -142,15 +144,18 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    default_min = decode.DECODE_MIN_CHUNK_TOKENS
-    for m, bn, mg, hf, nr, mt in ((m, bn, mg, hf, nr, mt) for m in mults for bn in block_ns for mg in merges
-                                  for hf in orders for nr in maxnregs for mt in min_tokens):
-        decode.DECODE_MIN_CHUNK_TOKENS = mt or default_min      # the chunk's floor (read at the launch)
+    defaults = decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS
+    for m, bn, mg, hf, nr, mt, pf in ((m, bn, mg, hf, nr, mt, pf) for m in mults for bn in block_ns for mg in merges
+                                      for hf in orders for nr in maxnregs for mt in min_tokens for pf in pass_forms):
+        decode.DECODE_MIN_CHUNK_TOKENS = mt or defaults[0]      # the chunk's floor (read at the launch)
+        if pf is not None:      # the merge pass's chunks a load, "p": in one walk (read at the launch)
+            chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = int(pf.rstrip("p")), pf.endswith("p")
         out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
         name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
-                + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}"))
+                + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}")
+                + ("" if pf is None else f" c{pf}"))
         res[name] = t = graph_us(fn)
-        decode.DECODE_MIN_CHUNK_TOKENS = default_min
+        decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = defaults
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
         best = min(best or (t, m, bn, mg, hf, nr), (t, m, bn, mg, hf, nr), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
@@ -189,6 +194,8 @@ def main(argv=None):
     p.add_argument("--kv", type=int, default=16384, help="the uniform rows' KV length")
     p.add_argument("--min-chunk-tokens", default="none",
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
+    p.add_argument("--pass-forms", default="none",
+                   help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), e.g. 16,64p")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -216,7 +223,8 @@ def main(argv=None):
                         args.merges.split(","), kv_dtype,
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
                         [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,
-                        [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")])
+                        [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")],
+                        [None if f == "none" else f for f in args.pass_forms.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))

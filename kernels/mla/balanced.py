@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
+from ..chunk_kernels import chunk_of
 from ..extend_attention import MASK_KINDS
 from ..launch_record import launch
-from ..schedule import check_schedule, chunk_launch, chunk_of, chunk_slots, slots_per_request
+from ..schedule import check_schedule, chunk_launch, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
 from .walk import _mla_rows, _mla_store, _mla_walk
 from .warpspec import partial_dtype
@@ -78,7 +79,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     page_size), W, H, 1, 512, device, part_dtype)`` with float32 partials or ``warpspec.partial_dtype``'s for
     the default tile (allocated here when None, with the latter, which a graph must avoid). ``kernel``:
     None: a Gluon kernel where one serves the "chunks" schedule's tile (``mla_attention_fwd``'s rule, knobs
-    None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``schedule._balanced_per``:
+    None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``chunk_kernels._balanced_per``:
     chunks past the budget would run as a second wave)."""
     name = "mla_chunk_fwd"
     if schedule == "split":

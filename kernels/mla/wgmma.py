@@ -76,7 +76,7 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
     """This program's head block, row block, request, split, the request's prefix and draft
     prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
 
-    ``CHUNK_BS`` > 0: the chunk schedule (``schedule.chunk_of``; ``_chunk_of``) over the grid's
+    ``CHUNK_BS`` > 0: the chunk schedule (``chunk_kernels.chunk_of``; ``_chunk_of``) over the grid's
     ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
     (``ChunkLaunch.budget``). Every chunk
     writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
@@ -119,7 +119,7 @@ def _add(a, b):
 
 @gluon.jit
 def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr):
-    """``schedule.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
+    """``chunk_kernels.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
     (the last request past the batch's last chunk), KV range ``[start, end)`` and the batch's
     chunk count. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
     within a warp: each partition of a warp-specialized kernel computes them alone."""
@@ -129,7 +129,7 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + N - 1) // N
     valid = offs < bs
-    # schedule._balanced_per, op for op (the merge pass recomputes the schedule in Triton)
+    # chunk_kernels._balanced_per, op for op (the merge pass recomputes the schedule in Triton)
     budget = gl.maximum(num_chunks, -num_chunks)
     total = gl.sum(tiles, 0)
     per = gl.maximum((total + budget - 1) // budget, MIN_TILES)

@@ -5,8 +5,9 @@ import triton.language as tl
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.chunk_kernels import chunk_of
 from attn_backends_kernels.decode_attention import decode_attention_fwd
-from attn_backends_kernels.schedule import chunk_of, chunk_slots, chunk_workspace, min_tiles, slots_per_request
+from attn_backends_kernels.schedule import chunk_slots, chunk_workspace, min_tiles, slots_per_request
 
 
 def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1, seed=0,

@@ -5,16 +5,18 @@ first reuse the first's denominator), a column count that is no multiple of the 
 of more chunks than one load holds."""
 import pytest
 import torch
+import triton
 
-from attn_backends_kernels import schedule
-from attn_backends_kernels.schedule import ChunkLaunch, merge_pass_tiles
+from attn_backends_kernels import chunk_kernels, schedule
+from attn_backends_kernels.chunk_kernels import merge_pass_tiles
+from attn_backends_kernels.schedule import ChunkLaunch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
 
 
 def _chunks(lens, num_chunks, block_n, min_tiles):
-    """Each request's (first chunk, chunk count): ``schedule.chunk_of``'s rule in Python."""
+    """Each request's (first chunk, chunk count): ``chunk_kernels.chunk_of``'s rule in Python."""
     tiles = [-(-n // block_n) for n in lens]
     per = max(-(-sum(tiles) // num_chunks), min_tiles)
     counts = [max(-(-t // per), 1) for t in tiles]
@@ -22,22 +24,24 @@ def _chunks(lens, num_chunks, block_n, min_tiles):
     return list(zip(firsts, counts))
 
 
-@pytest.mark.parametrize("single", [False, True])
-def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single):
-    monkeypatch.setattr(schedule, "MERGE_PASS_PROGRAMS", 1)     # every column in one program: DV_STEPS > 1
-    lens, H, Dv, W, block_n, budget = [3000, 40, 300], 12, 520, 2, 16, 2
+def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=()):
+    """The merge pass over random partials of ``lens`` against a float64 merge; requests in ``dead`` have every
+    log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. Returns the spans."""
     bs = len(lens)
-    block_c, block_hm, block_dv, steps, z = merge_pass_tiles(bs * W, H, Dv, budget)
-    assert (block_c, block_hm, steps, z) == (4, 8, 5, 1), (block_c, block_hm, steps, z)
-    spans = _chunks(lens, bs * budget, block_n, schedule.min_tiles(block_n))
-    assert spans[0][1] > block_c                               # the long request: more chunks than a load
+    least = least or schedule.min_tiles(block_n)
+    spans = _chunks(lens, bs * budget, block_n, least)
     slots = bs * budget + bs
     g = torch.Generator().manual_seed(0)
     part = torch.randn(slots * W, H, Dv, generator=g).to(DEVICE)
-    lse = (torch.randn(slots * W, H, generator=g) * 4).to(DEVICE)
+    lse = torch.randn(slots * W, H, generator=g) * 4
+    for b in dead:
+        first, count = spans[b]
+        lse[first * W:(first + count) * W] = float("-inf")
+    lse = lse.to(DEVICE)
     out = torch.full((bs * W, H, Dv), float("nan"), device=DEVICE)
     cl = ChunkLaunch(part, lse, torch.zeros(bs, dtype=torch.int32, device=DEVICE), bs * budget, (1, 1),
-                     dict(MIN_TILES=schedule.min_tiles(block_n), FIXED_TILES=0, BLOCK_BS=4), bs, W, block_n, "chunks")
+                     dict(MIN_TILES=least, FIXED_TILES=0, BLOCK_BS=triton.next_power_of_2(bs)), bs, W, block_n,
+                     "chunks")
     cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=single)
     for b, (first, count) in enumerate(spans):
         rows = [(first + c) * W + j for j in range(W) for c in range(count)]
@@ -45,8 +49,37 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single):
         if count == 1 and not single:                          # written by the chunk pass itself: left alone
             assert got.isnan().all()
             continue
+        if b in dead:
+            assert torch.equal(got, torch.zeros_like(got)), (b, got.abs().max())
+            continue
         ls = lse.double().cpu()[rows].view(W, count, H)
         ps = part.double().cpu()[rows].view(W, count, H, Dv)
         w = torch.exp2(ls - ls.amax(1, keepdim=True))
         want = (w[..., None] * ps).sum(1) / w.sum(1)[..., None]
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (b, (got - want).abs().max())
+    return spans
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("single", [False, True])
+def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass):
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program: DV_STEPS > 1
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
+    lens, H, Dv, W, block_n, budget = [3000, 40, 300], 12, 520, 2, 16, 2
+    block_c, block_hm, block_dv, steps, z = merge_pass_tiles(len(lens) * W, H, Dv, budget)
+    assert (block_c, block_hm, steps, z) == (4, 8, 5, 1), (block_c, block_hm, steps, z)
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single)
+    assert spans[0][1] > block_c                               # the long request: more chunks than a load
+
+
+@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (True, 16), (True, 64)])
+def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c):
+    """GQA's tiles (a head and 128 columns a program) over a request of hundreds of chunks beside short ones,
+    in two walks of the chunks or one (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load; a request whose
+    chunks saw nothing merges to zeros."""
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
+    lens, H, Dv, W, block_n, budget = [20000, 300, 5, 700], 2, 128, 1, 16, 64
+    assert merge_pass_tiles(len(lens) * W, H, Dv, budget)[:2] == (block_c, 1)
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,))
+    assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans

@@ -74,7 +74,7 @@ KERNELS = [None, "triton"] if DEVICE == "cuda" else [None]       # the CPU's def
 @pytest.mark.parametrize("schedule,fit", [("chunks", False), ("chunks", True), ("invariant", False)])
 @pytest.mark.parametrize("page_size,seq_lens,W,H,mask,splits", CASES + GLUON_CASES)
 def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits, schedule, fit, kernel):
-    """``fit``: the wave fit (``schedule._balanced_per``), which the long-tail cases take (their whole
+    """``fit``: the wave fit (``chunk_kernels._balanced_per``), which the long-tail cases take (their whole
     chunks a request overrun the budget): the kernel and the merge pass must cut alike."""
     latent, rope, dtype = (32, 16, torch.float32) if DEVICE == "cpu" else (512, 64, torch.bfloat16)
     page_table, lens, kv, q, custom, draft = _batch(seq_lens, W, page_size, H, latent, rope, dtype, mask, 0)

@@ -146,6 +146,15 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
     assert (chunk[0]["regs"] <= 64) == bounded, chunk[0]
 
 
+@pytest.mark.parametrize("label", ["one pass c16 8/1 d128", "one pass c64 8/1 d128", "one pass c64 32/8 d64",
+                                   "one pass mla128 decode"])
+def test_the_one_pass_merge_compiles_without_spills(compiled, label):
+    """The merge pass in one walk of the chunks (``MERGE_PASS_ONE_PASS``, off until measured on a GPU) builds
+    for sm_90 without a spill, at 64 chunks a load too, on GQA's tiles and MLA's fat ones."""
+    merges = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
+    assert len(merges) == 1 and merges[0]["stack"] == 0, compiled[label]
+
+
 BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
                   ("balanced mla128 decode", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
                   ("balanced mla16 verify4", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
