@@ -125,7 +125,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
         kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
-        pass_forms=(None,)) -> dict:
+        pass_forms=(None,), split_mults=(1,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
@@ -136,6 +136,10 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
            "bytes": sum(lens) * Hkv * D * 2 * kb.element_size()}
     out0, split = ours(pg, q, kb, vb, S, "split", scales=sc)
     res["split"] = graph_us(split)
+    for sm in (m for m in split_mults if m != 1):      # more splits than the rule's (its cap: WIDE_MAX_KV_SPLITS)
+        out, fn = ours(pg, q, kb, vb, S * sm, "split", scales=sc)
+        res[f"split x{sm}"] = graph_us(fn)
+        assert (out.float() - out0.float()).abs().max() < 2e-2, f"split x{sm} differs from split"
     for hf in (o for o in orders if o is not None):
         out, fn = ours(pg, q, kb, vb, S, "split", scales=sc, heads_first=hf)
         res[f"split {ORDER[hf]}"] = graph_us(fn)
@@ -196,6 +200,7 @@ def main(argv=None):
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--pass-forms", default="none",
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), e.g. 16,64p")
+    p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -224,7 +229,8 @@ def main(argv=None):
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
                         [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,
                         [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")],
-                        [None if f == "none" else f for f in args.pass_forms.split(",")])
+                        [None if f == "none" else f for f in args.pass_forms.split(",")],
+                        [int(m) for m in args.split_mults.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))
