@@ -47,9 +47,10 @@ CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
 CHUNK_MAXNREG_HEADS = 16
-# A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is verify's, whose chunks re-read
-# W query rows): one row a chunk re-reads costs little, and at 256 a batch of 1-4 requests of 4096
-# tokens ran on 16-64 programs, slower than at 64 on every row measured (bench/RESULTS.md, 'Ragged batches').
+# A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is the other modes', whose chunks
+# re-read W query rows): one row a chunk re-reads costs little, and at 256 a batch of 2-8 requests of
+# 4096 tokens at one KV head ran on 32-128 programs, slower than at 64; at 4-8 KV heads equal within the
+# noise (bench/RESULTS.md, 'Ragged batches').
 DECODE_MIN_CHUNK_TOKENS = 64
 
 

@@ -31,8 +31,8 @@ from .attention_core import heads_first_grid
 from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
 from .launch_record import launch
 
-# The fewest KV tokens a chunk spans: shorter ones re-read the query rows and write a partial for
-# little KV (today's split passes never split finer either; bench/RESULTS.md, 'Split counts').
+# The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
+# ones re-read the query rows and write a partial for little KV (bench/RESULTS.md, 'Split counts').
 MIN_CHUNK_TOKENS = 256
 MERGES = ("last", "pass")
 
@@ -45,7 +45,7 @@ SCHEDULES = ("split", "chunks", "invariant")
 
 
 def min_tiles(block_n: int, tokens=None) -> int:
-    return max(1, (tokens or MIN_CHUNK_TOKENS) // block_n)
+    return max(1, (MIN_CHUNK_TOKENS if tokens is None else tokens) // block_n)
 
 
 def fixed_tiles(schedule: str, block_n: int) -> int:

@@ -93,7 +93,7 @@ class TritonBackend(TritonBackendBase):
             return 1              # prefill and wide trees: a split count from the batch would make its bits the batch's
         splits = super()._splits(lay)
         if (splits < self.DOUBLE_CHUNKS_BELOW and self.schedule == "chunks" and is_plain_decode(lay)
-                and self.config.cache_dtype not in FP8_KV and self.memory.device.type == "cuda"):
+                and self._chunked(lay) and self.config.cache_dtype not in FP8_KV and self.memory.device.type == "cuda"):
             return 2 * splits
         return splits
 

@@ -90,7 +90,8 @@ def offline():
 
     def compile_instead(kernel, grid, *args, **kwargs):
         compiled = compile_sm90(kernel, args, kwargs)
-        launches.append((kernel.__name__, tuple(grid), resources(compiled)))
+        extra = {"one_pass": kwargs["ONE_PASS"]} if "ONE_PASS" in kwargs else {}     # the merge pass's form
+        launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 
     saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device
@@ -246,7 +247,7 @@ def gqa_chunk_configs() -> dict:
 
 def one_pass_configs() -> dict:
     """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
-    default) at 16 and 64 chunks a load, on GQA's tiles and MLA's fat ones (several heads and column steps)."""
+    default) at 16 and 64 chunks a load, on GQA's tiles and MLA's fat ones (several heads a program)."""
     import attn_backends_kernels.chunk_kernels as ck
 
     def one_pass(thunk, block_c):

@@ -15,6 +15,7 @@ FlashInfer's best / ours.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 
 import torch
@@ -75,6 +76,22 @@ def captured(fn) -> tuple:
     with torch.cuda.graph(g):
         fn()
     return g, triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
+
+
+@contextlib.contextmanager
+def knobs(min_tokens=None, pass_form=None):
+    """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's chunks a load, "p" for one walk
+    (``chunk_kernels.MERGE_PASS_*``), for the launches inside (read at each launch; None: as they are)."""
+    saved = decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS
+    if min_tokens is not None:
+        decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
+    if pass_form is not None:
+        chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = int(pass_form.rstrip("p")), \
+            pass_form.endswith("p")
+    try:
+        yield
+    finally:
+        decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = saved
 
 
 def graph_us(fn) -> float:
@@ -148,20 +165,16 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    defaults = decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS
     for m, bn, mg, hf, nr, mt, pf in ((m, bn, mg, hf, nr, mt, pf) for m in mults for bn in block_ns for mg in merges
                                       for hf in orders for nr in maxnregs for mt in min_tokens for pf in pass_forms):
-        decode.DECODE_MIN_CHUNK_TOKENS = mt or defaults[0]      # the chunk's floor (read at the launch)
-        if pf is not None:      # the merge pass's chunks a load, "p": in one walk (read at the launch)
-            chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = int(pf.rstrip("p")), pf.endswith("p")
         out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
         name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
                 + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}")
                 + ("" if pf is None else f" c{pf}"))
-        res[name] = t = graph_us(fn)
-        decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = defaults
+        with knobs(mt, pf):
+            res[name] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
-        best = min(best or (t, m, bn, mg, hf, nr), (t, m, bn, mg, hf, nr), key=lambda b: b[0])
+        best = min(best or (t, m, bn, mg, hf, nr, mt, pf), (t, m, bn, mg, hf, nr, mt, pf), key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -172,8 +185,9 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     upg = paged([mean] * bs, Hkv, D, gen)
     ukb, uvb, _ = kv_pair(upg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
-    res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
-                                               best[4], best[5])[1])
+    with knobs(best[6], best[7]):
+        res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
+                                                   best[4], best[5])[1])
     return res
 
 

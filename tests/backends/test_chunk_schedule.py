@@ -84,6 +84,7 @@ def test_chunk_schedule_through_the_backend(name, backend, invariant, merge, exa
     replayed = be.forward(q, k, v, cfg.layer(1), m.batch, save_kv_cache=False)
     assert torch.equal(replayed.cpu()[real], out.cpu()[real]), "the graph path differs from eager on the same batch"
 
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_one_request_decode_takes_the_split_pass(monkeypatch, invariant):
     """A decode of one request has nothing to balance: the default takes the split pass (its merge in

@@ -94,6 +94,24 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, 
     assert be._splits(lay) == want
 
 
+def test_one_request_decode_takes_the_split_rule_count(h200, monkeypatch):
+    """A decode of one request runs on equal splits (``TritonBackend._chunked``), so the chunk schedule's
+    doubling does not reach it: a context of 3 pages gives 3 splits at bs 1 (6 would split past the pages)
+    and 6 chunks a request at bs 2."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
+    cfg = ModelConfig(num_layers=1, num_q_heads=32, num_kv_heads=8, head_dim=16, page_size=16)
+    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=48))
+    monkeypatch.setattr(be.memory, "device", CUDA0)
+    lay = lambda bs: SimpleNamespace(bs=bs, width=1, max_seq_len_q=1, mode=ForwardMode.DECODE,  # noqa: E731
+                                     mask=MaskKind.CAUSAL)
+    assert (be._splits(lay(1)), be._splits(lay(2))) == (3, 6)
+
+
 @pytest.mark.parametrize("bs,want", [(32, 3), (64, 2), (128, 2)])
 def test_equal_splits_keep_the_split_count(h200, monkeypatch, bs, want):
     """The doubling is the chunk schedule's: equal splits (``schedule = "split"``) keep 3, 2, 2."""

@@ -150,9 +150,12 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
                                    "one pass mla128 decode"])
 def test_the_one_pass_merge_compiles_without_spills(compiled, label):
     """The merge pass in one walk of the chunks (``MERGE_PASS_ONE_PASS``, off until measured on a GPU) builds
-    for sm_90 without a spill, at 64 chunks a load too, on GQA's tiles and MLA's fat ones."""
+    for sm_90 without a spill, at 64 chunks a load too, on GQA's tiles and MLA's fat ones; the default's
+    launches build the two-walk form."""
     merges = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
-    assert len(merges) == 1 and merges[0]["stack"] == 0, compiled[label]
+    assert len(merges) == 1 and merges[0]["stack"] == 0 and merges[0]["one_pass"] is True, compiled[label]
+    default = [r for r in compiled["chunks 8/1 d128"] if r["kernel"] == "_merge_chunk_pass_kernel"]
+    assert len(default) == 1 and default[0]["one_pass"] is False, default
 
 
 BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
