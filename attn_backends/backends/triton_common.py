@@ -226,9 +226,9 @@ class TritonBackendBase(LayoutBackend):
 
     def _metadata(self, view: StepView, key: Optional[GraphKey]) -> TritonMetadata:
         # I4: the split count is a function of the key alone (a host int), fixed with the record
-        splits = self._splits(view.layout)
+        splits, chunked = self._splits(view.layout), self._chunked(view.layout)
         ws = None
-        if self._chunked(view.layout) and key is not None:     # _chunked first: it refuses a bad schedule
+        if chunked and key is not None:     # _chunked before any chunk workspace: it refuses a bad schedule
             tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
             ws = chunk_workspace(key.bs, slots_per_request(self._kernel_schedule(), splits, tokens), key.width,
                                  self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device,
@@ -237,7 +237,9 @@ class TritonBackendBase(LayoutBackend):
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))
-        return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=self._fits_wave(view.layout), workspace=ws,
+        # the fit is a chunked launch's alone: other launches skip its lookup
+        return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=chunked and self._fits_wave(view.layout),
+                              workspace=ws,
                               book={} if key is not None else self._step_book(view))
 
     def _extra_graph_buffers(self) -> dict:

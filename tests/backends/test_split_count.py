@@ -69,7 +69,8 @@ def test_interpreter_takes_two_splits():
     (8, 1, 32), (8, 4, 8), (8, 16, 4), (8, 64, 4), (8, 128, 2),       # the 8-row tree: 2, >= 4 to 16
     (64, 16, 16), (64, 128, 2),                                       # extend: 16 per SM
 ])
-def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None, schedule=None):
+def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, kv_dtype=None, schedule=None,
+                                     max_context_len=2048 * 16):
     """The ``triton`` backend's counts (``_splits``) for GQA 32/8 and 64/8, per mode as the cases
     say: decode 6 programs an SM, the count taken as it is (the chunk schedule cuts any; below 8 on
     equal splits) and at least 2 splits (one
@@ -84,7 +85,7 @@ def test_triton_backend_split_counts(h200, monkeypatch, heads, width, bs, want, 
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
     cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=8, head_dim=16, page_size=16, kv_dtype=kv_dtype)
-    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=max_context_len)
     be = get_backend("triton", cfg, mem)
     be.schedule = schedule or be.schedule
     monkeypatch.setattr(mem, "device", CUDA0)                 # host logic only: the count for an H200
@@ -98,18 +99,8 @@ def test_one_request_decode_takes_the_split_rule_count(h200, monkeypatch):
     """A decode of one request runs on equal splits (``TritonBackend._chunked``), so the chunk schedule's
     doubling does not reach it: a context of 3 pages gives 3 splits at bs 1 (6 would split past the pages)
     and 6 chunks a request at bs 2."""
-    from attn_backends import ModelConfig, get_backend
-    from attn_backends.batch import ForwardMode
-    from attn_backends.check.scenarios import make_memory
-    from attn_backends.layout import MaskKind
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")               # a CPU backend; the count is for CUDA0
-    cfg = ModelConfig(num_layers=1, num_q_heads=32, num_kv_heads=8, head_dim=16, page_size=16)
-    be = get_backend("triton", cfg, make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=48))
-    monkeypatch.setattr(be.memory, "device", CUDA0)
-    lay = lambda bs: SimpleNamespace(bs=bs, width=1, max_seq_len_q=1, mode=ForwardMode.DECODE,  # noqa: E731
-                                     mask=MaskKind.CAUSAL)
-    assert (be._splits(lay(1)), be._splits(lay(2))) == (3, 6)
+    test_triton_backend_split_counts(h200, monkeypatch, 32, 1, 1, 3, max_context_len=48)
+    test_triton_backend_split_counts(h200, monkeypatch, 32, 1, 2, 6, max_context_len=48)
 
 
 @pytest.mark.parametrize("bs,want", [(32, 3), (64, 2), (128, 2)])
