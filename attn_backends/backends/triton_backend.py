@@ -20,7 +20,7 @@ from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
 from ..config import FP8_KV, AttentionLayer
 from ..layout import Layout, MaskKind
-from .triton_common import TritonBackendBase, TritonMetadata
+from .triton_common import DEEP_MAX_KV_SPLITS, WIDE_MAX_KV_SPLITS, TritonBackendBase, TritonMetadata
 
 # The batch-invariant prefill tile: query rows of a 64-row tile, whatever the batch's longest query.
 INVARIANT_TILE_ROWS = 64
@@ -74,10 +74,23 @@ class TritonBackend(TritonBackendBase):
         if batch_invariant:
             self.schedule = "invariant"
 
-    def _chunked(self, lay: Layout) -> bool:
+    # A decode of at most this many programs (requests x KV heads) runs on equal splits, up to
+    # DEEP_MAX_KV_SPLITS of them: two requests of one KV head ran 1.1-1.4x faster on 256 splits than
+    # on chunks, long tail included (bench/RESULTS.md, 'Ragged batches').
+    SPLIT_DECODE_PROGRAMS: ClassVar[int] = 4
+
+    def _split_decode(self, lay: Layout) -> bool:
         # One request's decode has nothing to balance: the split pass merges in its own launch, where
         # chunks take a second (bench/RESULTS.md, 'Ragged batches'). The invariant schedule's bits need chunks.
-        if self.schedule == "split" or (self.schedule == "chunks" and lay.bs == 1 and is_plain_decode(lay)):
+        return (self.schedule == "chunks" and is_plain_decode(lay)
+                and (lay.bs == 1 or self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS))
+
+    def _max_splits(self, lay: Layout) -> int:
+        few = is_plain_decode(lay) and self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS
+        return DEEP_MAX_KV_SPLITS if few and not self._chunked(lay) else WIDE_MAX_KV_SPLITS
+
+    def _chunked(self, lay: Layout) -> bool:
+        if self.schedule == "split" or self._split_decode(lay):
             return False
         group = self.config.num_q_heads // self.config.num_kv_heads
         return is_plain_decode(lay) or (bool(lay.width) and chunk_fits(lay.width, group))

@@ -22,6 +22,10 @@ MAX_KV_SPLITS = 32
 # programs per split and at most 4 query rows (wider did not pay: 128 lost to 64 for MLA and
 # verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
+# A split-pass decode of at most 4 programs (request x KV head) goes further, to 4 x SMs programs in
+# all: at one KV head and bs 1-3, 128-256 splits ran 1.2-1.9x faster than 64 at 4096-32768 tokens
+# (bench/RESULTS.md, 'Ragged batches'). The backends that measured it pass it (``_max_splits``).
+DEEP_MAX_KV_SPLITS = 256
 
 
 def interpreting() -> bool:
@@ -30,10 +34,12 @@ def interpreting() -> bool:
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
                          width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None,
-                         split_pages: int = 1, exact_below: int = 1) -> int:
+                         split_pages: int = 1, exact_below: int = 1,
+                         wide_cap: int = WIDE_MAX_KV_SPLITS) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
-    rounded down to a power of two, at most 32 (64 for a batch of few programs, see
-    ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
+    rounded down to a power of two, at most 32 (up to ``wide_cap`` for a batch of few programs
+    of at most 4 query rows: the largest power of two that keeps ``programs * splits`` within
+    4 x SMs, see ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
     the GraphKey. ``per_sm`` is each backend's ``_split_rule`` (bench/RESULTS.md, 'Split counts').
     ``floor``: the fewest splits, lowered (to 1 at
     least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
@@ -46,7 +52,9 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     programs = max(programs, 1)
     if floor_per_sm is not None:
         floor = max(1, min(floor, floor_per_sm * sms // programs))
-    cap = WIDE_MAX_KV_SPLITS if width <= 4 and programs * WIDE_MAX_KV_SPLITS <= 4 * sms else MAX_KV_SPLITS
+    cap = MAX_KV_SPLITS
+    while width <= 4 and 2 * cap <= wide_cap and programs * 2 * cap <= 4 * sms:
+        cap *= 2
     want = max(per_sm * sms // programs, floor)
     most = max_pages
     if split_pages > 1 and programs * (max_pages // split_pages) >= sms // 4:
@@ -162,11 +170,15 @@ class TritonBackendBase(LayoutBackend):
             if chunked_exact:
                 exact = WIDE_MAX_KV_SPLITS + 1
             count = choose_num_kv_splits(programs, device, max_pages, per_sm, width, floor, floor_per_sm,
-                                         self._split_pages(width), exact)
+                                         self._split_pages(width), exact, self._max_splits(lay))
             sms = sm_count(cuda_index(device)) if device.type == "cuda" else 0
             cache[key] = count, (chunked_exact and per_sm == 1 and sms > 0 and count == sms // programs
                                  and 8 * count * programs >= 7 * sms)
         return cache[key]
+
+    def _max_splits(self, lay: Layout) -> int:
+        """``wide_cap`` of :func:`choose_num_kv_splits` for ``lay``'s launch."""
+        return WIDE_MAX_KV_SPLITS
 
     def _chunked(self, lay: Layout) -> bool:
         """Whether the launch of ``lay`` balances the batch's KV over chunks on the device

@@ -252,12 +252,12 @@ def one_pass_configs() -> dict:
 
     def one_pass(thunk, block_c):
         def run():
-            saved = ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS
-            ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS = block_c, True
+            saved = ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS
+            ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = block_c, block_c, True
             try:
                 thunk()
             finally:
-                ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
+                ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
         return run
     gqa, mla = gqa_chunk_configs(), mla_chunk_configs()
     return {"one pass c16 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 16),

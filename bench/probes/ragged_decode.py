@@ -82,16 +82,17 @@ def captured(fn) -> tuple:
 def knobs(min_tokens=None, pass_form=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's chunks a load, "p" for one walk
     (``chunk_kernels.MERGE_PASS_*``), for the launches inside (read at each launch; None: as they are)."""
-    saved = decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS
+    ck = chunk_kernels
+    saved = decode.DECODE_MIN_CHUNK_TOKENS, ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS
     if min_tokens is not None:
         decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
     if pass_form is not None:
-        chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = int(pass_form.rstrip("p")), \
-            pass_form.endswith("p")
+        c = int(pass_form.rstrip("p"))
+        ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = c, c, pass_form.endswith("p")
     try:
         yield
     finally:
-        decode.DECODE_MIN_CHUNK_TOKENS, chunk_kernels.MERGE_PASS_CHUNKS, chunk_kernels.MERGE_PASS_ONE_PASS = saved
+        decode.DECODE_MIN_CHUNK_TOKENS, ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
 
 
 def graph_us(fn) -> float:

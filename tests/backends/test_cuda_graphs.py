@@ -54,8 +54,8 @@ def _qkv(cfg, n, seed):
 
 MODES = {"triton": ["decode", "verify_chain", "verify_tree", "draft_extend", "draft_decode"],
          "triton_mla": ["decode", "verify_chain", "verify_tree", "draft_extend"]}
-# bs 1 (decode, chain verify) takes 64 KV splits (triton_common.WIDE_MAX_KV_SPLITS): the merge at
-# its widest, most splits holding tokens at contexts up to 3000
+# bs 1 (decode, chain verify) takes the most KV splits (triton_common: 64, a decode of few programs up to
+# 256, never past the pages): the merge at its widest, most splits holding tokens at contexts up to 3000
 CASES = ([pytest.param(b, m, ps, BS, id=f"{b}-{m}-{ps}") for b, ms in MODES.items() for m in ms for ps in (1, 16, 64)]
          + [pytest.param(b, m, 16, 1, id=f"{b}-{m}-16-bs1") for b in MODES for m in ("decode", "verify_chain")])
 

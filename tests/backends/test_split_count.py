@@ -1,8 +1,8 @@
 """The split-KV count of the triton backends (``triton_common.choose_num_kv_splits``): about
 ``per_sm`` programs per SM, a power of two (but a count below ``exact_below``: GQA decode), never
 more than the pages, at most 32 splits, and 64 for a batch of few programs with at most 4 query
-rows. Host logic: the SM count is patched and the CUDA device is only a ``torch.device`` object,
-so this runs without a GPU."""
+rows (256 for a GQA decode of at most 4 programs). Host logic: the SM count is patched and the CUDA
+device is only a ``torch.device`` object, so this runs without a GPU."""
 from types import SimpleNamespace
 
 import pytest
@@ -101,6 +101,35 @@ def test_one_request_decode_takes_the_split_rule_count(h200, monkeypatch):
     and 6 chunks a request at bs 2."""
     test_triton_backend_split_counts(h200, monkeypatch, 32, 1, 1, 3, max_context_len=48)
     test_triton_backend_split_counts(h200, monkeypatch, 32, 1, 2, 6, max_context_len=48)
+
+
+@pytest.mark.parametrize("programs,want", [(1, 256), (2, 256), (3, 128), (4, 128), (5, 64), (8, 64), (16, 32)])
+def test_wide_cap(h200, programs, want):
+    """``wide_cap``: the largest power of two up to it that keeps ``programs * splits`` within 4 x SMs."""
+    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1, wide_cap=tc.DEEP_MAX_KV_SPLITS) == want
+    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1) == min(want, tc.WIDE_MAX_KV_SPLITS)
+
+
+@pytest.mark.parametrize("width,bs,want", [(1, 1, 256), (1, 2, 256), (1, 3, 128), (1, 4, 128), (1, 5, 64),
+                                           (4, 1, 64), (4, 2, 64)])
+def test_few_programs_decode_goes_deep(h200, monkeypatch, width, bs, want):
+    """GQA 8/1: a decode of at most 4 programs (bs x KV heads) takes equal splits up to 256
+    (``TritonBackend.SPLIT_DECODE_PROGRAMS``); 5 requests take the chunks (64 a request), verify keeps 64."""
+    from attn_backends import ModelConfig, get_backend
+    from attn_backends.batch import ForwardMode
+    from attn_backends.check.scenarios import make_memory
+    from attn_backends.layout import MaskKind
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=1, head_dim=16, page_size=16)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    be = get_backend("triton", cfg, mem)
+    monkeypatch.setattr(mem, "device", CUDA0)
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
+    assert be._splits(lay) == want
+    if width == 1:
+        assert be._chunked(lay) == (bs > 4), f"bs {bs}: chunked {be._chunked(lay)}"
 
 
 @pytest.mark.parametrize("bs,want", [(32, 3), (64, 2), (128, 2)])

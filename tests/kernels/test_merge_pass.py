@@ -72,13 +72,21 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass)
     assert spans[0][1] > block_c                               # the long request: more chunks than a load
 
 
-@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (True, 16), (True, 64)])
+def test_merge_pass_loads_64_chunks_on_wide_gqa_budgets():
+    """16 chunks a load below a GQA budget of 16 chunks a request (and the invariant schedule's 0), 64 from
+    it on; MLA's latent keeps 16 (4 on budgets of 1-2)."""
+    assert [merge_pass_tiles(8, 8, 128, c)[0] for c in (0, 2, 15, 16, 64)] == [16, 16, 16, 64, 64]
+    assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 16)] == [4, 16]
+
+
+@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (False, 64), (True, 64)])
 def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c):
     """GQA's tiles (a head and 128 columns a program) over a request of hundreds of chunks beside short ones,
     in two walks of the chunks or one (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load; a request whose
     chunks saw nothing merges to zeros."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_WIDE_CHUNKS", block_c)
     lens, H, Dv, W, block_n, budget = [20000, 300, 5, 700], 2, 128, 1, 16, 64
     assert merge_pass_tiles(len(lens) * W, H, Dv, budget)[:2] == (block_c, 1)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,))
