@@ -14,9 +14,10 @@ MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
 # one row); programs wanted before a program's columns are cut over the grid. A request's merge by its
 # last chunk program reads its chunks serially; the pass spreads them over programs.
 MERGE_PASS_CHUNKS = 16
-# GQA budgets of at least MERGE_PASS_WIDE_FROM chunks a request load MERGE_PASS_WIDE_CHUNKS: a long request
-# there has hundreds of chunks, and a walk of 64 a load ran its merge in a quarter of the rounds (8/1
-# long tails 11-14 % faster; at 2-8 chunks a request 64 lanes cost up to 1.3 %: bench/RESULTS.md, 'Ragged batches').
+# Decode budgets of at least MERGE_PASS_WIDE_FROM chunks a request, at Dv <= 256, load MERGE_PASS_WIDE_CHUNKS:
+# a long request there has hundreds of chunks, and 64 a load merged it in a quarter of the rounds (GQA 8/1
+# long tails 11-14 % faster; at 2-8 chunks a request 64 lanes cost up to 1.7 %; verify and MLA not measured:
+# bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_WIDE_CHUNKS = 64
 MERGE_PASS_WIDE_FROM = 16
 MERGE_PASS_VALUES = 4096
@@ -248,19 +249,20 @@ def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
              mask=ok_h[:, None] & ok_dv[None, :])
 
 
-def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int) -> tuple:
+def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = True) -> tuple:
     """``(BLOCK_C, BLOCK_HM, BLOCK_DV, DV_STEPS, column blocks)`` of the merge pass over ``rows`` query
-    rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule).
+    rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule),
+    ``one_row`` query row a chunk (decode).
     MLA's latent (``Dv`` > 256) at budgets of 1-2 chunks a request: 4 chunks of as many heads as fill
     MERGE_PASS_VALUES partial values a load (heads first: a program a head and 128 columns made tens of
     thousands of latency-bound programs). Else MERGE_PASS_CHUNKS chunks of one head a load
-    (MERGE_PASS_WIDE_CHUNKS on GQA budgets of MERGE_PASS_WIDE_FROM or more: a long request's merge is a
-    chain of loads, kept short, spread over heads).
+    (MERGE_PASS_WIDE_CHUNKS on decode budgets of MERGE_PASS_WIDE_FROM or more at Dv <= 256: a long
+    request's merge is a chain of loads, kept short, spread over heads).
     Each program's columns are cut into grid blocks while rows x head blocks leave fewer than
     MERGE_PASS_PROGRAMS programs; the invariant schedule's always, so that its tiles and steps are a
     function of ``H`` and ``Dv`` alone and a row's sums do not depend on the batch."""
     fat = Dv > 256 and 0 < chunks <= 2
-    wide = Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
+    wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
     block_c = 4 if fat else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
     block_dv = min(triton.next_power_of_2(Dv), 128)
     block_hm = min(triton.next_power_of_2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1

@@ -104,7 +104,7 @@ class ChunkLaunch:
         H, Dv = out.shape[1], out.shape[2]
         rows = self.bs * self.rows_per_chunk
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
-        block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget)
+        block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
         part, lse = self.part, self.lse
         launch(_merge_chunk_pass_kernel, (rows, triton.cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,

@@ -75,19 +75,29 @@ class TritonBackend(TritonBackendBase):
             self.schedule = "invariant"
 
     # A decode of at most this many programs (requests x KV heads) runs on equal splits, up to
-    # DEEP_MAX_KV_SPLITS of them: two requests of one KV head ran 1.1-1.4x faster on 256 splits than
-    # on chunks, long tail included (bench/RESULTS.md, 'Ragged batches').
+    # DEEP_MAX_KV_SPLITS of them, where a 16-bit cache's tile of group x Dv fills at least DEEP_TILE values
+    # and Dv <= 128 (what was measured: GQA 8/1 d128; the merge a separate pass): 64 splits of one KV head
+    # leave half the SMs idle; 256 ran 1.06-1.9x faster than 64 and, at two requests, 1.1-1.4x faster than
+    # the chunks, long tail included (bench/RESULTS.md, 'Ragged batches'). Class-level: the split plan's
+    # cache does not key on them.
     SPLIT_DECODE_PROGRAMS: ClassVar[int] = 4
+    DEEP_TILE: ClassVar[int] = 1024
+
+    def _deep(self, lay: Layout) -> bool:
+        cfg = self.config
+        rows = triton.next_power_of_2(cfg.num_q_heads // cfg.num_kv_heads)
+        return (is_plain_decode(lay) and self.schedule != "invariant" and cfg.cache_dtype not in FP8_KV
+                and cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
+                and self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS)
 
     def _split_decode(self, lay: Layout) -> bool:
         # One request's decode has nothing to balance: the split pass merges in its own launch, where
-        # chunks take a second (bench/RESULTS.md, 'Ragged batches'). The invariant schedule's bits need chunks.
-        return (self.schedule == "chunks" and is_plain_decode(lay)
-                and (lay.bs == 1 or self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS))
+        # chunks take a second; a few programs fill the SMs deeper on splits (_deep). The invariant
+        # schedule's bits need chunks (bench/RESULTS.md, 'Ragged batches').
+        return self.schedule == "chunks" and is_plain_decode(lay) and (lay.bs == 1 or self._deep(lay))
 
     def _max_splits(self, lay: Layout) -> int:
-        few = is_plain_decode(lay) and self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS
-        return DEEP_MAX_KV_SPLITS if few and not self._chunked(lay) else WIDE_MAX_KV_SPLITS
+        return DEEP_MAX_KV_SPLITS if self._deep(lay) else WIDE_MAX_KV_SPLITS
 
     def _chunked(self, lay: Layout) -> bool:
         if self.schedule == "split" or self._split_decode(lay):

@@ -22,9 +22,10 @@ MAX_KV_SPLITS = 32
 # programs per split and at most 4 query rows (wider did not pay: 128 lost to 64 for MLA and
 # verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
-# A split-pass decode of at most 4 programs (request x KV head) goes further, to 4 x SMs programs in
-# all: at one KV head and bs 1-3, 128-256 splits ran 1.2-1.9x faster than 64 at 4096-32768 tokens
-# (bench/RESULTS.md, 'Ragged batches'). The backends that measured it pass it (``_max_splits``).
+# A split-pass decode of a few programs goes further, to 4 x SMs programs in all: at one KV head and
+# bs 1-3, 256 splits ran 1.06-1.9x faster than 64 at 4096-32768 tokens (128 was faster still at 4096:
+# half of 256 splits were empty; bench/RESULTS.md, 'Ragged batches'). The backends that measured it
+# pass it (``_max_splits``).
 DEEP_MAX_KV_SPLITS = 256
 
 
@@ -36,16 +37,15 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
                          width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None,
                          split_pages: int = 1, exact_below: int = 1,
                          wide_cap: int = WIDE_MAX_KV_SPLITS) -> int:
-    """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM,
-    rounded down to a power of two, at most 32 (up to ``wide_cap`` for a batch of few programs
-    of at most 4 query rows: the largest power of two that keeps ``programs * splits`` within
-    4 x SMs, see ``WIDE_MAX_KV_SPLITS``) and never more than the pages. Depends only on host facts fixed by
-    the GraphKey. ``per_sm`` is each backend's ``_split_rule`` (bench/RESULTS.md, 'Split counts').
-    ``floor``: the fewest splits, lowered (to 1 at
-    least) to keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``:
-    the fewest pages a split spans, where the splits that leaves still give a quarter of the SMs
-    a program (the backends' ``_split_pages``). ``exact_below``: a count below it is taken as it
-    is, not rounded down to a power of two (GQA decode: 6 splits at bs 16, not 4)."""
+    """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM, rounded down to a power of
+    two, at most 32 (up to ``wide_cap`` for a batch of few programs of at most 4 query rows: the largest power of
+    two that keeps ``programs * splits`` within 4 x SMs, see ``WIDE_MAX_KV_SPLITS``; ``wide_cap`` >= 32) and never
+    more than the pages. Depends only on host facts fixed by the GraphKey. ``per_sm`` is each backend's
+    ``_split_rule`` (bench/RESULTS.md, 'Split counts'). ``floor``: the fewest splits, lowered (to 1 at least) to
+    keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``: the fewest pages a split
+    spans, where the splits that leaves still give a quarter of the SMs a program (the backends'
+    ``_split_pages``). ``exact_below``: a count below it is taken as it is, not rounded down to a power of two
+    (GQA decode: 6 splits at bs 16, not 4)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     sms = sm_count(cuda_index(device))

@@ -8,9 +8,10 @@ tensor cores) on the same pages, and beside a uniform batch of the same total KV
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench``: L2 cleared before each run), bf16,
 page 16, shuffled pages. ``S``: the split count the ``triton`` backend takes for the row's
-(bs, W); chunk budgets are ``bs * S * m`` for ``m`` in ``--mults``; ``--merges``: a request's chunks
-merged by its last chunk program ("last") or by a second launch ("pass", shown as such). ``x`` =
-FlashInfer's best / ours.
+(bs, W) at the cap of 64 (``WIDE_MAX_KV_SPLITS``; its decode of at most 4 programs goes to 256,
+``DEEP_MAX_KV_SPLITS``: ``--split-mults 2,4``); chunk budgets are ``bs * S * m`` for ``m`` in
+``--mults``; ``--merges``: a request's chunks merged by its last chunk program ("last") or by a
+second launch ("pass", shown as such). ``x`` = FlashInfer's best / ours.
 """
 from __future__ import annotations
 

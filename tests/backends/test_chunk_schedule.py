@@ -92,6 +92,7 @@ def test_few_programs_decode_takes_the_split_pass(monkeypatch, invariant):
     path, against float64; three requests of 2 KV heads take the chunks, and the invariant schedule keeps its
     chunks at one request too (its bits must not depend on the batch)."""
     from attn_backends.backends import triton_backend
+    monkeypatch.setattr(TritonBackend, "DEEP_TILE", 32)    # this config's 2 rows x 16 columns count as deep
     seen = []
     real = triton_backend.decode_attention_fwd
     monkeypatch.setattr(triton_backend, "decode_attention_fwd", lambda *a, **kw: seen.append(kw["schedule"])

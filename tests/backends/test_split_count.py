@@ -110,26 +110,45 @@ def test_wide_cap(h200, programs, want):
     assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1) == min(want, tc.WIDE_MAX_KV_SPLITS)
 
 
+def _gqa8_1(monkeypatch, head_dim=128, kv_dtype=None, invariant=False):
+    from attn_backends import ModelConfig
+    from attn_backends.backends.triton_backend import TritonBackend
+    from attn_backends.check.scenarios import make_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=1, head_dim=head_dim, page_size=16, kv_dtype=kv_dtype)
+    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
+    be = TritonBackend(cfg, mem, batch_invariant=invariant)
+    monkeypatch.setattr(mem, "device", CUDA0)
+    return be
+
+
+def _lay(bs, width=1):
+    from attn_backends.batch import ForwardMode
+    from attn_backends.layout import MaskKind
+    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+    return SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
+
+
 @pytest.mark.parametrize("width,bs,want", [(1, 1, 256), (1, 2, 256), (1, 3, 128), (1, 4, 128), (1, 5, 64),
                                            (4, 1, 64), (4, 2, 64)])
 def test_few_programs_decode_goes_deep(h200, monkeypatch, width, bs, want):
-    """GQA 8/1: a decode of at most 4 programs (bs x KV heads) takes equal splits up to 256
+    """GQA 8/1 d128: a decode of at most 4 programs (bs x KV heads) takes equal splits up to 256
     (``TritonBackend.SPLIT_DECODE_PROGRAMS``); 5 requests take the chunks (64 a request), verify keeps 64."""
-    from attn_backends import ModelConfig, get_backend
-    from attn_backends.batch import ForwardMode
-    from attn_backends.check.scenarios import make_memory
-    from attn_backends.layout import MaskKind
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = ModelConfig(num_layers=1, num_q_heads=8, num_kv_heads=1, head_dim=16, page_size=16)
-    mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=2048 * 16)
-    be = get_backend("triton", cfg, mem)
-    monkeypatch.setattr(mem, "device", CUDA0)
-    mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
-    lay = SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
-    assert be._splits(lay) == want
+    be = _gqa8_1(monkeypatch)
+    assert be._splits(_lay(bs, width)) == want
     if width == 1:
-        assert be._chunked(lay) == (bs > 4), f"bs {bs}: chunked {be._chunked(lay)}"
+        assert be._chunked(_lay(bs)) == (bs > 4), f"bs {bs}: chunked {be._chunked(_lay(bs))}"
+
+
+@pytest.mark.parametrize("kind", ["d64", "fp8", "invariant"])
+def test_what_was_not_measured_stays_at_64(h200, monkeypatch, kind):
+    """The deep splits are what was measured (a 16-bit cache, group x Dv >= 1024 at Dv <= 128): 8/1 at d64 or
+    on an FP8 cache keeps 64 splits at bs 1 and the chunks at bs 2; the invariant schedule keeps its chunks."""
+    be = _gqa8_1(monkeypatch, **{"d64": dict(head_dim=64), "fp8": dict(kv_dtype=torch.float8_e4m3fn),
+                                 "invariant": dict(invariant=True)}[kind])
+    assert be._splits(_lay(1)) == 64
+    assert be._chunked(_lay(2)) and be._chunked(_lay(1)) == (kind == "invariant")
 
 
 @pytest.mark.parametrize("bs,want", [(32, 3), (64, 2), (128, 2)])

@@ -37,6 +37,7 @@ def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1
     (16, [70, 3, 16], 4, 8, 2),
     (64, [130, 64, 1], 2, 2, 2),
     (16, [33, 100], 1, 4, 4),
+    (16, [4100, 3], 256, 8, 1),       # a few-program decode's deep splits: most of the short one's empty
 ])
 def test_decode_cpu(page_size, seq_lens, splits, H, Hkv):
     out, ref = run_decode(seq_lens, page_size, H, Hkv, 16, splits, torch.float32, "cpu")
@@ -71,6 +72,14 @@ GPU_CASES = [(dtype, D, group, (1, 16, 64)[i % 3])
 def test_decode_gpu(dtype, D, group, page_size):
     seq_lens = [1, 17, 700, 4096, 32768, 129]
     out, ref = run_decode(seq_lens, page_size, 4 * group, 4, D, 8, dtype, "cuda", pad_rows=2)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
+def test_decode_gpu_deep_splits():
+    """256 splits of one KV head (the backend's decode of few programs, ``DEEP_MAX_KV_SPLITS``), the
+    separate merge of 256 partials a row, over lengths that leave most splits empty or 128 tokens long."""
+    out, ref = run_decode([1, 4096, 32768], 16, 8, 1, 128, 256, torch.bfloat16, "cuda", pad_rows=2)
     assert_close(out, ref, 1e-2)
 
 

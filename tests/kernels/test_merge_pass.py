@@ -72,14 +72,16 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass)
     assert spans[0][1] > block_c                               # the long request: more chunks than a load
 
 
-def test_merge_pass_loads_64_chunks_on_wide_gqa_budgets():
-    """16 chunks a load below a GQA budget of 16 chunks a request (and the invariant schedule's 0), 64 from
-    it on; MLA's latent keeps 16 (4 on budgets of 1-2)."""
+def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
+    """16 chunks a load below a decode budget of 16 chunks a request (and the invariant schedule's 0), 64 from
+    it on at Dv <= 256; several rows a chunk (verify) and MLA's latent keep 16 (4 on budgets of 1-2)."""
     assert [merge_pass_tiles(8, 8, 128, c)[0] for c in (0, 2, 15, 16, 64)] == [16, 16, 16, 64, 64]
+    assert merge_pass_tiles(8, 8, 256, 16)[0] == 64
+    assert merge_pass_tiles(8, 8, 128, 64, one_row=False)[0] == 16
     assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 16)] == [4, 16]
 
 
-@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (False, 64), (True, 64)])
+@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (False, 64), (True, 16), (True, 64)])
 def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c):
     """GQA's tiles (a head and 128 columns a program) over a request of hundreds of chunks beside short ones,
     in two walks of the chunks or one (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load; a request whose
