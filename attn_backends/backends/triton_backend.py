@@ -7,6 +7,7 @@ layout's host ints, which in graph mode come from the GraphKey alone.
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -83,12 +84,16 @@ class TritonBackend(TritonBackendBase):
     SPLIT_DECODE_PROGRAMS: ClassVar[int] = 4
     DEEP_TILE: ClassVar[int] = 1024
 
-    def _deep(self, lay: Layout) -> bool:
+    @functools.cached_property
+    def _deep_config(self) -> bool:
         cfg = self.config
         rows = triton.next_power_of_2(cfg.num_q_heads // cfg.num_kv_heads)
-        return (is_plain_decode(lay) and self.schedule != "invariant" and cfg.cache_dtype not in FP8_KV
-                and cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
-                and self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS)
+        return cfg.cache_dtype not in FP8_KV and cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
+
+    def _deep(self, lay: Layout) -> bool:
+        # the programs first: most batches stop there (each eager step asks _chunked several times)
+        return (self._programs(lay.bs, 1) <= self.SPLIT_DECODE_PROGRAMS and is_plain_decode(lay)
+                and self.schedule != "invariant" and self._deep_config)
 
     def _split_decode(self, lay: Layout) -> bool:
         # One request's decode has nothing to balance: the split pass merges in its own launch, where
