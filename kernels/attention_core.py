@@ -20,6 +20,11 @@ LOG2E = 1.4426950408889634
 # whole rows there). Figures: bench/RESULTS.md, 'Fused merge'.
 MERGE_PROGRAMS = 256
 MIN_MERGE_DV = 64
+# and any partials' columns are cut (to MIN_TILE_DV at least) where one head's splits x columns pass
+# MERGE_TILE_VALUES values a program: the deep decode's 256 splits x 128 float32 columns are 256 a thread
+# (None: no bound; bench/probes/merge_splits.py).
+MERGE_TILE_VALUES = 8192
+MIN_TILE_DV = 16
 
 
 @triton.jit
@@ -100,8 +105,10 @@ def _merge_splits_kernel(
     # A row that saw no visible key at all (every split empty) is defined as zeros.
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m[:, None])
+    # an empty split (lse = -inf) weighs 0: its partial is not read (a short request of many splits)
+    live = mask_hs & (lse > float("-inf"))
     part = tl.load(part_ptr + t * stride_pt + offs_h[:, None, None] * stride_ph + offs_s[None, :, None] * stride_ps
-                   + offs_dv[None, None, :], mask=mask_hs[:, :, None] & mask_dv[None, None, :], other=0.0)
+                   + offs_dv[None, None, :], mask=live[:, :, None] & mask_dv[None, None, :], other=0.0)
     w_sum = tl.sum(w, 1)
     out = tl.sum(w[:, :, None] * part.to(tl.float32), 1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
@@ -114,7 +121,8 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     many heads of one row as keep its tile at 8192 partial values and the grid at about 256
     programs or more (at least one head); where one head a program still leaves fewer than
     ``MERGE_PROGRAMS``, 16-bit partials' output columns are cut into blocks of at least
-    ``MIN_MERGE_DV`` (``block_dv``, a power of two, forces a block width)."""
+    ``MIN_MERGE_DV``, and any partials' where one head's splits x columns pass ``MERGE_TILE_VALUES``
+    (``block_dv``, a power of two, forces a block width). Empty splits' partials are not read."""
     T, H, S, Dv = part.shape
     if tuple(lse.shape) != (T, H, S) or tuple(out.shape) != (T, H, Dv):
         raise ValueError(f"merge_splits: part {tuple(part.shape)}, lse {tuple(lse.shape)} and "
@@ -135,6 +143,9 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     if block_dv is None:   # 16-bit partials of few rows x heads: column blocks fill the grid
         block_dv = full_dv
         while (part.element_size() == 2 and block_dv > MIN_MERGE_DV
+               and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS):
+            block_dv //= 2
+        while (MERGE_TILE_VALUES is not None and block_s * block_dv > MERGE_TILE_VALUES and block_dv > MIN_TILE_DV
                and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS):
             block_dv //= 2
     launch(_merge_splits_kernel, (T, heads_grid, triton.cdiv(Dv, block_dv)),

@@ -22,6 +22,7 @@ import random
 import torch
 import triton
 
+import attn_backends_kernels.attention_core as core
 import attn_backends_kernels.chunk_kernels as chunk_kernels
 import attn_backends_kernels.decode_attention as decode
 from attn_backends.backends.triton_common import choose_num_kv_splits
@@ -100,7 +101,7 @@ def graph_us(fn) -> float:
     return captured(fn)[1]
 
 
-def ours(pg, q, kb, vb, S: int, schedule: str, block_n: int = 32, merge: str = "last", scales=(1.0, 1.0),
+def ours(pg, q, kb, vb, S: int, schedule: str, block_n=None, merge: str = "last", scales=(1.0, 1.0),
          heads_first=None, maxnreg=None):
     bs, H, D = q.shape
     out = torch.empty_like(q)
@@ -144,7 +145,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
         kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
-        pass_forms=(None,), split_mults=(1,)) -> dict:
+        pass_forms=(None,), split_mults=(1,), merge_tiles=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
@@ -155,9 +156,14 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
            "bytes": sum(lens) * Hkv * D * 2 * kb.element_size()}
     out0, split = ours(pg, q, kb, vb, S, "split", scales=sc)
     res["split"] = graph_us(split)
-    for sm in (m for m in split_mults if m != 1):      # more splits than the rule's (its cap: WIDE_MAX_KV_SPLITS)
+    for sm, mt in ((m, t) for m in split_mults for t in merge_tiles if (m, t) != (1, None)):
+        # more splits than the rule's (its cap: WIDE_MAX_KV_SPLITS), merged at a tile bound (MERGE_TILE_VALUES)
         out, fn = ours(pg, q, kb, vb, S * sm, "split", scales=sc)
-        res[f"split x{sm}"] = graph_us(fn)
+        saved, core.MERGE_TILE_VALUES = core.MERGE_TILE_VALUES, core.MERGE_TILE_VALUES if mt is None else (mt or None)
+        try:
+            res[f"split x{sm}" + ("" if mt is None else f" t{mt}")] = graph_us(fn)
+        finally:
+            core.MERGE_TILE_VALUES = saved
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split x{sm} differs from split"
     for hf in (o for o in orders if o is not None):
         out, fn = ours(pg, q, kb, vb, S, "split", scales=sc, heads_first=hf)
@@ -217,6 +223,8 @@ def main(argv=None):
     p.add_argument("--pass-forms", default="none",
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), e.g. 16,64p")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
+    p.add_argument("--merge-tiles", default="none",
+                   help="the split merge's tile bounds (MERGE_TILE_VALUES): none (as it is), 0 (no bound), 8192, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -246,7 +254,8 @@ def main(argv=None):
                         [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,
                         [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")],
                         [None if f == "none" else f for f in args.pass_forms.split(",")],
-                        [int(m) for m in args.split_mults.split(",")])
+                        [int(m) for m in args.split_mults.split(",")],
+                        [None if t == "none" else int(t) for t in args.merge_tiles.split(",")])
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))

@@ -60,6 +60,31 @@ def test_merge_splits_column_blocks_cpu(Dv, block_dv, part_dtype):
     assert launches[0][2] == (1, 3, -(-Dv // width))    # (rows, head blocks, column blocks)
 
 
+@pytest.mark.parametrize("T,H,S,Dv,width", [(1, 8, 256, 128, 32), (2, 3, 128, 128, 64), (1, 2, 64, 512, 128),
+                                            (1, 4, 64, 128, 128)])
+def test_merge_splits_tile_bound_cpu(T, H, S, Dv, width):
+    """Float32 partials of many splits: a program's splits x columns at most MERGE_TILE_VALUES (8192)
+    where rows x heads leave few programs (the deep decode's 256 splits: 32 columns; 64 x 128 stays
+    whole), against the float64 reference."""
+    part, lse = make(T, H, S, Dv, "cpu", seed=2)
+    out = torch.full((T, H, Dv), float("nan"))
+    with recording() as launches:
+        merge_splits(part, lse, out)
+    torch.testing.assert_close(out.double(), reference(part, lse), rtol=1e-5, atol=1e-5)
+    assert launches[0][2] == (T, H, Dv // width)
+
+
+def test_merge_splits_does_not_read_empty_partials_cpu():
+    """An empty split (lse = -inf) weighs 0 and its partial is not read: NaN bytes there (a workspace
+    no split wrote) leave the output the reference's."""
+    part, lse = make(2, 3, 40, 64, "cpu", seed=3)
+    poisoned = part.clone()
+    poisoned[torch.isinf(lse)] = float("nan")
+    out = torch.full((2, 3, 64), float("nan"))
+    merge_splits(poisoned, lse, out)
+    torch.testing.assert_close(out.double(), reference(part, lse), rtol=1e-5, atol=1e-5)
+
+
 def test_merge_splits_block_dv_error():
     part, lse = make(1, 2, 2, 64, "cpu")
     with pytest.raises(ValueError, match="block_dv=48 must be a power of two"):
@@ -68,7 +93,7 @@ def test_merge_splits_block_dv_error():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("T,H,S,Dv", [(1, 32, 32, 128), (256, 64, 4, 128), (64, 16, 32, 512), (37, 80, 2, 512),
-                                      (1, 16, 64, 512), (1, 32, 64, 128)])
+                                      (1, 16, 64, 512), (1, 32, 64, 128), (1, 8, 256, 128), (3, 8, 128, 128)])
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
 def test_merge_splits_gpu(T, H, S, Dv, part_dtype):
     part, lse = make(T, H, S, Dv, "cuda")
