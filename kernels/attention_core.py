@@ -16,15 +16,15 @@ from .launch_record import launch
 LOG2E = 1.4426950408889634
 # merge_splits' grid: about this many programs where rows x heads allow; the output columns of
 # 16-bit partials are cut into blocks (of at least MIN_MERGE_DV) where one head a program leaves
-# fewer: small batches then spread the merge over more programs (float32 partials lost to it, so
-# whole rows there). Figures: bench/RESULTS.md, 'Fused merge'.
+# fewer: small batches then spread the merge over more programs (float32 partials of few splits
+# lost to it: whole rows there). Figures: bench/RESULTS.md, 'Fused merge'.
 MERGE_PROGRAMS = 256
 MIN_MERGE_DV = 64
-# and any partials' columns are cut (to MIN_TILE_DV at least) where one head's splits x columns pass
-# MERGE_TILE_VALUES values a program: the deep decode's 256 splits x 128 float32 columns are 256 a thread
-# (None: no bound; bench/probes/merge_splits.py).
+# Float32 partials of at most 128 columns are cut too (to MIN_MERGE_DV_F32) where a head's splits x
+# columns reach MERGE_TILE_VALUES: few-program GQA merges of 64-256 splits ran 1.04-1.4x faster; MLA's
+# 512-column float32 ones lost to it (None: never; bench/probes/merge_splits.py, RESULTS 'Ragged batches').
 MERGE_TILE_VALUES = 8192
-MIN_TILE_DV = 16
+MIN_MERGE_DV_F32 = 32
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     many heads of one row as keep its tile at 8192 partial values and the grid at about 256
     programs or more (at least one head); where one head a program still leaves fewer than
     ``MERGE_PROGRAMS``, 16-bit partials' output columns are cut into blocks of at least
-    ``MIN_MERGE_DV``, and any partials' where one head's splits x columns pass ``MERGE_TILE_VALUES``
+    ``MIN_MERGE_DV``, and float32 ones of many splits (``MERGE_TILE_VALUES``) of ``MIN_MERGE_DV_F32``
     (``block_dv``, a power of two, forces a block width). Empty splits' partials are not read."""
     T, H, S, Dv = part.shape
     if tuple(lse.shape) != (T, H, S) or tuple(out.shape) != (T, H, Dv):
@@ -140,13 +140,11 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     cap = max(1, 8192 // (block_s * full_dv))
     block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
     heads_grid = triton.cdiv(H, block_hm)
-    if block_dv is None:   # 16-bit partials of few rows x heads: column blocks fill the grid
+    if block_dv is None:   # 16-bit partials of few rows x heads (and float32 ones of many splits): column blocks
         block_dv = full_dv
-        while (part.element_size() == 2 and block_dv > MIN_MERGE_DV
-               and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS):
-            block_dv //= 2
-        while (MERGE_TILE_VALUES is not None and block_s * block_dv > MERGE_TILE_VALUES and block_dv > MIN_TILE_DV
-               and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS):
+        wide_f32 = MERGE_TILE_VALUES is not None and full_dv <= 128 and block_s * full_dv >= MERGE_TILE_VALUES
+        least = MIN_MERGE_DV if part.element_size() == 2 else MIN_MERGE_DV_F32 if wide_f32 else full_dv
+        while block_dv > least and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS:
             block_dv //= 2
     launch(_merge_splits_kernel, (T, heads_grid, triton.cdiv(Dv, block_dv)),
         part, lse, out,

@@ -21,7 +21,7 @@ from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
 from ..config import FP8_KV, AttentionLayer
 from ..layout import Layout, MaskKind
-from .triton_common import DEEP_MAX_KV_SPLITS, WIDE_MAX_KV_SPLITS, TritonBackendBase, TritonMetadata
+from .triton_common import TritonBackendBase, TritonMetadata
 
 # The batch-invariant prefill tile: query rows of a 64-row tile, whatever the batch's longest query.
 INVARIANT_TILE_ROWS = 64
@@ -75,20 +75,19 @@ class TritonBackend(TritonBackendBase):
         if batch_invariant:
             self.schedule = "invariant"
 
-    # A decode of at most this many programs (requests x KV heads) runs on equal splits, up to
-    # DEEP_MAX_KV_SPLITS of them, where a 16-bit cache's tile of group x Dv fills at least DEEP_TILE values
-    # and Dv <= 128 (what was measured: GQA 8/1 d128; the merge a separate pass): 64 splits of one KV head
-    # leave half the SMs idle; 256 ran 1.06-1.9x faster than 64 and, at two requests, 1.1-1.4x faster than
-    # the chunks, long tail included (bench/RESULTS.md, 'Ragged batches'). Class-level: the split plan's
-    # cache does not key on them.
-    SPLIT_DECODE_PROGRAMS: ClassVar[int] = 4
+    # A decode of at most this many programs (requests x KV heads) runs on DEEP_MAX_KV_SPLITS equal splits
+    # where the tile of group x Dv fills at least DEEP_TILE values at Dv <= 128 (what was measured: GQA 8/1
+    # and 16/2 d128, bf16 and FP8 caches; the merge a separate pass): 64 splits of one KV head leave half the
+    # SMs idle, and the chunks' two launches lost 1.04-1.2x at bs 2-8 (bench/RESULTS.md, 'Ragged batches').
+    # Class-level: the split plan's cache does not key on them.
+    SPLIT_DECODE_PROGRAMS: ClassVar[int] = 8
     DEEP_TILE: ClassVar[int] = 1024
 
     @functools.cached_property
     def _deep_config(self) -> bool:
         cfg = self.config
         rows = triton.next_power_of_2(cfg.num_q_heads // cfg.num_kv_heads)
-        return cfg.cache_dtype not in FP8_KV and cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
+        return cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
 
     def _deep(self, lay: Layout) -> bool:
         # the programs first: most batches stop there (each eager step asks _chunked several times)
@@ -100,9 +99,6 @@ class TritonBackend(TritonBackendBase):
         # chunks take a second; a few programs fill the SMs deeper on splits (_deep). The invariant
         # schedule's bits need chunks (bench/RESULTS.md, 'Ragged batches').
         return self.schedule == "chunks" and is_plain_decode(lay) and (lay.bs == 1 or self._deep(lay))
-
-    def _max_splits(self, lay: Layout) -> int:
-        return DEEP_MAX_KV_SPLITS if self._deep(lay) else WIDE_MAX_KV_SPLITS
 
     def _chunked(self, lay: Layout) -> bool:
         if self.schedule == "split" or self._split_decode(lay):

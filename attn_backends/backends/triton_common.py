@@ -22,10 +22,10 @@ MAX_KV_SPLITS = 32
 # programs per split and at most 4 query rows (wider did not pay: 128 lost to 64 for MLA and
 # verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
-# A split-pass decode of a few programs goes further, to 4 x SMs programs in all: at one KV head and
-# bs 1-3, 256 splits ran 1.06-1.9x faster than 64 at 4096-32768 tokens (128 was faster still at 4096:
-# half of 256 splits were empty; bench/RESULTS.md, 'Ragged batches'). The backends that measured it
-# pass it (``_max_splits``).
+# A split-pass decode of few programs (the backends' ``_deep``) takes this many splits, never more than
+# the pages: at one or two KV heads and bs 1-8, 256 ran 1.02-2.0x faster than 64 and 1.04-1.2x faster
+# than the chunks; 128 was up to 2.2 us faster on uniform batches, 2.5-6 us slower on long tails
+# (bench/RESULTS.md, 'Ragged batches').
 DEEP_MAX_KV_SPLITS = 256
 
 
@@ -35,12 +35,11 @@ def interpreting() -> bool:
 
 def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, per_sm: int,
                          width: int = 1, floor: int = 1, floor_per_sm: Optional[int] = None,
-                         split_pages: int = 1, exact_below: int = 1,
-                         wide_cap: int = WIDE_MAX_KV_SPLITS) -> int:
+                         split_pages: int = 1, exact_below: int = 1, deep: bool = False) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM, rounded down to a power of
-    two, at most 32 (up to ``wide_cap`` for a batch of few programs of at most 4 query rows: the largest power of
-    two that keeps ``programs * splits`` within 4 x SMs, see ``WIDE_MAX_KV_SPLITS``; ``wide_cap`` >= 32) and never
-    more than the pages. Depends only on host facts fixed by the GraphKey. ``per_sm`` is each backend's
+    two, at most 32 (up to 64 for a batch of few programs of at most 4 query rows, see ``WIDE_MAX_KV_SPLITS``)
+    and never more than the pages (``deep``: ``DEEP_MAX_KV_SPLITS`` so bounded). Depends only on host facts
+    fixed by the GraphKey. ``per_sm`` is each backend's
     ``_split_rule`` (bench/RESULTS.md, 'Split counts'). ``floor``: the fewest splits, lowered (to 1 at least) to
     keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``: the fewest pages a split
     spans, where the splits that leaves still give a quarter of the SMs a program (the backends'
@@ -48,12 +47,14 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
     (GQA decode: 6 splits at bs 16, not 4)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
+    if deep:
+        return 1 << (max(1, min(DEEP_MAX_KV_SPLITS, max_pages)).bit_length() - 1)
     sms = sm_count(cuda_index(device))
     programs = max(programs, 1)
     if floor_per_sm is not None:
         floor = max(1, min(floor, floor_per_sm * sms // programs))
     cap = MAX_KV_SPLITS
-    while width <= 4 and 2 * cap <= wide_cap and programs * 2 * cap <= 4 * sms:
+    while width <= 4 and 2 * cap <= WIDE_MAX_KV_SPLITS and programs * 2 * cap <= 4 * sms:
         cap *= 2
     want = max(per_sm * sms // programs, floor)
     most = max_pages
@@ -170,15 +171,15 @@ class TritonBackendBase(LayoutBackend):
             if chunked_exact:
                 exact = WIDE_MAX_KV_SPLITS + 1
             count = choose_num_kv_splits(programs, device, max_pages, per_sm, width, floor, floor_per_sm,
-                                         self._split_pages(width), exact, self._max_splits(lay))
+                                         self._split_pages(width), exact, self._deep(lay))
             sms = sm_count(cuda_index(device)) if device.type == "cuda" else 0
             cache[key] = count, (chunked_exact and per_sm == 1 and sms > 0 and count == sms // programs
                                  and 8 * count * programs >= 7 * sms)
         return cache[key]
 
-    def _max_splits(self, lay: Layout) -> int:
-        """``wide_cap`` of :func:`choose_num_kv_splits` for ``lay``'s launch."""
-        return WIDE_MAX_KV_SPLITS
+    def _deep(self, lay: Layout) -> bool:
+        """Whether ``lay``'s launch is a split-pass decode of few programs (``DEEP_MAX_KV_SPLITS``)."""
+        return False
 
     def _chunked(self, lay: Layout) -> bool:
         """Whether the launch of ``lay`` balances the batch's KV over chunks on the device

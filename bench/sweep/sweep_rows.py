@@ -220,12 +220,12 @@ def smoke_workload(wl: Workload) -> Workload:
 
 def estimate_bytes(wls, lens: list) -> int:
     """Device memory a group needs at most: the KV pool, FlashInfer's flattened tree mask,
-    our split-KV workspace (WIDE_MAX_KV_SPLITS at most; DEEP_MAX_KV_SPLITS for a GQA decode of at most 4
+    our split-KV workspace (WIDE_MAX_KV_SPLITS at most; DEEP_MAX_KV_SPLITS for a GQA decode of at most 8
     programs) and 1 GiB for workspaces and graph pools."""
     wl, bs = wls[0], len(lens)
     pool = (sum(-(-n // wl.page_size) for n in lens) + 1) * wl.page_size * wl.kv_bytes_per_token()
     mask = max(w.width * sum(lens) if w.mode == "tree" else 0 for w in wls)
-    deep = lambda w: w.family == "gqa" and w.width == 1 and bs * w.kv_heads <= 4      # noqa: E731
+    deep = lambda w: w.family == "gqa" and w.width == 1 and bs * w.kv_heads <= 8      # noqa: E731
     split_ws = max(bs * w.width * w.heads * (DEEP_MAX_KV_SPLITS if deep(w) else WIDE_MAX_KV_SPLITS)
                    * (w.v_dim + 1) * 4 for w in wls)
     return pool + mask + split_ws + (1 << 30)

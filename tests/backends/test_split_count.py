@@ -103,11 +103,13 @@ def test_one_request_decode_takes_the_split_rule_count(h200, monkeypatch):
     test_triton_backend_split_counts(h200, monkeypatch, 32, 1, 2, 6, max_context_len=48)
 
 
-@pytest.mark.parametrize("programs,want", [(1, 256), (2, 256), (3, 128), (4, 128), (5, 64), (8, 64), (16, 32)])
-def test_wide_cap(h200, programs, want):
-    """``wide_cap``: the largest power of two up to it that keeps ``programs * splits`` within 4 x SMs."""
-    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1, wide_cap=tc.DEEP_MAX_KV_SPLITS) == want
-    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1) == min(want, tc.WIDE_MAX_KV_SPLITS)
+@pytest.mark.parametrize("programs,want", [(1, 64), (4, 64), (5, 64), (8, 64), (9, 32), (16, 32)])
+def test_wide_and_deep_counts(h200, programs, want):
+    """64 splits where ``programs * 64`` stays within 4 x SMs; ``deep``: 256 whatever the programs, never
+    more than the pages (a power of two)."""
+    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1) == want
+    assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1, deep=True) == tc.DEEP_MAX_KV_SPLITS
+    assert tc.choose_num_kv_splits(programs, CUDA0, 200, 6, 1, deep=True) == 128
 
 
 def _gqa8_1(monkeypatch, head_dim=128, kv_dtype=None, invariant=False):
@@ -130,23 +132,23 @@ def _lay(bs, width=1):
     return SimpleNamespace(bs=bs, width=width, max_seq_len_q=width, mode=mode, mask=MaskKind.CAUSAL)
 
 
-@pytest.mark.parametrize("width,bs,want", [(1, 1, 256), (1, 2, 256), (1, 3, 128), (1, 4, 128), (1, 5, 64),
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("width,bs,want", [(1, 1, 256), (1, 2, 256), (1, 5, 256), (1, 8, 256), (1, 9, 32),
                                            (4, 1, 64), (4, 2, 64)])
-def test_few_programs_decode_goes_deep(h200, monkeypatch, width, bs, want):
-    """GQA 8/1 d128: a decode of at most 4 programs (bs x KV heads) takes equal splits up to 256
-    (``TritonBackend.SPLIT_DECODE_PROGRAMS``); 5 requests take the chunks (64 a request), verify keeps 64."""
-    be = _gqa8_1(monkeypatch)
+def test_few_programs_decode_goes_deep(h200, monkeypatch, width, bs, want, kv_dtype):
+    """GQA 8/1 d128, bf16 and FP8 caches: a decode of at most 8 programs (bs x KV heads) takes 256 equal
+    splits (``TritonBackend.SPLIT_DECODE_PROGRAMS``); 9 requests take the chunks, verify keeps 64."""
+    be = _gqa8_1(monkeypatch, kv_dtype=kv_dtype)
     assert be._splits(_lay(bs, width)) == want
     if width == 1:
-        assert be._chunked(_lay(bs)) == (bs > 4), f"bs {bs}: chunked {be._chunked(_lay(bs))}"
+        assert be._chunked(_lay(bs)) == (bs > 8), f"bs {bs}: chunked {be._chunked(_lay(bs))}"
 
 
-@pytest.mark.parametrize("kind", ["d64", "fp8", "invariant"])
+@pytest.mark.parametrize("kind", ["d64", "invariant"])
 def test_what_was_not_measured_stays_at_64(h200, monkeypatch, kind):
-    """The deep splits are what was measured (a 16-bit cache, group x Dv >= 1024 at Dv <= 128): 8/1 at d64 or
-    on an FP8 cache keeps 64 splits at bs 1 and the chunks at bs 2; the invariant schedule keeps its chunks."""
-    be = _gqa8_1(monkeypatch, **{"d64": dict(head_dim=64), "fp8": dict(kv_dtype=torch.float8_e4m3fn),
-                                 "invariant": dict(invariant=True)}[kind])
+    """The deep splits are what was measured (group x Dv >= 1024 at Dv <= 128): 8/1 at d64 keeps 64 splits
+    at bs 1 and the chunks at bs 2; the invariant schedule keeps its chunks."""
+    be = _gqa8_1(monkeypatch, **{"d64": dict(head_dim=64), "invariant": dict(invariant=True)}[kind])
     assert be._splits(_lay(1)) == 64
     assert be._chunked(_lay(2)) and be._chunked(_lay(1)) == (kind == "invariant")
 

@@ -84,6 +84,26 @@ def test_decode_gpu_deep_splits():
 
 
 @pytest.mark.cuda
+def test_decode_gpu_deep_splits_fp8():
+    """256 splits of one KV head over an e4m3 cache stored with scales 0.5 / 0.25 (the backend's FP8 decode of
+    few programs), against the float64 reference over the dequantized cache; the workspace poisoned."""
+    from attn_backends.kv_cache import to_cache
+    torch.manual_seed(1)
+    page_table, lens, num_pages = make_paged_batch([1, 4096, 32768, 700], 16, pad_rows=2, device="cuda", seed=1)
+    bs, fp8 = lens.shape[0], torch.float8_e4m3fn
+    k, v = (to_cache(torch.randn(num_pages * 16, 1, 128, device="cuda"), fp8, s) for s in (0.5, 0.25))
+    q = torch.randn(bs, 8, 128, device="cuda").to(torch.bfloat16)
+    out = torch.full((bs, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws = decode_workspace(bs, 8, 128, 256, "cuda")
+    ws[0].fill_(float("nan"))
+    ws[1].fill_(float("nan"))
+    decode_attention_fwd(q, k, v, page_table, lens, 16, 128 ** -0.5, 256, out, ws, k_scale=0.5, v_scale=0.25)
+    cu = torch.arange(bs + 1, dtype=torch.int32)
+    ref = ref_paged_attention(q, k.float() * 0.5, v.float() * 0.25, page_table, lens, cu, 16, 128 ** -0.5)
+    assert_close(out, ref, 1e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_cuda_graph_replay(page_size):
     """Capture with one batch, replay with other lengths and pages written in place."""

@@ -60,12 +60,12 @@ def test_merge_splits_column_blocks_cpu(Dv, block_dv, part_dtype):
     assert launches[0][2] == (1, 3, -(-Dv // width))    # (rows, head blocks, column blocks)
 
 
-@pytest.mark.parametrize("T,H,S,Dv,width", [(1, 8, 256, 128, 32), (2, 3, 128, 128, 64), (1, 2, 64, 512, 128),
-                                            (1, 4, 64, 128, 128)])
+@pytest.mark.parametrize("T,H,S,Dv,width", [(1, 8, 256, 128, 32), (2, 3, 128, 128, 32), (1, 4, 64, 128, 32),
+                                            (1, 2, 64, 512, 512), (1, 4, 32, 128, 128), (64, 8, 64, 128, 128)])
 def test_merge_splits_tile_bound_cpu(T, H, S, Dv, width):
-    """Float32 partials of many splits: a program's splits x columns at most MERGE_TILE_VALUES (8192)
-    where rows x heads leave few programs (the deep decode's 256 splits: 32 columns; 64 x 128 stays
-    whole), against the float64 reference."""
+    """Float32 partials of at most 128 columns whose head holds MERGE_TILE_VALUES (8192) splits x columns
+    or more: 32-column blocks where rows x heads leave fewer than MERGE_PROGRAMS (the deep decode's 256
+    splits); MLA's 512 columns, 32 splits and 512 rows x heads stay whole; against the float64 reference."""
     part, lse = make(T, H, S, Dv, "cpu", seed=2)
     out = torch.full((T, H, Dv), float("nan"))
     with recording() as launches:
