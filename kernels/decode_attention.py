@@ -15,6 +15,8 @@ Layout: ``k_buffer [num_slots, Hkv, D]``, ``v_buffer [num_slots, Hkv, Dv]``; slo
 position t of request i = ``page_table[i, t // page_size] * page_size + t % page_size``.
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ from .attention_core import (
     LOG2E,
     check_fp8_widening,
     check_paged_inputs,
+    device_sms,
     fuse_merge,
     heads_first_grid,
     merge_chunk,
@@ -42,11 +45,17 @@ from .schedule import check_schedule, chunk_launch
 # (a GQA group of <= 16) and the batch has more than CHUNK_MAXNREG_BS requests: 8 programs an SM as the
 # split pass's, against 6-7 at the compiler's 72-80. Larger tiles, groups of 32, FP8 caches and (at d128)
 # batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
-# compiler's count (bench/RESULTS.md, 'Ragged batches').
+# compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where it saves a wave: the budget's
+# programs at most CHUNK_MAXNREG_WAVE an SM (one wave at 8; a ragged batch's whole chunks overrun it past
+# the compiler's 6-7) or at least CHUNK_MAXNREG_FROM (three waves or more at 6-7): between them both take two
+# and the bound only slows each program (32/8 d128 bs 48: 879 us bounded, 767 not).
 CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
 CHUNK_MAXNREG_HEADS = 16
+CHUNK_MAXNREG_WAVE = 8
+CHUNK_MAXNREG_FROM = 12
+OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the tensors are on no GPU (offline compiles)
 # A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is the other modes', whose chunks
 # re-read W query rows): one row a chunk re-reads costs little, and at 256 a batch of 2-8 requests of
 # 4096 tokens at one KV head ran on 32-128 programs, slower than at 64; at 4-8 KV heads equal within the
@@ -54,11 +63,14 @@ CHUNK_MAXNREG_HEADS = 16
 DECODE_MIN_CHUNK_TOKENS = 64
 
 
-def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1):
+def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
+                  per_sm: Optional[float] = None):
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
-    (None: the compiler's)."""
+    whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), or None:
+    the compiler's."""
+    waves = per_sm is None or not CHUNK_MAXNREG_WAVE < per_sm < CHUNK_MAXNREG_FROM
     bounded = (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
-               and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
+               and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS and waves)
     return CHUNK_MAXNREG if bounded else None
 
 
@@ -247,7 +259,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
         if maxnreg is ...:
-            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv)
+            sms = device_sms(q.device) or OFFLINE_SMS
+            per_sm = bs * Hkv * num_kv_splits / sms if schedule == "chunks" else None
+            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv, per_sm)
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS)
         part, lse = cl.part, cl.lse

@@ -6,7 +6,7 @@ from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.chunk_kernels import chunk_of
-from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.decode_attention import chunk_maxnreg, decode_attention_fwd
 from attn_backends_kernels.schedule import chunk_slots, chunk_workspace, min_tiles, slots_per_request
 
 
@@ -42,6 +42,15 @@ def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1
 def test_decode_cpu(page_size, seq_lens, splits, H, Hkv):
     out, ref = run_decode(seq_lens, page_size, H, Hkv, 16, splits, torch.float32, "cpu")
     assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("bs,per_sm,want", [(24, 5.8, 64), (48, 11.6, None), (64, 15.5, 64), (128, 31.0, 64),
+                                            (32, None, 64), (16, 5.8, None)])
+def test_chunk_register_bound_where_it_saves_a_wave(bs, per_sm, want):
+    """The chunk pass's 64 registers (8 programs an SM) where the budget fits one wave of them or would take
+    three of the compiler's 6-7: GQA 32/8 d128 at bs 48 (two waves either way) keeps the compiler's count;
+    16 requests or fewer keep it anyway (64 spills there)."""
+    assert chunk_maxnreg(torch.bfloat16, 128, 32, bs, 4, per_sm) == want
 
 
 def test_decode_rejects_bad_inputs():
