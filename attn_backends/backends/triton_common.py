@@ -23,9 +23,9 @@ MAX_KV_SPLITS = 32
 # verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
 # A split-pass decode of few programs (the backends' ``_deep``) takes this many splits, never more than
-# the pages: at one or two KV heads and bs 1-8, 256 ran 1.02-2.0x faster than 64 and 1.04-1.2x faster
-# than the chunks; 128 was up to 2.2 us faster on uniform batches, 2.5-6 us slower on long tails
-# (bench/RESULTS.md, 'Ragged batches').
+# the pages: at one or two KV heads and bs 1-8, 256 ran 1.04-1.3x faster than the chunks and up to 2x
+# faster than 64 splits (an FP8 cache's uniform bs 8: 0.82x of 64, as slow as the chunks); 128 was up to
+# 2.2 us faster on uniform batches, 3.2-6.3 us slower on long tails (bench/RESULTS.md, 'Ragged batches').
 DEEP_MAX_KV_SPLITS = 256
 
 
