@@ -15,6 +15,7 @@ Layout: ``k_buffer [num_slots, Hkv, D]``, ``v_buffer [num_slots, Hkv, Dv]``; slo
 position t of request i = ``page_table[i, t // page_size] * page_size + t % page_size``.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -45,16 +46,16 @@ from .schedule import check_schedule, chunk_launch
 # (a GQA group of <= 16) and the batch has more than CHUNK_MAXNREG_BS requests: 8 programs an SM as the
 # split pass's, against 6-7 at the compiler's 72-80. Larger tiles, groups of 32, FP8 caches and (at d128)
 # batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
-# compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where it saves a wave: the budget's
-# programs at most CHUNK_MAXNREG_WAVE an SM (one wave at 8; a ragged batch's whole chunks overrun it past
-# the compiler's 6-7) or at least CHUNK_MAXNREG_FROM (three waves or more at 6-7): between them both take two
-# and the bound only slows each program (32/8 d128 bs 48: 879 us bounded, 767 not).
+# compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where the budget's programs fit one wave
+# of 8 an SM (at most CHUNK_MAXNREG_WAVE: a ragged batch's whole chunks overrun the budget past the
+# compiler's count) or take a wave fewer at 8 than at the compiler's CHUNK_COMPILER_PER_SM: where both take as
+# many the bound only slows each program (32/8 d128 bs 48, 11.6 an SM: 879 us bounded, 767 not).
 CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
 CHUNK_MAXNREG_HEADS = 16
 CHUNK_MAXNREG_WAVE = 8
-CHUNK_MAXNREG_FROM = 12
+CHUNK_COMPILER_PER_SM = 7
 OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the tensors are on no GPU (offline compiles)
 # A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is the other modes', whose chunks
 # re-read W query rows): one row a chunk re-reads costs little, and at 256 a batch of 2-8 requests of
@@ -68,7 +69,8 @@ def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, g
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
     whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), or None:
     the compiler's."""
-    waves = per_sm is None or not CHUNK_MAXNREG_WAVE < per_sm < CHUNK_MAXNREG_FROM
+    waves = (per_sm is None or per_sm <= CHUNK_MAXNREG_WAVE
+             or math.ceil(per_sm / CHUNK_MAXNREG_WAVE) < math.ceil(per_sm / CHUNK_COMPILER_PER_SM))
     bounded = (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
                and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS and waves)
     return CHUNK_MAXNREG if bounded else None

@@ -75,11 +75,11 @@ class TritonBackend(TritonBackendBase):
         if batch_invariant:
             self.schedule = "invariant"
 
-    # A decode of at most this many programs (requests x KV heads) runs on DEEP_MAX_KV_SPLITS equal splits
-    # where the tile of group x Dv fills at least DEEP_TILE values at Dv <= 128 (what was measured: GQA 8/1
-    # and 16/2 d128, bf16 and FP8 caches; the merge a separate pass): 64 splits of one KV head leave half the
-    # SMs idle, and the chunks' two launches lost 1.04-1.3x at bs 2-8 (bench/RESULTS.md, 'Ragged batches').
-    # Class-level: the split plan's cache does not key on them.
+    # A decode of at most this many programs (requests x KV heads), any cache dtype, runs on
+    # DEEP_MAX_KV_SPLITS equal splits where the tile of group x Dv fills at least DEEP_TILE values at Dv <= 128
+    # (measured: GQA 8/1 and 16/2 d128 on bf16 and e4m3 caches; the merge a separate pass): 64 splits of one KV
+    # head leave half the SMs idle, and the chunks' two launches lost 1.04-1.4x at bs 2-8 (bench/RESULTS.md,
+    # 'Ragged batches'). Class-level: the split plan's cache does not key on them.
     SPLIT_DECODE_PROGRAMS: ClassVar[int] = 8
     DEEP_TILE: ClassVar[int] = 1024
 

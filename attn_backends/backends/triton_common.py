@@ -23,8 +23,8 @@ MAX_KV_SPLITS = 32
 # verify, trees lost above 32; bench/RESULTS.md, 'Split counts').
 WIDE_MAX_KV_SPLITS = 64
 # A split-pass decode of few programs (the backends' ``_deep``) takes this many splits, never more than
-# the pages: at one or two KV heads and bs 1-8, 256 ran 1.04-1.3x faster than the chunks and up to 2x
-# faster than 64 splits (an FP8 cache's uniform bs 8: 0.82x of 64, as slow as the chunks); 128 was up to
+# the pages: at one or two KV heads and bs 1-8, 256 ran 1.04-1.4x faster than the chunks and up to 2x
+# faster than 64 splits (an FP8 cache's uniform bs 8: 0.82x of 64); 128 was up to
 # 2.2 us faster on uniform batches, 3.2-6.3 us slower on long tails (bench/RESULTS.md, 'Ragged batches').
 DEEP_MAX_KV_SPLITS = 256
 
@@ -38,13 +38,13 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
                          split_pages: int = 1, exact_below: int = 1, deep: bool = False) -> int:
     """Split-KV count so that ``programs * splits`` is about ``per_sm`` programs per SM, rounded down to a power of
     two, at most 32 (up to 64 for a batch of few programs of at most 4 query rows, see ``WIDE_MAX_KV_SPLITS``)
-    and never more than the pages (``deep``: ``DEEP_MAX_KV_SPLITS`` so bounded). Depends only on host facts
-    fixed by the GraphKey. ``per_sm`` is each backend's
-    ``_split_rule`` (bench/RESULTS.md, 'Split counts'). ``floor``: the fewest splits, lowered (to 1 at least) to
-    keep at most ``floor_per_sm`` programs an SM where that is given. ``split_pages``: the fewest pages a split
-    spans, where the splits that leaves still give a quarter of the SMs a program (the backends'
-    ``_split_pages``). ``exact_below``: a count below it is taken as it is, not rounded down to a power of two
-    (GQA decode: 6 splits at bs 16, not 4)."""
+    and never more than the pages (``deep``: ``DEEP_MAX_KV_SPLITS`` so bounded, a power of two; the per-SM,
+    floor, width and exact arguments do not apply). Depends only on host facts fixed by the GraphKey.
+    ``per_sm`` is each backend's ``_split_rule`` (bench/RESULTS.md, 'Split counts'). ``floor``: the fewest
+    splits, lowered (to 1 at least) to keep at most ``floor_per_sm`` programs an SM where that is given.
+    ``split_pages``: the fewest pages a split spans, where the splits that leaves still give a quarter of the
+    SMs a program (the backends' ``_split_pages``). ``exact_below``: a count below it is taken as it is, not
+    rounded down to a power of two (GQA decode: 6 splits at bs 16, not 4)."""
     if device.type != "cuda":
         return 2  # the interpreter: exercise the merge pass at small cost
     if deep:

@@ -1,5 +1,6 @@
 """GQA decode's launch parameters at the kernel level, split schedule: split count (the backend's
-``S`` for 6 programs an SM, 1.5x and 2x) x KV tile x pipeline stages x warps, one cache dtype, CUDA
+``S`` for 6 programs an SM, 1.5x and 2x; the 28/4 bs 2 row's backend now takes 256 splits, its decode of
+8 programs, where ``S`` here stays the rule's 64) x KV tile x pipeline stages x warps, one cache dtype, CUDA
 graph replays. A tuning probe for 'FP8 KV' in bench/RESULTS.md; the kernels are those of the
 ``attn_backends_kernels`` that Python imports (put another tree first on PYTHONPATH to compare forms).
 

@@ -1,6 +1,7 @@
-"""``merge_splits`` alone at the shapes of few-program merges: a program's tile bound
-(``attention_core.MERGE_TILE_VALUES``) against none, with live and half-empty splits (an empty
-split's partial is not read). A tuning probe, graph replays (``triton.testing.do_bench``).
+"""``merge_splits`` alone at the shapes of few-program merges: float32 partials' column blocks from a head's
+splits x columns of ``attention_core.MERGE_TILE_VALUES`` (none: whole rows), with live and half-empty splits (an
+empty split's partial is not read). A tuning probe, graph replays (``triton.testing.do_bench``). (Before 3bbdd38
+the knob was a tile bound, columns cut until splits x columns fit it: bench/RESULTS.md's table was taken so.)
 
     python bench/probes/merge_splits.py [--shapes 1x8x256x128:f32,1x16x64x512:bf16] [--tiles none,8192,4096]
 """
@@ -30,7 +31,7 @@ def graph_us(fn) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES, help="T x H x S x Dv : partials' dtype (f32, bf16), comma-separated")
-    p.add_argument("--tiles", default="none,8192,4096,2048", help="MERGE_TILE_VALUES to try (none: no bound)")
+    p.add_argument("--tiles", default="none,8192,4096,2048", help="MERGE_TILE_VALUES to try (none: no column cut)")
     p.add_argument("--empty", default="0,0.5", help="fractions of empty splits (the last ones, as a short request's)")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)

@@ -8,7 +8,7 @@ tensor cores) on the same pages, and beside a uniform batch of the same total KV
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench``: L2 cleared before each run), bf16,
 page 16, shuffled pages. ``S``: the split count the ``triton`` backend takes for the row's
-(bs, W) at the cap of 64 (``WIDE_MAX_KV_SPLITS``; its decode of at most 4 programs goes to 256,
+(bs, W) at the cap of 64 (``WIDE_MAX_KV_SPLITS``; its decode of at most 8 programs goes to 256,
 ``DEEP_MAX_KV_SPLITS``: ``--split-mults 2,4``); chunk budgets are ``bs * S * m`` for ``m`` in
 ``--mults``; ``--merges``: a request's chunks merged by its last chunk program ("last") or by a
 second launch ("pass", shown as such). ``x`` = FlashInfer's best / ours.
@@ -143,7 +143,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
     return to_cache(kb, kv_dtype, scales[0]), to_cache(vb, kv_dtype, scales[1]), scales
 
 
-def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(32,), merges=("last",),
+def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(None,), merges=("last",),
         kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
         pass_forms=(None,), split_mults=(1,), merge_tiles=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
@@ -168,7 +168,7 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     for hf in (o for o in orders if o is not None):
         out, fn = ours(pg, q, kb, vb, S, "split", scales=sc, heads_first=hf)
         res[f"split {ORDER[hf]}"] = graph_us(fn)
-    for bn in (b for b in block_ns if b != 32):
+    for bn in (b for b in block_ns if b is not None):     # the split's tile (None: the kernel's own, above)
         out, fn = ours(pg, q, kb, vb, S, "split", bn, scales=sc)
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
@@ -176,9 +176,9 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     for m, bn, mg, hf, nr, mt, pf in ((m, bn, mg, hf, nr, mt, pf) for m in mults for bn in block_ns for mg in merges
                                       for hf in orders for nr in maxnregs for mt in min_tokens for pf in pass_forms):
         out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
-        name = (f"chunks x{m} n{bn}" + ("" if mg == "last" else " pass") + ("" if hf is None else f" {ORDER[hf]}")
-                + ("" if nr is None else f" r{nr}") + ("" if mt is None else f" min{mt}")
-                + ("" if pf is None else f" c{pf}"))
+        name = (f"chunks x{m}" + ("" if bn is None else f" n{bn}") + ("" if mg == "last" else " pass")
+                + ("" if hf is None else f" {ORDER[hf]}") + ("" if nr is None else f" r{nr}")
+                + ("" if mt is None else f" min{mt}") + ("" if pf is None else f" c{pf}"))
         with knobs(mt, pf):
             res[name] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
@@ -212,7 +212,8 @@ def main(argv=None):
     p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
     p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
     p.add_argument("--mults", default="1,2,4")
-    p.add_argument("--block-ns", default="32", help="the chunk passes' KV tile sizes to try")
+    p.add_argument("--block-ns", default="none",
+                   help="KV tile sizes to try: none (the kernel's own: 64 on FP8, 32 or 64 by head dim), 32, 64")
     p.add_argument("--merges", default="last,pass", help="the chunk merges to try (last, pass)")
     p.add_argument("--kv-dtypes", default="bf16", help="KV cache dtypes (bf16, fp8: float8_e4m3fn)")
     p.add_argument("--orders", default="auto", help="grid orders to try: auto (the kernel's rule), heads, batch")
@@ -224,7 +225,7 @@ def main(argv=None):
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), e.g. 16,64p")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
-                   help="the split merge's tile bounds (MERGE_TILE_VALUES): none (as it is), 0 (no bound), 8192, ...")
+                   help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi = fi_ws = None
@@ -248,7 +249,8 @@ def main(argv=None):
         for dist in args.dists.split(","):
             firsts = []
             for kv_dtype in kv_dtypes:
-                r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, [int(b) for b in args.block_ns.split(",")],
+                tiles = [None if b == "none" else int(b) for b in args.block_ns.split(",")]
+                r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, tiles,
                         args.merges.split(","), kv_dtype,
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
                         [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,

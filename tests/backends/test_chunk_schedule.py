@@ -98,10 +98,10 @@ def test_few_programs_decode_takes_the_split_pass(monkeypatch, invariant):
     monkeypatch.setattr(triton_backend, "decode_attention_fwd", lambda *a, **kw: seen.append(kw["schedule"])
                         or real(*a, **kw))
     cfg = _gqa_config()
-    mem = make_memory(cfg, num_pages=10000 // 16 + 64, max_reqs=10, max_context_len=3072, page_order="shuffled",
+    mem = make_memory(cfg, num_pages=11000 // 16 + 64, max_reqs=10, max_context_len=3072, page_order="shuffled",
                       seed=2, device=DEVICE)
     be = TritonBackend(cfg, mem, batch_invariant=invariant)
-    for lens in ([2000], [2000, 17, 900], [2000, 17, 900, 300, 1200]):
+    for lens in ([2000], [2000, 17, 900, 300], [2000, 17, 900, 300, 1200]):     # 2, 8 and 10 programs
         m = materialize(Scenario(ForwardMode.DECODE, len(lens), lens), mem, be.get_cuda_graph_seq_len_fill_value())
         q = torch.randn(len(lens), cfg.num_q_heads, cfg.qk_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
         be.init_forward_metadata(m.batch)

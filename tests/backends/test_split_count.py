@@ -1,7 +1,7 @@
 """The split-KV count of the triton backends (``triton_common.choose_num_kv_splits``): about
 ``per_sm`` programs per SM, a power of two (but a count below ``exact_below``: GQA decode), never
 more than the pages, at most 32 splits, and 64 for a batch of few programs with at most 4 query
-rows (256 for a GQA decode of at most 4 programs). Host logic: the SM count is patched and the CUDA
+rows (256, ``deep``, for a GQA decode of at most 8 programs). Host logic: the SM count is patched and the CUDA
 device is only a ``torch.device`` object, so this runs without a GPU."""
 from types import SimpleNamespace
 
@@ -110,6 +110,7 @@ def test_wide_and_deep_counts(h200, programs, want):
     assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1) == want
     assert tc.choose_num_kv_splits(programs, CUDA0, 4096, 6, 1, deep=True) == tc.DEEP_MAX_KV_SPLITS
     assert tc.choose_num_kv_splits(programs, CUDA0, 200, 6, 1, deep=True) == 128
+    assert [tc.choose_num_kv_splits(programs, CUDA0, n, 6, 1, deep=True) for n in (0, 1, 3)] == [1, 1, 2]
 
 
 def _gqa8_1(monkeypatch, head_dim=128, kv_dtype=None, invariant=False):

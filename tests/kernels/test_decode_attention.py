@@ -44,13 +44,30 @@ def test_decode_cpu(page_size, seq_lens, splits, H, Hkv):
     assert_close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("bs,per_sm,want", [(24, 5.8, 64), (48, 11.6, None), (64, 15.5, 64), (128, 31.0, 64),
+@pytest.mark.parametrize("bs,per_sm,want", [(24, 5.8, 64), (24, 8.0, 64), (48, 11.6, None), (33, 12.0, None),
+                                            (64, 14.5, 64), (64, 15.5, 64), (96, 17.0, None), (128, 31.0, 64),
                                             (32, None, 64), (16, 5.8, None)])
 def test_chunk_register_bound_where_it_saves_a_wave(bs, per_sm, want):
-    """The chunk pass's 64 registers (8 programs an SM) where the budget fits one wave of them or would take
-    three of the compiler's 6-7: GQA 32/8 d128 at bs 48 (two waves either way) keeps the compiler's count;
-    16 requests or fewer keep it anyway (64 spills there)."""
+    """The chunk pass's 64 registers (8 programs an SM) where the budget fits one wave of them or takes a wave
+    fewer than at the compiler's 7: GQA 32/8 d128 at bs 48 (11.6 an SM, two waves either way) keeps the
+    compiler's count; 16 requests or fewer keep it anyway (64 spills there)."""
     assert chunk_maxnreg(torch.bfloat16, 128, 32, bs, 4, per_sm) == want
+
+
+@pytest.mark.parametrize("schedule", ["chunks", "invariant"])
+def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule):
+    """``decode_attention_fwd`` hands the rule its budget's programs an SM (bs x KV heads x chunks a request over
+    the SMs: OFFLINE_SMS for tensors on no GPU) on the chunk schedule, and None on the invariant one."""
+    import attn_backends_kernels.decode_attention as mod
+    seen = []
+    real = mod.chunk_maxnreg
+    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: seen.append(a[-1]) or real(*a))
+    page_table, lens, num_pages = make_paged_batch([40, 9, 70], 16, device="cpu", seed=0)
+    q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)
+    kv = torch.randn(num_pages * 16, 2, 16)
+    ws = chunk_workspace(3, slots_per_request(schedule, 5, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
+    decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 5, out, ws, schedule=schedule, merge="pass")
+    assert seen == [3 * 2 * 5 / mod.OFFLINE_SMS if schedule == "chunks" else None]
 
 
 def test_decode_rejects_bad_inputs():
