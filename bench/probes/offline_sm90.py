@@ -245,6 +245,23 @@ def gqa_chunk_configs() -> dict:
             "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}
 
 
+def deep_configs() -> dict:
+    """``{label: thunk}``: the few-program GQA decode on 256 splits (``DEEP_MAX_KV_SPLITS``, 8/1 d128, bf16 and
+    e4m3 caches): the split pass and the separate merge of 256 float32 partials a row (``merge_splits``)."""
+    import torch
+
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+
+    def call(kv):
+        bs, n, dt = 2, 4096, torch.bfloat16
+        q, out = torch.zeros(bs, 8, 128, dtype=dt), torch.zeros(bs, 8, 128, dtype=dt)
+        k, v = torch.zeros(bs * n + 16, 1, 128, dtype=kv), torch.zeros(bs * n + 16, 1, 128, dtype=kv)
+        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), n, dtype=torch.int32)
+        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 256, out)
+    return {"deep 8/1 d128": call(torch.bfloat16), "deep 8/1 d128 fp8": call(torch.float8_e4m3fn)}
+
+
 def one_pass_configs() -> dict:
     """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
     default) at 16 and 64 chunks a load, on GQA's tiles and MLA's fat ones (several heads a program)."""
@@ -269,7 +286,8 @@ def one_pass_configs() -> dict:
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    for label, thunk in {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs()}.items():
+    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs(), **deep_configs()}
+    for label, thunk in configs.items():
         if labels and label not in labels:
             continue
         with offline() as launches:

@@ -178,3 +178,14 @@ def test_chunk_schedule_runs_the_gluon_kernels(compiled, label, kernel, max_stac
     assert launches[0]["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {launches[0]}"
     if f"balanced triton {label[9:]}" in compiled:
         assert compiled[f"balanced triton {label[9:]}"][0]["kernel"] == "_mla_chunk_kernel"
+
+
+@pytest.mark.parametrize("label", ["deep 8/1 d128", "deep 8/1 d128 fp8"])
+def test_the_deep_decode_and_its_merge_spill_nothing(compiled, label):
+    """A decode of few programs on 256 splits: the split pass and the separate merge of 256 float32 partials a
+    row, whose 128 columns come in 32-column blocks (``MERGE_TILE_VALUES``; whole rows took 255 registers and
+    spilled 88 bytes on sm_90)."""
+    kernels = [r["kernel"] for r in compiled[label]]
+    assert kernels == ["_decode_split_kernel", "_merge_splits_kernel"], compiled[label]
+    assert all(r["stack"] == 0 for r in compiled[label]), compiled[label]
+    assert compiled[label][1]["grid"] == [2, 8, 4], compiled[label][1]
