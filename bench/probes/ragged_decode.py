@@ -207,6 +207,23 @@ def copy_tb_s() -> float:
     return 2 * src.numel() / ms / 1e9
 
 
+def opts(text: str, cast=int) -> list:
+    """A comma-separated option's values, "none" as None."""
+    return [None if t == "none" else cast(t) for t in text.split(",")]
+
+
+def load_flashinfer(skip: bool) -> tuple:
+    """(flashinfer, its 256 MiB workspace), or (None, None) where skipped or not importable: ours alone."""
+    try:
+        if skip:
+            raise ImportError("--no-flashinfer")
+        import flashinfer as fi
+        return fi, torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    except Exception as e:
+        print(f"flashinfer not importable: {e}")
+        return None, None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
@@ -228,15 +245,7 @@ def main(argv=None):
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
-    fi = fi_ws = None
-    try:
-        if args.no_flashinfer:
-            raise ImportError("--no-flashinfer")
-        import flashinfer as fi
-        fi_ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    except Exception as e:      # ours alone
-        print(f"flashinfer not importable: {e}")
-        fi, fi_ws = None, None
+    fi, fi_ws = load_flashinfer(args.no_flashinfer)
     mults = [int(m) for m in args.mults.split(",")]
     kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[d] for d in args.kv_dtypes.split(",")]
     copy = copy_tb_s()
@@ -249,15 +258,10 @@ def main(argv=None):
         for dist in args.dists.split(","):
             firsts = []
             for kv_dtype in kv_dtypes:
-                tiles = [None if b == "none" else int(b) for b in args.block_ns.split(",")]
-                r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, tiles,
-                        args.merges.split(","), kv_dtype,
+                r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, opts(args.block_ns), args.merges.split(","), kv_dtype,
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
-                        [None if r == "none" else int(r) for r in args.maxnregs.split(",")], args.kv,
-                        [None if m == "none" else int(m) for m in args.min_chunk_tokens.split(",")],
-                        [None if f == "none" else f for f in args.pass_forms.split(",")],
-                        [int(m) for m in args.split_mults.split(",")],
-                        [None if t == "none" else int(t) for t in args.merge_tiles.split(",")])
+                        opts(args.maxnregs), args.kv, opts(args.min_chunk_tokens), opts(args.pass_forms, str),
+                        opts(args.split_mults), opts(args.merge_tiles))
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))
