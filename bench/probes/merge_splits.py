@@ -11,21 +11,13 @@ import argparse
 
 import torch
 import triton
+from ragged_decode import graph_us  # this folder's: a CUDA graph's replay, median us
 
 import attn_backends_kernels.attention_core as core
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = ("1x8x256x128:f32,2x8x256x128:f32,3x8x128x128:f32,4x8x128x128:f32,1x32x64x128:f32,"
           "1x16x64x512:f32,1x16x64x512:bf16,2x16x64x512:f32,1x128x32x512:f32")
-
-
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3
 
 
 def main(argv=None):
