@@ -308,7 +308,6 @@ def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, w
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -102,8 +102,9 @@ def graph_us(fn) -> float:
 
 
 def ours(pg, q, kb, vb, S: int, schedule: str, block_n=None, merge: str = "last", scales=(1.0, 1.0),
-         heads_first=None, maxnreg=None):
+         heads_first=None, maxnreg=None, launch=None, fit=False):
     bs, H, D = q.shape
+    stages, warps = (2, 4) if launch is None else map(int, launch[1:].split("w"))   # "s3w8": stages 3, warps 8
     out = torch.empty_like(q)
     per_request = slots_per_request(schedule, S, pg["table"].shape[1] * PAGE)
     ws = (chunk_workspace(bs, per_request, 1, H, kb.shape[1], D, "cuda") if schedule != "split"
@@ -112,7 +113,8 @@ def ours(pg, q, kb, vb, S: int, schedule: str, block_n=None, merge: str = "last"
                                              schedule=schedule, block_n=block_n,
                                              merge=merge if schedule != "split" else "last",
                                              k_scale=scales[0], v_scale=scales[1], heads_first=heads_first,
-                                             **({} if schedule == "split" else dict(maxnreg=maxnreg)))
+                                             num_stages=stages, num_warps=warps,
+                                             **({} if schedule == "split" else dict(maxnreg=maxnreg, fit=fit)))
 
 
 def flashinfer_calls(pg, q, kb, vb, fi, ws, scales=(1.0, 1.0)):
@@ -145,7 +147,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(None,), merges=("last",),
         kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
-        pass_forms=(None,), split_mults=(1,), merge_tiles=(None,)) -> dict:
+        pass_forms=(None,), split_mults=(1,), merge_tiles=(None,), launches=(None,), fits=(0,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
@@ -173,16 +175,19 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    for m, bn, mg, hf, nr, mt, pf in ((m, bn, mg, hf, nr, mt, pf) for m in mults for bn in block_ns for mg in merges
-                                      for hf in orders for nr in maxnregs for mt in min_tokens for pf in pass_forms):
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr)
+    for m, bn, mg, hf, nr, mt, pf, la, ft in ((m, bn, mg, hf, nr, mt, pf, la, ft) for m in mults for bn in block_ns
+                                              for mg in merges for hf in orders for nr in maxnregs for mt in min_tokens
+                                              for pf in pass_forms for la in launches for ft in fits):
+        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr, la, bool(ft))
         name = (f"chunks x{m}" + ("" if bn is None else f" n{bn}") + ("" if mg == "last" else " pass")
                 + ("" if hf is None else f" {ORDER[hf]}") + ("" if nr is None else f" r{nr}")
-                + ("" if mt is None else f" min{mt}") + ("" if pf is None else f" c{pf}"))
+                + ("" if mt is None else f" min{mt}") + ("" if pf is None else f" c{pf}") + (f" {la}" if la else "")
+                + (" fit" if ft else ""))
         with knobs(mt, pf):
             res[name] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
-        best = min(best or (t, m, bn, mg, hf, nr, mt, pf), (t, m, bn, mg, hf, nr, mt, pf), key=lambda b: b[0])
+        cand = (t, m, bn, mg, hf, nr, mt, pf, la, bool(ft))
+        best = min(best or cand, cand, key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
     if fi is not None:
@@ -195,7 +200,7 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
     with knobs(best[6], best[7]):
         res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
-                                                   best[4], best[5])[1])
+                                                   best[4], best[5], best[8], best[9])[1])
     return res
 
 
@@ -243,6 +248,9 @@ def main(argv=None):
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
+    p.add_argument("--launches", default="none",
+                   help="the chunk pass's stages and warps to try: none (2 and 4), s3w4, s2w8, ...")
+    p.add_argument("--fits", default="0", help="the chunk budget's wave fit (chunk_kernels._balanced_per) to try: 0, 1")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi, fi_ws = load_flashinfer(args.no_flashinfer)
@@ -261,7 +269,8 @@ def main(argv=None):
                 r = row(H, Hkv, D, bs, dist, mults, fi, fi_ws, opts(args.block_ns), args.merges.split(","), kv_dtype,
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
                         opts(args.maxnregs), args.kv, opts(args.min_chunk_tokens), opts(args.pass_forms, str),
-                        opts(args.split_mults), opts(args.merge_tiles))
+                        opts(args.split_mults), opts(args.merge_tiles), opts(args.launches, str),
+                        opts(args.fits))
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))
