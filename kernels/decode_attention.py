@@ -46,10 +46,14 @@ from .schedule import check_schedule, chunk_launch
 # (a GQA group of <= 16) and the batch has more than CHUNK_MAXNREG_BS requests: 8 programs an SM as the
 # split pass's, against 6-7 at the compiler's 72-80. Larger tiles, groups of 32, FP8 caches and (at d128)
 # batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
-# compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where the budget's programs fit one wave
-# of 8 an SM (at most CHUNK_MAXNREG_WAVE: a ragged batch's whole chunks overrun the budget past the
-# compiler's count) or take a wave fewer at 8 than at the compiler's CHUNK_COMPILER_PER_SM: where both take as
-# many the bound only slows each program (32/8 d128 bs 48, 11.6 an SM: 879 us bounded, 767 not).
+# compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where the budget's programs take a wave
+# fewer at 8 an SM than at the compiler's CHUNK_COMPILER_PER_SM (7 < budget <= 8, 15.5, 31 an SM): where both
+# take as many the bound only slows each program (32/8 d128 bs 48, 11.6 an SM: 879 us bounded, 767 not).
+# A budget of at most the compiler's count is one wave of it where the chunks stay within the budget: there
+# the compiler's registers, and the wave fit (``chunk_kernels._balanced_per``) where the compiled pass holds
+# fewer than the budget's programs an SM plus one (``chunk_resident``; GQA 32/8 and 28/4 d128: 6 an SM), so
+# that a ragged batch's whole chunks do not overrun one wave; where it holds more (8/1 d128, 32/8 d64: 7) the
+# fit's longer chunks only cost balance (measured at 5.8 an SM: bench/RESULTS.md, 'Ragged batches').
 CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
@@ -64,16 +68,36 @@ OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the t
 DECODE_MIN_CHUNK_TOKENS = 64
 
 
+def _chunk_bound_fits(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int) -> bool:
+    return (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
+            and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
+
+
 def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
                   per_sm: Optional[float] = None):
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
     whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), or None:
     the compiler's."""
-    waves = (per_sm is None or per_sm <= CHUNK_MAXNREG_WAVE
+    waves = (per_sm is None
              or math.ceil(per_sm / CHUNK_MAXNREG_WAVE) < math.ceil(per_sm / CHUNK_COMPILER_PER_SM))
-    bounded = (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
-               and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS and waves)
-    return CHUNK_MAXNREG if bounded else None
+    return CHUNK_MAXNREG if waves and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group) else None
+
+
+def chunk_resident(head_dim: int, group: int) -> int:
+    """Programs an SM the chunk pass holds at the compiler's registers on sm_90, on the tiles the register bound
+    serves: 79-80 registers (6) at d128 for GQA groups 2-7, 64-72 (7 or more) elsewhere (groups 1, 8 and 16, d64;
+    triton 3.6's compile, checked against it by tests/kernels/test_offline_sm90.py)."""
+    return 6 if head_dim > 64 and 2 <= group <= 7 else 7
+
+
+def chunk_fit(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
+              per_sm: Optional[float] = None) -> bool:
+    """Whether the chunk pass of :func:`chunk_maxnreg`'s arguments asks for the wave fit: a budget of one
+    wave at the compiler's registers, where the bound would otherwise have held 8 an SM, and whose overrun (a
+    program an SM) the compiled pass has no room for (:func:`chunk_resident`)."""
+    return (per_sm is not None and per_sm <= CHUNK_COMPILER_PER_SM
+            and chunk_resident(head_dim, group) < per_sm + 1
+            and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group))
 
 
 @triton.jit
@@ -205,7 +229,7 @@ def _decode_chunk_kernel(
 def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_size, sm_scale,
                          num_kv_splits, out, workspace=None, block_n=None, num_warps=4,
                          num_stages=2, heads_first=None, schedule="split", merge="last", k_scale=1.0,
-                         v_scale=1.0, window=None, softcap=None, sinks=None, maxnreg=...):
+                         v_scale=1.0, window=None, softcap=None, sinks=None, maxnreg=..., fit=...):
     """Paged GQA decode attention, written into ``out``.
 
     Parameters
@@ -235,6 +259,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         denominator (``AttentionLayer``'s; None: off)
     maxnreg : the chunk pass's register bound a thread (None: the compiler's; default: ``chunk_maxnreg``,
         read at the call)
+    fit : the chunk schedule's wave fit (``chunk_kernels._balanced_per``; default: ``chunk_fit``)
     """
     bs, H, D = q.shape
     Hkv, Dv = k_buffer.shape[1], v_buffer.shape[2]
@@ -260,12 +285,14 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if block_n is None:   # 64-token tiles for FP8 caches, and head dims <= 64 in the chunk passes
         block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
     if schedule != "split":
-        if maxnreg is ...:
+        if maxnreg is ... or fit is ...:
             sms = device_sms(q.device) or OFFLINE_SMS
             per_sm = bs * Hkv * num_kv_splits / sms if schedule == "chunks" else None
-            maxnreg = chunk_maxnreg(k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv, per_sm)
+            rule = (k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv, per_sm)
+            maxnreg = chunk_maxnreg(*rule) if maxnreg is ... else maxnreg
+            fit = chunk_fit(*rule) if fit is ... else fit
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
-                          schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS)
+                          schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit)
         part, lse = cl.part, cl.lse
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,

@@ -221,8 +221,8 @@ def gqa_configs() -> dict:
 
 def gqa_chunk_configs() -> dict:
     """``{label: thunk}``: GQA decode under the chunk schedule at the backend's defaults (tile, register
-    bound: ``decode_attention.chunk_maxnreg``), bf16 pages of 16 but where named: what the bound's rule
-    must keep free of spills."""
+    bound: ``decode_attention.chunk_maxnreg``), bf16 pages of 16 but where named, at a budget of about 15.5
+    programs an SM (the bound's band): what the bound's rule must keep free of spills."""
     import torch
 
     from attn_backends_kernels.decode_attention import decode_attention_fwd
@@ -234,8 +234,9 @@ def gqa_chunk_configs() -> dict:
         k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=kv), torch.zeros(bs * n + 16, Hkv, D, dtype=kv)
         pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
         lens = torch.full((bs,), n, dtype=torch.int32)
-        ws = chunk_workspace(bs, slots_per_request("chunks", 4, n), 1, H, Hkv, D, "cpu")
-        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 4, out, ws, schedule="chunks",
+        splits = round(15.5 * 132 / (bs * Hkv))          # decode_attention.OFFLINE_SMS: the tensors are on no GPU
+        ws = chunk_workspace(bs, slots_per_request("chunks", splits, n), 1, H, Hkv, D, "cpu")
+        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, splits, out, ws, schedule="chunks",
                                             merge="pass", **feats)
     feats = dict(window=100, softcap=30.0, sinks=torch.zeros(32))
     return {"chunks 32/8 d128": call(32, 8, 128), "chunks 32/8 d128 bs16": call(32, 8, 128, bs=16),
@@ -243,6 +244,27 @@ def gqa_chunk_configs() -> dict:
             "chunks 28/4 d128": call(28, 4, 128), "chunks 8/1 d128": call(8, 1, 128),
             "chunks 64/8 d128": call(64, 8, 128), "chunks 32/8 d128 features": call(32, 8, 128, **feats),
             "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}
+
+
+def resident_configs() -> dict:
+    """``{label: thunk}``: the chunk pass at the compiler's registers (no bound, no fit), bf16, 24 requests: the
+    programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit."""
+    import torch
+
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+    from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+    def call(H, Hkv, D, bs=24, n=256, dt=torch.bfloat16):
+        q, out = torch.zeros(bs, H, D, dtype=dt), torch.zeros(bs, H, D, dtype=dt)
+        k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=dt), torch.zeros(bs * n + 16, Hkv, D, dtype=dt)
+        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), n, dtype=torch.int32)
+        ws = chunk_workspace(bs, slots_per_request("chunks", 4, n), 1, H, Hkv, D, "cpu")
+        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 4, out, ws, schedule="chunks", merge="pass",
+                                            maxnreg=None, fit=False)
+    return {f"resident {H}/{Hkv} d{D}": call(H, Hkv, D) for H, Hkv, D in
+            ((32, 8, 128), (28, 4, 128), (12, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128), (32, 8, 64),
+                                      (32, 32, 128), (16, 8, 128))}
 
 
 def deep_configs() -> dict:
@@ -286,7 +308,8 @@ def one_pass_configs() -> dict:
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs(), **deep_configs()}
+    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs(), **deep_configs(),
+               **resident_configs()}
     for label, thunk in configs.items():
         if labels and label not in labels:
             continue

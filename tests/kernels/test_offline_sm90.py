@@ -146,6 +146,22 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
     assert (chunk[0]["regs"] <= 64) == bounded, chunk[0]
 
 
+@pytest.mark.parametrize("label", ["resident 32/8 d128", "resident 28/4 d128", "resident 12/4 d128",
+                                   "resident 24/4 d128", "resident 8/1 d128", "resident 64/8 d128",
+                                   "resident 32/8 d64", "resident 32/32 d128", "resident 16/8 d128"])
+def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label):
+    """``chunk_resident``: the programs an SM the chunk pass holds at the compiler's registers on sm_90 (65,536
+    registers an SM, a warp's in units of 256, 4 warps), 6 where it says 6 and at least 7 where it says 7."""
+    from attn_backends_kernels.decode_attention import chunk_resident
+    chunk = [r for r in compiled[label] if r["kernel"] == "_decode_chunk_kernel"]
+    assert len(chunk) == 1 and chunk[0]["stack"] == 0, compiled[label]
+    heads, dim = label.split()[1:]
+    H, Hkv = map(int, heads.split("/"))
+    held = 65536 // (-(-chunk[0]["regs"] * 32 // 256) * 256 * 4)
+    said = chunk_resident(int(dim[1:]), H // Hkv)
+    assert held == said if said == 6 else held >= said, (chunk[0]["regs"], held, said)
+
+
 @pytest.mark.parametrize("label", ["one pass c16 8/1 d128", "one pass c64 8/1 d128", "one pass c64 32/8 d64",
                                    "one pass mla128 decode"])
 def test_the_one_pass_merge_compiles_without_spills(compiled, label):
