@@ -44,22 +44,23 @@ from .schedule import check_schedule, chunk_launch
 # Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
 # CHUNK_MAXNREG_ELEMS elements a head row (d128 x 32 tokens, d64 x 64), the query tile at most 16 heads
 # (a GQA group of <= 16) and the batch has more than CHUNK_MAXNREG_BS requests: 8 programs an SM as the
-# split pass's, against 6-7 at the compiler's 72-80. Larger tiles, groups of 32, FP8 caches and (at d128)
-# batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
+# split pass's, against the compiler's 6-7 (``chunk_resident``). Larger tiles, groups of 32, FP8 caches and (at
+# d128) batches of up to 16 spill at 64 on sm_90, and a small batch's grid fits the SMs anyway: those keep the
 # compiler's count (bench/RESULTS.md, 'Ragged batches'). And only where the budget's programs take a wave
-# fewer at 8 an SM than at the compiler's CHUNK_COMPILER_PER_SM (7 < budget <= 8, 15.5, 31 an SM): where both
-# take as many the bound only slows each program (32/8 d128 bs 48, 11.6 an SM: 879 us bounded, 767 not).
+# fewer at 8 an SM than at the compiler's count (e.g. 6 < budget <= 8, 15.5, 31 an SM at 6): where both take as
+# many the bound only slows each program (32/8 d128 bs 48, 11.6 an SM: 879 us bounded, 767 not).
 # A budget of at most the compiler's count is one wave of it where the chunks stay within the budget: there
 # the compiler's registers, and the wave fit (``chunk_kernels._balanced_per``) where the compiled pass holds
-# fewer than the budget's programs an SM plus one (``chunk_resident``; GQA 32/8 and 28/4 d128: 6 an SM), so
-# that a ragged batch's whole chunks do not overrun one wave; where it holds more (8/1 d128, 32/8 d64: 7) the
-# fit's longer chunks only cost balance (measured at 5.8 an SM: bench/RESULTS.md, 'Ragged batches').
+# fewer than the budget's programs an SM plus one (GQA 32/8 and 28/4 d128: 6 an SM), so that a ragged batch's
+# whole chunks do not overrun one wave; where it holds more (8/1 d128, 32/8 d64: 7) the fit's longer chunks only
+# cost balance (measured at 5.3-5.8 an SM: bench/RESULTS.md, 'Ragged batches'). Whole chunks overrun a budget by
+# up to bs chunks a KV head (budget / splits a request programs an SM); "one an SM" is the measured rows' margin.
+# The rules read the wrapper's default launch (4 warps, 2 stages): another keeps the compiler's registers, no fit.
 CHUNK_MAXNREG = 64
 CHUNK_MAXNREG_ELEMS = 128 * 32
 CHUNK_MAXNREG_BS = 16
 CHUNK_MAXNREG_HEADS = 16
 CHUNK_MAXNREG_WAVE = 8
-CHUNK_COMPILER_PER_SM = 7
 OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the tensors are on no GPU (offline compiles)
 # A decode chunk's fewest KV tokens (the schedule's MIN_CHUNK_TOKENS is the other modes', whose chunks
 # re-read W query rows): one row a chunk re-reads costs little, and at 256 a batch of 2-8 requests of
@@ -73,30 +74,30 @@ def _chunk_bound_fits(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: in
             and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
 
 
+def chunk_resident(head_dim: int, group: int) -> int:
+    """Programs an SM the chunk pass holds at the compiler's registers on sm_90 (4 warps), on the tiles the register
+    bound serves: 79-80 registers (6) at d128 for GQA groups 2-7, 64-72 (7 or more) elsewhere (groups 1, 8 and 16,
+    d64; triton 3.6's compile, checked against it by tests/kernels/test_offline_sm90.py)."""
+    return 6 if head_dim > 64 and 2 <= group <= 7 else 7
+
+
 def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
                   per_sm: Optional[float] = None):
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
     whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), or None:
     the compiler's."""
-    waves = (per_sm is None
-             or math.ceil(per_sm / CHUNK_MAXNREG_WAVE) < math.ceil(per_sm / CHUNK_COMPILER_PER_SM))
+    waves = (per_sm is None or math.ceil(per_sm / CHUNK_MAXNREG_WAVE)
+             < math.ceil(per_sm / chunk_resident(head_dim, group)))
     return CHUNK_MAXNREG if waves and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group) else None
-
-
-def chunk_resident(head_dim: int, group: int) -> int:
-    """Programs an SM the chunk pass holds at the compiler's registers on sm_90, on the tiles the register bound
-    serves: 79-80 registers (6) at d128 for GQA groups 2-7, 64-72 (7 or more) elsewhere (groups 1, 8 and 16, d64;
-    triton 3.6's compile, checked against it by tests/kernels/test_offline_sm90.py)."""
-    return 6 if head_dim > 64 and 2 <= group <= 7 else 7
 
 
 def chunk_fit(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
               per_sm: Optional[float] = None) -> bool:
     """Whether the chunk pass of :func:`chunk_maxnreg`'s arguments asks for the wave fit: a budget of one
-    wave at the compiler's registers, where the bound would otherwise have held 8 an SM, and whose overrun (a
-    program an SM) the compiled pass has no room for (:func:`chunk_resident`)."""
-    return (per_sm is not None and per_sm <= CHUNK_COMPILER_PER_SM
-            and chunk_resident(head_dim, group) < per_sm + 1
+    wave at the compiler's registers (:func:`chunk_resident`), on the rows the bound serves, whose overrun (a
+    program an SM) the compiled pass has no room for."""
+    held = chunk_resident(head_dim, group)
+    return (per_sm is not None and held < per_sm + 1 and per_sm <= held
             and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group))
 
 
@@ -289,8 +290,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             sms = device_sms(q.device) or OFFLINE_SMS
             per_sm = bs * Hkv * num_kv_splits / sms if schedule == "chunks" else None
             rule = (k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv, per_sm)
-            maxnreg = chunk_maxnreg(*rule) if maxnreg is ... else maxnreg
-            fit = chunk_fit(*rule) if fit is ... else fit
+            default = (num_warps, num_stages) == (4, 2)      # the launch the rules were measured and compiled at
+            maxnreg = (chunk_maxnreg(*rule) if default else None) if maxnreg is ... else maxnreg
+            fit = (default and chunk_fit(*rule)) if fit is ... else fit
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit)
         part, lse = cl.part, cl.lse

@@ -2,7 +2,8 @@
 and q, ``bench/sweep/sweep_rows.py``), timed as the sweep times it (``sweep_timing.Clock``, L2 flushed)
 and as ``triton.testing.do_bench`` does, for the backend's captured graph and for ``decode_attention_fwd``
 called directly with the backend's graph metadata (its split count, schedule, merge, workspace) at
-register bounds none / 64 / the kernel's rule. A tuning probe for GQA decode rows.
+register bounds none / 64 / the kernel's rule (the wave fit: the kernel's rule, ``chunk_fit``, in every column).
+A tuning probe for GQA decode rows.
 
     PYTHONPATH=$PWD:bench/sweep python bench/probes/backend_vs_kernel.py --rows gqa28_4_d128_decode:64:uniform
 """
@@ -53,10 +54,11 @@ def main(argv=None):
         meta = be.forward_metadata
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         per_sm = bs * wl.kv_heads * meta.num_kv_splits / sms
-        rule = decode.chunk_maxnreg(row.mem.pool.k[0].dtype, wl.qk_dim, 32 if wl.qk_dim >= 128 else 64, bs,
-                                    wl.heads // wl.kv_heads, per_sm)
+        kv_dtype, dim = row.mem.pool.k[0].dtype, max(wl.qk_dim, wl.v_dim)
+        rule = (kv_dtype, dim, 64 if kv_dtype.itemsize == 1 or dim <= 64 else 32, bs, wl.heads // wl.kv_heads, per_sm)
         print(f"{spec}: splits {meta.num_kv_splits} chunked {be._chunked(meta.layout)} per_sm {per_sm:.1f} "
-              f"rule maxnreg {rule} page_table {tuple(meta.layout.page_table.shape)}")
+              f"rule maxnreg {decode.chunk_maxnreg(*rule)} fit {decode.chunk_fit(*rule)} "
+              f"page_table {tuple(meta.layout.page_table.shape)}")
         times = {"backend graph": g.replay}
         for nr in (..., None, 64):
             kg, kout = capture(kernel_call(be, row, nr))

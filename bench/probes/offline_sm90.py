@@ -263,8 +263,8 @@ def resident_configs() -> dict:
         return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 4, out, ws, schedule="chunks", merge="pass",
                                             maxnreg=None, fit=False)
     return {f"resident {H}/{Hkv} d{D}": call(H, Hkv, D) for H, Hkv, D in
-            ((32, 8, 128), (28, 4, 128), (12, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128), (32, 8, 64),
-                                      (32, 32, 128), (16, 8, 128))}
+            ((32, 8, 128), (28, 4, 128), (12, 4, 128), (20, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128),
+                                      (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128))}
 
 
 def deep_configs() -> dict:

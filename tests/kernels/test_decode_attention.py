@@ -6,7 +6,7 @@ from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.chunk_kernels import chunk_of
-from attn_backends_kernels.decode_attention import chunk_fit, chunk_maxnreg, decode_attention_fwd
+from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.schedule import chunk_slots, chunk_workspace, min_tiles, slots_per_request
 
 
@@ -41,53 +41,6 @@ def run_decode(seq_lens, page_size, H, Hkv, D, splits, dtype, device, pad_rows=1
 ])
 def test_decode_cpu(page_size, seq_lens, splits, H, Hkv):
     out, ref = run_decode(seq_lens, page_size, H, Hkv, 16, splits, torch.float32, "cpu")
-    assert_close(out, ref, 1e-5)
-
-
-@pytest.mark.parametrize("bs,per_sm,want", [(24, 5.8, None), (24, 7.0, None), (24, 7.2, 64), (24, 8.0, 64),
-                                            (48, 11.6, None), (33, 12.0, None), (64, 14.5, 64), (64, 15.5, 64),
-                                            (96, 17.0, None), (128, 31.0, 64), (32, None, 64), (16, 15.5, None)])
-def test_chunk_register_bound_where_it_saves_a_wave(bs, per_sm, want):
-    """The chunk pass's 64 registers (8 programs an SM) where the budget takes a wave fewer of them than of the
-    compiler's 7: GQA 32/8 d128 at bs 48 (11.6 an SM, two waves either way) and budgets of one wave at 7 (5.8:
-    the wave fit's instead) keep the compiler's count; 16 requests or fewer keep it anyway (64 spills there)."""
-    assert chunk_maxnreg(torch.bfloat16, 128, 32, bs, 4, per_sm) == want
-
-
-@pytest.mark.parametrize("kv,bs,group,per_sm,want", [
-    (torch.bfloat16, 24, 4, 5.8, True), (torch.bfloat16, 24, 7, 7.0, True), (torch.bfloat16, 24, 4, 7.2, False),
-    (torch.bfloat16, 48, 4, 11.6, False), (torch.bfloat16, 32, 4, None, False), (torch.bfloat16, 16, 4, 5.8, False),
-    (torch.float8_e4m3fn, 24, 4, 5.8, False),
-    (torch.bfloat16, 48, 8, 5.8, False),      # GQA 8/1: 7 an SM at the compiler's registers, room for the overrun
-    (torch.bfloat16, 24, 4, 4.5, False),      # 6 an SM hold 4.5 and the overrun
-])
-def test_chunk_wave_fit_where_the_budget_is_one_wave(kv, bs, group, per_sm, want):
-    """The wave fit where the budget is at most the compiler's 7 programs an SM and the compiled pass holds fewer
-    than the budget's plus one (``chunk_resident``: 6 for d128 groups 2-7), on the rows the register bound serves
-    (16-bit caches, more than 16 requests); the invariant schedule (None) has no fit."""
-    assert chunk_fit(kv, 128, 32, bs, group, per_sm) is want
-
-
-@pytest.mark.parametrize("schedule,fits", [("chunks", True), ("chunks", False), ("invariant", False)])
-def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
-    """``decode_attention_fwd`` hands the rules its budget's programs an SM (bs x KV heads x chunks a request over
-    the SMs: OFFLINE_SMS for tensors on no GPU) on the chunk schedule, and None on the invariant one; the chunk
-    launch takes ``chunk_fit``'s answer (a GPU's: patched), and the fitted schedule matches the reference."""
-    import attn_backends_kernels.decode_attention as mod
-    seen, launched = [], []
-    real, real_launch = mod.chunk_maxnreg, mod.chunk_launch
-    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: seen.append(a[-1]) or real(*a))
-    monkeypatch.setattr(mod, "chunk_fit", lambda *a: fits)
-    monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
-    seq_lens = [3000, 9, 70]      # 8 whole chunks of 9 tiles overrun a budget of 6: the fit takes 6 of 12 tiles
-    page_table, lens, num_pages = make_paged_batch(seq_lens, 16, device="cpu", seed=0)
-    q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)
-    kv = torch.randn(num_pages * 16, 2, 16)
-    ws = chunk_workspace(3, slots_per_request(schedule, 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
-    decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out, ws, schedule=schedule, merge="pass")
-    assert seen == [3 * 2 * 2 / mod.OFFLINE_SMS if schedule == "chunks" else None]
-    assert launched == [fits]
-    ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
     assert_close(out, ref, 1e-5)
 
 
@@ -311,27 +264,6 @@ def test_decode_chunk_schedule_gpu(dtype, D, group, per_request, merge):
                                merge=merge)
     assert_close(out[:len(lens)], ref, 1e-2)
     assert not ws[2].any()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("H,Hkv,per_request,fitted", [(28, 4, 7, True), (8, 1, 28, False)])
-def test_decode_chunks_take_the_fit_where_the_pass_holds_no_overrun_gpu(monkeypatch, H, Hkv, per_request, fitted):
-    """At a budget of one wave (5.3 programs an SM on 132 SMs) the chunk pass at the compiler's registers takes the
-    wave fit (a negative budget) where ``chunk_fit`` asks (``fitted``: its answer on 132 SMs), and either schedule
-    matches the float64 reference on a long tail of 25 requests (24 and the pad row)."""
-    import attn_backends_kernels.decode_attention as mod
-    budgets = []
-    real = mod.launch
-    monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: (k is mod._decode_chunk_kernel and budgets.append(a[12]))
-                        or real(k, g, *a, **kw))
-    lens = [32768] + [256 + 97 * i for i in range(23)]
-    out, ref, ws = run_chunked(lens, 16, H, Hkv, 128, per_request, torch.bfloat16, "cuda", block_n=None,
-                               merge="pass")
-    assert_close(out[:len(lens)], ref, 1e-2)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    want = chunk_fit(torch.bfloat16, 128, 32, 25, H // Hkv, 25 * Hkv * per_request / sms)
-    assert want == fitted or sms != 132
-    assert len(budgets) == 1 and (budgets[0] < 0) == want, (budgets, want)
 
 
 @pytest.mark.cuda

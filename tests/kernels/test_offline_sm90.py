@@ -147,8 +147,9 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
 
 
 @pytest.mark.parametrize("label", ["resident 32/8 d128", "resident 28/4 d128", "resident 12/4 d128",
-                                   "resident 24/4 d128", "resident 8/1 d128", "resident 64/8 d128",
-                                   "resident 32/8 d64", "resident 32/32 d128", "resident 16/8 d128"])
+                                   "resident 20/4 d128", "resident 24/4 d128", "resident 8/1 d128",
+                                   "resident 64/8 d128", "resident 64/4 d128", "resident 32/8 d64",
+                                   "resident 28/4 d64", "resident 32/32 d128", "resident 16/8 d128"])
 def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label):
     """``chunk_resident``: the programs an SM the chunk pass holds at the compiler's registers on sm_90 (65,536
     registers an SM, a warp's in units of 256, 4 warps), 6 where it says 6 and at least 7 where it says 7."""

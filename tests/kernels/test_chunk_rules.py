@@ -1,0 +1,99 @@
+"""The decode chunk pass's launch rules (``decode_attention.chunk_maxnreg``, ``chunk_fit``, ``chunk_resident``):
+the register bound where it saves a wave, the wave fit where a one-wave budget's overrun would spill into a second."""
+import pytest
+import torch
+from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
+from test_decode_attention import run_chunked
+
+from attn_backends_kernels.decode_attention import chunk_fit, chunk_maxnreg, decode_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+
+@pytest.mark.parametrize("bs,per_sm,want", [(24, 5.8, None), (24, 6.0, None), (24, 6.5, 64), (24, 8.0, 64),
+                                            (48, 11.6, None), (33, 12.0, None), (64, 14.5, 64), (64, 15.5, 64),
+                                            (96, 17.0, None), (128, 31.0, 64), (32, None, 64), (16, 15.5, None)])
+def test_chunk_register_bound_where_it_saves_a_wave(bs, per_sm, want):
+    """The chunk pass's 64 registers (8 programs an SM) where the budget takes a wave fewer of them than of the
+    compiler's 6 (``chunk_resident``, GQA 32/8 d128): bs 48 (11.6 an SM, two waves either way) and budgets of one
+    wave at 6 (5.8: the wave fit's instead) keep the compiler's count; 16 requests or fewer keep it anyway (64
+    spills there)."""
+    assert chunk_maxnreg(torch.bfloat16, 128, 32, bs, 4, per_sm) == want
+
+
+@pytest.mark.parametrize("kv,bs,group,per_sm,want", [
+    (torch.bfloat16, 24, 4, 5.8, True), (torch.bfloat16, 24, 7, 6.0, True), (torch.bfloat16, 24, 4, 6.5, False),
+    (torch.bfloat16, 48, 4, 11.6, False), (torch.bfloat16, 32, 4, None, False), (torch.bfloat16, 16, 4, 5.8, False),
+    (torch.float8_e4m3fn, 24, 4, 5.8, False),
+    (torch.bfloat16, 48, 8, 5.8, False),      # GQA 8/1: 7 an SM at the compiler's registers, room for the overrun
+    (torch.bfloat16, 24, 4, 4.5, False),      # 6 an SM hold 4.5 and the overrun
+])
+def test_chunk_wave_fit_where_the_budget_is_one_wave(kv, bs, group, per_sm, want):
+    """The wave fit where the budget is one wave of the compiled pass (``chunk_resident``: 6 programs an SM for
+    d128 groups 2-7, else 7) and that holds fewer than the budget's plus one, on the rows the register bound
+    serves (16-bit caches, more than 16 requests); the invariant schedule (None) has no fit."""
+    assert chunk_fit(kv, 128, 32, bs, group, per_sm) is want
+
+
+@pytest.mark.parametrize("schedule,fits", [("chunks", True), ("chunks", False), ("invariant", False)])
+def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
+    """``decode_attention_fwd`` hands the rules its budget's programs an SM (bs x KV heads x chunks a request over
+    the SMs: OFFLINE_SMS for tensors on no GPU) on the chunk schedule, and None on the invariant one; the chunk
+    launch takes ``chunk_fit``'s answer (a GPU's: patched), and the fitted schedule matches the reference."""
+    import attn_backends_kernels.decode_attention as mod
+    seen, launched = [], []
+    real, real_launch = mod.chunk_maxnreg, mod.chunk_launch
+    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(mod, "chunk_fit", lambda *a: fits)
+    monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
+    seq_lens = [3000, 9, 70]      # 8 whole chunks of 9 tiles overrun a budget of 6: the fit takes 6 of 12 tiles
+    page_table, lens, num_pages = make_paged_batch(seq_lens, 16, device="cpu", seed=0)
+    q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)
+    kv = torch.randn(num_pages * 16, 2, 16)
+    ws = chunk_workspace(3, slots_per_request(schedule, 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
+    decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out, ws, schedule=schedule, merge="pass")
+    assert seen == [3 * 2 * 2 / mod.OFFLINE_SMS if schedule == "chunks" else None]
+    assert launched == [fits]
+    ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("warps,stages", [(8, 2), (4, 3)])
+def test_chunk_rules_keep_off_other_launches(monkeypatch, warps, stages):
+    """The rules read the default launch's residency (4 warps, 2 stages): another keeps the compiler's registers and
+    no fit, whatever the budget."""
+    import attn_backends_kernels.decode_attention as mod
+    launched = []
+    real_launch = mod.chunk_launch
+    monkeypatch.setattr(mod, "chunk_fit", lambda *a: True)
+    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: 64)
+    monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
+    page_table, lens, num_pages = make_paged_batch([300, 9, 70], 16, device="cpu", seed=0)
+    q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)
+    kv = torch.randn(num_pages * 16, 2, 16)
+    ws = chunk_workspace(3, slots_per_request("chunks", 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
+    decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out, ws, schedule="chunks", merge="pass",
+                         num_warps=warps, num_stages=stages)
+    assert launched == [False]
+    ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,Hkv,per_request,fitted", [(28, 4, 7, True), (8, 1, 28, False)])
+def test_decode_chunks_take_the_fit_where_the_pass_holds_no_overrun_gpu(monkeypatch, H, Hkv, per_request, fitted):
+    """At a budget of one wave (5.3 programs an SM on 132 SMs) the chunk pass at the compiler's registers takes the
+    wave fit (a negative budget) where ``chunk_fit`` asks (``fitted``: its answer on 132 SMs), and either schedule
+    matches the float64 reference on a long tail of 25 requests (24 and the pad row)."""
+    import attn_backends_kernels.decode_attention as mod
+    budgets = []
+    real = mod.launch
+    monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: (k is mod._decode_chunk_kernel and budgets.append(a[12]))
+                        or real(k, g, *a, **kw))
+    lens = [32768] + [256 + 97 * i for i in range(23)]
+    out, ref, ws = run_chunked(lens, 16, H, Hkv, 128, per_request, torch.bfloat16, "cuda", block_n=None,
+                               merge="pass")
+    assert_close(out[:len(lens)], ref, 1e-2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = chunk_fit(torch.bfloat16, 128, 32, 25, H // Hkv, 25 * Hkv * per_request / sms)
+    assert want == fitted or sms != 132
+    assert len(budgets) == 1 and (budgets[0] < 0) == want, (budgets, want)
