@@ -5,11 +5,13 @@ called directly with the backend's graph metadata (its split count, schedule, me
 register bounds none / 64 / the kernel's rule (the wave fit: the kernel's rule, ``chunk_fit``, in every column).
 A tuning probe for GQA decode rows.
 
-    PYTHONPATH=$PWD:bench/sweep python bench/probes/backend_vs_kernel.py --rows gqa28_4_d128_decode:64:uniform
+    PYTHONPATH=$PWD:bench/sweep python bench/probes/backend_vs_kernel.py --rows gqa28_4_d128_decode:64:uniform \
+        [--load-s 1]
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import triton
@@ -33,11 +35,23 @@ def kernel_call(be, row, maxnreg):
         schedule=be.schedule if chunked else "split", maxnreg=maxnreg)
 
 
+def load(fn, seconds: float) -> None:
+    """``fn`` back to back for ``seconds`` (the device drained every 100 calls)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="gqa28_4_d128_decode:32:uniform,gqa28_4_d128_decode:64:uniform",
                    help="workload:bs:dist, comma-separated (GQA decode workloads of bench/sweep/sweep_rows.py)")
     p.add_argument("--kv", type=int, default=16384, help="the uniform rows' KV length")
+    p.add_argument("--load-s", type=float, default=0.0,
+                   help="seconds of the backend graph's replays before each timing (the card under load, as in the "
+                        "sweep's rounds; 0: from where it is)")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     clock = Clock("cuda")
@@ -67,6 +81,7 @@ def main(argv=None):
             assert (kout.float() - out.float()).abs().max() < 2e-2, f"kernel maxnreg={nr} differs from the backend"
             times[f"kernel {'rule' if nr is ... else nr}"] = kg.replay
         for label, fn in times.items():
+            load(g.replay, args.load_s)
             print(f"  {label:<16} clock {clock.gpu_us(fn):8.1f}  do_bench "
                   f"{triton.testing.do_bench(fn, warmup=20, rep=200, return_mode='median') * 1e3:8.1f} us", flush=True)
 
