@@ -69,6 +69,11 @@ OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the t
 DECODE_MIN_CHUNK_TOKENS = 64
 
 
+def decode_block_n(kv_dtype: torch.dtype, head_dim: int, schedule: str) -> int:
+    """The KV tile of a decode launch: 64 tokens on FP8 caches, and at head dims <= 64 in the chunk passes; else 32."""
+    return 64 if kv_dtype in FP8_KV_DTYPES or (schedule != "split" and head_dim <= 64) else 32
+
+
 def _chunk_bound_fits(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int) -> bool:
     return (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
             and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
@@ -283,8 +288,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, triton.next_power_of_2(group))
     group_pad = triton.next_power_of_2(group)
-    if block_n is None:   # 64-token tiles for FP8 caches, and head dims <= 64 in the chunk passes
-        block_n = 64 if k_buffer.dtype in FP8_KV_DTYPES or (schedule != "split" and max(D, Dv) <= 64) else 32
+    if block_n is None:
+        block_n = decode_block_n(k_buffer.dtype, max(D, Dv), schedule)
     if schedule != "split":
         if maxnreg is ... or fit is ...:
             sms = device_sms(q.device) or OFFLINE_SMS

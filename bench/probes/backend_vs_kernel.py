@@ -69,7 +69,7 @@ def main(argv=None):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         per_sm = bs * wl.kv_heads * meta.num_kv_splits / sms
         kv_dtype, dim = row.mem.pool.k[0].dtype, max(wl.qk_dim, wl.v_dim)
-        rule = (kv_dtype, dim, 64 if kv_dtype.itemsize == 1 or dim <= 64 else 32, bs, wl.heads // wl.kv_heads, per_sm)
+        rule = (kv_dtype, dim, decode.decode_block_n(kv_dtype, dim, "chunks"), bs, wl.heads // wl.kv_heads, per_sm)
         print(f"{spec}: splits {meta.num_kv_splits} chunked {be._chunked(meta.layout)} per_sm {per_sm:.1f} "
               f"rule maxnreg {decode.chunk_maxnreg(*rule)} fit {decode.chunk_fit(*rule)} "
               f"page_table {tuple(meta.layout.page_table.shape)}")

@@ -219,25 +219,34 @@ def gqa_configs() -> dict:
             for way in ("fused", "separate")}
 
 
+def gqa_decode_call(H, Hkv, D, splits, bs=24, n=256, kv=None, schedule="chunks", **kw):
+    """A thunk of ``decode_attention_fwd`` over ``bs`` requests of ``n`` tokens in pages of 16 (zeros: nothing is
+    computed offline), bf16 q and ``kv`` cache (None: bf16), ``splits`` a request; ``kw`` to the wrapper."""
+    import torch
+
+    from attn_backends_kernels.decode_attention import decode_attention_fwd
+    from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+
+    dt, kv = torch.bfloat16, kv or torch.bfloat16
+    q, out = torch.zeros(bs, H, D, dtype=dt), torch.zeros(bs, H, D, dtype=dt)
+    k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=kv), torch.zeros(bs * n + 16, Hkv, D, dtype=kv)
+    pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
+    lens = torch.full((bs,), n, dtype=torch.int32)
+    ws = (chunk_workspace(bs, slots_per_request(schedule, splits, n), 1, H, Hkv, D, "cpu") if schedule != "split"
+          else None)
+    extra = dict(schedule=schedule, merge="pass") if schedule != "split" else {}
+    return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, splits, out, ws, **extra, **kw)
+
+
 def gqa_chunk_configs() -> dict:
     """``{label: thunk}``: GQA decode under the chunk schedule at the backend's defaults (tile, register
     bound: ``decode_attention.chunk_maxnreg``), bf16 pages of 16 but where named, at a budget of about 15.5
     programs an SM (the bound's band): what the bound's rule must keep free of spills."""
     import torch
 
-    from attn_backends_kernels.decode_attention import decode_attention_fwd
-    from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
-
-    def call(H, Hkv, D, kv=torch.bfloat16, bs=24, **feats):
-        n, dt = 256, torch.bfloat16
-        q, out = torch.zeros(bs, H, D, dtype=dt), torch.zeros(bs, H, D, dtype=dt)
-        k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=kv), torch.zeros(bs * n + 16, Hkv, D, dtype=kv)
-        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
-        lens = torch.full((bs,), n, dtype=torch.int32)
+    def call(H, Hkv, D, kv=None, bs=24, **feats):
         splits = round(15.5 * 132 / (bs * Hkv))          # decode_attention.OFFLINE_SMS: the tensors are on no GPU
-        ws = chunk_workspace(bs, slots_per_request("chunks", splits, n), 1, H, Hkv, D, "cpu")
-        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, splits, out, ws, schedule="chunks",
-                                            merge="pass", **feats)
+        return gqa_decode_call(H, Hkv, D, splits, bs=bs, kv=kv, **feats)
     feats = dict(window=100, softcap=30.0, sinks=torch.zeros(32))
     return {"chunks 32/8 d128": call(32, 8, 128), "chunks 32/8 d128 bs16": call(32, 8, 128, bs=16),
             "chunks 32/8 d64": call(32, 8, 64), "chunks 32/1 d128": call(32, 1, 128),
@@ -249,39 +258,17 @@ def gqa_chunk_configs() -> dict:
 def resident_configs() -> dict:
     """``{label: thunk}``: the chunk pass at the compiler's registers (no bound, no fit), bf16, 24 requests: the
     programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit."""
-    import torch
-
-    from attn_backends_kernels.decode_attention import decode_attention_fwd
-    from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
-
-    def call(H, Hkv, D, bs=24, n=256, dt=torch.bfloat16):
-        q, out = torch.zeros(bs, H, D, dtype=dt), torch.zeros(bs, H, D, dtype=dt)
-        k, v = torch.zeros(bs * n + 16, Hkv, D, dtype=dt), torch.zeros(bs * n + 16, Hkv, D, dtype=dt)
-        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
-        lens = torch.full((bs,), n, dtype=torch.int32)
-        ws = chunk_workspace(bs, slots_per_request("chunks", 4, n), 1, H, Hkv, D, "cpu")
-        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 4, out, ws, schedule="chunks", merge="pass",
-                                            maxnreg=None, fit=False)
-    return {f"resident {H}/{Hkv} d{D}": call(H, Hkv, D) for H, Hkv, D in
+    return {f"resident {H}/{Hkv} d{D}": gqa_decode_call(H, Hkv, D, 4, maxnreg=None, fit=False) for H, Hkv, D in
             ((32, 8, 128), (28, 4, 128), (12, 4, 128), (20, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128),
-                                      (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128))}
+             (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128))}
 
 
 def deep_configs() -> dict:
     """``{label: thunk}``: the few-program GQA decode on 256 splits (``DEEP_MAX_KV_SPLITS``, 8/1 d128, bf16 and
     e4m3 caches): the split pass and the separate merge of 256 float32 partials a row (``merge_splits``)."""
     import torch
-
-    from attn_backends_kernels.decode_attention import decode_attention_fwd
-
-    def call(kv):
-        bs, n, dt = 2, 4096, torch.bfloat16
-        q, out = torch.zeros(bs, 8, 128, dtype=dt), torch.zeros(bs, 8, 128, dtype=dt)
-        k, v = torch.zeros(bs * n + 16, 1, 128, dtype=kv), torch.zeros(bs * n + 16, 1, 128, dtype=kv)
-        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
-        lens = torch.full((bs,), n, dtype=torch.int32)
-        return lambda: decode_attention_fwd(q, k, v, pt, lens, 16, 0.1, 256, out)
-    return {"deep 8/1 d128": call(torch.bfloat16), "deep 8/1 d128 fp8": call(torch.float8_e4m3fn)}
+    return {label: gqa_decode_call(8, 1, 128, 256, bs=2, n=4096, kv=kv, schedule="split")
+            for label, kv in (("deep 8/1 d128", torch.bfloat16), ("deep 8/1 d128 fp8", torch.float8_e4m3fn))}
 
 
 def one_pass_configs() -> dict:
