@@ -124,7 +124,7 @@ def _decode_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SLOT64: tl.constexpr,
 ):
     kvh, b, num_kvh = head_and_item(HEADS_FIRST)
     split = tl.program_id(2)
@@ -158,7 +158,7 @@ def _decode_split_kernel(
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0, 0, 0, 0, 0,
                                pt_row, 0, window, softcap_log2, PAGE_SIZE, BLOCK_N, NO_MASK, INPUT_PRECISION, WINDOW,
-                               SOFTCAP, 1)
+                               SOFTCAP, 1, SLOT64)
 
     o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :]
     store_partial(acc, m_i, l_i, o_ptr + o_off, mask_h[:, None] & mask_dv[None, :],
@@ -188,7 +188,7 @@ def _decode_chunk_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SLOT64: tl.constexpr,
 ):
     """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
@@ -214,7 +214,7 @@ def _decode_chunk_kernel(
         m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs,
                                    stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, 0,
                                    0, 0, 0, 0, pt_row, 0, window, softcap_log2, PAGE_SIZE, BLOCK_N, NO_MASK,
-                                   INPUT_PRECISION, WINDOW, SOFTCAP, 1)
+                                   INPUT_PRECISION, WINDOW, SOFTCAP, 1, SLOT64)
         tile = mask_h[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + b * stride_xb + heads[:, None] * stride_xh + offs_dv[None, :],
@@ -281,7 +281,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     check_schedule("decode_attention_fwd", schedule, merge)
-    window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks)
+    window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks,
+                                                          (k_buffer, v_buffer))
     if bs == 0:
         return out
     group = H // Hkv
@@ -301,6 +302,9 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit)
         part, lse = cl.part, cl.lse
+        # int64 slots whatever the cache: the chunk pass's rules read its registers at int64 (chunk_resident);
+        # at int32 it holds 7 an SM, not 6, and uniform batches ran 2-3 % slower (bench/RESULTS.md, 'Ragged batches')
+        feats["SLOT64"] = True
         launch(_decode_chunk_kernel, cl.grid,
             q, k_buffer, v_buffer, page_table, seq_lens_k, part, lse, out, cl.counters,
             sm_scale * LOG2E * k_scale, v_scale, bs, cl.budget, window, softcap_log2, sinks_arg,

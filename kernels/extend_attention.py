@@ -73,6 +73,7 @@ def _extend_split_kernel(
     MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     FUSED: tl.constexpr, BLOCK_S: tl.constexpr, HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
+    SLOT64: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     if HEADS_FIRST:  # a request's KV heads adjacent: they read the same pages' rows
@@ -134,7 +135,7 @@ def _extend_split_kernel(
     m_i, l_i, acc = walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
                                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j, q_len, seq_len,
                                prefix, draft_prefix, mask_ptr, mask_base, window, softcap_log2, PAGE_SIZE, BLOCK_N,
-                               MASK, INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W)
+                               MASK, INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W, SLOT64)
 
     o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
     store_partial(acc, m_i, l_i, o_ptr + o_off + offs_dv[None, :], row_ok[:, None] & mask_dv[None, :],
@@ -160,6 +161,7 @@ def _extend_chunk_kernel(
     BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
+    SLOT64: tl.constexpr,
 ):
     """The chunk schedule (``chunk_kernels.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
@@ -197,7 +199,7 @@ def _extend_chunk_kernel(
                                    stride_vh, offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc, j,
                                    q_len, seq_len, seq_len - q_len, draft_prefix, mask_ptr,
                                    b.to(tl.int64) * q_len * q_len, window, softcap_log2, PAGE_SIZE, BLOCK_N, MASK,
-                                   INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W)
+                                   INPUT_PRECISION, WINDOW, SOFTCAP, BLOCK_W, SLOT64)
         tile = row_ok[:, None] & mask_dv[None, :]
         if count == 1:                   # a whole request: its output, no partial
             store_partial(acc, m_i, l_i, out_ptr + rows[:, None] * stride_xt + heads[:, None] * stride_xh
@@ -316,6 +318,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
                              f"on {q.device}")
         draft_arg = draft_prefix_lens
     window, softcap_log2, sinks_arg, feats = feature_args(name, q, window, softcap, sinks)
+    # int64 slots whatever the cache: int32 ones spill the fused verify split pass on sm_90 (test_offline_sm90)
+    feats["SLOT64"] = True
     feats["BLOCK_W"] = triton.next_power_of_2(max_q_len) if mask == "tree" and feats["WINDOW"] else 1
     if bs == 0 or T == 0:
         return out

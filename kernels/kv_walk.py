@@ -3,6 +3,7 @@ tiles through its page-table row, each tile one online-softmax step (``paged_til
 the extend kernels' masks (``visible_mask``) or none (decode). The split and the chunk passes of
 ``decode_attention`` and ``extend_attention`` differ only in which range a program walks.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -54,7 +55,7 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
                       softcap_log2, INPUT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One KV tile of the online softmax, shared by the decode and extend kernels.
 
-    q [M, BLOCK_D]; slot [BLOCK_N] int64 cache slots (mask_n: in range); vis [M, BLOCK_N]
+    q [M, BLOCK_D]; slot [BLOCK_N] cache slots (int32 or int64: ``slot64``) (mask_n: in range); vis [M, BLOCK_N]
     (or broadcastable): which (row, position) pairs are visible. Returns (m_i, l_i, acc). An FP8
     cache is widened exactly to q's dtype (``fp8_query`` made it float16 for bf16 models; every
     e4m3 and e5m2 value is a float16): K's scale folded into ``scale_log2`` by the caller, V's
@@ -193,7 +194,7 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
                offs_d, mask_d, offs_dv, mask_dv, scale_log2, v_scale, m_i, l_i, acc,
                j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, window, softcap_log2,
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_W: tl.constexpr):
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_W: tl.constexpr, SLOT64: tl.constexpr):
     """Tokens ``[start, end)`` of the request whose page-table row is ``pt_row`` into the running
     ``(m_i, l_i, acc)``; ``MASK``: a ``MASK_KINDS`` value (with the row indices ``j`` and the
     mask's inputs) or ``NO_MASK``. ``WINDOW``: with a mask, row ``j`` sees the keys whose position
@@ -206,7 +207,9 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot*stride can pass 2^31
+        if SLOT64:      # the cache's element offsets pass 2^31 (``slot64``)
+            page = page.to(tl.int64)
+        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
         vis = mask_n[None, :]
         if MASK >= 0:
             vis = vis & visible_mask(offs_n, j, q_len, seq_len, prefix, draft_prefix, mask_ptr, mask_base, MASK)
@@ -220,10 +223,18 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
     return m_i, l_i, acc
 
 
-def feature_args(name: str, q, window, softcap, sinks) -> tuple:
+def slot64(*buffers: torch.Tensor) -> bool:
+    """Whether a KV buffer's largest element offset reaches 2^31: its slot arithmetic then in int64
+    (``walk_paged``'s ``SLOT64``), else in int32, a tenth fewer instructions a tile and 8 fewer
+    registers on sm_90 (``bench/probes/offline_sm90.py``)."""
+    return any(sum((n - 1) * s for n, s in zip(b.shape, b.stride())) >= 2 ** 31 for b in buffers)
+
+
+def feature_args(name: str, q, window, softcap, sinks, kv: tuple = ()) -> tuple:
     """A wrapper's window, softcap and sinks checked in one line each and turned into the kernels'
     ``(window, softcap_log2, sinks_ptr, constexprs)`` (None: the feature off, its kernel code
-    compiled out; ``sinks``: one logit a query head, on q's device, contiguous)."""
+    compiled out; ``sinks``: one logit a query head, on q's device, contiguous); ``SLOT64`` from the KV
+    buffers ``kv`` (``slot64``)."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{name}: window={window!r} must be an int >= 1 (None: no window)")
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
@@ -232,6 +243,7 @@ def feature_args(name: str, q, window, softcap, sinks) -> tuple:
                               or not sinks.is_floating_point() or sinks.stride(0) != 1):
         raise ValueError(f"{name}: sinks {tuple(sinks.shape)} {sinks.dtype} on {sinks.device} must be one float "
                          f"logit a query head ({q.shape[1]}), contiguous, on {q.device}")
-    consts = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None)
+    consts = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
+                  SLOT64=slot64(*kv))
     return (window or 0, float(softcap) * 1.4426950408889634 if softcap else 1.0,
             q if sinks is None else sinks, consts)

@@ -6,6 +6,8 @@ from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 from test_decode_attention import run_chunked
 
 from attn_backends_kernels.decode_attention import chunk_fit, chunk_maxnreg, decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
+from attn_backends_kernels.kv_walk import slot64
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 
 
@@ -97,3 +99,63 @@ def test_decode_chunks_take_the_fit_where_the_pass_holds_no_overrun_gpu(monkeypa
     want = chunk_fit(torch.bfloat16, 128, 32, 25, H // Hkv, 25 * Hkv * per_request / sms)
     assert want == fitted or sms != 132
     assert len(budgets) == 1 and (budgets[0] < 0) == want, (budgets, want)
+
+
+def test_slot64_where_an_offset_reaches_2_31():
+    """int64 slot arithmetic exactly where a KV buffer's largest element offset reaches 2^31 (shapes alone: meta)."""
+    fits = torch.empty(2 ** 24, 1, 128, device="meta")              # largest offset 2^31 - 1
+    past = torch.empty(2 ** 24 + 1, 1, 128, device="meta")
+    assert not slot64(fits, fits) and slot64(fits, past) and slot64(past)
+    view = torch.empty(2 ** 22 + 1, 2, 256, device="meta")[:, :, :128]      # 2^30 elements, offsets past 2^31
+    assert slot64(view) and not slot64(view[:-1])
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_decode_slot_width_by_pass(monkeypatch, wide):
+    """The split pass takes ``slot64``'s answer for its cache, the chunk pass int64 slots whatever the cache (the
+    residency its rules read); both match the reference."""
+    import attn_backends_kernels.decode_attention as mod
+    import attn_backends_kernels.kv_walk as walk
+    widths, real_launch = {}, mod.launch
+    monkeypatch.setattr(walk, "slot64", lambda *buffers: wide)
+    monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: widths.setdefault(k.__name__, kw.get("SLOT64"))
+                        and False or real_launch(k, g, *a, **kw))
+    page_table, lens, num_pages = make_paged_batch([300, 9, 70], 16, device="cpu", seed=1)
+    q, kv = torch.randn(3, 4, 16), torch.randn(num_pages * 16, 2, 16)
+    ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
+    for schedule in ("split", "chunks"):
+        out = torch.empty(3, 4, 16)
+        ws = chunk_workspace(3, slots_per_request(schedule, 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
+        decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out,
+                             ws if schedule == "chunks" else None, schedule=schedule,
+                             **(dict(merge="pass") if schedule == "chunks" else {}))
+        assert_close(out, ref, 1e-5)
+    assert widths["_decode_split_kernel"] is wide and widths["_decode_chunk_kernel"] is True, widths
+
+
+@pytest.mark.cuda
+def test_kernels_read_a_cache_past_2_31_elements_gpu():
+    """A cache past 2^31 elements (int64 slots: ``slot64``), its pages at the top and NaN below them: the decode
+    split and chunk passes and a verify extend equal the float64 reference over those pages (int32 slots there
+    read below 2^31: NaN, or past the buffer)."""
+    seq_lens = [700, 33, 1500]
+    page_table, lens, num_pages = make_paged_batch(seq_lens, 16, device="cuda", seed=3)
+    base = 2 ** 31 // (16 * 128)               # the first page whose elements start at 2^31 (1 KV head, d128)
+    k = torch.full(((base + num_pages) * 16, 1, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    v = torch.full_like(k, float("nan"))
+    k[base * 16:], v[base * 16:] = torch.randn_like(k[base * 16:]), torch.randn_like(v[base * 16:])
+    assert slot64(k, v)
+    top, scale = page_table + base, 128 ** -0.5
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(4, dtype=torch.int32, device="cuda")
+    ref = ref_paged_attention(q, k[base * 16:], v[base * 16:], page_table, lens, cu, 16, scale)
+    for schedule in ("split", "chunks"):
+        out = torch.empty_like(q)
+        ws = chunk_workspace(3, slots_per_request(schedule, 4, page_table.shape[1] * 16), 1, 8, 1, 128, "cuda")
+        decode_attention_fwd(q, k, v, top, lens, 16, scale, 4, out, ws if schedule == "chunks" else None,
+                             schedule=schedule, **(dict(merge="pass") if schedule == "chunks" else {}))
+        assert_close(out, ref, 1e-2)
+    qv, cu4 = torch.randn(12, 8, 128, device="cuda", dtype=torch.bfloat16), 4 * cu
+    out = torch.empty_like(qv)
+    extend_attention_fwd(qv, k, v, top, lens, cu4, 16, scale, 4, out)
+    assert_close(out, ref_paged_attention(qv, k[base * 16:], v[base * 16:], page_table, lens, cu4, 16, scale), 1e-2)
