@@ -225,7 +225,7 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
 
 def slot64(*buffers: torch.Tensor) -> bool:
     """Whether a KV buffer's largest element offset reaches 2^31: its slot arithmetic then in int64
-    (``walk_paged``'s ``SLOT64``), else in int32, a tenth fewer instructions a tile and 8 fewer
+    (``walk_paged``'s ``SLOT64``), else in int32, a tenth fewer instructions a tile and 7-8 fewer
     registers on sm_90 (``bench/probes/offline_sm90.py``)."""
     return any(sum((n - 1) * s for n, s in zip(b.shape, b.stride())) >= 2 ** 31 for b in buffers)
 

@@ -63,7 +63,7 @@ def _read_contiguous(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 def _read_paged(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
                 stride_pb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """Our decode kernel's walk (``_decode_split_kernel``: its grid order, split bounds and slots)
+    """Our decode kernel's walk (``_decode_split_kernel``: its grid order, split bounds and slots, int64 as past 2^31)
     without its arithmetic: out[b, kvh, split] = the sum of the K and V values it read."""
     if HEADS_FIRST:
         kvh = tl.program_id(0)

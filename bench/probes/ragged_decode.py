@@ -253,7 +253,8 @@ def main(argv=None):
                    help="the chunk pass's stages and warps to try: none (2 and 4), s3w4, s2w8, ...")
     p.add_argument("--fits", default="0", help="the chunk budget's wave fit (chunk_kernels._balanced_per) to try: 0, 1")
     p.add_argument("--slot64", default="auto",
-                   help="slot arithmetic: auto (kv_walk.slot64's, int32 on these pools), or 1: int64 (as past 2^31)")
+                   help="slot arithmetic: auto (kv_walk.slot64's: the split pass int32 on these pools; the chunk "
+                        "pass int64 always), or 1: int64 (as past 2^31)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi, fi_ws = load_flashinfer(args.no_flashinfer)

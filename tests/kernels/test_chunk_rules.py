@@ -108,6 +108,8 @@ def test_slot64_where_an_offset_reaches_2_31():
     assert not slot64(fits, fits) and slot64(fits, past) and slot64(past)
     view = torch.empty(2 ** 22 + 1, 2, 256, device="meta")[:, :, :128]      # 2^30 elements, offsets past 2^31
     assert slot64(view) and not slot64(view[:-1])
+    edge = torch.empty(2 ** 23 + 1, 256, device="meta")[:, :1]              # largest offset exactly 2^31
+    assert slot64(edge) and not slot64(edge[:-1])
 
 
 @pytest.mark.parametrize("wide", [False, True])
@@ -137,7 +139,7 @@ def test_decode_slot_width_by_pass(monkeypatch, wide):
 def test_kernels_read_a_cache_past_2_31_elements_gpu():
     """A cache past 2^31 elements (int64 slots: ``slot64``), its pages at the top and NaN below them: the decode
     split and chunk passes and a verify extend equal the float64 reference over those pages (int32 slots there
-    read below 2^31: NaN, or past the buffer)."""
+    wrap to negative offsets: an illegal address, or garbage)."""
     seq_lens = [700, 33, 1500]
     page_table, lens, num_pages = make_paged_batch(seq_lens, 16, device="cuda", seed=3)
     base = 2 ** 31 // (16 * 128)               # the first page whose elements start at 2^31 (1 KV head, d128)
