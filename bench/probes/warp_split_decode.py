@@ -31,7 +31,7 @@ import triton.language as tl
 
 import attn_backends_kernels  # noqa: F401 - the interpreter's patches
 from attn_backends_kernels.chunk_kernels import chunk_of
-from attn_backends_kernels.decode_attention import decode_block_n
+from attn_backends_kernels.decode_attention import decode_attention_fwd, decode_block_n
 from attn_backends_kernels.kv_walk import NO_MASK, head_and_item, slot64
 from attn_backends_kernels.schedule import chunk_launch, chunk_workspace, slots_per_request
 
@@ -229,8 +229,10 @@ def time_row(spec: str, dist: str, programs: list, fi, fi_ws) -> str:
     kb, vb, sc = rd.kv_pair(pg["num_pages"] * PAGE, Hkv, D, torch.bfloat16)
     q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
     S = choose_num_kv_splits(bs * Hkv, torch.device("cuda"), max(lens) // PAGE + 1, 6, 1, 2, None, 1, 8)
-    ours_out, fn = rd.ours(pg, q, kb, vb, S, "chunks", merge="pass")
-    times = {f"ours chunks S={S}": rd.graph_us(fn)}
+    ours_out, ours_ws = torch.empty_like(q), chunk_workspace(bs, slots_per_request("chunks", S, pg["table"].shape[1]
+                                                                                  * PAGE), 1, H, Hkv, D, "cuda")
+    times = {f"ours chunks S={S}": rd.graph_us(lambda: decode_attention_fwd(   # the kernel's rules: bound and fit
+        q, kb, vb, pg["table"], pg["lens"], PAGE, D ** -0.5, S, ours_out, ours_ws, schedule="chunks", merge="pass"))}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for per_sm in programs:
         splits = max(1, round(per_sm * sms / (bs * Hkv)))
