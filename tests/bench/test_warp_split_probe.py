@@ -25,7 +25,7 @@ def run(*args: str, interpret: bool) -> str:
 
 def test_prototype_matches_float64_on_ragged_batches():
     errs = [float(e) for e in re.findall(r"rel err (\S+)", run("--check", interpret=True))]
-    assert len(errs) == 2 and max(errs) < 1e-4, errs
+    assert len(errs) == 3 and max(errs) < 1e-4, errs      # two bf16-model batches, one on an e4m3 cache
 
 
 @pytest.mark.skipif(not offline_sm90.available(), reason="this Triton bundles no ptxas / cuobjdump")
