@@ -274,7 +274,11 @@ def time_row(spec: str, dist: str, programs: list, fi, fi_ws, kv_dtype=torch.bfl
                 q, kb, vb, pg["table"], pg["lens"], D ** -0.5, splits, out, ws, warps, keys, k_scale=sc[0],
                 v_scale=sc[1]))
             name = f"warps {warps}x{keys} S={splits}"
-            times[name] = rd.graph_us(call)
+            try:                              # never run on a GPU before: a form that fails is shown, not fatal
+                times[name] = rd.graph_us(call)
+            except Exception as e:  # noqa: BLE001 - printed with the row
+                print(f"{spec} {dist} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
             assert (out.float() - ours_out.float()).abs().max() < 2e-2, f"{spec} {dist} {name} differs from ours"
     if fi is not None:
         for name, (out, fn) in rd.flashinfer_calls(pg, q, kb, vb, fi, fi_ws, sc).items():
