@@ -37,7 +37,7 @@ from .attention_core import (
     store_partial,
 )
 from .chunk_kernels import chunk_of, merge_chunks_if_last
-from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, walk_paged, window_lo
+from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, slot64, walk_paged, window_lo
 from .launch_record import launch
 from .schedule import check_schedule, chunk_launch
 
@@ -76,7 +76,7 @@ def decode_block_n(kv_dtype: torch.dtype, head_dim: int, schedule: str) -> int:
 
 def _chunk_bound_fits(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int) -> bool:
     return (kv_dtype in (torch.bfloat16, torch.float16) and head_dim * block_n <= CHUNK_MAXNREG_ELEMS
-            and bs > CHUNK_MAXNREG_BS and triton.next_power_of_2(group) <= CHUNK_MAXNREG_HEADS)
+            and bs > CHUNK_MAXNREG_BS and group <= CHUNK_MAXNREG_HEADS)   # next_power_of_2(group) <= 16 as well
 
 
 def chunk_resident(head_dim: int, group: int) -> int:
@@ -281,8 +281,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if num_kv_splits < 1:
         raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be >= 1")
     check_schedule("decode_attention_fwd", schedule, merge)
-    window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks,
-                                                          (k_buffer, v_buffer))
+    window, softcap_log2, sinks_arg, feats = feature_args("decode_attention_fwd", q, window, softcap, sinks)
     if bs == 0:
         return out
     group = H // Hkv
@@ -320,6 +319,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         if merge == "pass":
             cl.merge_pass(seq_lens_k, None, out)
         return out
+    feats["SLOT64"] = slot64(k_buffer, v_buffer)       # the split pass: int32 slots where the cache allows
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
     block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(

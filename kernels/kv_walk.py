@@ -226,15 +226,16 @@ def walk_paged(q, k_ptr, v_ptr, pt_row, start, end, kvh, stride_ks, stride_kh, s
 def slot64(*buffers: torch.Tensor) -> bool:
     """Whether a KV buffer's largest element offset reaches 2^31: its slot arithmetic then in int64
     (``walk_paged``'s ``SLOT64``), else in int32, a tenth fewer instructions a tile and 7-8 fewer
-    registers on sm_90 (``bench/probes/offline_sm90.py``)."""
-    return any(sum((n - 1) * s for n, s in zip(b.shape, b.stride())) >= 2 ** 31 for b in buffers)
+    registers on sm_90 (``bench/probes/offline_sm90.py``). A contiguous buffer of at most 2^31 elements is read
+    from its size alone (an eager decode asks on every call)."""
+    return any(not (b.numel() <= 2 ** 31 and b.is_contiguous())
+               and sum((n - 1) * s for n, s in zip(b.shape, b.stride())) >= 2 ** 31 for b in buffers)
 
 
-def feature_args(name: str, q, window, softcap, sinks, kv: tuple = ()) -> tuple:
+def feature_args(name: str, q, window, softcap, sinks) -> tuple:
     """A wrapper's window, softcap and sinks checked in one line each and turned into the kernels'
     ``(window, softcap_log2, sinks_ptr, constexprs)`` (None: the feature off, its kernel code
-    compiled out; ``sinks``: one logit a query head, on q's device, contiguous); ``SLOT64`` from the KV
-    buffers ``kv`` (``slot64``)."""
+    compiled out; ``sinks``: one logit a query head, on q's device, contiguous); the launch adds ``SLOT64``."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{name}: window={window!r} must be an int >= 1 (None: no window)")
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
@@ -243,7 +244,6 @@ def feature_args(name: str, q, window, softcap, sinks, kv: tuple = ()) -> tuple:
                               or not sinks.is_floating_point() or sinks.stride(0) != 1):
         raise ValueError(f"{name}: sinks {tuple(sinks.shape)} {sinks.dtype} on {sinks.device} must be one float "
                          f"logit a query head ({q.shape[1]}), contiguous, on {q.device}")
-    consts = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
-                  SLOT64=slot64(*kv))
+    consts = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None)
     return (window or 0, float(softcap) * 1.4426950408889634 if softcap else 1.0,
             q if sinks is None else sinks, consts)

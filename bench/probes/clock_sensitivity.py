@@ -18,6 +18,7 @@ import time
 import flashinfer
 import torch
 import triton
+from backend_vs_kernel import load as replays
 from sweep_flashinfer import Peer, fi_inputs, new_workspace
 from sweep_ours import Ours
 from sweep_rows import BY_NAME, build_group, build_row, lengths
@@ -37,16 +38,11 @@ def sm_mhz() -> float:
 
 
 def load(fns, seconds: float) -> None:
-    """The calls of ``fns`` in turn for ``seconds`` (drained every 50 passes); none: idle."""
-    end = time.perf_counter() + seconds
-    if not fns:
+    """The calls of ``fns`` in turn for ``seconds`` (``backend_vs_kernel.load``); none: idle."""
+    if fns:
+        replays(lambda: [fn() for fn in fns], seconds)
+    else:
         time.sleep(seconds)
-        return
-    while time.perf_counter() < end:
-        for _ in range(50):
-            for fn in fns:
-                fn()
-        torch.cuda.synchronize()
 
 
 def row_graphs(spec: str, kv: int, configs: list, ws) -> dict:

@@ -25,7 +25,6 @@ import triton
 import attn_backends_kernels.attention_core as core
 import attn_backends_kernels.chunk_kernels as chunk_kernels
 import attn_backends_kernels.decode_attention as decode
-import attn_backends_kernels.kv_walk as kv_walk
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends.check.suite import fp8_scales
 from attn_backends.kv_cache import to_cache
@@ -253,8 +252,8 @@ def main(argv=None):
                    help="the chunk pass's stages and warps to try: none (2 and 4), s3w4, s2w8, ...")
     p.add_argument("--fits", default="0", help="the chunk budget's wave fit (chunk_kernels._balanced_per) to try: 0, 1")
     p.add_argument("--slot64", default="auto",
-                   help="slot arithmetic: auto (kv_walk.slot64's: the split pass int32 on these pools; the chunk "
-                        "pass int64 always), or 1: int64 (as past 2^31)")
+                   help="slot arithmetic: auto (decode_attention.slot64's: the split pass int32 on these pools; "
+                        "the chunk pass int64 always), or 1: int64 (as past 2^31)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi, fi_ws = load_flashinfer(args.no_flashinfer)
@@ -264,7 +263,7 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "flashinfer", getattr(fi, "__version__", None), f"copy {copy:.2f} TB/s")
     if args.slot64 == "1":
-        kv_walk.slot64 = lambda *buffers: True
+        decode.slot64 = lambda *buffers: True
         print("slot arithmetic: int64 (--slot64 1)")
     for spec in args.rows.split(","):
         heads, rest = spec.split("x")

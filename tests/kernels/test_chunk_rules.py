@@ -117,9 +117,8 @@ def test_decode_slot_width_by_pass(monkeypatch, wide):
     """The split pass takes ``slot64``'s answer for its cache, the chunk pass int64 slots whatever the cache (the
     residency its rules read); both match the reference."""
     import attn_backends_kernels.decode_attention as mod
-    import attn_backends_kernels.kv_walk as walk
     widths, real_launch = {}, mod.launch
-    monkeypatch.setattr(walk, "slot64", lambda *buffers: wide)
+    monkeypatch.setattr(mod, "slot64", lambda *buffers: wide)
     monkeypatch.setattr(mod, "launch", lambda k, g, *a, **kw: widths.setdefault(k.__name__, kw.get("SLOT64"))
                         and False or real_launch(k, g, *a, **kw))
     page_table, lens, num_pages = make_paged_batch([300, 9, 70], 16, device="cpu", seed=1)
