@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_record import launch
+from .launch_record import launch, pow2
 
 # exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
 # softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
@@ -129,16 +129,16 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
                          f"out {tuple(out.shape)} disagree")
     if part.stride(-1) != 1 or lse.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("merge_splits: the last dimension of part, lse and out must be contiguous")
-    if block_dv is not None and (block_dv < 1 or triton.next_power_of_2(block_dv) != block_dv):
+    if block_dv is not None and (block_dv < 1 or pow2(block_dv) != block_dv):
         raise ValueError(f"merge_splits: block_dv={block_dv} must be a power of two")
     if T == 0:
         return out
-    block_s, full_dv = triton.next_power_of_2(S), triton.next_power_of_2(Dv)
+    block_s, full_dv = pow2(S), pow2(Dv)
     # Heads per program: up to 8192 partial values a program, while rows x heads leave about
     # 256 programs: fewer, larger programs where one head a program makes thousands; decode of
     # one row keeps one head a program (figures: bench/RESULTS.md, 'Fused merge').
     cap = max(1, 8192 // (block_s * full_dv))
-    block_hm = min(cap, triton.next_power_of_2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
+    block_hm = min(cap, pow2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
     heads_grid = triton.cdiv(H, block_hm)
     if block_dv is None:   # 16-bit partials of few rows x heads (and float32 ones of many splits): column blocks
         block_dv = full_dv

@@ -50,7 +50,7 @@ from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     walk_paged,
     window_lo,
 )
-from .launch_record import launch
+from .launch_record import launch, pow2
 from .schedule import check_schedule, chunk_launch
 
 
@@ -221,14 +221,14 @@ def _extend_chunk_kernel(
 def pick_block_q(max_q_len, group_pad, max_rows=64):
     """Query rows per tile: all W rows of a verify request when they fit in max_rows,
     and at least 16 rows in all (tl.dot needs M >= 16)."""
-    block_q = min(triton.next_power_of_2(max(max_q_len, 1)), max(1, max_rows // group_pad))
+    block_q = min(pow2(max(max_q_len, 1)), max(1, max_rows // group_pad))
     return max(block_q, 16 // min(group_pad, 16))
 
 
 def chunk_fits(max_q_len, group) -> bool:
     """Whether requests of at most ``max_q_len`` rows of a KV group of ``group`` heads fit one
     tile, as the chunk schedule needs (verify, draft rows; not prefill)."""
-    return triton.cdiv(max_q_len, pick_block_q(max_q_len, triton.next_power_of_2(group))) == 1
+    return triton.cdiv(max_q_len, pick_block_q(max_q_len, pow2(group))) == 1
 
 
 def wide_verify_tile(max_q_len, rows):
@@ -320,11 +320,11 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     window, softcap_log2, sinks_arg, feats = feature_args(name, q, window, softcap, sinks)
     # int64 slots whatever the cache: int32 ones spill the fused verify split pass on sm_90 (test_offline_sm90)
     feats["SLOT64"] = True
-    feats["BLOCK_W"] = triton.next_power_of_2(max_q_len) if mask == "tree" and feats["WINDOW"] else 1
+    feats["BLOCK_W"] = pow2(max_q_len) if mask == "tree" and feats["WINDOW"] else 1
     if bs == 0 or T == 0:
         return out
     group = H // Hkv
-    group_pad = triton.next_power_of_2(group)
+    group_pad = pow2(group)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     wide = wide_verify_tile(max_q_len, block_q * group_pad)
     # The 32-row verify tile on 2 warps, 64-token KV tiles and 3 stages at every split count:
@@ -336,7 +336,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if num_stages is None:
         num_stages = 3 if wide else 2
     if block_n is None:  # as many tokens as the card's shared memory stages (float32 at head dim 256: 32)
-        tile_dims = triton.next_power_of_2(D) + triton.next_power_of_2(Dv)    # one token of K and of V
+        tile_dims = pow2(D) + pow2(Dv)    # one token of K and of V
         block_n = fit_block_n(q, 64, tile_dims * q.element_size())
     num_qb = triton.cdiv(max_q_len, block_q)
     if schedule != "split":
@@ -353,10 +353,10 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-            HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=pow2(D),
+            HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
             MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            CHUNK_DV=merge_chunk(block_q * group_pad, triton.next_power_of_2(Dv), num_warps),
+            CHUNK_DV=merge_chunk(block_q * group_pad, pow2(Dv), num_warps),
             MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, cu_seqlens_q, out)
@@ -364,7 +364,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None
              else bool(fuse) and num_kv_splits > 1)
-    block_s, block_dv = triton.next_power_of_2(num_kv_splits), triton.next_power_of_2(Dv)
+    block_s, block_dv = pow2(num_kv_splits), pow2(Dv)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
     heads_first, grid = heads_first_grid(name, heads_first, bs, num_qb, (Hkv, num_qb * num_kv_splits, bs),
@@ -380,7 +380,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         *o_strides, *lse_strides,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        HEAD_DIM=D, BLOCK_D=pow2(D),
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

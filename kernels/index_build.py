@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_record import pow2
+
 
 @triton.jit
 def page_row(req_to_token_ptr, row, stride_rt, page_table_ptr, pid, stride_pt, kv_indices_ptr, start, n,
@@ -125,8 +127,8 @@ def build_page_indices(req_to_token, req_pool_indices, seq_lens, page_size, page
         kv_indices if kv_indices is not None else page_table,
         bs, page_table.shape[1], req_to_token.shape[1], capacity,
         req_to_token.stride(0), page_table.stride(0),
-        PAGE_SIZE=page_size, BLOCK_BS=triton.next_power_of_2(bs),
-        BLOCK_P=min(256, triton.next_power_of_2(page_table.shape[1])),
+        PAGE_SIZE=page_size, BLOCK_BS=pow2(bs),
+        BLOCK_P=min(256, pow2(page_table.shape[1])),
         BLOCK_TAIL=block_tail, WRITE_FLAT=kv_indices is not None,
     )
     return page_table

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import FP8_KV_DTYPES
+from .launch_record import pow2
 
 
 @triton.jit
@@ -76,8 +77,8 @@ def _store(name, src, dst, loc, col_offset, scale=1.0):
                          f"expected ({T},) int32/int64 on {src.device}")
     if T == 0:
         return
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
+    block_d = pow2(D)
+    block_h = min(pow2(H), max(1, 4096 // block_d))
     _store_rows_kernel[(T, triton.cdiv(H, block_h))](
         src, dst, loc, col_offset, float(scale), loc.stride(0),
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),

@@ -40,6 +40,13 @@ except ImportError:                        # a torch without CUDA: nothing is ev
         return torch.cuda.current_stream(index).cuda_stream
 
 
+def pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for the launchers' host arithmetic (0 -> 0): triton's is a constexpr function,
+    1.6 us a call on the host, a few of them every eager launch."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is set (Triton 3.6 keeps an empty ``HookChain`` when none is)."""
     return hook is not None and bool(getattr(hook, "calls", True))

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .index_build import page_row, zero_tail
+from .launch_record import pow2
 
 
 @triton.jit
@@ -117,9 +118,9 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
         draft_prefix_lens if draft_prefix_lens is not None else dummy,
         page_table, page_table.stride(0), page_table.shape[1], kv_indptr, kv_indices, capacity,
         bs, pad_seq_len, width, page_size,
-        BLOCK_BS=triton.next_power_of_2(max(bs, max_bs)),
-        BLOCK_P=min(256, triton.next_power_of_2(page_table.shape[1])),
-        BLOCK_W=triton.next_power_of_2(max(width, max_width)),
+        BLOCK_BS=pow2(max(bs, max_bs)),
+        BLOCK_P=min(256, pow2(page_table.shape[1])),
+        BLOCK_W=pow2(max(width, max_width)),
         BLOCK_TAIL=block_tail, HAS_TOKENS=tokens is not None, HAS_ACCEPT=accept_lens is not None,
         HAS_DRAFT=draft_prefix_lens is not None,
     )

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_record import pow2
+
 
 @triton.jit
 def _pack_mask_kernel(
@@ -84,5 +86,5 @@ def pack_uniform_mask(seq_lens: torch.Tensor, width: int, max_kv: int, out: torc
     block = 128
     grid = (bs, max(1, triton.cdiv(triton.cdiv(width * max_kv, 8), block)))
     _pack_mask_kernel[grid](seq_lens, tree, base, out, bs, width, out.numel(),
-                            TREE=tree_mask is not None, BLOCK_BS=triton.next_power_of_2(bs), BLOCK=block)
+                            TREE=tree_mask is not None, BLOCK_BS=pow2(bs), BLOCK=block)
     return out

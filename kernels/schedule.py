@@ -29,7 +29,7 @@ import triton
 from . import chunk_kernels
 from .attention_core import heads_first_grid
 from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
-from .launch_record import launch
+from .launch_record import launch, pow2
 
 # The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
 # ones re-read the query rows and write a partial for little KV (bench/RESULTS.md, 'Split counts').
@@ -138,7 +138,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     slots = chunk_slots(bs, per_request)
     heads_first, grid = heads_first_grid(name, heads_first, bs, 1, (num_kv_heads, slots), (slots, num_kv_heads))
     consts = dict(MIN_TILES=min_tiles(block_n, min_tokens), FIXED_TILES=fixed_tiles(schedule, block_n),
-                  BLOCK_BS=triton.next_power_of_2(bs), HEADS_FIRST=heads_first)
+                  BLOCK_BS=pow2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
                        window or 0, mask, draft_prefix_lens, fit)
 

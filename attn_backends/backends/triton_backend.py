@@ -11,11 +11,11 @@ import functools
 from typing import ClassVar
 
 import torch
-import triton
 
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import chunk_fits, extend_attention_fwd, pick_block_q
 from attn_backends_kernels.kv_store import store_kv
+from attn_backends_kernels.launch_record import pow2
 
 from ..base import Capabilities, GraphSupport
 from ..batch import ForwardMode
@@ -86,7 +86,7 @@ class TritonBackend(TritonBackendBase):
     @functools.cached_property
     def _deep_config(self) -> bool:
         cfg = self.config
-        rows = triton.next_power_of_2(cfg.num_q_heads // cfg.num_kv_heads)
+        rows = pow2(cfg.num_q_heads // cfg.num_kv_heads)
         return cfg.v_head_dim <= 128 and rows * cfg.v_head_dim >= self.DEEP_TILE
 
     def _deep(self, lay: Layout) -> bool:
@@ -149,7 +149,7 @@ class TritonBackend(TritonBackendBase):
             return
         if self.schedule == "invariant" and not chunked:   # the batch's longest query would pick the tile
             group = self.config.num_q_heads // self.config.num_kv_heads
-            tile = dict(block_q=pick_block_q(INVARIANT_TILE_ROWS, triton.next_power_of_2(group)), num_warps=4,
+            tile = dict(block_q=pick_block_q(INVARIANT_TILE_ROWS, pow2(group)), num_warps=4,
                         num_stages=2)
         extend_attention_fwd(
             q, kb, vb, lay.page_table, lay.seq_lens_k, lay.cu_seqlens_q, lay.page_size, layer.scaling,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
 from ..extend_attention import MASK_KINDS
-from ..launch_record import launch
+from ..launch_record import launch, pow2
 from .chunked import chunked_refusal
 from .dbuf import dbuf_refusal
 from .prologue import _mla_chunked_kernel, _mla_dbuf_kernel, _mla_seesaw_kernel, _mla_swap_kernel, _mla_wgmma_kernel
@@ -243,7 +243,7 @@ def _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_
                        scales=(kv_scale, kv_scale))
     rope = D - Dv
     if (kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D or rope <= 0
-            or triton.next_power_of_2(Dv) != Dv or triton.next_power_of_2(rope) != rope):
+            or pow2(Dv) != Dv or pow2(rope) != rope):
         raise ValueError(f"{name}: q {tuple(q.shape)}, out {tuple(out.shape)} and kv_buffer "
                          f"{tuple(kv_buffer.shape)} need kv [slots, 1, latent+rope] with "
                          f"power-of-two latent and rope dims (512 + 64)")
@@ -275,11 +275,11 @@ def tile_shape(W: int, H: int, block_w=None, block_h=None) -> tuple:
     launches ``cdiv(W, block_w) * cdiv(H, block_h)`` programs a split (the backend's split rule
     counts them here)."""
     if block_w is None:
-        block_w = min(triton.next_power_of_2(W), 4)
+        block_w = min(pow2(W), 4)
     if block_h is None:  # decode with >= 64 heads: one 64-head tile reads each latent tile for
         # 64 heads, a quarter of the tile reads of 16-head tiles (figures: bench/RESULTS.md,
         # 'MLA kernels')
-        block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(triton.next_power_of_2(H), 16))
+        block_h = 64 if W == 1 and H >= 64 else max(16 // block_w, min(pow2(H), 16))
     return block_w, block_h
 
 

@@ -361,3 +361,13 @@ def test_graph_metadata_records_once_per_key_outside_a_capture(monkeypatch):
     b.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())   # the next step's replay
     b.forward(qs[0], None, None, l0, m.batch, save_kv_cache=False)
     assert rig.counts() == (2, 3), "graph metadata outside a capture: one recording per key"
+
+
+def test_pow2_is_tritons_next_power_of_2():
+    """``launch_record.pow2`` (the launchers' host arithmetic) equals ``triton.next_power_of_2`` from 0 up to 2^33."""
+    import triton
+
+    from attn_backends_kernels.launch_record import pow2
+    values = list(range(0, 4097)) + [2 ** e + d for e in range(12, 34) for d in (-1, 0, 1)]
+    assert [pow2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
+    assert pow2(torch.tensor(5)) == 8
