@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_record import launch, pow2
+from .launch_record import cdiv, launch, pow2
 
 # exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
 # softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
@@ -139,14 +139,14 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     # one row keeps one head a program (figures: bench/RESULTS.md, 'Fused merge').
     cap = max(1, 8192 // (block_s * full_dv))
     block_hm = min(cap, pow2(H), 1 << max(0, (T * H // MERGE_PROGRAMS).bit_length() - 1))
-    heads_grid = triton.cdiv(H, block_hm)
+    heads_grid = cdiv(H, block_hm)
     if block_dv is None:   # 16-bit partials of few rows x heads (and float32 ones of many splits): column blocks
         block_dv = full_dv
         wide_f32 = MERGE_TILE_VALUES is not None and full_dv <= 128 and block_s * full_dv >= MERGE_TILE_VALUES
         least = MIN_MERGE_DV if part.element_size() == 2 else MIN_MERGE_DV_F32 if wide_f32 else full_dv
         while block_dv > least and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS:
             block_dv //= 2
-    launch(_merge_splits_kernel, (T, heads_grid, triton.cdiv(Dv, block_dv)),
+    launch(_merge_splits_kernel, (T, heads_grid, cdiv(Dv, block_dv)),
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),

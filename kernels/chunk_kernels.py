@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .kv_walk import window_lo
-from .launch_record import pow2
+from .launch_record import cdiv, pow2
 
 MERGE_LSE = tl.constexpr(32)      # chunks' log-sum-exps a load in the merge
 MERGE_UNROLL = tl.constexpr(4)    # chunks' partials in flight a merge step
@@ -267,9 +267,9 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     block_c = 4 if fat else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
     block_dv = min(pow2(Dv), 128)
     block_hm = min(pow2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1
-    col_blocks, programs = triton.cdiv(Dv, block_dv), rows * triton.cdiv(H, block_hm)
+    col_blocks, programs = cdiv(Dv, block_dv), rows * cdiv(H, block_hm)
     z = col_blocks if chunks == 0 else 1
     while z < col_blocks and programs * z < MERGE_PASS_PROGRAMS:
         z *= 2
     z = min(z, col_blocks)
-    return block_c, block_hm, block_dv, triton.cdiv(col_blocks, z), z
+    return block_c, block_hm, block_dv, cdiv(col_blocks, z), z

@@ -50,7 +50,7 @@ from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     walk_paged,
     window_lo,
 )
-from .launch_record import launch, pow2
+from .launch_record import cdiv, launch, pow2
 from .schedule import check_schedule, chunk_launch
 
 
@@ -228,7 +228,7 @@ def pick_block_q(max_q_len, group_pad, max_rows=64):
 def chunk_fits(max_q_len, group) -> bool:
     """Whether requests of at most ``max_q_len`` rows of a KV group of ``group`` heads fit one
     tile, as the chunk schedule needs (verify, draft rows; not prefill)."""
-    return triton.cdiv(max_q_len, pick_block_q(max_q_len, pow2(group))) == 1
+    return cdiv(max_q_len, pick_block_q(max_q_len, pow2(group))) == 1
 
 
 def wide_verify_tile(max_q_len, rows):
@@ -338,7 +338,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if block_n is None:  # as many tokens as the card's shared memory stages (float32 at head dim 256: 32)
         tile_dims = pow2(D) + pow2(Dv)    # one token of K and of V
         block_n = fit_block_n(q, 64, tile_dims * q.element_size())
-    num_qb = triton.cdiv(max_q_len, block_q)
+    num_qb = cdiv(max_q_len, block_q)
     if schedule != "split":
         if num_qb != 1:
             raise ValueError(f"{name}: the chunk schedule needs every request's rows in one tile: "

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_record import pow2
+from .launch_record import cdiv, pow2
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def build_page_indices(req_to_token, req_pool_indices, seq_lens, page_size, page
         return page_table
     capacity = 0 if kv_indices is None else kv_indices.numel()
     block_tail = 1024
-    grid = (bs + triton.cdiv(capacity, block_tail),)
+    grid = (bs + cdiv(capacity, block_tail),)
     _build_index_kernel[grid](
         req_to_token, req_pool_indices, seq_lens,
         page_table, kv_indptr if kv_indptr is not None else page_table,

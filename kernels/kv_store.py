@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import FP8_KV_DTYPES
-from .launch_record import pow2
+from .launch_record import cdiv, pow2
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _store(name, src, dst, loc, col_offset, scale=1.0):
         return
     block_d = pow2(D)
     block_h = min(pow2(H), max(1, 4096 // block_d))
-    _store_rows_kernel[(T, triton.cdiv(H, block_h))](
+    _store_rows_kernel[(T, cdiv(H, block_h))](
         src, dst, loc, col_offset, float(scale), loc.stride(0),
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         HEADS=H, DIM=D, BLOCK_H=block_h, BLOCK_D=block_d,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .index_build import page_row, zero_tail
-from .launch_record import pow2
+from .launch_record import cdiv, pow2
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def uniform_prep(req_to_token: torch.Tensor, page_size: int, width: int, pad_seq
     capacity = kv_indices.numel()
     block_tail = 1024
     dummy = seq_lens
-    _uniform_prep_kernel[(bs + triton.cdiv(capacity, block_tail),)](
+    _uniform_prep_kernel[(bs + cdiv(capacity, block_tail),)](
         req_pool_indices, seq_lens, raw_bs, tokens if tokens is not None else dummy,
         tokens.stride(0) if tokens is not None else 0, accept_lens if accept_lens is not None else dummy,
         draft_step if draft_step is not None else dummy,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_record import pow2
+from .launch_record import cdiv, pow2
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def pack_uniform_mask(seq_lens: torch.Tensor, width: int, max_kv: int, out: torc
     tree = tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens
     base = draft_prefix_lens if draft_prefix_lens is not None else seq_lens
     block = 128
-    grid = (bs, max(1, triton.cdiv(triton.cdiv(width * max_kv, 8), block)))
+    grid = (bs, max(1, cdiv(cdiv(width * max_kv, 8), block)))
     _pack_mask_kernel[grid](seq_lens, tree, base, out, bs, width, out.numel(),
                             TREE=tree_mask is not None, BLOCK_BS=pow2(bs), BLOCK=block)
     return out

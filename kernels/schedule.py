@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
 from . import chunk_kernels
 from .attention_core import heads_first_grid
 from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
-from .launch_record import launch, pow2
+from .launch_record import cdiv, launch, pow2
 
 # The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
 # ones re-read the query rows and write a partial for little KV (bench/RESULTS.md, 'Split counts').
@@ -106,7 +105,7 @@ class ChunkLaunch:
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
         part, lse = self.part, self.lse
-        launch(_merge_chunk_pass_kernel, (rows, triton.cdiv(H, block_hm), col_grid),
+        launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
                self.budget, self.rows_per_chunk, self.window,
                seq_lens_k if self.draft_prefix_lens is None else self.draft_prefix_lens,

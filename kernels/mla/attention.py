@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..attention_core import LOG2E, check_paged_inputs, fit_block_n, merge_splits, split_targets
 from ..extend_attention import MASK_KINDS
-from ..launch_record import launch, pow2
+from ..launch_record import cdiv, launch, pow2
 from .chunked import chunked_refusal
 from .dbuf import dbuf_refusal
 from .prologue import _mla_chunked_kernel, _mla_dbuf_kernel, _mla_seesaw_kernel, _mla_swap_kernel, _mla_wgmma_kernel
@@ -152,7 +152,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
     Dv = out.shape[-1]
     block_w, block_h, block_n_, num_warps_, num_stages_ = _tile_config(
         q, W, H, D, block_w, block_h, block_n, num_warps, num_stages)
-    per_request = triton.cdiv(W, block_w) * triton.cdiv(H, block_h)   # programs reading one request's KV
+    per_request = cdiv(W, block_w) * cdiv(H, block_h)   # programs reading one request's KV
     use = _pick_kernel(name, kernel, q, kv_buffer, Dv, D - Dv, block_w * block_h, block_n,
                        num_warps, num_stages, ragged, page_size,
                        streaming=per_request == 1, width=W, mask=mask,
@@ -163,7 +163,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
             if workspace is None and num_kv_splits > 1 else torch.float32)   # else unused: not computed
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)
-    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), bs, num_kv_splits)
+    grid = (cdiv(W, block_w) * cdiv(H, block_h), bs, num_kv_splits)
     tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1),
             kv_buffer.stride(0), page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
     tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,

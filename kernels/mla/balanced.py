@@ -19,7 +19,7 @@ import triton.language as tl
 from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
 from ..chunk_kernels import chunk_of
 from ..extend_attention import MASK_KINDS
-from ..launch_record import launch
+from ..launch_record import cdiv, launch
 from ..schedule import check_schedule, chunk_launch, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
 from .walk import _mla_rows, _mla_store, _mla_walk
@@ -111,7 +111,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
                          f"bound {MAX_GRID_YZ}")
-    grid = (triton.cdiv(W, block_w) * triton.cdiv(H, block_h), slots)
+    grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
     if gluon is not None:
         _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
                       sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask])

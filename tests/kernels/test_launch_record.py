@@ -371,3 +371,13 @@ def test_pow2_is_tritons_next_power_of_2():
     values = list(range(0, 4097)) + [2 ** e + d for e in range(12, 34) for d in (-1, 0, 1)]
     assert [pow2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
     assert pow2(torch.tensor(5)) == 8
+
+
+def test_cdiv_is_tritons_cdiv():
+    """``launch_record.cdiv`` (the launchers' host arithmetic) equals ``triton.cdiv`` on grids' numerators and tiles."""
+    import triton
+
+    from attn_backends_kernels.launch_record import cdiv
+    pairs = [(a, b) for a in list(range(0, 300)) + [2 ** 31 - 1, 2 ** 31, 2 ** 33 + 5] for b in (1, 2, 3, 7, 16, 64, 128)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
+    assert cdiv(torch.tensor(17), 16) == 2
