@@ -21,6 +21,13 @@ MERGE_PASS_CHUNKS = 16
 # bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_WIDE_CHUNKS = 64
 MERGE_PASS_WIDE_FROM = 16
+# From MERGE_PASS_DEEP_FROM chunks a request: MERGE_PASS_DEEP_CHUNKS a load over MERGE_PASS_DEEP_DV columns a
+# program, the other columns on the grid: half the loads in the chain at the same registers (GQA 8/1 long tails at
+# bs 13 and 24 14-16 % faster, ragged and uniform rows 0-1.5 %; at 16 chunks a request it cost ragged and uniform
+# rows 1.5-2 %: bench/RESULTS.md, 'Ragged batches').
+MERGE_PASS_DEEP_FROM = 32
+MERGE_PASS_DEEP_CHUNKS = 128
+MERGE_PASS_DEEP_DV = 64
 MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
@@ -258,17 +265,19 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     MERGE_PASS_VALUES partial values a load (heads first: a program a head and 128 columns made tens of
     thousands of latency-bound programs). Else MERGE_PASS_CHUNKS chunks of one head a load
     (MERGE_PASS_WIDE_CHUNKS on decode budgets of MERGE_PASS_WIDE_FROM or more at Dv <= 256: a long
-    request's merge is a chain of loads, kept short, spread over heads).
+    request's merge is a chain of loads, kept short, spread over heads; from MERGE_PASS_DEEP_FROM,
+    MERGE_PASS_DEEP_CHUNKS over MERGE_PASS_DEEP_DV columns a program, every column block on the grid).
     Each program's columns are cut into grid blocks while rows x head blocks leave fewer than
     MERGE_PASS_PROGRAMS programs; the invariant schedule's always, so that its tiles and steps are a
     function of ``H`` and ``Dv`` alone and a row's sums do not depend on the batch."""
     fat = Dv > 256 and 0 < chunks <= 2
     wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
-    block_c = 4 if fat else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
-    block_dv = min(pow2(Dv), 128)
+    deep = wide and chunks >= MERGE_PASS_DEEP_FROM
+    block_c = 4 if fat else MERGE_PASS_DEEP_CHUNKS if deep else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
+    block_dv = min(pow2(Dv), MERGE_PASS_DEEP_DV if deep else 128)
     block_hm = min(pow2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1
     col_blocks, programs = cdiv(Dv, block_dv), rows * cdiv(H, block_hm)
-    z = col_blocks if chunks == 0 else 1
+    z = col_blocks if chunks == 0 or deep else 1
     while z < col_blocks and programs * z < MERGE_PASS_PROGRAMS:
         z *= 2
     z = min(z, col_blocks)

@@ -82,19 +82,28 @@ def captured(fn) -> tuple:
 
 @contextlib.contextmanager
 def knobs(min_tokens=None, pass_form=None):
-    """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's chunks a load, "p" for one walk
-    (``chunk_kernels.MERGE_PASS_*``), for the launches inside (read at each launch; None: as they are)."""
+    """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
+    for the launches inside (read at each launch; None: as they are): "C" chunks a load, "Cp" in one walk, or
+    "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM`` on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``)."""
     ck = chunk_kernels
-    saved = decode.DECODE_MIN_CHUNK_TOKENS, ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS
+    names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
+             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
+    saved = decode.DECODE_MIN_CHUNK_TOKENS, *(getattr(ck, n) for n in names)
     if min_tokens is not None:
         decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
-    if pass_form is not None:
+    if pass_form is not None and pass_form.startswith("w"):
+        c, d = pass_form[1:].split("d")
+        ck.MERGE_PASS_DEEP_FROM, ck.MERGE_PASS_DEEP_CHUNKS = ck.MERGE_PASS_WIDE_FROM, int(c)
+        ck.MERGE_PASS_DEEP_DV = int(d)
+    elif pass_form is not None:
         c = int(pass_form.rstrip("p"))
         ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = c, c, pass_form.endswith("p")
     try:
         yield
     finally:
-        decode.DECODE_MIN_CHUNK_TOKENS, ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
+        decode.DECODE_MIN_CHUNK_TOKENS = saved[0]
+        for n, v in zip(names, saved[1:]):
+            setattr(ck, n, v)
 
 
 def graph_us(fn) -> float:
@@ -244,7 +253,8 @@ def main(argv=None):
     p.add_argument("--min-chunk-tokens", default="none",
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--pass-forms", default="none",
-                   help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), e.g. 16,64p")
+                   help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), "
+                        "wCdD (every wide budget: C chunks, D columns a program), e.g. 16,64p,w128d64")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")

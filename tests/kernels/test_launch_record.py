@@ -378,6 +378,7 @@ def test_cdiv_is_tritons_cdiv():
     import triton
 
     from attn_backends_kernels.launch_record import cdiv
-    pairs = [(a, b) for a in list(range(0, 300)) + [2 ** 31 - 1, 2 ** 31, 2 ** 33 + 5] for b in (1, 2, 3, 7, 16, 64, 128)]
+    numerators = list(range(0, 300)) + [2 ** 31 - 1, 2 ** 31, 2 ** 33 + 5]
+    pairs = [(a, b) for a in numerators for b in (1, 2, 3, 7, 16, 64, 128)]
     assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
     assert cdiv(torch.tensor(17), 16) == 2

@@ -74,22 +74,30 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass)
 
 def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
     """16 chunks a load below a decode budget of 16 chunks a request (and the invariant schedule's 0), 64 from
-    it on at Dv <= 256; several rows a chunk (verify) and MLA's latent keep 16 (4 on budgets of 1-2)."""
-    assert [merge_pass_tiles(8, 8, 128, c)[0] for c in (0, 2, 15, 16, 64)] == [16, 16, 16, 64, 64]
+    it on at Dv <= 256, 128 over 64 columns a program from 32 on (the other columns on the grid); several rows
+    a chunk (verify) and MLA's latent keep 16 (4 on budgets of 1-2)."""
+    assert [merge_pass_tiles(8, 8, 128, c)[0] for c in (0, 2, 15, 16, 31, 32, 64)] == [16, 16, 16, 64, 64, 128, 128]
+    assert merge_pass_tiles(8, 8, 128, 16) == (64, 1, 128, 1, 1)
+    assert merge_pass_tiles(8, 8, 128, 32) == (128, 1, 64, 1, 2)
     assert merge_pass_tiles(8, 8, 256, 16)[0] == 64
+    assert merge_pass_tiles(8, 8, 256, 32) == (128, 1, 64, 1, 4)
     assert merge_pass_tiles(8, 8, 128, 64, one_row=False)[0] == 16
     assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 16)] == [4, 16]
 
 
-@pytest.mark.parametrize("one_pass,block_c", [(False, 16), (False, 64), (True, 16), (True, 64)])
-def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c):
-    """GQA's tiles (a head and 128 columns a program) over a request of hundreds of chunks beside short ones,
-    in two walks of the chunks or one (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load; a request whose
-    chunks saw nothing merges to zeros."""
+@pytest.mark.parametrize("one_pass,block_c,block_dv", [(False, 16, 128), (False, 64, 128), (True, 16, 128),
+                                                      (True, 64, 128), (False, 64, 32)])
+def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv):
+    """GQA's tiles (a head and 128 columns a program, or 32 and the rest over the grid: ``MERGE_PASS_DEEP_*``)
+    over a request of hundreds of chunks beside short ones, in two walks of the chunks or one
+    (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load; a request whose chunks saw nothing merges to zeros."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_WIDE_CHUNKS", block_c)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_FROM", 64 if block_dv == 128 else 1)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_CHUNKS", block_c)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_DV", block_dv)
     lens, H, Dv, W, block_n, budget = [20000, 300, 5, 700], 2, 128, 1, 16, 64
-    assert merge_pass_tiles(len(lens) * W, H, Dv, budget)[:2] == (block_c, 1)
+    assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, Dv // block_dv)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,))
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
