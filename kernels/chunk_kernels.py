@@ -28,9 +28,6 @@ MERGE_PASS_WIDE_FROM = 16
 MERGE_PASS_DEEP_FROM = 32
 MERGE_PASS_DEEP_CHUNKS = 128
 MERGE_PASS_DEEP_DV = 64
-# The wide budgets' first walk (the maximum of the log-sum-exps, a value a chunk) loads at least this many chunks:
-# a long request's maximum in one or two loads, not one a partials' load.
-MERGE_PASS_LSE_CHUNKS = 512
 MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
@@ -168,12 +165,12 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
-                             BLOCK_L: tl.constexpr, SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
-    """The separate merge (``merge="pass"``): program (query row j of request b, head block, column block) merges
-    that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C chunks a load (BLOCK_L in
-    the first walk, the maximum: ``merge_lse_chunks``), in chunk order, where the request has more than one chunk
-    (one chunk wrote its output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request
-    (HAS_CU; else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
+                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
+    """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
+    block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
+    chunks a load, in chunk order, where the request has more than one chunk (one chunk wrote its
+    output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
+    else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
     (bench/RESULTS.md, 'Ragged batches')."""
     r = tl.program_id(0)
@@ -199,11 +196,10 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                                 stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM, BLOCK_DV,
                                 BLOCK_C)
         else:
-            offs_l = tl.arange(0, BLOCK_L)
-            m = tl.full([BLOCK_HM, BLOCK_L], float("-inf"), tl.float32)
-            for c0 in range(0, count, BLOCK_L):
-                rows = (first + c0 + offs_l).to(tl.int64) * rows_per_chunk + j
-                ok = ok_h[:, None] & (c0 + offs_l < count)[None, :]
+            m = tl.full([BLOCK_HM, BLOCK_C], float("-inf"), tl.float32)
+            for c0 in range(0, count, BLOCK_C):
+                rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+                ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
                 m = tl.maximum(m, tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
                                           other=float("-inf")))
             top = tl.maximum(tl.max(m, 1), -1e30)            # a row no chunk saw anything of: zeros
@@ -259,12 +255,6 @@ def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
     out = tl.sum(acc * lane[:, :, None], 1) / tl.maximum(tl.sum(den * lane, 1), 1e-30)[:, None]
     tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
              mask=ok_h[:, None] & ok_dv[None, :])
-
-
-def merge_lse_chunks(block_c: int) -> int:
-    """The merge pass's chunks a load in its first walk (the log-sum-exps' maximum) at ``block_c`` in the second:
-    MERGE_PASS_LSE_CHUNKS or more on the wide budgets (``merge_pass_tiles``), else ``block_c``."""
-    return max(block_c, MERGE_PASS_LSE_CHUNKS) if block_c >= MERGE_PASS_WIDE_CHUNKS else block_c
 
 
 def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = True) -> tuple:

@@ -27,7 +27,7 @@ import torch
 
 from . import chunk_kernels
 from .attention_core import heads_first_grid
-from .chunk_kernels import _merge_chunk_pass_kernel, merge_lse_chunks, merge_pass_tiles
+from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
 from .launch_record import cdiv, launch, pow2
 
 # The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
@@ -114,7 +114,7 @@ class ChunkLaunch:
                DV_STEPS=steps, BLOCK_C=block_c, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
-               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, BLOCK_L=merge_lse_chunks(block_c))
+               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,

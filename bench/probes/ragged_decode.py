@@ -84,17 +84,14 @@ def captured(fn) -> tuple:
 def knobs(min_tokens=None, pass_form=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
     for the launches inside (read at each launch; None: as they are): "C" chunks a load, "Cp" in one walk, or
-    "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM`` on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``),
-    "lN" the wide budgets' first walk N chunks a load at least (``MERGE_PASS_LSE_CHUNKS``; l0: as the second)."""
+    "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM`` on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``)."""
     ck = chunk_kernels
     names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
-             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV", "MERGE_PASS_LSE_CHUNKS")
+             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
     saved = decode.DECODE_MIN_CHUNK_TOKENS, *(getattr(ck, n) for n in names)
     if min_tokens is not None:
         decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
-    if pass_form is not None and pass_form.startswith("l"):
-        ck.MERGE_PASS_LSE_CHUNKS = int(pass_form[1:])
-    elif pass_form is not None and pass_form.startswith("w"):
+    if pass_form is not None and pass_form.startswith("w"):
         c, d = pass_form[1:].split("d")
         ck.MERGE_PASS_DEEP_FROM, ck.MERGE_PASS_DEEP_CHUNKS = ck.MERGE_PASS_WIDE_FROM, int(c)
         ck.MERGE_PASS_DEEP_DV = int(d)
@@ -257,8 +254,7 @@ def main(argv=None):
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--pass-forms", default="none",
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), "
-                        "wCdD (every wide budget: C chunks, D columns a program), lN (the first walk's chunks a load), "
-                        "e.g. 64p,w128d64,l0")
+                        "wCdD (every wide budget: C chunks, D columns a program), e.g. 16,64p,w128d64")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
