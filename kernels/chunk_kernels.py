@@ -22,9 +22,8 @@ MERGE_PASS_CHUNKS = 16
 MERGE_PASS_WIDE_CHUNKS = 64
 MERGE_PASS_WIDE_FROM = 16
 # From MERGE_PASS_DEEP_FROM chunks a request: MERGE_PASS_DEEP_CHUNKS a load over MERGE_PASS_DEEP_DV columns a
-# program, the other columns on the grid: half the loads in the chain at the same registers (GQA 8/1 long tails at
-# bs 13 and 24 14-16 % faster, ragged and uniform rows 0-1.5 %; at 16 chunks a request it cost ragged and uniform
-# rows 1.5-2 %: bench/RESULTS.md, 'Ragged batches').
+# program, the other columns on the grid: half the dependent loads of a long request's merge, the accumulator no
+# larger (faster from 32 chunks a request, slower at 16: bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_DEEP_FROM = 32
 MERGE_PASS_DEEP_CHUNKS = 128
 MERGE_PASS_DEEP_DV = 64

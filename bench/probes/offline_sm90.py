@@ -273,17 +273,21 @@ def deep_configs() -> dict:
 
 def one_pass_configs() -> dict:
     """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
-    default) at 16 and 64 chunks a load, on GQA's tiles and MLA's fat ones (several heads a program)."""
+    default) at 16 and 64 chunks a load over 128 columns (the deep tiles off: ``MERGE_PASS_DEEP_FROM``), on GQA's
+    tiles and MLA's fat ones (several heads a program)."""
     import attn_backends_kernels.chunk_kernels as ck
+    names = "MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM"
 
     def one_pass(thunk, block_c):
         def run():
-            saved = ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS
-            ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = block_c, block_c, True
+            saved = tuple(getattr(ck, n) for n in names)
             try:
+                for n, v in zip(names, (block_c, block_c, True, 1 << 30)):
+                    setattr(ck, n, v)
                 thunk()
             finally:
-                ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = saved
+                for n, v in zip(names, saved):
+                    setattr(ck, n, v)
         return run
     gqa, mla = gqa_chunk_configs(), mla_chunk_configs()
     return {"one pass c16 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 16),

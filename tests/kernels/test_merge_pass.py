@@ -27,7 +27,8 @@ def _chunks(lens, num_chunks, block_n, min_tiles):
 def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spike=False):
     """The merge pass over random partials of ``lens`` against a float64 merge; requests in ``dead`` have every
     log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. ``spike``: the first
-    request's last chunk 300 above the rest (2^300 overflows float32 unless the maximum saw it). Returns the spans."""
+    request's last chunk 300 above the rest in head 0 (2^300 overflows float32 unless the maximum saw it). Returns
+    the spans."""
     bs = len(lens)
     least = least or schedule.min_tiles(block_n)
     spans = _chunks(lens, bs * budget, block_n, least)
@@ -38,9 +39,9 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
     for b in dead:
         first, count = spans[b]
         lse[first * W:(first + count) * W] = float("-inf")
-    if spike:
+    if spike:                                                  # one head: the other checks the whole merge
         first, count = spans[0]
-        lse[(first + count - 1) * W:(first + count) * W] += 300.0
+        lse[(first + count - 1) * W:(first + count) * W, 0] += 300.0
     lse = lse.to(DEVICE)
     out = torch.full((bs * W, H, Dv), float("nan"), device=DEVICE)
     cl = ChunkLaunch(part, lse, torch.zeros(bs, dtype=torch.int32, device=DEVICE), bs * budget, (1, 1),
@@ -89,20 +90,22 @@ def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
     assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 16)] == [4, 16]
 
 
-@pytest.mark.parametrize("one_pass,block_c,block_dv", [(False, 16, 128), (False, 64, 128), (True, 16, 128),
-                                                      (True, 64, 128), (False, 64, 32)])
-def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv):
-    """GQA's tiles (a head and 128 columns a program, or 32 and the rest over the grid: ``MERGE_PASS_DEEP_*``)
+@pytest.mark.parametrize("one_pass,block_c,block_dv,Dv", [(False, 16, 128, 128), (False, 64, 128, 128),
+                                                         (True, 16, 128, 128), (True, 64, 128, 128),
+                                                         (False, 64, 32, 128), (False, 64, 64, 96)])
+def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv, Dv):
+    """GQA's tiles (a head and 128 columns a program, or 32 or 64 and the rest over the grid, the last block partial
+    at Dv 96: ``MERGE_PASS_DEEP_*``)
     over a request of hundreds of chunks beside short ones, in two walks of the chunks or one
     (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load, the long request's last chunk far above the rest (the
     maximum must see every load); a request whose chunks saw nothing merges to zeros."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_WIDE_CHUNKS", block_c)
-    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_FROM", 64 if block_dv == 128 else 1)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_FROM", 1 << 30 if block_dv == 128 else 1)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_DV", block_dv)
-    lens, H, Dv, W, block_n, budget = [20000, 300, 5, 700], 2, 128, 1, 16, 64
-    assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, Dv // block_dv)
+    lens, H, W, block_n, budget = [20000, 300, 5, 700], 2, 1, 16, 64
+    assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, -(-Dv // block_dv))
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spike=True)
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
