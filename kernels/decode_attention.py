@@ -287,7 +287,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     group = H // Hkv
     # tl.dot needs M >= 16; spare head rows are masked out.
     block_h = max(16, pow2(group))
-    group_pad = pow2(group)
+    group_pad, block_d, block_dv = pow2(group), pow2(D), pow2(Dv)
     if block_n is None:
         block_n = decode_block_n(k_buffer.dtype, max(D, Dv), schedule)
     if schedule != "split":
@@ -310,10 +310,10 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), page_table.stride(0),
             part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, BLOCK_D=pow2(D),
-            HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
+            GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, BLOCK_D=block_d,
+            HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
-            CHUNK_DV=merge_chunk(group_pad, pow2(Dv), num_warps), MERGE_LAST=merge == "last",
+            CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), MERGE_LAST=merge == "last",
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
             **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":
@@ -321,7 +321,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         return out
     feats["SLOT64"] = slot64(k_buffer, v_buffer)       # the split pass: int32 slots where the cache allows
     fused = fuse_merge(group_pad, num_kv_splits, Dv, num_warps, workspace)
-    block_s, block_dv = pow2(num_kv_splits), pow2(Dv)
+    block_s = pow2(num_kv_splits)
     o, lse, counters, o_strides, lse_strides = split_targets(
         "decode_attention_fwd", out, workspace, num_kv_splits, bs * Hkv if fused else 0)
     heads_first, grid = heads_first_grid("decode_attention_fwd", heads_first, bs, 1,
@@ -336,7 +336,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         *o_strides, *lse_strides,
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=block_h,
-        HEAD_DIM=D, BLOCK_D=pow2(D),
+        HEAD_DIM=D, BLOCK_D=block_d,
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

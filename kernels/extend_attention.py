@@ -324,7 +324,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if bs == 0 or T == 0:
         return out
     group = H // Hkv
-    group_pad = pow2(group)
+    group_pad, block_d, block_dv = pow2(group), pow2(D), pow2(Dv)
     block_q = block_q or pick_block_q(max_q_len, group_pad)
     wide = wide_verify_tile(max_q_len, block_q * group_pad)
     # The 32-row verify tile on 2 warps, 64-token KV tiles and 3 stages at every split count:
@@ -336,7 +336,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     if num_stages is None:
         num_stages = 3 if wide else 2
     if block_n is None:  # as many tokens as the card's shared memory stages (float32 at head dim 256: 32)
-        tile_dims = pow2(D) + pow2(Dv)    # one token of K and of V
+        tile_dims = block_d + block_dv    # one token of K and of V
         block_n = fit_block_n(q, 64, tile_dims * q.element_size())
     num_qb = cdiv(max_q_len, block_q)
     if schedule != "split":
@@ -353,10 +353,10 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
             page_table.stride(0), part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=pow2(D),
-            HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv), PAGE_SIZE=page_size, BLOCK_N=block_n,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=block_d,
+            HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            CHUNK_DV=merge_chunk(block_q * group_pad, pow2(Dv), num_warps),
+            CHUNK_DV=merge_chunk(block_q * group_pad, block_dv, num_warps),
             MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, cu_seqlens_q, out)
@@ -364,7 +364,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
     fused = (fuse_merge(block_q * group_pad, num_kv_splits, Dv, num_warps, workspace, share=0.5, one_block=num_qb == 1,
                         programs=bs * num_qb * Hkv * num_kv_splits, sms=device_sms(q.device)) if fuse is None
              else bool(fuse) and num_kv_splits > 1)
-    block_s, block_dv = pow2(num_kv_splits), pow2(Dv)
+    block_s = pow2(num_kv_splits)
     o, lse, counters, o_strides, lse_strides = split_targets(
         name, out, workspace, num_kv_splits, bs * num_qb * Hkv if fused else 0)
     heads_first, grid = heads_first_grid(name, heads_first, bs, num_qb, (Hkv, num_qb * num_kv_splits, bs),
@@ -380,7 +380,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
         *o_strides, *lse_strides,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=D, BLOCK_D=pow2(D),
+        HEAD_DIM=D, BLOCK_D=block_d,
         HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -163,7 +163,7 @@ def mla_attention_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale,
             if workspace is None and num_kv_splits > 1 else torch.float32)   # else unused: not computed
     o, lse, _, o_strides, lse_strides = split_targets(name, out, workspace, num_kv_splits, part_dtype=part,
                                                       out_dtype_partials=True)
-    grid = (cdiv(W, block_w) * cdiv(H, block_h), bs, num_kv_splits)
+    grid = (per_request, bs, num_kv_splits)
     tail = (mask_arg, draft_arg, o, lse, sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1),
             kv_buffer.stride(0), page_table.stride(0), *o_strides, *lse_strides, W, num_kv_splits)
     tiles = dict(NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
