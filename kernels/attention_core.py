@@ -236,6 +236,11 @@ def check_fp8_widening(name, q, kv_buffer) -> None:
                              f"conversions), this GPU is sm_{major}{minor}")
 
 
+def pdl_device(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches (an sm_90+ NVIDIA GPU; not the interpreter)."""
+    return device.type == "cuda" and torch.version.hip is None and _capability(cuda_index(device))[0] >= 9
+
+
 def cuda_index(device: torch.device) -> int:
     """The CUDA device index ``device`` names; a bare ``torch.device("cuda")`` names the current
     device (``torch.cuda.set_device``), not device 0."""

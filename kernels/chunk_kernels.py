@@ -31,6 +31,11 @@ MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
+# The merge pass launched as a programmatic dependent launch (sm_90+): its programs start while the chunk pass
+# ends and find their schedule there, and wait (``gdc_wait``) only before reading the partials. The chunk pass
+# allows it from its start (``CHUNK_PDL_TRIGGER``: ``gdc_launch_dependents``) or, off, as its programs exit.
+MERGE_PASS_PDL = True
+CHUNK_PDL_TRIGGER = True
 
 
 @triton.jit
@@ -164,14 +169,15 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
-                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
+                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False):
     """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
     chunks a load, in chunk order, where the request has more than one chunk (one chunk wrote its
     output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
     else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
-    (bench/RESULTS.md, 'Ragged batches')."""
+    (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass, the
+    partials read after ``gdc_wait`` (the chunk pass complete and its stores visible)."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
@@ -185,6 +191,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if ((count > 1) | SINGLE) & (j < q_len):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
         ok_h = offs_h < NUM_HEADS
         offs_c = tl.arange(0, BLOCK_C)

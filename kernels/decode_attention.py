@@ -189,10 +189,14 @@ def _decode_chunk_kernel(
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SLOT64: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,
 ):
     """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
-    last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining."""
+    last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining.
+    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``ChunkLaunch.pdl_trigger``)."""
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, window, 1, seq_lens_ptr, BLOCK_N,
                                                   MIN_TILES, FIXED_TILES, BLOCK_BS, NO_MASK, WINDOW)
@@ -314,6 +318,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), MERGE_LAST=merge == "last",
+            PDL_TRIGGER=merge == "pass" and cl.pdl_trigger(out.device),
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
             **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from . import chunk_kernels
-from .attention_core import heads_first_grid
+from .attention_core import heads_first_grid, pdl_device
 from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
 from .launch_record import cdiv, launch, pow2
 
@@ -96,6 +96,11 @@ class ChunkLaunch:
         (``_balanced_per``)."""
         return -self.num_chunks if self.fit else self.num_chunks
 
+    @staticmethod
+    def pdl_trigger(device: torch.device) -> bool:
+        """Whether the chunk pass lets its merge pass launch from its start (``chunk_kernels.CHUNK_PDL_TRIGGER``)."""
+        return chunk_kernels.CHUNK_PDL_TRIGGER and chunk_kernels.MERGE_PASS_PDL and pdl_device(device)
+
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
         one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
@@ -105,6 +110,7 @@ class ChunkLaunch:
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
         part, lse = self.part, self.lse
+        pdl = chunk_kernels.MERGE_PASS_PDL and pdl_device(out.device)
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
                self.budget, self.rows_per_chunk, self.window,
@@ -114,7 +120,7 @@ class ChunkLaunch:
                DV_STEPS=steps, BLOCK_C=block_c, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
-               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS)
+               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, launch_pdl=pdl)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,

@@ -57,8 +57,9 @@ def compile_sm90(kernel, args: tuple, kwargs: dict):
 
 def resources(compiled) -> dict:
     """Registers and spill stack per thread (from the cubin), shared memory, warps, and the
-    counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR, and of
-    barriers (``bar.sync``) and 16-byte global stores (``st.global...v4``) in its PTX."""
+    counts of wgmma dots, mma.sync dots and cp.async copies in the kernel's TTGIR, of
+    barriers (``bar.sync``), 16-byte global stores (``st.global...v4``) and grid dependency waits and
+    triggers (``griddepcontrol``) in its PTX, and whether it launches as a programmatic dependent (``pdl``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -70,7 +71,10 @@ def resources(compiled) -> dict:
                 warps=compiled.metadata.num_warps, wgmma=ttgir.count("warp_group_dot "),
                 mma_sync=ttgir.count("tt.dot "), cp_async=ttgir.count("async_copy_global_to_local"),
                 barriers=compiled.asm["ptx"].count("bar.sync"),
-                v4_stores=len(re.findall(r"st\.global[.\w]*\.v4\.", compiled.asm["ptx"])))
+                v4_stores=len(re.findall(r"st\.global[.\w]*\.v4\.", compiled.asm["ptx"])),
+                gdc_wait=compiled.asm["ptx"].count("griddepcontrol.wait"),
+                gdc_trigger=compiled.asm["ptx"].count("griddepcontrol.launch_dependents"),
+                pdl=bool(compiled.metadata.launch_pdl))
 
 
 @contextlib.contextmanager
@@ -94,17 +98,18 @@ def offline():
         launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 
-    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device
+    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device, schedule.pdl_device
     for m in modules:
         m.launch = compile_instead
     wgmma.on_hopper = lambda t: True
     warpspec.hopper_device = lambda device: True        # the split partials' dtype, as on sm_90
+    schedule.pdl_device = lambda device: True           # the merge pass a dependent launch, as on sm_90
     try:
         yield launches
     finally:
         for m, fn in zip(modules, saved[0]):
             m.launch = fn
-        wgmma.on_hopper, warpspec.hopper_device = saved[1], saved[2]
+        wgmma.on_hopper, warpspec.hopper_device, schedule.pdl_device = saved[1], saved[2], saved[3]
 
 
 def mla_configs() -> dict:

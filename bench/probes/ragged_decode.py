@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 
 import torch
@@ -81,14 +82,15 @@ def captured(fn) -> tuple:
 
 
 @contextlib.contextmanager
-def knobs(min_tokens=None, pass_form=None):
+def knobs(min_tokens=None, pass_form=None, pdl=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
     for the launches inside (read at each launch; None: as they are): "C" chunks a load over 128 columns at every
     budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
-    on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``)."""
+    on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
+    ("off"; "exit": allowed as the chunk programs exit; "start": from their start, ``CHUNK_PDL_TRIGGER``)."""
     ck = chunk_kernels
     names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
-             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
+             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV", "MERGE_PASS_PDL", "CHUNK_PDL_TRIGGER")
     saved = decode.DECODE_MIN_CHUNK_TOKENS, *(getattr(ck, n) for n in names)
     try:
         if min_tokens is not None:
@@ -101,6 +103,9 @@ def knobs(min_tokens=None, pass_form=None):
             c = int(pass_form.rstrip("p"))
             ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = c, c, pass_form.endswith("p")
             ck.MERGE_PASS_DEEP_FROM = 1 << 30
+        if pdl is not None:
+            ck.MERGE_PASS_PDL, ck.CHUNK_PDL_TRIGGER = {"off": (False, False), "exit": (True, False),
+                                                       "start": (True, True)}[pdl]
         yield
     finally:
         decode.DECODE_MIN_CHUNK_TOKENS = saved[0]
@@ -158,7 +163,7 @@ def kv_pair(num_slots: int, Hkv: int, D: int, kv_dtype):
 
 def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns=(None,), merges=("last",),
         kv_dtype=torch.bfloat16, orders=(None,), maxnregs=(None,), kv: int = 16384, min_tokens=(None,),
-        pass_forms=(None,), split_mults=(1,), merge_tiles=(None,), launches=(None,), fits=(0,)) -> dict:
+        pass_forms=(None,), split_mults=(1,), merge_tiles=(None,), launches=(None,), fits=(0,), pdls=(None,)) -> dict:
     gen = torch.Generator().manual_seed(bs)
     lens = lengths(dist, bs, kv=kv)
     pg = paged(lens, Hkv, D, gen)
@@ -186,18 +191,17 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
         res[f"split n{bn}"] = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"split n{bn} differs from split"
     best = None
-    for m, bn, mg, hf, nr, mt, pf, la, ft in ((m, bn, mg, hf, nr, mt, pf, la, ft) for m in mults for bn in block_ns
-                                              for mg in merges for hf in orders for nr in maxnregs for mt in min_tokens
-                                              for pf in pass_forms for la in launches for ft in fits):
-        out, fn = ours(pg, q, kb, vb, S * m, "chunks", bn, mg, sc, hf, nr, la, bool(ft))
+    grid = itertools.product(mults, block_ns, merges, orders, maxnregs, min_tokens, pass_forms, launches, fits, pdls)
+    for m, bn, mg, hf, nr, mt, pf, la, ft, pd in grid:
+        out, fn = ours(pg, q, kb, vb, max(1, round(S * m)), "chunks", bn, mg, sc, hf, nr, la, bool(ft))
         name = (f"chunks x{m}" + ("" if bn is None else f" n{bn}") + ("" if mg == "last" else " pass")
                 + ("" if hf is None else f" {ORDER[hf]}") + ("" if nr is None else f" r{nr}")
                 + ("" if mt is None else f" min{mt}") + ("" if pf is None else f" c{pf}") + (f" {la}" if la else "")
-                + (" fit" if ft else ""))
-        with knobs(mt, pf):
+                + (" fit" if ft else "") + ("" if pd is None else f" pdl-{pd}"))
+        with knobs(mt, pf, pd):
             res[name] = t = graph_us(fn)
         assert (out.float() - out0.float()).abs().max() < 2e-2, f"{name} differs from split"
-        cand = (t, m, bn, mg, hf, nr, mt, pf, la, bool(ft))
+        cand = (t, m, bn, mg, hf, nr, mt, pf, la, bool(ft), pd)
         best = min(best or cand, cand, key=lambda b: b[0])
     out, fn = ours(pg, q, kb, vb, S, "invariant", scales=sc)
     res["invariant"] = graph_us(fn)
@@ -209,9 +213,9 @@ def row(H: int, Hkv: int, D: int, bs: int, dist: str, mults, fi, fi_ws, block_ns
     upg = paged([mean] * bs, Hkv, D, gen)
     ukb, uvb, _ = kv_pair(upg["num_pages"] * PAGE, Hkv, D, kv_dtype)
     # the best chunk configuration of the row on a uniform batch of its tokens: the balance, like for like
-    with knobs(best[6], best[7]):
-        res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, S * best[1], "chunks", best[2], best[3], sc,
-                                                   best[4], best[5], best[8], best[9])[1])
+    with knobs(best[6], best[7], best[10]):
+        res["uniform same tokens"] = graph_us(ours(upg, q, ukb, uvb, max(1, round(S * best[1])), "chunks", best[2],
+                                                   best[3], sc, best[4], best[5], best[8], best[9])[1])
     return res
 
 
@@ -262,6 +266,8 @@ def main(argv=None):
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
     p.add_argument("--launches", default="none",
                    help="the chunk pass's stages and warps to try: none (2 and 4), s3w4, s2w8, ...")
+    p.add_argument("--pdls", default="none",
+                   help="the merge pass as a dependent launch: none (as it is), off, exit, start")
     p.add_argument("--fits", default="0", help="the chunk budget's wave fit (chunk_kernels._balanced_per) to try: 0, 1")
     p.add_argument("--slot64", default="auto",
                    help="slot arithmetic: auto (decode_attention.slot64's: the split pass int32 on these pools; "
@@ -269,7 +275,7 @@ def main(argv=None):
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
     args = p.parse_args(argv)
     fi, fi_ws = load_flashinfer(args.no_flashinfer)
-    mults = [int(m) for m in args.mults.split(",")]
+    mults = [float(m) if "." in m else int(m) for m in args.mults.split(",")]
     kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[d] for d in args.kv_dtypes.split(",")]
     copy = copy_tb_s()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
@@ -288,7 +294,7 @@ def main(argv=None):
                         [{"auto": None, "heads": True, "batch": False}[o] for o in args.orders.split(",")],
                         opts(args.maxnregs), args.kv, opts(args.min_chunk_tokens), opts(args.pass_forms, str),
                         opts(args.split_mults), opts(args.merge_tiles), opts(args.launches, str),
-                        opts(args.fits))
+                        opts(args.fits), opts(args.pdls, str))
                 best_fi = min((v for k, v in r.items() if k.startswith("fi")), default=None)
                 best = min(v for k, v in r.items() if k.startswith(("split", "chunks")))
                 firsts.append((best, best_fi))

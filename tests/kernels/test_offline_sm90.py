@@ -146,6 +146,19 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
     assert (chunk[0]["regs"] <= 64) == bounded, chunk[0]
 
 
+@pytest.mark.parametrize("label", ["chunks 8/1 d128", "chunks 28/4 d128", "chunks 32/8 d64", "balanced mla16 decode",
+                                   "balanced mla16 verify4"])
+def test_the_merge_pass_is_a_dependent_launch_that_waits(compiled, label):
+    """On sm_90 the chunk schedule's merge pass launches as a programmatic dependent of the chunk pass
+    (``MERGE_PASS_PDL``) and waits for it (``gdc_wait``) before reading the partials; decode's chunk pass lets it
+    launch from its start (``CHUNK_PDL_TRIGGER``). A dependent launch without the wait reads partials being written
+    (tests/kernels/test_merge_pdl.py shows it on the GPU)."""
+    merge = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
+    assert len(merge) == 1 and merge[0]["pdl"] and merge[0]["gdc_wait"] >= 1, compiled[label]
+    chunk = [r for r in compiled[label] if r["kernel"] == "_decode_chunk_kernel"]
+    assert all(r["gdc_trigger"] == 1 and not r["pdl"] for r in chunk), chunk
+
+
 @pytest.mark.parametrize("label", ["resident 32/8 d128", "resident 28/4 d128", "resident 12/4 d128",
                                    "resident 20/4 d128", "resident 24/4 d128", "resident 8/1 d128",
                                    "resident 64/8 d128", "resident 64/4 d128", "resident 32/8 d64",

@@ -1,0 +1,76 @@
+"""The merge pass as a programmatic dependent launch (``chunk_kernels.MERGE_PASS_PDL``, sm_90+): its programs
+may start while the chunk pass still runs (from the chunk programs' start: ``CHUNK_PDL_TRIGGER``) and must
+read the partials only after ``gdc_wait``. The workspace is poisoned (NaN) inside the graph before every step,
+so a merge program that read a partial before its chunk program wrote it reads NaN or the previous step's
+value: every replay, on lengths other than the capture's, must equal the same step launched without the
+dependent launch bitwise, and the float64 reference. Small batches leave SMs idle for early merge programs."""
+import random
+
+import pytest
+import torch
+from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
+
+from attn_backends_kernels import chunk_kernels
+from attn_backends_kernels.attention_core import pdl_device
+from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.schedule import chunk_workspace
+
+pytestmark = pytest.mark.cuda
+PAGE = 16
+
+
+def _lengths(bs: int, seed: int) -> list:
+    """A long tail (one request of 32768 among 256-2048), ragged (256-16384) and near-uniform lengths."""
+    rng = random.Random(seed)
+    short = [rng.randint(256, 2048) for _ in range(bs)]
+    short[rng.randrange(bs)] = 32768
+    return [short, [rng.randint(256, 16384) for _ in range(bs)], [8192 + rng.randint(0, 64) for _ in range(bs)]]
+
+
+@pytest.mark.parametrize("H,Hkv,D,bs,per_request", [(8, 1, 128, 5, 8), (8, 1, 128, 48, 16), (28, 4, 128, 13, 4),
+                                                    (32, 8, 64, 3, 16)])
+def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H, Hkv, D, bs, per_request):
+    if not pdl_device(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    assert chunk_kernels.MERGE_PASS_PDL and chunk_kernels.CHUNK_PDL_TRIGGER     # the default this test guards
+    batches = _lengths(bs, bs)
+    made = [make_paged_batch(lens, PAGE, device="cuda", seed=i) for i, lens in enumerate(batches)]
+    page_table = torch.zeros(bs, max(m[0].shape[1] for m in made), dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    num_slots = max(m[2] for m in made) * PAGE
+    k_buf, v_buf = (torch.randn(num_slots, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(bs, H, D, device="cuda").to(torch.bfloat16)
+    out = torch.empty(bs, H, D, device="cuda", dtype=torch.bfloat16)
+    ws = chunk_workspace(bs, per_request, 1, H, Hkv, D, "cuda")
+
+    def step():
+        ws[0].fill_(float("nan"))
+        ws[1].fill_(float("nan"))
+        decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
+                             schedule="chunks", merge="pass")
+
+    def load(m):
+        page_table.zero_()
+        page_table[:, :m[0].shape[1]] = m[0]
+        seq_lens.copy_(m[1])
+
+    load(made[-1])
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for m in made:
+        load(m)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone()
+        step()                                       # eager, dependent launch too
+        eager = out.clone()
+        with monkeypatch.context() as mp:
+            mp.setattr(chunk_kernels, "MERGE_PASS_PDL", False)
+            step()                                   # the merge after the chunk pass has ended
+        assert torch.equal(replayed, out), f"replay with a dependent merge differs, lengths {m[1].tolist()}"
+        assert torch.equal(eager, out), f"eager dependent merge differs, lengths {m[1].tolist()}"
+        ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, torch.arange(bs + 1, dtype=torch.int32),
+                                  PAGE, D ** -0.5)
+        assert_close(replayed, ref, 1e-2)
