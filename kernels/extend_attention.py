@@ -161,11 +161,14 @@ def _extend_chunk_kernel(
     BLOCK_BS: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, BLOCK_W: tl.constexpr,
-    SLOT64: tl.constexpr,
+    SLOT64: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
 ):
     """The chunk schedule (``chunk_kernels.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
-    chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace."""
+    chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace. ``PDL_TRIGGER``: the merge
+    pass may launch once every program has started (``ChunkLaunch.pdl_trigger``)."""
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
     b, first, count, start, end, total = chunk_of(seq_lens_ptr, c, bs, num_chunks, window, rows_per_chunk,
@@ -357,7 +360,8 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, block_dv, num_warps),
-            MERGE_LAST=merge == "last", num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
+            MERGE_LAST=merge == "last", PDL_TRIGGER=merge == "pass" and cl.pdl_trigger(out.device),
+            num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, cu_seqlens_q, out)
         return out

@@ -13,6 +13,7 @@ from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 from attn_backends_kernels import chunk_kernels
 from attn_backends_kernels.attention_core import pdl_device
 from attn_backends_kernels.decode_attention import decode_attention_fwd
+from attn_backends_kernels.extend_attention import extend_attention_fwd
 from attn_backends_kernels.schedule import chunk_workspace
 
 pytestmark = pytest.mark.cuda
@@ -27,9 +28,11 @@ def _lengths(bs: int, seed: int) -> list:
     return [short, [rng.randint(256, 16384) for _ in range(bs)], [8192 + rng.randint(0, 64) for _ in range(bs)]]
 
 
-@pytest.mark.parametrize("H,Hkv,D,bs,per_request", [(8, 1, 128, 5, 8), (8, 1, 128, 48, 16), (28, 4, 128, 13, 4),
-                                                    (32, 8, 64, 3, 16)])
-def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H, Hkv, D, bs, per_request):
+@pytest.mark.parametrize("H,Hkv,D,bs,per_request,W", [(8, 1, 128, 5, 8, 1), (8, 1, 128, 48, 16, 1),
+                                                      (28, 4, 128, 13, 4, 1), (32, 8, 64, 3, 16, 1),
+                                                      (8, 1, 128, 5, 8, 4), (32, 8, 128, 6, 4, 4)])
+def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H, Hkv, D, bs, per_request, W):
+    """Decode (``W`` 1) and verify (``W`` query rows a request, causal)."""
     if not pdl_device(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
     assert chunk_kernels.MERGE_PASS_PDL and chunk_kernels.CHUNK_PDL_TRIGGER     # the default this test guards
@@ -38,16 +41,22 @@ def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H,
     page_table = torch.zeros(bs, max(m[0].shape[1] for m in made), dtype=torch.int32, device="cuda")
     seq_lens = torch.zeros(bs, dtype=torch.int32, device="cuda")
     num_slots = max(m[2] for m in made) * PAGE
+    cu_q_dev = torch.arange(0, bs * W + 1, W, dtype=torch.int32, device="cuda")
     k_buf, v_buf = (torch.randn(num_slots, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
-    q = torch.randn(bs, H, D, device="cuda").to(torch.bfloat16)
-    out = torch.empty(bs, H, D, device="cuda", dtype=torch.bfloat16)
-    ws = chunk_workspace(bs, per_request, 1, H, Hkv, D, "cuda")
+    q = torch.randn(bs * W, H, D, device="cuda").to(torch.bfloat16)
+    out = torch.empty(bs * W, H, D, device="cuda", dtype=torch.bfloat16)
+    ws = chunk_workspace(bs, per_request, W, H, Hkv, D, "cuda")
+    cu_q = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
 
     def step():
         ws[0].fill_(float("nan"))
         ws[1].fill_(float("nan"))
-        decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
-                             schedule="chunks", merge="pass")
+        if W == 1:
+            decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
+                                 schedule="chunks", merge="pass")
+        else:
+            extend_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, PAGE, D ** -0.5, W, out,
+                                 num_kv_splits=per_request, workspace=ws, schedule="chunks", merge="pass")
 
     def load(m):
         page_table.zero_()
@@ -71,6 +80,5 @@ def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H,
             step()                                   # the merge after the chunk pass has ended
         assert torch.equal(replayed, out), f"replay with a dependent merge differs, lengths {m[1].tolist()}"
         assert torch.equal(eager, out), f"eager dependent merge differs, lengths {m[1].tolist()}"
-        ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, torch.arange(bs + 1, dtype=torch.int32),
-                                  PAGE, D ** -0.5)
+        ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, cu_q, PAGE, D ** -0.5)
         assert_close(replayed, ref, 1e-2)
