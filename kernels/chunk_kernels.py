@@ -28,9 +28,6 @@ MERGE_PASS_DEEP_FROM = 32
 MERGE_PASS_DEEP_CHUNKS = 128
 MERGE_PASS_DEEP_DV = 64
 MERGE_PASS_VALUES = 4096
-# Budgets of fewer than MERGE_PASS_CHUNKS chunks a request (Dv <= 256): loads of pow2(budget) chunks of as many heads
-# as fill MERGE_PASS_CHUNKS (fewer programs, each a load of its heads' chunks): off until measured on a GPU.
-MERGE_PASS_NARROW = False
 MERGE_PASS_PROGRAMS = 264
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
@@ -283,12 +280,9 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     fat = Dv > 256 and 0 < chunks <= 2
     wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
     deep = wide and chunks >= MERGE_PASS_DEEP_FROM
-    narrow = MERGE_PASS_NARROW and Dv <= 256 and 0 < chunks < MERGE_PASS_CHUNKS
     block_c = 4 if fat else MERGE_PASS_DEEP_CHUNKS if deep else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
-    block_c = max(2, pow2(chunks)) if narrow else block_c
     block_dv = min(pow2(Dv), MERGE_PASS_DEEP_DV if deep else 128)
-    block_hm = (min(pow2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat
-                else min(pow2(H), MERGE_PASS_CHUNKS // block_c) if narrow else 1)
+    block_hm = min(pow2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1
     col_blocks, programs = cdiv(Dv, block_dv), rows * cdiv(H, block_hm)
     z = col_blocks if chunks == 0 or deep else 1
     while z < col_blocks and programs * z < MERGE_PASS_PROGRAMS:

@@ -109,16 +109,3 @@ def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv, 
     assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, -(-Dv // block_dv))
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spike=True)
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
-
-
-@pytest.mark.parametrize("budget,H", [(4, 7), (2, 8), (6, 28)])
-def test_merge_pass_narrow_tiles_of_small_budgets(monkeypatch, budget, H):
-    """``MERGE_PASS_NARROW``: budgets under 16 chunks a request load pow2(budget) chunks of as many heads as fill
-    16 (the last head block partial where H is no power of two); a long request takes several loads."""
-    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_NARROW", True)
-    lens, Dv, W, block_n = [6000, 300, 5, 700, 2000], 128, 1, 16
-    block_c, block_hm = merge_pass_tiles(len(lens) * W, H, Dv, budget)[:2]
-    assert (block_c, block_hm) == (max(2, triton.next_power_of_2(budget)), min(triton.next_power_of_2(H),
-                                                                               16 // block_c)), (block_c, block_hm)
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spike=True)
-    assert spans[0][1] > 2 * block_c, spans
