@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .launch_record import cdiv, launch, pow2
+from .pdl import split_merge
 
 # exp2 is a single MUFU instruction; scores are scaled by log2(e) once so that every
 # softmax exponent is a base-2 one, and partial log-sum-exps are kept in log2 units.
@@ -86,12 +87,14 @@ def _merge_splits_kernel(
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, BLOCK_HM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One row's BLOCK_HM heads, BLOCK_DV output columns of them (the grid's third axis): every
     split of them in one load (a program per (row, head) made many tiny programs where rows x
     heads is large: verify bs 64 launched 16,384). Partials are float32 or 16-bit, summed in
-    float32."""
+    float32. ``PDL``: a dependent launch (``pdl.py``), every load after ``gdc_wait``."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)   # row offsets in int64: a workspace may pass 2**31 values
     offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
     offs_s = tl.arange(0, BLOCK_S)
@@ -146,6 +149,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
         least = MIN_MERGE_DV if part.element_size() == 2 else MIN_MERGE_DV_F32 if wide_f32 else full_dv
         while block_dv > least and T * heads_grid * (full_dv // block_dv) < MERGE_PROGRAMS:
             block_dv //= 2
+    pdl = split_merge(out.device)
     launch(_merge_splits_kernel, (T, heads_grid, cdiv(Dv, block_dv)),
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),
@@ -153,7 +157,7 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
         out.stride(0), out.stride(1),
         NUM_HEADS=H, BLOCK_HM=block_hm,
         NUM_SPLITS=S, BLOCK_S=block_s,
-        HEAD_DIM_V=Dv, BLOCK_DV=min(block_dv, full_dv),
+        HEAD_DIM_V=Dv, BLOCK_DV=min(block_dv, full_dv), PDL=pdl, launch_pdl=pdl,
     )
     return out
 
@@ -234,11 +238,6 @@ def check_fp8_widening(name, q, kv_buffer) -> None:
         if (major, minor) < (8, 9):
             raise ValueError(f"{name}: an FP8 KV cache with a {str(q.dtype)[6:]} query needs sm_89+ (its FP8 "
                              f"conversions), this GPU is sm_{major}{minor}")
-
-
-def pdl_device(device: torch.device) -> bool:
-    """Whether ``device`` runs programmatic dependent launches (an sm_90+ NVIDIA GPU; not the interpreter)."""
-    return device.type == "cuda" and torch.version.hip is None and _capability(cuda_index(device))[0] >= 9
 
 
 def cuda_index(device: torch.device) -> int:

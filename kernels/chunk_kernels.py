@@ -31,11 +31,6 @@ MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
-# The merge pass launched as a programmatic dependent launch (sm_90+): its programs start while the chunk pass
-# ends and find their schedule there, and wait (``gdc_wait``) only before reading the partials. The chunk pass
-# allows it from its start (``CHUNK_PDL_TRIGGER``: ``gdc_launch_dependents``) or, off, as its programs exit.
-MERGE_PASS_PDL = True
-CHUNK_PDL_TRIGGER = True
 
 
 @triton.jit
@@ -176,8 +171,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
     else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
-    (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass, the
-    partials read after ``gdc_wait`` (the chunk pass complete and its stores visible)."""
+    (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
+    the schedule found before ``gdc_wait``, the partials read after it."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk

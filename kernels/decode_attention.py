@@ -39,6 +39,7 @@ from .attention_core import (
 from .chunk_kernels import chunk_of, merge_chunks_if_last
 from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, slot64, walk_paged, window_lo
 from .launch_record import launch, pow2
+from .pdl import chunk_trigger, split_merge
 from .schedule import check_schedule, chunk_launch
 
 # Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
@@ -125,7 +126,10 @@ def _decode_split_kernel(
     FUSED: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     HEADS_FIRST: tl.constexpr, CHUNK_DV: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SLOT64: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,
 ):
+    if PDL_TRIGGER:                 # the separate merge (merge_splits) may launch once every program has started
+        tl.extra.cuda.gdc_launch_dependents()
     kvh, b, num_kvh = head_and_item(HEADS_FIRST)
     split = tl.program_id(2)
 
@@ -194,7 +198,7 @@ def _decode_chunk_kernel(
     """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining.
-    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``ChunkLaunch.pdl_trigger``)."""
+    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``pdl.chunk_trigger``)."""
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
@@ -318,7 +322,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), MERGE_LAST=merge == "last",
-            PDL_TRIGGER=merge == "pass" and cl.pdl_trigger(out.device),
+            PDL_TRIGGER=merge == "pass" and chunk_trigger(out.device),
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
             **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":
@@ -346,7 +350,8 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED=fused, GROUP_PAD=group_pad, BLOCK_S=block_s, HEADS_FIRST=heads_first,
-        CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages, **feats,
+        CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), num_warps=num_warps, num_stages=num_stages,
+        PDL_TRIGGER=num_kv_splits > 1 and not fused and split_merge(q.device), **feats,
     )
     if num_kv_splits > 1 and not fused:
         merge_splits(o, lse, out)

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 
 from . import chunk_kernels
-from .attention_core import heads_first_grid, pdl_device
+from . import pdl as _pdl
+from .attention_core import heads_first_grid
 from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
 from .launch_record import cdiv, launch, pow2
 
@@ -96,11 +97,6 @@ class ChunkLaunch:
         (``_balanced_per``)."""
         return -self.num_chunks if self.fit else self.num_chunks
 
-    @staticmethod
-    def pdl_trigger(device: torch.device) -> bool:
-        """Whether the chunk pass lets its merge pass launch from its start (``chunk_kernels.CHUNK_PDL_TRIGGER``)."""
-        return chunk_kernels.CHUNK_PDL_TRIGGER and chunk_kernels.MERGE_PASS_PDL and pdl_device(device)
-
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
         one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
@@ -110,7 +106,7 @@ class ChunkLaunch:
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
         part, lse = self.part, self.lse
-        pdl = chunk_kernels.MERGE_PASS_PDL and pdl_device(out.device)
+        pdl = _pdl.merge_pass(out.device)
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
                self.budget, self.rows_per_chunk, self.window,

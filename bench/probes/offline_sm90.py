@@ -88,6 +88,7 @@ def offline():
     import attn_backends_kernels.mla.balanced as balanced
     import attn_backends_kernels.mla.warpspec as warpspec
     import attn_backends_kernels.mla.wgmma as wgmma
+    import attn_backends_kernels.pdl as pdl
     import attn_backends_kernels.schedule as schedule
     modules = (core, decode, extend, mla, balanced, schedule)
     launches: list = []
@@ -98,18 +99,18 @@ def offline():
         launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 
-    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device, schedule.pdl_device
+    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device
     for m in modules:
         m.launch = compile_instead
     wgmma.on_hopper = lambda t: True
     warpspec.hopper_device = lambda device: True        # the split partials' dtype, as on sm_90
-    schedule.pdl_device = lambda device: True           # the merge pass a dependent launch, as on sm_90
+    pdl.pdl_device = lambda device: True                # merges as dependent launches, as on sm_90
     try:
         yield launches
     finally:
         for m, fn in zip(modules, saved[0]):
             m.launch = fn
-        wgmma.on_hopper, warpspec.hopper_device, schedule.pdl_device = saved[1], saved[2], saved[3]
+        wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device = saved[1], saved[2], saved[3]
 
 
 def mla_configs() -> dict:

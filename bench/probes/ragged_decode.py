@@ -26,6 +26,7 @@ import triton
 import attn_backends_kernels.attention_core as core
 import attn_backends_kernels.chunk_kernels as chunk_kernels
 import attn_backends_kernels.decode_attention as decode
+import attn_backends_kernels.pdl as dependent
 from attn_backends.backends.triton_common import choose_num_kv_splits
 from attn_backends.check.suite import fp8_scales
 from attn_backends.kv_cache import to_cache
@@ -87,11 +88,12 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
     for the launches inside (read at each launch; None: as they are): "C" chunks a load over 128 columns at every
     budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
     on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
-    ("off"; "exit": allowed as the chunk programs exit; "start": from their start, ``CHUNK_PDL_TRIGGER``)."""
+    ("off"; "exit": allowed as the chunk programs exit; "start": from their start; ``pdl.py``)."""
     ck = chunk_kernels
     names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
-             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV", "MERGE_PASS_PDL", "CHUNK_PDL_TRIGGER")
-    saved = decode.DECODE_MIN_CHUNK_TOKENS, *(getattr(ck, n) for n in names)
+             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
+    saved = (decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER,
+             *(getattr(ck, n) for n in names))
     try:
         if min_tokens is not None:
             decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
@@ -104,12 +106,12 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
             ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = c, c, pass_form.endswith("p")
             ck.MERGE_PASS_DEEP_FROM = 1 << 30
         if pdl is not None:
-            ck.MERGE_PASS_PDL, ck.CHUNK_PDL_TRIGGER = {"off": (False, False), "exit": (True, False),
+            dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER = {"off": (False, False), "exit": (True, False),
                                                        "start": (True, True)}[pdl]
         yield
     finally:
-        decode.DECODE_MIN_CHUNK_TOKENS = saved[0]
-        for n, v in zip(names, saved[1:]):
+        decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER = saved[:3]
+        for n, v in zip(names, saved[3:]):
             setattr(ck, n, v)
 
 

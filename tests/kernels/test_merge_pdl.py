@@ -1,4 +1,4 @@
-"""The merge pass as a programmatic dependent launch (``chunk_kernels.MERGE_PASS_PDL``, sm_90+): its programs
+"""The merge pass as a programmatic dependent launch (``pdl.MERGE_PASS_PDL``, sm_90+): its programs
 may start while the chunk pass still runs (from the chunk programs' start: ``CHUNK_PDL_TRIGGER``) and must
 read the partials only after ``gdc_wait``. The workspace is poisoned (NaN) inside the graph before every step,
 so a merge program that read a partial before its chunk program wrote it reads NaN or the previous step's
@@ -10,8 +10,7 @@ import pytest
 import torch
 from kernel_refs import assert_close, make_paged_batch, ref_paged_attention
 
-from attn_backends_kernels import chunk_kernels
-from attn_backends_kernels.attention_core import pdl_device
+from attn_backends_kernels import pdl
 from attn_backends_kernels.decode_attention import decode_attention_fwd
 from attn_backends_kernels.extend_attention import extend_attention_fwd
 from attn_backends_kernels.schedule import chunk_workspace
@@ -33,9 +32,9 @@ def _lengths(bs: int, seed: int) -> list:
                                                       (8, 1, 128, 5, 8, 4), (32, 8, 128, 6, 4, 4)])
 def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H, Hkv, D, bs, per_request, W):
     """Decode (``W`` 1) and verify (``W`` query rows a request, causal)."""
-    if not pdl_device(torch.device("cuda")):
+    if not pdl.pdl_device(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
-    assert chunk_kernels.MERGE_PASS_PDL and chunk_kernels.CHUNK_PDL_TRIGGER     # the default this test guards
+    assert pdl.MERGE_PASS_PDL and pdl.CHUNK_PDL_TRIGGER     # the default this test guards
     batches = _lengths(bs, bs)
     made = [make_paged_batch(lens, PAGE, device="cuda", seed=i) for i, lens in enumerate(batches)]
     page_table = torch.zeros(bs, max(m[0].shape[1] for m in made), dtype=torch.int32, device="cuda")
@@ -76,7 +75,7 @@ def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H,
         step()                                       # eager, dependent launch too
         eager = out.clone()
         with monkeypatch.context() as mp:
-            mp.setattr(chunk_kernels, "MERGE_PASS_PDL", False)
+            mp.setattr(pdl, "MERGE_PASS_PDL", False)
             step()                                   # the merge after the chunk pass has ended
         assert torch.equal(replayed, out), f"replay with a dependent merge differs, lengths {m[1].tolist()}"
         assert torch.equal(eager, out), f"eager dependent merge differs, lengths {m[1].tolist()}"

@@ -150,13 +150,22 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
                                    "balanced mla16 verify4"])
 def test_the_merge_pass_is_a_dependent_launch_that_waits(compiled, label):
     """On sm_90 the chunk schedule's merge pass launches as a programmatic dependent of the chunk pass
-    (``MERGE_PASS_PDL``) and waits for it (``gdc_wait``) before reading the partials; decode's chunk pass lets it
-    launch from its start (``CHUNK_PDL_TRIGGER``). A dependent launch without the wait reads partials being written
-    (tests/kernels/test_merge_pdl.py shows it on the GPU)."""
+    (``pdl.MERGE_PASS_PDL``) and waits for it (``gdc_wait``) before reading the partials; decode's chunk pass lets
+    it launch from its start (``pdl.CHUNK_PDL_TRIGGER``). A dependent launch without the wait reads partials
+    being written (tests/kernels/test_merge_pdl.py shows it on the GPU)."""
     merge = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
     assert len(merge) == 1 and merge[0]["pdl"] and merge[0]["gdc_wait"] >= 1, compiled[label]
     chunk = [r for r in compiled[label] if r["kernel"] == "_decode_chunk_kernel"]
     assert all(r["gdc_trigger"] == 1 and not r["pdl"] for r in chunk), chunk
+
+
+@pytest.mark.parametrize("label", ["deep 8/1 d128", "deep 8/1 d128 fp8", "gqa32 decode S64 separate"])
+def test_the_split_merge_is_a_dependent_launch_that_waits(compiled, label):
+    """``merge_splits`` after a split pass launches as a dependent (``pdl.SPLIT_MERGE_PDL``) and waits before its
+    first load; the decode split pass lets it launch from its start."""
+    split, merge = compiled[label][0], compiled[label][-1]
+    assert merge["kernel"] == "_merge_splits_kernel" and merge["pdl"] and merge["gdc_wait"] == 1, compiled[label]
+    assert split["kernel"] == "_decode_split_kernel" and split["gdc_trigger"] == 1 and not split["pdl"], split
 
 
 @pytest.mark.parametrize("label", ["resident 32/8 d128", "resident 28/4 d128", "resident 12/4 d128",

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (sm_90+): a merge launched as a dependent of the pass that writes its partials
+may start before that pass has ended, and reads nothing that pass writes before ``gdc_wait`` (the pass complete,
+its stores visible). A pass that calls ``gdc_launch_dependents`` at its start lets the merge launch once every one
+of its programs has started (the merge's programs then take SMs as the pass's programs leave them); otherwise as
+they exit. The flags are read at each launch (bench/RESULTS.md, 'Ragged batches': measured both ways)."""
+import functools
+
+import torch
+
+MERGE_PASS_PDL = True       # the chunk schedule's merge pass (``schedule.ChunkLaunch.merge_pass``)
+CHUNK_PDL_TRIGGER = True    # the GQA chunk passes trigger at their start (with MERGE_PASS_PDL)
+SPLIT_MERGE_PDL = True      # ``attention_core.merge_splits``; the GQA decode split pass triggers at its start
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_device(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches (an sm_90+ NVIDIA GPU; not the interpreter)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and _major(torch.cuda.current_device() if device.index is None else device.index) >= 9)
+
+
+def merge_pass(device: torch.device) -> bool:
+    """The chunk schedule's merge pass launched as a dependent (``MERGE_PASS_PDL``)."""
+    return MERGE_PASS_PDL and pdl_device(device)
+
+
+def chunk_trigger(device: torch.device) -> bool:
+    """A chunk pass lets its dependent merge pass launch from its start (``CHUNK_PDL_TRIGGER``)."""
+    return CHUNK_PDL_TRIGGER and merge_pass(device)
+
+
+def split_merge(device: torch.device) -> bool:
+    """``merge_splits`` launched as a dependent of the split pass (``SPLIT_MERGE_PDL``), which triggers at its start."""
+    return SPLIT_MERGE_PDL and pdl_device(device)
