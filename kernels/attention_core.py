@@ -44,7 +44,7 @@ def store_partial(acc, m_i, l_i, o_ptrs, o_mask, lse_ptrs, lse_mask, NUM_SPLITS:
 @triton.jit
 def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, HEAD_DIM_V: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr):
+                  BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, count, stride_ls):
     """The merge pass fused into the split pass: the split program of a tile that finishes last
     merges the tile's ROWS rows (``part_rows`` / ``lse_rows`` / ``out_rows``: [ROWS] pointers to
     split 0 of each row's partial output and log2-sum-exp, and to its output) as
@@ -54,15 +54,16 @@ def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, HE
     registers on sm_90).
     ``sem_ptr`` is the tile's counter (int32, 0 before the launch): every split program adds 1
     after its partials are stored (release), the one that reads NUM_SPLITS - 1 sees them all
-    (acquire) and sets the counter back to 0 for the next launch (graph replays included)."""
+    (acquire) and sets the counter back to 0 for the next launch (graph replays included). ``count``
+    (at most NUM_SPLITS; the split passes': NUM_SPLITS) partials are merged, ``stride_ls`` apart in the lse."""
     tl.static_assert(BLOCK_DV % CHUNK_DV == 0)
     tl.debug_barrier()                  # every thread's partial stores precede the release below
     done = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
+    if done == count - 1:
         tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
         offs_s = tl.arange(0, BLOCK_S)
-        lse = tl.load(lse_rows[:, None] + offs_s[None, :], cache_modifier=".cg",
-                      mask=rows_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :] * stride_ls, cache_modifier=".cg",
+                      mask=rows_ok[:, None] & (offs_s < count)[None, :], other=float("-inf"))
         m = tl.max(lse, 1)
         m = tl.where(m == float("-inf"), 0.0, m)    # a row no split saw anything of: zeros
         w_sum = tl.sum(tl.exp2(lse - m[:, None]), 1)
@@ -72,9 +73,10 @@ def merge_if_last(sem_ptr, part_rows, lse_rows, out_rows, rows_ok, stride_ps, HE
             mask = rows_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
             acc = tl.zeros([ROWS, CHUNK_DV], tl.float32)
             for i in tl.static_range(NUM_SPLITS):
-                w = tl.exp2(tl.load(lse_rows + i, mask=rows_ok, other=float("-inf"), cache_modifier=".cg") - m)
-                part = tl.load(part_rows[:, None] + i * stride_ps + offs_dv[None, :], mask=mask, other=0.0,
-                               cache_modifier=".cg")
+                w = tl.exp2(tl.load(lse_rows + i * stride_ls, mask=rows_ok & (i < count), other=float("-inf"),
+                                    cache_modifier=".cg") - m)
+                part = tl.load(part_rows[:, None] + i * stride_ps + offs_dv[None, :], mask=mask & (i < count),
+                               other=0.0, cache_modifier=".cg")
                 acc += w[:, None] * part
             tl.store(out_rows[:, None] + offs_dv[None, :], acc / den[:, None], mask=mask)
 

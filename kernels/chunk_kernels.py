@@ -164,11 +164,13 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
-                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False):
+                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
+                             MERGED_UPTO: tl.constexpr = 1):
     """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
-    chunks a load, in chunk order, where the request has more than one chunk (one chunk wrote its
-    output itself; ``SINGLE``: a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
+    chunks a load, in chunk order, where the request has more than ``MERGED_UPTO`` chunks (one chunk wrote
+    its output itself, up to ``MERGED_UPTO`` its last chunk program merged them; ``SINGLE``: one chunk wrote
+    a partial, merged too). ``cu_q_ptr``: the rows of each request (HAS_CU;
     else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
@@ -185,9 +187,9 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if HAS_CU:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if ((count > 1) | SINGLE) & (j < q_len):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+    if PDL:             # every program: the merge completes after the chunk pass, whatever it merges
+        tl.extra.cuda.gdc_wait()
+    if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
         ok_h = offs_h < NUM_HEADS
         offs_c = tl.arange(0, BLOCK_C)

@@ -68,6 +68,11 @@ OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the t
 # 4096 tokens at one KV head ran on 32-128 programs, slower than at 64; at 4-8 KV heads equal within the
 # noise (bench/RESULTS.md, 'Ragged batches').
 DECODE_MIN_CHUNK_TOKENS = 64
+# merge="pass" at S <= DECODE_FEW_LAST chunks a request: requests of at most pow2(S) chunks merged by their last
+# chunk program in one load of their chunks (as the split pass merges), the rest by the pass. 0 (off): uniform rows
+# ran 0.5-1.3 % faster with it at S 3-6, but its compile moves the chunk pass's registers (28/4 d128 80 -> 71 at
+# S 4), which the wave fit's rule reads (``chunk_resident``): on once that rule is measured again (bench/RESULTS.md).
+DECODE_FEW_LAST = 0
 
 
 def decode_block_n(kv_dtype: torch.dtype, head_dim: int, schedule: str) -> int:
@@ -172,7 +177,8 @@ def _decode_split_kernel(
         hg = kvh * GROUP + g
         merge_if_last(sem_ptr + b * num_kvh + kvh, o_ptr + b * stride_ob + hg * stride_oh,
                       lse_ptr + b * stride_lb + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
-                      g < GROUP, stride_os, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
+                      g < GROUP, stride_os, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV,
+                      NUM_SPLITS, 1)
 
 
 @triton.jit
@@ -193,12 +199,14 @@ def _decode_chunk_kernel(
     BLOCK_BS: tl.constexpr, INPUT_PRECISION: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK_DV: tl.constexpr,
     HEADS_FIRST: tl.constexpr, MERGE_LAST: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, SLOT64: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False, FEW_LAST: tl.constexpr = 0,
 ):
     """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining.
-    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``pdl.chunk_trigger``)."""
+    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``pdl.chunk_trigger``).
+    ``FEW_LAST``: a request of at most that many chunks is merged by its last chunk program in one load of
+    its chunks (``merge_if_last``), the separate pass merging the longer ones."""
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     kvh, c, num_kvh = head_and_item(HEADS_FIRST)
@@ -231,10 +239,16 @@ def _decode_chunk_kernel(
             jj = c.to(tl.int64)
             store_partial(acc, m_i, l_i, o_ptr + jj * stride_oc + heads[:, None] * stride_oh + offs_dv[None, :],
                           tile, lse_ptr + jj * stride_lc + heads * stride_lh, mask_h, 2)
+            g = tl.arange(0, GROUP_PAD)
+            hg = kvh * GROUP + g
+            f = first.to(tl.int64)
+            if FEW_LAST > 1:
+                if count <= FEW_LAST:
+                    merge_if_last(sem_ptr + b * num_kvh + kvh, o_ptr + f * stride_oc + hg * stride_oh,
+                                  lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
+                                  g < GROUP, stride_oc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, FEW_LAST, FEW_LAST, CHUNK_DV,
+                                  count, stride_lc)
             if MERGE_LAST:           # else the separate pass merges (schedule.ChunkLaunch.merge_pass)
-                g = tl.arange(0, GROUP_PAD)
-                hg = kvh * GROUP + g
-                f = first.to(tl.int64)
                 merge_chunks_if_last(sem_ptr + b * num_kvh + kvh, count, o_ptr + f * stride_oc + hg * stride_oh,
                                      lse_ptr + f * stride_lc + hg * stride_lh, out_ptr + b * stride_xb + hg * stride_xh,
                                      g < GROUP, stride_oc, stride_lc, HEAD_DIM_V, GROUP_PAD, BLOCK_DV, CHUNK_DV)
@@ -306,8 +320,11 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             default = (num_warps, num_stages) == (4, 2)      # the launch the rules were measured and compiled at
             maxnreg = (chunk_maxnreg(*rule) if default else None) if maxnreg is ... else maxnreg
             fit = (default and chunk_fit(*rule)) if fit is ... else fit
+        few = (pow2(num_kv_splits) if merge == "pass" and schedule == "chunks" and 1 < num_kv_splits <= DECODE_FEW_LAST
+               else 0)
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
-                          schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit)
+                          schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit,
+                          merged_upto=max(few, 1))
         part, lse = cl.part, cl.lse
         # int64 slots whatever the cache: the chunk pass's rules read its registers at int64 (chunk_resident);
         # at int32 it holds 7 an SM, not 6, and uniform batches ran 2-3 % slower (bench/RESULTS.md, 'Ragged batches')
@@ -322,7 +339,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), MERGE_LAST=merge == "last",
-            PDL_TRIGGER=merge == "pass" and chunk_trigger(out.device),
+            PDL_TRIGGER=merge == "pass" and chunk_trigger(out.device), FEW_LAST=few if few > 1 else 0,
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
             **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":

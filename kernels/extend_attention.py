@@ -146,7 +146,7 @@ def _extend_split_kernel(
         merge_if_last(sem_ptr + tile, o_ptr + rows * stride_ot + heads * stride_oh,
                       lse_ptr + rows * stride_lt + heads * stride_lh,
                       out_ptr + rows * stride_xt + heads * stride_xh, row_ok, stride_os, HEAD_DIM_V,
-                      BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV)
+                      BLOCK_M, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_DV, NUM_SPLITS, 1)
 
 
 @triton.jit

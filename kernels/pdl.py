@@ -2,10 +2,12 @@
 may start before that pass has ended, and reads nothing that pass writes before ``gdc_wait`` (the pass complete,
 its stores visible). A pass that calls ``gdc_launch_dependents`` at its start lets the merge launch once every one
 of its programs has started (the merge's programs then take SMs as the pass's programs leave them); otherwise as
-they exit. The flags are read at each launch (bench/RESULTS.md, 'Ragged batches': measured both ways)."""
+they exit. The flags are read when a wrapper launches (a recorded eager replay keeps what it recorded;
+bench/RESULTS.md, 'Ragged batches': measured both ways)."""
 import functools
 
 import torch
+import triton
 
 MERGE_PASS_PDL = True       # the chunk schedule's merge pass (``schedule.ChunkLaunch.merge_pass``)
 CHUNK_PDL_TRIGGER = True    # the GQA chunk passes trigger at their start (with MERGE_PASS_PDL)
@@ -19,7 +21,7 @@ def _major(index: int) -> int:
 
 def pdl_device(device: torch.device) -> bool:
     """Whether ``device`` runs programmatic dependent launches (an sm_90+ NVIDIA GPU; not the interpreter)."""
-    return (device.type == "cuda" and torch.version.hip is None
+    return (device.type == "cuda" and torch.version.hip is None and not triton.knobs.runtime.interpret
             and _major(torch.cuda.current_device() if device.index is None else device.index) >= 9)
 
 

@@ -74,7 +74,8 @@ class ChunkLaunch:
     """What a chunk pass launches with (``chunk_launch``): the workspace, the chunk budget, the
     grid, the schedule's constexprs (``consts``: ``MIN_TILES``, ``FIXED_TILES``, ``BLOCK_BS``,
     ``HEADS_FIRST``), and what the separate merge (``merge_pass``) needs of the schedule (with a
-    window, its width, the launch's mask kind and draft prefixes: ``_chunk_counts``)."""
+    window, its width, the launch's mask kind and draft prefixes: ``_chunk_counts``); ``merged_upto``: requests
+    of at most that many chunks are merged by their last chunk program, not by the separate pass."""
 
     part: torch.Tensor
     lse: torch.Tensor
@@ -90,6 +91,7 @@ class ChunkLaunch:
     mask: int = -1
     draft_prefix_lens: Optional[torch.Tensor] = None
     fit: bool = False
+    merged_upto: int = 1
 
     @property
     def budget(self) -> int:
@@ -116,13 +118,15 @@ class ChunkLaunch:
                DV_STEPS=steps, BLOCK_C=block_c, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
-               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, launch_pdl=pdl)
+               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
+               launch_pdl=pdl)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
                  heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None,
-                 part_dtype: torch.dtype = torch.float32, fit: bool = False, min_tokens=None) -> ChunkLaunch:
+                 part_dtype: torch.dtype = torch.float32, fit: bool = False, min_tokens=None,
+                 merged_upto: int = 1) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
@@ -130,7 +134,8 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     (0: none), the launch's mask kind (``kv_walk.MASK_KINDS``, -1: decode) and draft prefixes
     for the merge pass's schedule; ``part_dtype``: the partials' dtype where the workspace is
     allocated here (a given one may hold float32 or ``part_dtype``); ``fit``: the wave fit
-    (``_balanced_per``; the balanced schedule only); ``min_tokens``: a chunk's floor (None: MIN_CHUNK_TOKENS)."""
+    (``_balanced_per``; the balanced schedule only); ``min_tokens``: a chunk's floor (None: MIN_CHUNK_TOKENS);
+    ``merged_upto``: requests of at most that many chunks merged by their last chunk program (``ChunkLaunch``)."""
     if fit and schedule != "chunks":
         raise ValueError(f"{name}: the wave fit is the 'chunks' schedule's, not {schedule!r}'s")
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
@@ -141,7 +146,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     consts = dict(MIN_TILES=min_tiles(block_n, min_tokens), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=pow2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
-                       window or 0, mask, draft_prefix_lens, fit)
+                       window or 0, mask, draft_prefix_lens, fit, merged_upto)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

@@ -1,5 +1,5 @@
 """``merge_splits`` as a dependent launch or not (``pdl.SPLIT_MERGE_PDL``) on the split schedule's few-program rows
-(GQA 8/1 d128 bs 1-4 on 128-256 splits, 28/4 d128 bs 2 and 32/8 d64 bs 1 on 64): graph us, off / on, the least of
+(GQA 8/1 d128 bs 1-4 on 128-256 splits, 28/4 d128 bs 2 on 64): graph us, off / on, the least of
 interleaved rounds, and whether the outputs are bitwise equal. A tuning probe (bench/RESULTS.md, 'Ragged batches').
 
     python bench/probes/pdl_split.py [--rounds 3]
@@ -18,7 +18,7 @@ import ragged_decode as rd  # noqa: E402
 import attn_backends_kernels.pdl as dependent  # noqa: E402
 
 ROWS = ((8, 1, 128, 1, 256, "uniform"), (8, 1, 128, 2, 256, "uniform"), (8, 1, 128, 3, 128, "longtail"),
-        (8, 1, 128, 4, 128, "ragged"), (32, 8, 64, 1, 64, "uniform"), (28, 4, 128, 2, 64, "uniform"))
+        (8, 1, 128, 4, 128, "ragged"), (28, 4, 128, 2, 64, "uniform"))      # each merged by merge_splits, not fused
 
 
 def main(argv=None) -> None:

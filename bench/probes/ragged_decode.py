@@ -85,7 +85,8 @@ def captured(fn) -> tuple:
 @contextlib.contextmanager
 def knobs(min_tokens=None, pass_form=None, pdl=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
-    for the launches inside (read at each launch; None: as they are): "C" chunks a load over 128 columns at every
+    for the launches inside (read at each launch; None: as they are): "fN" requests of at most N chunks merged by
+    their last chunk program (``DECODE_FEW_LAST``), "C" chunks a load over 128 columns at every
     budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
     on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
     ("off"; "exit": allowed as the chunk programs exit; "start": from their start; ``pdl.py``)."""
@@ -93,11 +94,13 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
     names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
              "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
     saved = (decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER,
-             *(getattr(ck, n) for n in names))
+             decode.DECODE_FEW_LAST, *(getattr(ck, n) for n in names))
     try:
         if min_tokens is not None:
             decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
-        if pass_form is not None and pass_form.startswith("w"):
+        if pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
+            decode.DECODE_FEW_LAST = int(pass_form[1:])
+        elif pass_form is not None and pass_form.startswith("w"):
             c, d = pass_form[1:].split("d")
             ck.MERGE_PASS_DEEP_FROM, ck.MERGE_PASS_DEEP_CHUNKS = ck.MERGE_PASS_WIDE_FROM, int(c)
             ck.MERGE_PASS_DEEP_DV = int(d)
@@ -111,7 +114,8 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
         yield
     finally:
         decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER = saved[:3]
-        for n, v in zip(names, saved[3:]):
+        decode.DECODE_FEW_LAST = saved[3]
+        for n, v in zip(names, saved[4:]):
             setattr(ck, n, v)
 
 

@@ -109,3 +109,22 @@ def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv, 
     assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, -(-Dv // block_dv))
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spike=True)
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
+
+
+@pytest.mark.parametrize("few", [0, 8])
+def test_few_chunk_requests_merged_by_their_last_chunk_the_rest_by_the_pass(monkeypatch, few):
+    """Decode's merge="pass" at a budget of 4 chunks a request with ``DECODE_FEW_LAST`` (0: off; 8: requests of at
+    most pow2(4) chunks): requests of 1 to 5 and 11 chunks, those of at most 4 merged by their last chunk program in
+    one load, the others by the pass, each exactly once: a request the chunk pass left to a pass that skipped it stays
+    NaN (output and workspace start as NaN); the counters end at 0."""
+    from kernel_refs import assert_close
+    from test_decode_attention import run_chunked
+
+    from attn_backends_kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "DECODE_FEW_LAST", few)
+    lens = [64, 128, 192, 256, 320, 700]                      # 64-token chunks: 1, 2, 3, 4, 5 and 11 of them
+    dtype, tol = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
+    out, ref, ws = run_chunked(lens, 16, 4, 2, 16, 4, dtype, DEVICE, merge="pass")
+    assert_close(out[:len(lens)], ref, tol)
+    assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
+    assert int(ws[1][:, 0].isfinite().sum()) == 2 + 3 + 4 + 5 + 11, "the chunks' partials: 64-token chunks"

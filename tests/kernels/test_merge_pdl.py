@@ -1,9 +1,9 @@
 """The merge pass as a programmatic dependent launch (``pdl.MERGE_PASS_PDL``, sm_90+): its programs
 may start while the chunk pass still runs (from the chunk programs' start: ``CHUNK_PDL_TRIGGER``) and must
 read the partials only after ``gdc_wait``. The workspace is poisoned (NaN) inside the graph before every step,
-so a merge program that read a partial before its chunk program wrote it reads NaN or the previous step's
-value: every replay, on lengths other than the capture's, must equal the same step launched without the
-dependent launch bitwise, and the float64 reference. Small batches leave SMs idle for early merge programs."""
+so a merge program that read a partial before its chunk program wrote it reads NaN: every replay, on lengths
+other than the capture's, must equal the same step launched without the dependent launch bitwise, and the
+float64 reference. Small batches leave SMs idle for early merge programs."""
 import random
 
 import pytest
@@ -81,3 +81,47 @@ def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H,
         assert torch.equal(eager, out), f"eager dependent merge differs, lengths {m[1].tolist()}"
         ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, cu_q, PAGE, D ** -0.5)
         assert_close(replayed, ref, 1e-2)
+
+
+@pytest.mark.parametrize("W", [1, 4])
+def test_a_kernel_after_the_attention_in_the_graph_sees_its_output(W):
+    """Every request one chunk: the merge pass merges nothing, yet a kernel captured after the attention must see
+    the rows the chunk pass wrote. Every merge program waits for the chunk pass, not only those that merge: a
+    dependent launch whose programs all returned without waiting could complete, and release the next node of the
+    graph, while the chunk pass still writes."""
+    if not pdl.pdl_device(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
+    H, Hkv, D, bs, per_request = 32, 8, 128, 64, 4
+    rng = random.Random(W)
+    lens = [rng.randint(W, 64 if W == 1 else 256) for _ in range(bs)]     # one chunk each (the chunks' floors)
+    page_table, seq_lens, num_pages = make_paged_batch(lens, PAGE, device="cuda", seed=W)
+    k_buf, v_buf = (torch.randn(num_pages * PAGE, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(bs * W, H, D, device="cuda").to(torch.bfloat16)
+    out, seen = (torch.empty(bs * W, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ws = chunk_workspace(bs, per_request, W, H, Hkv, D, "cuda")
+    cu_q = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
+    cu_q_dev = cu_q.cuda()
+
+    def step():
+        out.fill_(float("nan"))
+        if W == 1:
+            decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
+                                 schedule="chunks", merge="pass")
+        else:
+            extend_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, PAGE, D ** -0.5, W, out,
+                                 num_kv_splits=per_request, workspace=ws, schedule="chunks", merge="pass")
+        seen.copy_(out)
+
+    ws[1].fill_(float("nan"))
+    step()
+    assert ws[1].isnan().all(), "a request took several chunks: the merge pass would have work"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        seen.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(seen, out) and not out.isnan().any(), "a kernel after the attention read its output early"
+    ref = ref_paged_attention(q, k_buf, v_buf, page_table, seq_lens, cu_q, PAGE, D ** -0.5)
+    assert_close(out, ref, 1e-2)
