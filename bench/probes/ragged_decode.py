@@ -250,7 +250,7 @@ def load_flashinfer(skip: bool) -> tuple:
         return None, None
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="28/4x128:24,32/8x64:24,8/1x128:48,32/8x128:8,32/8x128:64")
     p.add_argument("--dists", default="ragged,longtail,bimodal,uniform")
@@ -266,7 +266,8 @@ def main(argv=None):
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--pass-forms", default="none",
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), "
-                        "wCdD (every wide budget: C chunks, D columns a program), e.g. 16,64p,w128d64")
+                        "wCdD (every wide budget: C chunks, D columns a program), fN (DECODE_FEW_LAST N), "
+                        "e.g. 16,64p,w128d64,f8")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")
@@ -279,7 +280,11 @@ def main(argv=None):
                    help="slot arithmetic: auto (decode_attention.slot64's: the split pass int32 on these pools; "
                         "the chunk pass int64 always), or 1: int64 (as past 2^31)")
     p.add_argument("--no-flashinfer", action="store_true", help="ours alone")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     fi, fi_ws = load_flashinfer(args.no_flashinfer)
     mults = [float(m) if "." in m else int(m) for m in args.mults.split(",")]
     kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[d] for d in args.kv_dtypes.split(",")]
