@@ -261,6 +261,26 @@ def gqa_chunk_configs() -> dict:
             "chunks 32/8 d128 fp8": call(32, 8, 128, torch.float8_e4m3fn), "chunks 32/8 d256": call(32, 8, 256)}
 
 
+def verify_chunk_configs() -> dict:
+    """``{label: thunk}``: GQA verify N=4 under the chunk schedule, merged by the pass (bf16, pages of 16)."""
+    import torch
+
+    from attn_backends_kernels.extend_attention import extend_attention_fwd
+    from attn_backends_kernels.schedule import chunk_workspace
+
+    def call(H, Hkv, D, bs=24, W=4, n=512, splits=4):
+        dt = torch.bfloat16
+        q, out = torch.zeros(bs * W, H, D, dtype=dt), torch.zeros(bs * W, H, D, dtype=dt)
+        k, v = (torch.zeros(bs * n + 16, Hkv, D, dtype=dt) for _ in range(2))
+        pt = torch.arange(bs * n // 16, dtype=torch.int32).view(bs, -1)
+        lens = torch.full((bs,), n, dtype=torch.int32)
+        cu = torch.arange(0, bs * W + 1, W, dtype=torch.int32)
+        ws = chunk_workspace(bs, splits, W, H, Hkv, D, "cpu")
+        return lambda: extend_attention_fwd(q, k, v, pt, lens, cu, 16, 0.1, W, out, num_kv_splits=splits, workspace=ws,
+                                            schedule="chunks", merge="pass")
+    return {"chunks verify4 32/8 d128": call(32, 8, 128), "chunks verify4 8/1 d128": call(8, 1, 128)}
+
+
 def resident_configs() -> dict:
     """``{label: thunk}``: the chunk pass at the compiler's registers (no bound, no fit), bf16, 24 requests: the
     programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit."""
@@ -305,7 +325,8 @@ def one_pass_configs() -> dict:
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **one_pass_configs(), **deep_configs(),
+    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **verify_chunk_configs(), **one_pass_configs(),
+               **deep_configs(),
                **resident_configs()}
     for label, thunk in configs.items():
         if labels and label not in labels:

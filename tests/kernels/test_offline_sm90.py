@@ -146,16 +146,17 @@ def test_the_chunk_pass_register_bound_spills_nothing(compiled, label):
     assert (chunk[0]["regs"] <= 64) == bounded, chunk[0]
 
 
-@pytest.mark.parametrize("label", ["chunks 8/1 d128", "chunks 28/4 d128", "chunks 32/8 d64", "balanced mla16 decode",
-                                   "balanced mla16 verify4"])
+@pytest.mark.parametrize("label", ["chunks 8/1 d128", "chunks 28/4 d128", "chunks 32/8 d64", "chunks verify4 32/8 d128",
+                                   "chunks verify4 8/1 d128", "balanced mla16 decode", "balanced mla16 verify4"])
 def test_the_merge_pass_is_a_dependent_launch_that_waits(compiled, label):
     """On sm_90 the chunk schedule's merge pass launches as a programmatic dependent of the chunk pass
-    (``pdl.MERGE_PASS_PDL``) and waits for it (``gdc_wait``) before reading the partials; decode's chunk pass lets
-    it launch from its start (``pdl.CHUNK_PDL_TRIGGER``). A dependent launch without the wait reads partials
-    being written (tests/kernels/test_merge_pdl.py shows it on the GPU)."""
+    (``pdl.MERGE_PASS_PDL``) and waits for it (``gdc_wait``) before reading the partials; the GQA chunk passes
+    (decode, verify) let it launch from their start (``pdl.CHUNK_PDL_TRIGGER``; MLA's from their programs' exit).
+    A dependent launch without the wait reads partials being written (tests/kernels/test_merge_pdl.py shows it on
+    the GPU)."""
     merge = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
     assert len(merge) == 1 and merge[0]["pdl"] and merge[0]["gdc_wait"] >= 1, compiled[label]
-    chunk = [r for r in compiled[label] if r["kernel"] == "_decode_chunk_kernel"]      # MLA's: none
+    chunk = [r for r in compiled[label] if r["kernel"] in ("_decode_chunk_kernel", "_extend_chunk_kernel")]
     assert len(chunk) == (0 if label.startswith("balanced") else 1), compiled[label]
     assert all(r["gdc_trigger"] == 1 and not r["pdl"] for r in chunk), chunk
 
