@@ -27,6 +27,17 @@ def _lengths(bs: int, seed: int) -> list:
     return [short, [rng.randint(256, 16384) for _ in range(bs)], [8192 + rng.randint(0, 64) for _ in range(bs)]]
 
 
+def _attend(q, k_buf, v_buf, page_table, seq_lens, cu_q, W, per_request, out, ws):
+    """Decode (``W`` 1) or verify of ``W`` causal rows a request, chunk schedule, merged by the pass."""
+    D = q.shape[2]
+    if W == 1:
+        decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
+                             schedule="chunks", merge="pass")
+    else:
+        extend_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, cu_q, PAGE, D ** -0.5, W, out,
+                             num_kv_splits=per_request, workspace=ws, schedule="chunks", merge="pass")
+
+
 @pytest.mark.parametrize("H,Hkv,D,bs,per_request,W", [(8, 1, 128, 5, 8, 1), (8, 1, 128, 48, 16, 1),
                                                       (28, 4, 128, 13, 4, 1), (32, 8, 64, 3, 16, 1),
                                                       (8, 1, 128, 5, 8, 4), (32, 8, 128, 6, 4, 4)])
@@ -50,12 +61,7 @@ def test_dependent_merge_reads_the_partials_after_the_chunk_pass(monkeypatch, H,
     def step():
         ws[0].fill_(float("nan"))
         ws[1].fill_(float("nan"))
-        if W == 1:
-            decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
-                                 schedule="chunks", merge="pass")
-        else:
-            extend_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, PAGE, D ** -0.5, W, out,
-                                 num_kv_splits=per_request, workspace=ws, schedule="chunks", merge="pass")
+        _attend(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, W, per_request, out, ws)
 
     def load(m):
         page_table.zero_()
@@ -104,12 +110,7 @@ def test_a_kernel_after_the_attention_in_the_graph_sees_its_output(W):
 
     def step():
         out.fill_(float("nan"))
-        if W == 1:
-            decode_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, PAGE, D ** -0.5, per_request, out, ws,
-                                 schedule="chunks", merge="pass")
-        else:
-            extend_attention_fwd(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, PAGE, D ** -0.5, W, out,
-                                 num_kv_splits=per_request, workspace=ws, schedule="chunks", merge="pass")
+        _attend(q, k_buf, v_buf, page_table, seq_lens, cu_q_dev, W, per_request, out, ws)
         seen.copy_(out)
 
     ws[1].fill_(float("nan"))
