@@ -39,7 +39,7 @@ from .attention_core import (
 from .chunk_kernels import chunk_of, merge_chunks_if_last
 from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, slot64, walk_paged, window_lo
 from .launch_record import launch, pow2
-from .pdl import chunk_trigger, split_merge
+from .pdl import split_merge
 from .schedule import check_schedule, chunk_launch
 
 # Registers a thread the chunk pass may use (ptxas ``maxnreg``) where a tile of 16-bit KV is at most
@@ -204,7 +204,7 @@ def _decode_chunk_kernel(
     """The chunk schedule's split pass (``chunk_kernels.chunk_of``): program (KV head, chunk c); the grid
     covers the most chunks a schedule can make (``schedule.chunk_slots``), programs past the batch's
     last do nothing. One chunk a program: a loop over chunks cost the KV walk its pipelining.
-    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``pdl.chunk_trigger``).
+    ``PDL_TRIGGER``: the merge pass may launch once every program has started (``ChunkLaunch.trigger``).
     ``FEW_LAST``: a request of at most that many chunks is merged by its last chunk program in one load of
     its chunks (``merge_if_last``), the separate pass merging the longer ones."""
     if PDL_TRIGGER:
@@ -339,7 +339,7 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP_PAD=group_pad,
             CHUNK_DV=merge_chunk(group_pad, block_dv, num_warps), MERGE_LAST=merge == "last",
-            PDL_TRIGGER=merge == "pass" and chunk_trigger(out.device), FEW_LAST=few if few > 1 else 0,
+            PDL_TRIGGER=merge == "pass" and cl.trigger, FEW_LAST=few,
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats,
             **({} if maxnreg is None else dict(maxnreg=maxnreg)))
         if merge == "pass":

@@ -51,7 +51,6 @@ from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     window_lo,
 )
 from .launch_record import cdiv, launch, pow2
-from .pdl import chunk_trigger
 from .schedule import check_schedule, chunk_launch
 
 
@@ -167,7 +166,7 @@ def _extend_chunk_kernel(
     """The chunk schedule (``chunk_kernels.chunk_of``) over requests whose rows fit one tile (verify,
     draft rows): program (KV head, chunk c) scores the request's every row against its chunk;
     chunk c's partials are rows ``c * rows_per_chunk + j`` of the workspace. ``PDL_TRIGGER``: the merge
-    pass may launch once every program has started (``pdl.chunk_trigger``)."""
+    pass may launch once every program has started (``ChunkLaunch.trigger``)."""
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -361,7 +360,7 @@ def extend_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, cu_seqle
             HEAD_DIM_V=Dv, BLOCK_DV=block_dv, PAGE_SIZE=page_size, BLOCK_N=block_n,
             MASK=MASK_KINDS[mask], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             CHUNK_DV=merge_chunk(block_q * group_pad, block_dv, num_warps),
-            MERGE_LAST=merge == "last", PDL_TRIGGER=merge == "pass" and chunk_trigger(out.device),
+            MERGE_LAST=merge == "last", PDL_TRIGGER=merge == "pass" and cl.trigger,
             num_warps=num_warps, num_stages=num_stages, **cl.consts, **feats)
         if merge == "pass":
             cl.merge_pass(seq_lens_k, cu_seqlens_q, out)

@@ -10,7 +10,7 @@ import torch
 import triton
 
 MERGE_PASS_PDL = True       # the chunk schedule's merge pass (``schedule.ChunkLaunch.merge_pass``)
-CHUNK_PDL_TRIGGER = True    # the GQA chunk passes trigger at their start (with MERGE_PASS_PDL)
+CHUNK_PDL_TRIGGER = True    # the GQA chunk passes trigger at their start (with MERGE_PASS_PDL: ChunkLaunch.trigger)
 SPLIT_MERGE_PDL = True      # ``attention_core.merge_splits``; the GQA decode split pass triggers at its start
 
 
@@ -28,11 +28,6 @@ def pdl_device(device: torch.device) -> bool:
 def merge_pass(device: torch.device) -> bool:
     """The chunk schedule's merge pass launched as a dependent (``MERGE_PASS_PDL``)."""
     return MERGE_PASS_PDL and pdl_device(device)
-
-
-def chunk_trigger(device: torch.device) -> bool:
-    """A chunk pass lets its dependent merge pass launch from its start (``CHUNK_PDL_TRIGGER``)."""
-    return CHUNK_PDL_TRIGGER and merge_pass(device)
 
 
 def split_merge(device: torch.device) -> bool:

@@ -75,7 +75,8 @@ class ChunkLaunch:
     grid, the schedule's constexprs (``consts``: ``MIN_TILES``, ``FIXED_TILES``, ``BLOCK_BS``,
     ``HEADS_FIRST``), and what the separate merge (``merge_pass``) needs of the schedule (with a
     window, its width, the launch's mask kind and draft prefixes: ``_chunk_counts``); ``merged_upto``: requests
-    of at most that many chunks are merged by their last chunk program, not by the separate pass."""
+    of at most that many chunks are merged by their last chunk program, not by the separate pass; ``pdl``: the
+    merge pass a dependent launch (``pdl.merge_pass``, decided once a wrapper call)."""
 
     part: torch.Tensor
     lse: torch.Tensor
@@ -92,12 +93,18 @@ class ChunkLaunch:
     draft_prefix_lens: Optional[torch.Tensor] = None
     fit: bool = False
     merged_upto: int = 1
+    pdl: bool = False
 
     @property
     def budget(self) -> int:
         """The kernels' ``num_chunks`` argument: the chunk budget, negative for the wave fit
         (``_balanced_per``)."""
         return -self.num_chunks if self.fit else self.num_chunks
+
+    @property
+    def trigger(self) -> bool:
+        """The chunk pass's ``PDL_TRIGGER``: it lets its dependent merge pass launch from its start."""
+        return self.pdl and _pdl.CHUNK_PDL_TRIGGER
 
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
@@ -108,7 +115,7 @@ class ChunkLaunch:
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
         part, lse = self.part, self.lse
-        pdl = _pdl.merge_pass(out.device)
+        pdl = self.pdl
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
                self.budget, self.rows_per_chunk, self.window,
@@ -146,7 +153,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     consts = dict(MIN_TILES=min_tiles(block_n, min_tokens), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=pow2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
-                       window or 0, mask, draft_prefix_lens, fit, merged_upto)
+                       window or 0, mask, draft_prefix_lens, fit, merged_upto, _pdl.merge_pass(out.device))
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:
