@@ -69,9 +69,9 @@ OFFLINE_SMS = 132     # an sm_90 card's (H100, H200): the rule's SMs where the t
 # noise (bench/RESULTS.md, 'Ragged batches').
 DECODE_MIN_CHUNK_TOKENS = 64
 # merge="pass" at S <= DECODE_FEW_LAST chunks a request: requests of at most pow2(S) chunks merged by their last
-# chunk program in one load of their chunks (as the split pass merges), the rest by the pass. 0 (off): uniform rows
-# ran 0.5-1.3 % faster with it at S 3-6, but its compile moves the chunk pass's registers (28/4 d128 80 -> 71 at
-# S 4), which the wave fit's rule reads (``chunk_resident``): on once that rule is measured again (bench/RESULTS.md).
+# chunk program in one load of their chunks (as the split pass merges), the rest by the pass. Its compile moves the
+# chunk pass's registers, which the wave fit's rule reads (``chunk_resident``, by pow2(S)). Off (0): on at 8, the
+# 36 decode rows through the backend ran 0.5-2 % faster on eleven, up to 8 % slower on d64 and at bs 48 (RESULTS.md).
 DECODE_FEW_LAST = 0
 
 
@@ -85,29 +85,40 @@ def _chunk_bound_fits(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: in
             and bs > CHUNK_MAXNREG_BS and group <= CHUNK_MAXNREG_HEADS)   # next_power_of_2(group) <= 16 as well
 
 
-def chunk_resident(head_dim: int, group: int) -> int:
+# GQA groups whose chunk pass holds 6 programs an SM at d128 (else 7 or more), by its FEW_LAST: triton 3.6's
+# compiler's registers on sm_90 (79-80 against 62-72), checked by tests/kernels/test_offline_sm90.py.
+_SIX_AN_SM = {0: (2, 3, 4, 5, 6, 7), 2: (1, 2, 3, 4), 4: (2, 3, 4), 8: (1, 3, 4, 5, 6, 7)}
+
+
+def chunk_resident(head_dim: int, group: int, few: int = 0) -> int:
     """Programs an SM the chunk pass holds at the compiler's registers on sm_90 (4 warps), on the tiles the register
-    bound serves: 79-80 registers (6) at d128 for GQA groups 2-7, 64-72 (7 or more) elsewhere (groups 1, 8 and 16,
-    d64; triton 3.6's compile, checked against it by tests/kernels/test_offline_sm90.py)."""
-    return 6 if head_dim > 64 and 2 <= group <= 7 else 7
+    bound serves, compiled with FEW_LAST ``few``: 6 at d128 for the groups of ``_SIX_AN_SM``, else 7 (groups of 8
+    and 16, d64: at least 7)."""
+    return 6 if head_dim > 64 and group in _SIX_AN_SM[few] else 7
+
+
+def few_last(num_kv_splits: int, schedule: str, merge: str) -> int:
+    """The chunk pass's FEW_LAST at ``num_kv_splits`` chunks a request: pow2 up to DECODE_FEW_LAST (<= 8), else 0."""
+    few = merge == "pass" and schedule == "chunks" and 1 < num_kv_splits <= DECODE_FEW_LAST
+    return pow2(num_kv_splits) if few else 0
 
 
 def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
-                  per_sm: Optional[float] = None):
+                  per_sm: Optional[float] = None, few: int = 0):
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
-    whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), or None:
-    the compiler's."""
+    whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), compiled with
+    FEW_LAST ``few``, or None: the compiler's."""
     waves = (per_sm is None or math.ceil(per_sm / CHUNK_MAXNREG_WAVE)
-             < math.ceil(per_sm / chunk_resident(head_dim, group)))
+             < math.ceil(per_sm / chunk_resident(head_dim, group, few)))
     return CHUNK_MAXNREG if waves and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group) else None
 
 
 def chunk_fit(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
-              per_sm: Optional[float] = None) -> bool:
+              per_sm: Optional[float] = None, few: int = 0) -> bool:
     """Whether the chunk pass of :func:`chunk_maxnreg`'s arguments asks for the wave fit: a budget of one
     wave at the compiler's registers (:func:`chunk_resident`), on the rows the bound serves, whose overrun (a
     program an SM) the compiled pass has no room for."""
-    held = chunk_resident(head_dim, group)
+    held = chunk_resident(head_dim, group, few)
     return (per_sm is not None and held < per_sm + 1 and per_sm <= held
             and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group))
 
@@ -313,15 +324,14 @@ def decode_attention_fwd(q, k_buffer, v_buffer, page_table, seq_lens_k, page_siz
     if block_n is None:
         block_n = decode_block_n(k_buffer.dtype, max(D, Dv), schedule)
     if schedule != "split":
+        few = few_last(num_kv_splits, schedule, merge)
         if maxnreg is ... or fit is ...:
             sms = device_sms(q.device) or OFFLINE_SMS
             per_sm = bs * Hkv * num_kv_splits / sms if schedule == "chunks" else None
             rule = (k_buffer.dtype, max(D, Dv), block_n, bs, H // Hkv, per_sm)
             default = (num_warps, num_stages) == (4, 2)      # the launch the rules were measured and compiled at
-            maxnreg = (chunk_maxnreg(*rule) if default else None) if maxnreg is ... else maxnreg
-            fit = (default and chunk_fit(*rule)) if fit is ... else fit
-        few = (pow2(num_kv_splits) if merge == "pass" and schedule == "chunks" and 1 < num_kv_splits <= DECODE_FEW_LAST
-               else 0)
+            maxnreg = (chunk_maxnreg(*rule, few=few) if default else None) if maxnreg is ... else maxnreg
+            fit = (default and chunk_fit(*rule, few=few)) if fit is ... else fit
         cl = chunk_launch("decode_attention_fwd", out, workspace, bs, num_kv_splits, 1, Hkv, page_table, page_size,
                           schedule, block_n, heads_first, window, min_tokens=DECODE_MIN_CHUNK_TOKENS, fit=fit,
                           merged_upto=max(few, 1))

@@ -70,8 +70,9 @@ def main(argv=None):
         per_sm = bs * wl.kv_heads * meta.num_kv_splits / sms
         kv_dtype, dim = row.mem.pool.k[0].dtype, max(wl.qk_dim, wl.v_dim)
         rule = (kv_dtype, dim, decode.decode_block_n(kv_dtype, dim, "chunks"), bs, wl.heads // wl.kv_heads, per_sm)
+        few = decode.few_last(meta.num_kv_splits, be.schedule, be.chunk_merge)
         print(f"{spec}: splits {meta.num_kv_splits} chunked {be._chunked(meta.layout)} per_sm {per_sm:.1f} "
-              f"rule maxnreg {decode.chunk_maxnreg(*rule)} fit {decode.chunk_fit(*rule)} "
+              f"rule maxnreg {decode.chunk_maxnreg(*rule, few=few)} fit {decode.chunk_fit(*rule, few=few)} "
               f"page_table {tuple(meta.layout.page_table.shape)}")
         times = {"backend graph": g.replay}
         for nr in (..., None, 64):

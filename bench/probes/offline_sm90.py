@@ -283,10 +283,22 @@ def verify_chunk_configs() -> dict:
 
 def resident_configs() -> dict:
     """``{label: thunk}``: the chunk pass at the compiler's registers (no bound, no fit), bf16, 24 requests: the
-    programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit."""
-    return {f"resident {H}/{Hkv} d{D}": gqa_decode_call(H, Hkv, D, 4, maxnreg=None, fit=False) for H, Hkv, D in
+    programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit; "few N": at pow2(S)
+    = N chunks a request with ``DECODE_FEW_LAST`` on (8), the others with it off."""
+    import attn_backends_kernels.decode_attention as decode
+
+    def knob(few, thunk):
+        def run():
+            saved, decode.DECODE_FEW_LAST = decode.DECODE_FEW_LAST, 8 if few else 0
+            try:
+                thunk()
+            finally:
+                decode.DECODE_FEW_LAST = saved
+        return run
+    return {f"resident {H}/{Hkv} d{D}" + (f" few{few}" if few else ""):
+            knob(few, gqa_decode_call(H, Hkv, D, few or 4, maxnreg=None, fit=False)) for H, Hkv, D in
             ((32, 8, 128), (28, 4, 128), (12, 4, 128), (20, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128),
-             (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128))}
+             (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128)) for few in (0, 2, 4, 8)}
 
 
 def deep_configs() -> dict:

@@ -22,30 +22,36 @@ def test_chunk_register_bound_where_it_saves_a_wave(bs, per_sm, want):
     assert chunk_maxnreg(torch.bfloat16, 128, 32, bs, 4, per_sm) == want
 
 
-@pytest.mark.parametrize("kv,bs,group,per_sm,want", [
-    (torch.bfloat16, 24, 4, 5.8, True), (torch.bfloat16, 24, 7, 6.0, True), (torch.bfloat16, 24, 4, 6.5, False),
-    (torch.bfloat16, 48, 4, 11.6, False), (torch.bfloat16, 32, 4, None, False), (torch.bfloat16, 16, 4, 5.8, False),
-    (torch.float8_e4m3fn, 24, 4, 5.8, False),
-    (torch.bfloat16, 48, 8, 5.8, False),      # GQA 8/1: 7 an SM at the compiler's registers, room for the overrun
-    (torch.bfloat16, 24, 4, 4.5, False),      # 6 an SM hold 4.5 and the overrun
+@pytest.mark.parametrize("kv,bs,group,per_sm,want,few", [
+    (torch.bfloat16, 24, 4, 5.8, True, 0), (torch.bfloat16, 24, 7, 6.0, True, 0),
+    (torch.bfloat16, 24, 4, 6.5, False, 0), (torch.bfloat16, 48, 4, 11.6, False, 0),
+    (torch.bfloat16, 32, 4, None, False, 0), (torch.bfloat16, 16, 4, 5.8, False, 0),
+    (torch.float8_e4m3fn, 24, 4, 5.8, False, 0),
+    (torch.bfloat16, 48, 8, 5.8, False, 0),      # GQA 8/1: 7 an SM at the compiler's registers, room for the overrun
+    (torch.bfloat16, 24, 4, 4.5, False, 0),      # 6 an SM hold 4.5 and the overrun
+    (torch.bfloat16, 24, 7, 6.0, False, 4),      # FEW_LAST at 4 chunks: GQA 28/4 holds 7 an SM, 6 at 8 chunks
+    (torch.bfloat16, 24, 7, 6.0, True, 8), (torch.bfloat16, 24, 1, 6.0, True, 2),
+    (torch.bfloat16, 24, 1, 6.0, False, 4),
 ])
-def test_chunk_wave_fit_where_the_budget_is_one_wave(kv, bs, group, per_sm, want):
-    """The wave fit where the budget is one wave of the compiled pass (``chunk_resident``: 6 programs an SM for
-    d128 groups 2-7, else 7) and that holds fewer than the budget's plus one, on the rows the register bound
-    serves (16-bit caches, more than 16 requests); the invariant schedule (None) has no fit."""
-    assert chunk_fit(kv, 128, 32, bs, group, per_sm) is want
+def test_chunk_wave_fit_where_the_budget_is_one_wave(kv, bs, group, per_sm, want, few):
+    """The wave fit where the budget is one wave of the compiled pass (``chunk_resident``: 6 programs an SM at d128
+    for the groups whose compile with FEW_LAST ``few`` holds 6, else 7) and that holds fewer than the budget's plus
+    one, on the rows the register bound serves (16-bit caches, more than 16 requests); the invariant schedule (None)
+    has no fit."""
+    assert chunk_fit(kv, 128, 32, bs, group, per_sm, few=few) is want
 
 
 @pytest.mark.parametrize("schedule,fits", [("chunks", True), ("chunks", False), ("invariant", False)])
 def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
     """``decode_attention_fwd`` hands the rules its budget's programs an SM (bs x KV heads x chunks a request over
-    the SMs: OFFLINE_SMS for tensors on no GPU) on the chunk schedule, and None on the invariant one; the chunk
-    launch takes ``chunk_fit``'s answer (a GPU's: patched), and the fitted schedule matches the reference."""
+    the SMs: OFFLINE_SMS for tensors on no GPU) and the FEW_LAST it compiles with (pow2 of 2 chunks a request) on
+    the chunk schedule, and None (0) on the invariant one; the chunk launch takes ``chunk_fit``'s answer (a GPU's:
+    patched), and the fitted schedule matches the reference."""
     import attn_backends_kernels.decode_attention as mod
     seen, launched = [], []
     real, real_launch = mod.chunk_maxnreg, mod.chunk_launch
-    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: seen.append(a[-1]) or real(*a))
-    monkeypatch.setattr(mod, "chunk_fit", lambda *a: fits)
+    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a, **kw: seen.append((a[-1], kw["few"])) or real(*a, **kw))
+    monkeypatch.setattr(mod, "chunk_fit", lambda *a, **kw: fits)
     monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
     seq_lens = [3000, 9, 70]      # 8 whole chunks of 9 tiles overrun a budget of 6: the fit takes 6 of 12 tiles
     page_table, lens, num_pages = make_paged_batch(seq_lens, 16, device="cpu", seed=0)
@@ -53,7 +59,7 @@ def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
     kv = torch.randn(num_pages * 16, 2, 16)
     ws = chunk_workspace(3, slots_per_request(schedule, 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
     decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out, ws, schedule=schedule, merge="pass")
-    assert seen == [3 * 2 * 2 / mod.OFFLINE_SMS if schedule == "chunks" else None]
+    assert seen == [(3 * 2 * 2 / mod.OFFLINE_SMS, 2) if schedule == "chunks" else (None, 0)]
     assert launched == [fits]
     ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
     assert_close(out, ref, 1e-5)
@@ -66,8 +72,8 @@ def test_chunk_rules_keep_off_other_launches(monkeypatch, warps, stages):
     import attn_backends_kernels.decode_attention as mod
     launched = []
     real_launch = mod.chunk_launch
-    monkeypatch.setattr(mod, "chunk_fit", lambda *a: True)
-    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a: 64)
+    monkeypatch.setattr(mod, "chunk_fit", lambda *a, **kw: True)
+    monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a, **kw: 64)
     monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
     page_table, lens, num_pages = make_paged_batch([300, 9, 70], 16, device="cpu", seed=0)
     q, out = torch.randn(3, 4, 16), torch.empty(3, 4, 16)

@@ -170,20 +170,22 @@ def test_the_split_merge_is_a_dependent_launch_that_waits(compiled, label):
     assert split["kernel"] == "_decode_split_kernel" and split["gdc_trigger"] == 1 and not split["pdl"], split
 
 
+@pytest.mark.parametrize("few", [0, 2, 4, 8])
 @pytest.mark.parametrize("label", ["resident 32/8 d128", "resident 28/4 d128", "resident 12/4 d128",
                                    "resident 20/4 d128", "resident 24/4 d128", "resident 8/1 d128",
                                    "resident 64/8 d128", "resident 64/4 d128", "resident 32/8 d64",
                                    "resident 28/4 d64", "resident 32/32 d128", "resident 16/8 d128"])
-def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label):
+def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label, few):
     """``chunk_resident``: the programs an SM the chunk pass holds at the compiler's registers on sm_90 (65,536
-    registers an SM, a warp's in units of 256, 4 warps), 6 where it says 6 and at least 7 where it says 7."""
+    registers an SM, a warp's in units of 256, 4 warps), 6 where it says 6 and at least 7 where it says 7, compiled
+    with FEW_LAST ``few`` (0: off; else merged by the last chunk program from pow2(S) = few chunks a request)."""
     from attn_backends_kernels.decode_attention import chunk_resident
-    chunk = [r for r in compiled[label] if r["kernel"] == "_decode_chunk_kernel"]
+    chunk = [r for r in compiled[label + (f" few{few}" if few else "")] if r["kernel"] == "_decode_chunk_kernel"]
     assert len(chunk) == 1 and chunk[0]["stack"] == 0, compiled[label]
     heads, dim = label.split()[1:]
     H, Hkv = map(int, heads.split("/"))
     held = 65536 // (-(-chunk[0]["regs"] * 32 // 256) * 256 * 4)
-    said = chunk_resident(int(dim[1:]), H // Hkv)
+    said = chunk_resident(int(dim[1:]), H // Hkv, few)
     assert held == said if said == 6 else held >= said, (chunk[0]["regs"], held, said)
 
 
