@@ -9,7 +9,7 @@ import triton.language as tl
 
 MASK_KINDS = {"causal": 0, "tree": 1, "draft": 2}
 NO_MASK = tl.constexpr(-1)      # decode: every token of the range is visible
-# log2(e) twice: a softcap's tanh by exp2 on scores in log2 units (``paged_tile_update``).
+# log2(e) twice: a softcap's tanh by exp2 on scores in log2 units (``_capped`` in the interpreter).
 _TWO_LOG2E = tl.constexpr(2.8853900817779268)
 # The interpreter runs no inline PTX: it widens FP8 by Triton's cast.
 _PTX = tl.constexpr(not triton.knobs.runtime.interpret)
@@ -23,14 +23,15 @@ def _cvt_f16x2(x, CVT: tl.constexpr):
 
 
 @triton.jit
-def _rcp(x):
-    """1 / x by the SFU's reciprocal (``rcp.approx``, within an ulp): the softcap's tanh divides
-    every score, and a full division there cost the verify tile 7 % (bench/RESULTS.md, 'Windows')."""
+def _capped(s, cap):
+    """``cap * tanh(s / cap)``: on the GPU by the SFU's tanh (``tanh.approx``, relative error 2^-11, as FlashInfer's
+    cap), one SFU op a score where tanh by exp2 and a reciprocal took two (bench/RESULTS.md, 'Windows'); the
+    interpreter runs no PTX: tanh by exp2 there, exact at both ends (exp2 of +-inf)."""
     if _PTX:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
+        r = cap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (1.0 / cap)], dtype=tl.float32,
+                                            is_pure=True, pack=1)
     else:
-        r = 1.0 / x
+        r = cap - 2.0 * cap / (tl.exp2(s * (_TWO_LOG2E / cap)) + 1.0)
     return r
 
 
@@ -61,15 +62,15 @@ def paged_tile_update(q, k_ptr, v_ptr, slot, mask_n, vis, kvh, stride_ks, stride
     e4m3 and e5m2 value is a float16): K's scale folded into ``scale_log2`` by the caller, V's
     (``v_scale``) on the float32 product P.V; V by ``widen_fp8`` (the ways measured: bench/RESULTS.md,
     'FP8 KV'). Other dtypes: the code as it was. ``SOFTCAP``: the scores (log2 units) capped at
-    ``softcap_log2`` (the cap times log2 e) as ``C * tanh(s / C)`` before the mask, tanh by one exp2.
+    ``softcap_log2`` (the cap times log2 e) as ``C * tanh(s / C)`` before the mask (``_capped``).
     """
     k = tl.load(k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     if k.dtype.is_fp8():
         k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
-    if SOFTCAP:     # C tanh(s / C) = C - 2C / (exp(2 s / C) + 1): exact at both ends (exp2 of +-inf)
-        s = softcap_log2 - 2.0 * softcap_log2 * _rcp(tl.exp2(s * (_TWO_LOG2E / softcap_log2)) + 1.0)
+    if SOFTCAP:
+        s = _capped(s, softcap_log2)
     s = tl.where(vis, s, float("-inf"))
     # A row may see nothing in this tile (masks); keep its exponents finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
