@@ -187,7 +187,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if HAS_CU:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if PDL:             # every program: the merge completes after the chunk pass, whatever it merges
+    if PDL:             # every program, as PTX asks of a dependent whose primary triggers early
         tl.extra.cuda.gdc_wait()
     if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
