@@ -3,12 +3,12 @@ epilogue, the log-sum-exp merge of split-KV partials, the split workspace and th
 checks. ``decode_attention``, ``extend_attention`` and ``mla.attention`` build on it.
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from .device_facts import capability, cuda_index, max_shared_mem
 from .launch_record import cdiv, launch, pow2
 from .pdl import split_merge
 
@@ -164,15 +164,10 @@ def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _max_shared_mem(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
 def shared_mem_fits(t: torch.Tensor, nbytes: int) -> bool:
     """Whether ``nbytes`` of shared memory fit one program on ``t``'s device (always on the
     CPU: the interpreter has no such limit)."""
-    return not t.is_cuda or nbytes <= _max_shared_mem(t.get_device())
+    return not t.is_cuda or nbytes <= max_shared_mem(t.get_device())
 
 
 # Shared memory a program holds beside its two buffered KV tiles (the query tile, layout scratch):
@@ -227,25 +222,14 @@ def check_paged_inputs(name, q, kv_buffers, page_table, seq_lens_k, page_size, b
         raise ValueError(f"{name}: q.dtype={q.dtype} not in (float16, bfloat16, float32)")
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
 def check_fp8_widening(name, q, kv_buffer) -> None:
     """The GQA kernels widen an FP8 cache for a 16-bit query by PTX (``kv_walk.widen_fp8``) that
     sm_89+ has: below, one line here rather than ptxas's error at compile time."""
     if kv_buffer.dtype in FP8_KV_DTYPES and q.device.type == "cuda" and q.dtype != torch.float32:
-        major, minor = _capability(cuda_index(q.device))
+        major, minor = capability(cuda_index(q.device))
         if (major, minor) < (8, 9):
             raise ValueError(f"{name}: an FP8 KV cache with a {str(q.dtype)[6:]} query needs sm_89+ (its FP8 "
                              f"conversions), this GPU is sm_{major}{minor}")
-
-
-def cuda_index(device: torch.device) -> int:
-    """The CUDA device index ``device`` names; a bare ``torch.device("cuda")`` names the current
-    device (``torch.cuda.set_device``), not device 0."""
-    return torch.cuda.current_device() if device.index is None else device.index
 
 
 # Where a tile's split partials are at most this many bytes, the split pass merges them itself
@@ -311,16 +295,6 @@ def fuse_merge(rows: int, num_kv_splits: int, head_dim_v: int, num_warps: int, w
         return True
     return (one_block and rows >= WIDE_FUSED_ROWS and nbytes <= FUSED_MERGE_BYTES
             and (sms is None or programs >= WIDE_FUSED_PER_SM * sms))
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_sms(device: torch.device):
-    """The SMs of a CUDA device; None elsewhere (the interpreter)."""
-    return sm_count(cuda_index(device)) if device.type == "cuda" else None
 
 
 def merge_chunk(rows: int, block_dv: int, num_warps: int) -> int:

@@ -27,7 +27,6 @@ from .attention_core import (
     LOG2E,
     check_fp8_widening,
     check_paged_inputs,
-    device_sms,
     fuse_merge,
     heads_first_grid,
     merge_chunk,
@@ -37,6 +36,7 @@ from .attention_core import (
     store_partial,
 )
 from .chunk_kernels import chunk_of, merge_chunks_if_last
+from .device_facts import device_sms
 from .kv_walk import NO_MASK, feature_args, head_and_item, sink_state, slot64, walk_paged, window_lo
 from .launch_record import launch, pow2
 from .pdl import split_merge

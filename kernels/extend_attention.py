@@ -30,7 +30,6 @@ from .attention_core import (
     LOG2E,
     check_fp8_widening,
     check_paged_inputs,
-    device_sms,
     fit_block_n,
     fuse_merge,
     heads_first_grid,
@@ -41,6 +40,7 @@ from .attention_core import (
     store_partial,
 )
 from .chunk_kernels import chunk_of, merge_chunks_if_last
+from .device_facts import device_sms
 from .kv_walk import (  # noqa: F401  (visible_mask: mla.attention's)
     MASK_KINDS,
     feature_args,

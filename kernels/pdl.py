@@ -4,25 +4,20 @@ its stores visible). A pass that calls ``gdc_launch_dependents`` at its start le
 of its programs has started (the merge's programs then take SMs as the pass's programs leave them); otherwise as
 they exit. The flags are read when a wrapper launches (a recorded eager replay keeps what it recorded;
 bench/RESULTS.md, 'Ragged batches': measured both ways)."""
-import functools
-
 import torch
 import triton
+
+from .device_facts import capability, cuda_index
 
 MERGE_PASS_PDL = True       # the chunk schedule's merge pass (``schedule.ChunkLaunch.merge_pass``)
 CHUNK_PDL_TRIGGER = True    # the GQA chunk passes trigger at their start (with MERGE_PASS_PDL: ChunkLaunch.trigger)
 SPLIT_MERGE_PDL = True      # ``attention_core.merge_splits``; the GQA decode split pass triggers at its start
 
 
-@functools.lru_cache(maxsize=None)
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def pdl_device(device: torch.device) -> bool:
     """Whether ``device`` runs programmatic dependent launches (an sm_90+ NVIDIA GPU; not the interpreter)."""
     return (device.type == "cuda" and torch.version.hip is None and not triton.knobs.runtime.interpret
-            and _major(torch.cuda.current_device() if device.index is None else device.index) >= 9)
+            and capability(cuda_index(device))[0] >= 9)
 
 
 def merge_pass(device: torch.device) -> bool:

@@ -8,7 +8,8 @@ from typing import ClassVar, Optional
 import torch
 import triton
 
-from attn_backends_kernels.attention_core import cuda_index, decode_workspace, sm_count
+from attn_backends_kernels.attention_core import decode_workspace
+from attn_backends_kernels.device_facts import cuda_index, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
 

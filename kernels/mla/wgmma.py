@@ -19,7 +19,6 @@ warp-specialized kernels (``chunked``, ``dbuf``, ``seesaw``: the defaults on sm_
 serve.
 """
 
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -31,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..attention_core import cuda_index
+from ..device_facts import capability, cuda_index
 from ..schedule import MIN_CHUNK_TOKENS as _MIN_CHUNK_TOKENS
 
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
@@ -356,9 +355,4 @@ def on_hopper(t: torch.Tensor) -> bool:
 def hopper_device(device: torch.device) -> bool:
     """Whether ``device`` is an sm_90 NVIDIA GPU (a ROCm build reports gfx9 GPUs as capability 9
     too)."""
-    return device.type == "cuda" and torch.version.hip is None and _capability(cuda_index(device))[0] == 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+    return device.type == "cuda" and torch.version.hip is None and capability(cuda_index(device))[0] == 9

@@ -270,7 +270,7 @@ def test_a_bare_cuda_device_is_the_current_one(monkeypatch):
         128, torch.device("cuda", 1), 2048, 16, 1) == 16
     assert tc.choose_num_kv_splits(128, CUDA0, 2048, 16, 1) == 2
     capability = {0: (8, 0), 1: (9, 0)}
-    monkeypatch.setattr(mla_wgmma, "_capability", lambda index: capability[index])
+    monkeypatch.setattr(mla_wgmma, "capability", lambda index: capability[index])
     monkeypatch.setattr(torch.version, "hip", None)
     assert mla_wgmma.hopper_device(cuda) and mla_wgmma.hopper_device(torch.device("cuda", 1))
     assert not mla_wgmma.hopper_device(CUDA0)

@@ -116,7 +116,7 @@ def test_fp8_widening_below_sm89_is_one_line(monkeypatch, cap, q_dtype, refused)
     from types import SimpleNamespace
 
     from attn_backends_kernels import attention_core as ac
-    monkeypatch.setattr(ac, "_capability", lambda index: cap)
+    monkeypatch.setattr(ac, "capability", lambda index: cap)
     q = SimpleNamespace(device=torch.device("cuda", 0), dtype=q_dtype)
     kv = SimpleNamespace(dtype=torch.float8_e4m3fn)
     if refused:
