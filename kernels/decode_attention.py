@@ -71,7 +71,7 @@ DECODE_MIN_CHUNK_TOKENS = 64
 # merge="pass" at S <= DECODE_FEW_LAST chunks a request: requests of at most pow2(S) chunks merged by their last
 # chunk program in one load of their chunks (as the split pass merges), the rest by the pass. Its compile moves the
 # chunk pass's registers, which the wave fit's rule reads (``chunk_resident``, by pow2(S)). Off (0): on at 8, the
-# 36 decode rows through the backend ran 0.5-2 % faster on eleven, up to 8 % slower on d64 and at bs 48 (RESULTS.md).
+# 36 decode rows through the backend ran 0.5-2.8 % faster on eleven, up to 8 % slower on d64 and at bs 48 (RESULTS.md).
 DECODE_FEW_LAST = 0
 
 
@@ -94,11 +94,14 @@ def chunk_resident(head_dim: int, group: int, few: int = 0) -> int:
     """Programs an SM the chunk pass holds at the compiler's registers on sm_90 (4 warps), on the tiles the register
     bound serves, compiled with FEW_LAST ``few``: 6 at d128 for the groups of ``_SIX_AN_SM``, else 7 (groups of 8
     and 16, d64: at least 7)."""
+    if few not in _SIX_AN_SM:
+        raise ValueError(f"chunk_resident: FEW_LAST {few} not in {sorted(_SIX_AN_SM)}, the compiles measured "
+                         "(DECODE_FEW_LAST <= 8, or pass maxnreg and fit)")
     return 6 if head_dim > 64 and group in _SIX_AN_SM[few] else 7
 
 
 def few_last(num_kv_splits: int, schedule: str, merge: str) -> int:
-    """The chunk pass's FEW_LAST at ``num_kv_splits`` chunks a request: pow2 up to DECODE_FEW_LAST (<= 8), else 0."""
+    """The chunk pass's FEW_LAST at ``num_kv_splits`` chunks a request: pow2 up to DECODE_FEW_LAST, else 0."""
     few = merge == "pass" and schedule == "chunks" and 1 < num_kv_splits <= DECODE_FEW_LAST
     return pow2(num_kv_splits) if few else 0
 
@@ -108,9 +111,11 @@ def chunk_maxnreg(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, g
     """The chunk pass's register bound for ``bs`` requests of GQA ``group`` on a cache of ``kv_dtype``
     whose chunk budget is ``per_sm`` programs an SM (None: not known, the invariant schedule's), compiled with
     FEW_LAST ``few``, or None: the compiler's."""
+    if not _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group):
+        return None
     waves = (per_sm is None or math.ceil(per_sm / CHUNK_MAXNREG_WAVE)
              < math.ceil(per_sm / chunk_resident(head_dim, group, few)))
-    return CHUNK_MAXNREG if waves and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group) else None
+    return CHUNK_MAXNREG if waves else None
 
 
 def chunk_fit(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group: int = 1,
@@ -118,9 +123,10 @@ def chunk_fit(kv_dtype: torch.dtype, head_dim: int, block_n: int, bs: int, group
     """Whether the chunk pass of :func:`chunk_maxnreg`'s arguments asks for the wave fit: a budget of one
     wave at the compiler's registers (:func:`chunk_resident`), on the rows the bound serves, whose overrun (a
     program an SM) the compiled pass has no room for."""
+    if per_sm is None or not _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group):
+        return False
     held = chunk_resident(head_dim, group, few)
-    return (per_sm is not None and held < per_sm + 1 and per_sm <= held
-            and _chunk_bound_fits(kv_dtype, head_dim, block_n, bs, group))
+    return held < per_sm + 1 and per_sm <= held
 
 
 @triton.jit

@@ -2,31 +2,31 @@
 merge (every request one chunk) and its programs return without ``gdc_wait``? Plant that form by moving the merge
 pass's wait into its branch (``kernels/chunk_kernels.py``), then run:
 
-    python bench/probes/pdl_successor.py      # repository root, sm_90+ GPU
+    python bench/probes/pdl_successor.py      # sm_90+ GPU
 
 It prints, for each shape, how many of 200 graph replays and 200 eager steps let the next kernel (a copy of the
 output) read rows the chunk pass had not yet written (NaN).
 """
+import pathlib
 import random
 import sys
 
 import torch
 
-sys.path.insert(0, "tests/kernels")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "kernels"))
 from kernel_refs import make_paged_batch  # noqa: E402
+from test_merge_pdl import PAGE, _attend  # noqa: E402
 
-from attn_backends_kernels.decode_attention import decode_attention_fwd  # noqa: E402
-from attn_backends_kernels.extend_attention import extend_attention_fwd  # noqa: E402
 from attn_backends_kernels.schedule import chunk_workspace  # noqa: E402
 
-PAGE = 16
 SHAPES = [(1, 64, 32, 8, 128), (1, 1024, 64, 8, 128), (1, 4096, 64, 8, 128), (4, 1024, 64, 8, 128),
           (4, 4096, 32, 8, 128)]      # (W, bs, H, Hkv, D)
 
 
 def step_of(W, bs, H, Hkv, D):
     """A step that poisons the output, attends (chunk schedule, merge pass) and copies the output; its buffers."""
-    lens = [random.Random(W).randint(W, 64 if W == 1 else 256) for _ in range(bs)]      # one chunk each
+    rng = random.Random(W)
+    lens = [rng.randint(W, 64 if W == 1 else 256) for _ in range(bs)]      # ragged, one chunk each
     page_table, seq_lens, num_pages = make_paged_batch(lens, PAGE, device="cuda", seed=W)
     k, v = (torch.randn(num_pages * PAGE, Hkv, D, device="cuda").to(torch.bfloat16) for _ in range(2))
     q = torch.randn(bs * W, H, D, device="cuda").to(torch.bfloat16)
@@ -36,12 +36,7 @@ def step_of(W, bs, H, Hkv, D):
 
     def step():
         out.fill_(float("nan"))
-        if W == 1:
-            decode_attention_fwd(q, k, v, page_table, seq_lens, PAGE, D ** -0.5, 4, out, ws, schedule="chunks",
-                                 merge="pass")
-        else:
-            extend_attention_fwd(q, k, v, page_table, seq_lens, cu, PAGE, D ** -0.5, W, out, num_kv_splits=4,
-                                 workspace=ws, schedule="chunks", merge="pass")
+        _attend(q, k, v, page_table, seq_lens, cu, W, 4, out, ws)
         seen.copy_(out)
     return step, out, seen, ws
 

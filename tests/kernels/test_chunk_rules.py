@@ -41,15 +41,34 @@ def test_chunk_wave_fit_where_the_budget_is_one_wave(kv, bs, group, per_sm, want
     assert chunk_fit(kv, 128, 32, bs, group, per_sm, few=few) is want
 
 
+def test_the_rules_know_every_few_last_they_are_asked(monkeypatch):
+    """``DECODE_FEW_LAST`` up to 8 gives the rules only compiles they know, for every split count, group and head
+    dim; above 8 they refuse the unmeasured compile in one line (a probe passes maxnreg and fit instead)."""
+    import attn_backends_kernels.decode_attention as mod
+    for knob in range(17):
+        monkeypatch.setattr(mod, "DECODE_FEW_LAST", knob)
+        for splits in range(1, 65):
+            few = mod.few_last(splits, "chunks", "pass")
+            for group, dim in [(1, 128), (4, 128), (7, 128), (8, 128), (4, 64)]:
+                args = (torch.bfloat16, dim, 32, 24, group, 24 * splits / 132)
+                if few <= 8:
+                    mod.chunk_fit(*args, few=few), mod.chunk_maxnreg(*args, few=few)
+                    continue
+                with pytest.raises(ValueError, match=f"FEW_LAST {few} not in"):
+                    mod.chunk_fit(*args, few=few)
+
+
+@pytest.mark.parametrize("knob", [0, 8])
 @pytest.mark.parametrize("schedule,fits", [("chunks", True), ("chunks", False), ("invariant", False)])
-def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
+def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits, knob):
     """``decode_attention_fwd`` hands the rules its budget's programs an SM (bs x KV heads x chunks a request over
-    the SMs: OFFLINE_SMS for tensors on no GPU) and the FEW_LAST it compiles with (pow2 of 2 chunks a request) on
-    the chunk schedule, and None (0) on the invariant one; the chunk launch takes ``chunk_fit``'s answer (a GPU's:
-    patched), and the fitted schedule matches the reference."""
+    the SMs: OFFLINE_SMS for tensors on no GPU) and the FEW_LAST it compiles with (2 chunks a request: 2 where
+    ``DECODE_FEW_LAST`` ``knob`` allows) on the chunk schedule, and None (0) on the invariant one; the chunk
+    launch takes ``chunk_fit``'s answer (a GPU's: patched), and the fitted schedule matches the reference."""
     import attn_backends_kernels.decode_attention as mod
     seen, launched = [], []
     real, real_launch = mod.chunk_maxnreg, mod.chunk_launch
+    monkeypatch.setattr(mod, "DECODE_FEW_LAST", knob)
     monkeypatch.setattr(mod, "chunk_maxnreg", lambda *a, **kw: seen.append((a[-1], kw["few"])) or real(*a, **kw))
     monkeypatch.setattr(mod, "chunk_fit", lambda *a, **kw: fits)
     monkeypatch.setattr(mod, "chunk_launch", lambda *a, **kw: launched.append(kw["fit"]) or real_launch(*a, **kw))
@@ -59,7 +78,7 @@ def test_chunk_register_bound_sees_the_budget(monkeypatch, schedule, fits):
     kv = torch.randn(num_pages * 16, 2, 16)
     ws = chunk_workspace(3, slots_per_request(schedule, 2, page_table.shape[1] * 16), 1, 4, 2, 16, "cpu")
     decode_attention_fwd(q, kv, kv.clone(), page_table, lens, 16, 0.25, 2, out, ws, schedule=schedule, merge="pass")
-    assert seen == [(3 * 2 * 2 / mod.OFFLINE_SMS, 2) if schedule == "chunks" else (None, 0)]
+    assert seen == [(3 * 2 * 2 / mod.OFFLINE_SMS, 2 if knob else 0) if schedule == "chunks" else (None, 0)]
     assert launched == [fits]
     ref = ref_paged_attention(q, kv, kv, page_table, lens, torch.arange(4, dtype=torch.int32), 16, 0.25)
     assert_close(out, ref, 1e-5)
@@ -102,7 +121,8 @@ def test_decode_chunks_take_the_fit_where_the_pass_holds_no_overrun_gpu(monkeypa
                                merge="pass")
     assert_close(out[:len(lens)], ref, 1e-2)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    want = chunk_fit(torch.bfloat16, 128, 32, 25, H // Hkv, 25 * Hkv * per_request / sms)
+    want = chunk_fit(torch.bfloat16, 128, 32, 25, H // Hkv, 25 * Hkv * per_request / sms,
+                     few=mod.few_last(per_request, "chunks", "pass"))
     assert want == fitted or sms != 132
     assert len(budgets) == 1 and (budgets[0] < 0) == want, (budgets, want)
 

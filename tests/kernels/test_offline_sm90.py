@@ -180,8 +180,9 @@ def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label, few):
     registers an SM, a warp's in units of 256, 4 warps), 6 where it says 6 and at least 7 where it says 7, compiled
     with FEW_LAST ``few`` (0: off; else merged by the last chunk program from pow2(S) = few chunks a request)."""
     from attn_backends_kernels.decode_attention import chunk_resident
-    chunk = [r for r in compiled[label + (f" few{few}" if few else "")] if r["kernel"] == "_decode_chunk_kernel"]
-    assert len(chunk) == 1 and chunk[0]["stack"] == 0, compiled[label]
+    key = label + (f" few{few}" if few else "")
+    chunk = [r for r in compiled[key] if r["kernel"] == "_decode_chunk_kernel"]
+    assert len(chunk) == 1 and chunk[0]["stack"] == 0, compiled[key]
     heads, dim = label.split()[1:]
     H, Hkv = map(int, heads.split("/"))
     held = 65536 // (-(-chunk[0]["regs"] * 32 // 256) * 256 * 4)
