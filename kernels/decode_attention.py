@@ -71,7 +71,7 @@ DECODE_MIN_CHUNK_TOKENS = 64
 # merge="pass" at S <= DECODE_FEW_LAST chunks a request: requests of at most pow2(S) chunks merged by their last
 # chunk program in one load of their chunks (as the split pass merges), the rest by the pass. Its compile moves the
 # chunk pass's registers, which the wave fit's rule reads (``chunk_resident``, by pow2(S)). Off (0): on at 8, the
-# 36 decode rows through the backend ran 0.5-2.8 % faster on eleven, up to 8 % slower on d64 and at bs 48 (RESULTS.md).
+# 36 decode rows through the backend ran 0.5-2.8 % faster on ten, up to 8 % slower on d64 and at bs 48 (RESULTS.md).
 DECODE_FEW_LAST = 0
 
 
