@@ -3,7 +3,6 @@ epilogue, the log-sum-exp merge of split-KV partials, the split workspace and th
 checks. ``decode_attention``, ``extend_attention`` and ``mla.attention`` build on it.
 """
 
-
 import torch
 import triton
 import triton.language as tl

@@ -285,18 +285,12 @@ def resident_configs() -> dict:
     """``{label: thunk}``: the chunk pass at the compiler's registers (no bound, no fit), bf16, 24 requests: the
     programs an SM it holds, which ``decode_attention.chunk_resident`` states for the wave fit; "few N": at pow2(S)
     = N chunks a request with ``DECODE_FEW_LAST`` on (8), the others with it off."""
-    import attn_backends_kernels.decode_attention as decode
+    from unittest import mock
 
-    def knob(few, thunk):
-        def run():
-            saved, decode.DECODE_FEW_LAST = decode.DECODE_FEW_LAST, 8 if few else 0
-            try:
-                thunk()
-            finally:
-                decode.DECODE_FEW_LAST = saved
-        return run
+    import attn_backends_kernels.decode_attention as decode
     return {f"resident {H}/{Hkv} d{D}" + (f" few{few}" if few else ""):
-            knob(few, gqa_decode_call(H, Hkv, D, few or 4, maxnreg=None, fit=False)) for H, Hkv, D in
+            mock.patch.object(decode, "DECODE_FEW_LAST", 8 if few else 0)(
+                gqa_decode_call(H, Hkv, D, few or 4, maxnreg=None, fit=False)) for H, Hkv, D in
             ((32, 8, 128), (28, 4, 128), (12, 4, 128), (20, 4, 128), (24, 4, 128), (8, 1, 128), (64, 8, 128),
              (64, 4, 128), (32, 8, 64), (28, 4, 64), (32, 32, 128), (16, 8, 128)) for few in (0, 2, 4, 8)}
 
@@ -313,20 +307,13 @@ def one_pass_configs() -> dict:
     """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
     default) at 16 and 64 chunks a load over 128 columns (the deep tiles off: ``MERGE_PASS_DEEP_FROM``), on GQA's
     tiles and MLA's fat ones (several heads a program)."""
+    from unittest import mock
+
     import attn_backends_kernels.chunk_kernels as ck
-    names = "MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM"
 
     def one_pass(thunk, block_c):
-        def run():
-            saved = tuple(getattr(ck, n) for n in names)
-            try:
-                for n, v in zip(names, (block_c, block_c, True, 1 << 30)):
-                    setattr(ck, n, v)
-                thunk()
-            finally:
-                for n, v in zip(names, saved):
-                    setattr(ck, n, v)
-        return run
+        return mock.patch.multiple(ck, MERGE_PASS_CHUNKS=block_c, MERGE_PASS_WIDE_CHUNKS=block_c,
+                                   MERGE_PASS_ONE_PASS=True, MERGE_PASS_DEEP_FROM=1 << 30)(thunk)
     gqa, mla = gqa_chunk_configs(), mla_chunk_configs()
     return {"one pass c16 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 16),
             "one pass c64 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 64),

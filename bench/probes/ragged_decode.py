@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import itertools
 import random
+from unittest import mock
 
 import torch
 import triton
@@ -90,33 +91,27 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
     budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
     on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
     ("off"; "exit": allowed as the chunk programs exit; "start": from their start; ``pdl.py``)."""
-    ck = chunk_kernels
-    names = ("MERGE_PASS_CHUNKS", "MERGE_PASS_WIDE_CHUNKS", "MERGE_PASS_ONE_PASS", "MERGE_PASS_DEEP_FROM",
-             "MERGE_PASS_DEEP_CHUNKS", "MERGE_PASS_DEEP_DV")
-    saved = (decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER,
-             decode.DECODE_FEW_LAST, *(getattr(ck, n) for n in names))
-    try:
-        if min_tokens is not None:
-            decode.DECODE_MIN_CHUNK_TOKENS = min_tokens
-        if pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
-            decode.DECODE_FEW_LAST = int(pass_form[1:])
-        elif pass_form is not None and pass_form.startswith("w"):
-            c, d = pass_form[1:].split("d")
-            ck.MERGE_PASS_DEEP_FROM, ck.MERGE_PASS_DEEP_CHUNKS = ck.MERGE_PASS_WIDE_FROM, int(c)
-            ck.MERGE_PASS_DEEP_DV = int(d)
-        elif pass_form is not None:
-            c = int(pass_form.rstrip("p"))
-            ck.MERGE_PASS_CHUNKS, ck.MERGE_PASS_WIDE_CHUNKS, ck.MERGE_PASS_ONE_PASS = c, c, pass_form.endswith("p")
-            ck.MERGE_PASS_DEEP_FROM = 1 << 30
-        if pdl is not None:
-            dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER = {"off": (False, False), "exit": (True, False),
+    dv, cv, pv = {}, {}, {}         # decode_attention's, chunk_kernels' and pdl's values inside
+    if min_tokens is not None:
+        dv["DECODE_MIN_CHUNK_TOKENS"] = min_tokens
+    if pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
+        dv["DECODE_FEW_LAST"] = int(pass_form[1:])
+    elif pass_form is not None and pass_form.startswith("w"):
+        c, d = pass_form[1:].split("d")
+        cv.update(MERGE_PASS_DEEP_FROM=chunk_kernels.MERGE_PASS_WIDE_FROM, MERGE_PASS_DEEP_CHUNKS=int(c),
+                  MERGE_PASS_DEEP_DV=int(d))
+    elif pass_form is not None:
+        c = int(pass_form.rstrip("p"))
+        cv.update(MERGE_PASS_CHUNKS=c, MERGE_PASS_WIDE_CHUNKS=c, MERGE_PASS_ONE_PASS=pass_form.endswith("p"),
+                  MERGE_PASS_DEEP_FROM=1 << 30)
+    if pdl is not None:
+        pv["MERGE_PASS_PDL"], pv["CHUNK_PDL_TRIGGER"] = {"off": (False, False), "exit": (True, False),
                                                        "start": (True, True)}[pdl]
+    with contextlib.ExitStack() as stack:
+        for module, values in ((decode, dv), (chunk_kernels, cv), (dependent, pv)):
+            if values:
+                stack.enter_context(mock.patch.multiple(module, **values))
         yield
-    finally:
-        decode.DECODE_MIN_CHUNK_TOKENS, dependent.MERGE_PASS_PDL, dependent.CHUNK_PDL_TRIGGER = saved[:3]
-        decode.DECODE_FEW_LAST = saved[3]
-        for n, v in zip(names, saved[4:]):
-            setattr(ck, n, v)
 
 
 def graph_us(fn) -> float:

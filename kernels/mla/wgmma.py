@@ -19,7 +19,6 @@ warp-specialized kernels (``chunked``, ``dbuf``, ``seesaw``: the defaults on sm_
 serve.
 """
 
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
