@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -30,15 +31,12 @@ def main(argv=None) -> None:
         kb, vb, _ = rd.kv_pair(pg["num_pages"] * rd.PAGE, Hkv, D, torch.bfloat16)
         q = torch.randn(bs, H, D, device="cuda", dtype=torch.bfloat16)
         times, outs = {False: [], True: []}, {}
-        try:
-            for _ in range(args.rounds):
-                for on in (False, True):
-                    dependent.SPLIT_MERGE_PDL = on
+        for _ in range(args.rounds):
+            for on in (False, True):
+                with mock.patch.object(dependent, "SPLIT_MERGE_PDL", on):
                     out, fn = rd.ours(pg, q, kb, vb, S, "split")
                     times[on].append(rd.graph_us(fn))
-                    outs[on] = out.clone()
-        finally:
-            dependent.SPLIT_MERGE_PDL = True
+                outs[on] = out.clone()
         print(f"{H}/{Hkv} d{D} bs{bs} {dist} S={S}: off {min(times[False]):.1f} on {min(times[True]):.1f} "
               f"(rounds off {[round(t, 1) for t in times[False]]} on {[round(t, 1) for t in times[True]]}) "
               f"bitwise {torch.equal(outs[True], outs[False])}", flush=True)
