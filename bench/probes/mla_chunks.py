@@ -2,6 +2,7 @@
 chunk pass's time goes on uniform rows (issue #40), and what 16-bit chunk partials change.
 
     python bench/probes/mla_chunks.py [--rows 16x1:48,128x1:48,16x4:48,128x4:24/2] [--dists uniform,ragged,longtail]
+    python bench/probes/mla_chunks.py --variants rule+z1,rule,rule+one [--rows ...] [--dists ...]
 
 Per row (heads x query rows a request : batch[/split count, else the backend's]) and length
 distribution (``bench/sweep``'s), bf16, page 64, shuffled pages: graph-replay time
@@ -10,14 +11,21 @@ and partial dtype), "chunks f32" (``mla_chunk_fwd``, float32 partials: the sched
 chunk partials) and "chunks" (``warpspec.partial_dtype``'s partials, as the backend allocates them);
 then each launch's device time from the profiler over 20 replays, with its registers, shared memory
 and blocks an SM as the trace reports them. Outputs are compared with the split's.
+
+``--variants``: the backend's chunk launch alone ("rule": its split count, partial dtype and wave fit) beside
+forms of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on
+the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
+at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from collections import defaultdict
+from unittest import mock
 
 import torch
 import triton
@@ -29,6 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ragged_decode import captured  # noqa: E402
 
 from attn_backends.backends.triton_common import choose_num_kv_splits  # noqa: E402
+from attn_backends_kernels import chunk_kernels  # noqa: E402
 from attn_backends_kernels.attention_core import decode_workspace  # noqa: E402
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape  # noqa: E402
 from attn_backends_kernels.mla.balanced import mla_chunk_fwd  # noqa: E402
@@ -106,11 +115,58 @@ def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def variant(name: str):
+    """The knobs of ``--variants`` form ``name`` (module docstring)."""
+    with contextlib.ExitStack() as stack:
+        for part in name.split("+")[1:]:
+            if part == "z1":
+                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
+                                                      chunk_kernels.MERGE_PASS_PROGRAMS))
+            elif part == "one":
+                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_PASS", True))
+            else:
+                raise ValueError(f"variant modifier {part!r} not in z1, one")
+        yield
+
+
+def variants_row(H: int, W: int, bs: int, dist: str, names: list) -> dict:
+    """The backend's chunk launch of a row (``row``'s data: its count, partial dtype and wave fit) under each
+    form in ``names``."""
+    gen = torch.Generator().manual_seed(bs + H + W)
+    lens = [max(n, W) for n in lengths(dist, bs, kv=16384)]
+    table, seq, slots = paged(lens, gen)
+    kv = torch.randn(slots * PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(bs * W, H, 576, device="cuda", dtype=torch.bfloat16)
+    bw, bh = tile_shape(W, H)
+    programs = bs * -(-W // bw) * -(-H // bh)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    S = choose_num_kv_splits(programs, q.device, table.shape[1], 1, W, 1, None,
+                             1 if W == 1 else SPLIT_TOKENS // PAGE, 65)
+    fit = S == sms // programs and 8 * S * programs >= 7 * sms            # triton_common._split_plan's
+    part16 = partial_dtype(kv.dtype, q.device, PAGE, bw * bh, 512, 64)
+    res = {"row": f"mla{H} W{W} bs{bs} {dist}", "S": S, "fit": fit, "tokens": sum(lens)}
+    ref = torch.empty(bs * W, H, 512, device="cuda", dtype=q.dtype)
+    mla_attention_fwd(q, kv, table, seq, PAGE, 0.07, S, ref, q_per_req=W,
+                      workspace=decode_workspace(bs * W, H, 512, S, "cuda", 0, part16) if S > 1 else None)
+    for name in names:
+        out = torch.empty_like(ref)
+        ws = chunk_workspace(bs, S, W, H, 1, 512, "cuda", part16)
+        with variant(name):
+            g, us = captured(lambda: mla_chunk_fwd(q, kv, table, seq, PAGE, 0.07, S, out, q_per_req=W, workspace=ws,
+                                                   fit=fit))
+            res[name] = round(us, 1)
+            res[name + " launches"] = launches(g)
+        res[name + " max diff"] = round((out.float() - ref.float()).abs().max().item(), 4)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="16x1:48,128x1:48,16x4:48,128x4:24")
     ap.add_argument("--dists", default="uniform,ragged,longtail")
     ap.add_argument("--json", help="append each row as a JSON line to this file")
+    ap.add_argument("--variants", help="the backend's chunk launch under these forms (module docstring)")
     args = ap.parse_args(argv)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for spec in args.rows.split(","):
@@ -118,6 +174,17 @@ def main(argv=None) -> int:
         H, W = (int(x) for x in hw.split("x"))
         bs, _, splits = bs.partition("/")
         for dist in args.dists.split(","):
+            if args.variants:
+                names = args.variants.split(",")
+                r = variants_row(H, W, int(bs), dist, names)
+                print(f"{r['row']} S={r['S']} fit={r['fit']} tokens={r['tokens']}: "
+                      + " / ".join(f"{n} {r[n]} (diff {r[n + ' max diff']})" for n in names) + " us")
+                for n in names:
+                    print(f"    {n}: {r[n + ' launches']}")
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+                continue
             r = row(H, W, int(bs), dist, int(splits) if splits else None)
             print(f"{r['row']} S={r['S']} part={r['part']}: split {r['split']} / chunks f32 {r['chunks f32']} / "
                   f"chunks {r['chunks']} us (max diff {r['max diff']})")

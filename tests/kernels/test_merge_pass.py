@@ -69,6 +69,7 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
 @pytest.mark.parametrize("single", [False, True])
 def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass):
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program: DV_STEPS > 1
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     lens, H, Dv, W, block_n, budget = [3000, 40, 300], 12, 520, 2, 16, 2
     block_c, block_hm, block_dv, steps, z = merge_pass_tiles(len(lens) * W, H, Dv, budget)
@@ -88,6 +89,17 @@ def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
     assert merge_pass_tiles(8, 8, 256, 32) == (128, 1, 64, 1, 4)
     assert merge_pass_tiles(8, 8, 128, 64, one_row=False)[0] == 16
     assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 16)] == [4, 16]
+
+
+def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
+    """MLA-128's decode at 1-2 chunks a request (fat tiles of 8 heads): the latent's 4 column blocks on the grid
+    up to MERGE_PASS_LATENT_PROGRAMS programs (bs 24: 384 x 4), half of them at bs 48, none at bs 100; verify
+    (4 rows a chunk) and MLA-16 as before."""
+    assert merge_pass_tiles(24, 128, 512, 2) == (4, 8, 128, 1, 4)
+    assert merge_pass_tiles(48, 128, 512, 1) == (4, 8, 128, 2, 2)
+    assert merge_pass_tiles(100, 128, 512, 1) == (4, 8, 128, 4, 1)
+    assert merge_pass_tiles(96, 128, 512, 1, one_row=False) == (4, 8, 128, 4, 1)
+    assert merge_pass_tiles(48, 16, 512, 2) == (4, 8, 128, 1, 4)
 
 
 @pytest.mark.parametrize("one_pass,block_c,block_dv,Dv", [(False, 16, 128, 128), (False, 64, 128, 128),
