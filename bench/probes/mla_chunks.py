@@ -15,7 +15,8 @@ and blocks an SM as the trace reports them. Outputs are compared with the split'
 ``--variants``: the backend's chunk launch alone ("rule": its split count, partial dtype and wave fit) beside
 forms of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on
 the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
-at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``).
+at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "#2" after a form:
+that form again, a second round.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
 def variant(name: str):
     """The knobs of ``--variants`` form ``name`` (module docstring)."""
     with contextlib.ExitStack() as stack:
-        for part in name.split("+")[1:]:
+        for part in name.split("#")[0].split("+")[1:]:       # "#N": the same form again (a second round)
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
                                                       chunk_kernels.MERGE_PASS_PROGRAMS))
