@@ -92,14 +92,18 @@ def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
 
 
 def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
-    """MLA-128's decode at 1-2 chunks a request (fat tiles of 8 heads): the latent's 4 column blocks on the grid
-    up to MERGE_PASS_LATENT_PROGRAMS programs (bs 24: 384 x 4), half of them at bs 48, none at bs 100; verify
-    (4 rows a chunk) and MLA-16 as before."""
+    """MLA's decode: the latent's 4 column blocks on the grid up to MERGE_PASS_LATENT_PROGRAMS programs, fat tiles
+    of 8 heads (MLA-128 at 1-2 chunks a request: bs 24 384 x 4, half of them at bs 48, none at bs 100) or one head
+    (MLA-16 at 5 and 10 chunks a request: 384 x 4, 208 x 4; MLA-128 at 5: 1,664 x 1); verify (4 rows a chunk) and
+    GQA's head dims keep MERGE_PASS_PROGRAMS."""
     assert merge_pass_tiles(24, 128, 512, 2) == (4, 8, 128, 1, 4)
     assert merge_pass_tiles(48, 128, 512, 1) == (4, 8, 128, 2, 2)
     assert merge_pass_tiles(100, 128, 512, 1) == (4, 8, 128, 4, 1)
     assert merge_pass_tiles(96, 128, 512, 1, one_row=False) == (4, 8, 128, 4, 1)
-    assert merge_pass_tiles(48, 16, 512, 2) == (4, 8, 128, 1, 4)
+    assert merge_pass_tiles(24, 16, 512, 5) == (16, 1, 128, 1, 4)
+    assert merge_pass_tiles(13, 16, 512, 10) == (16, 1, 128, 1, 4)
+    assert merge_pass_tiles(13, 128, 512, 5) == (16, 1, 128, 4, 1)
+    assert merge_pass_tiles(48, 8, 256, 4) == (16, 1, 128, 2, 1)
 
 
 @pytest.mark.parametrize("one_pass,block_c,block_dv,Dv", [(False, 16, 128, 128), (False, 64, 128, 128),
