@@ -29,10 +29,10 @@ MERGE_PASS_DEEP_CHUNKS = 128
 MERGE_PASS_DEEP_DV = 64
 MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
-# MLA's latent, one query row a chunk (decode): column blocks on the grid while rows x head blocks x column blocks
-# stay under MERGE_PASS_LATENT_PROGRAMS, where a long request's merge programs each walked its chunks once a column
-# block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us, MLA-16 bs 13 38.8 -> 35.7; up to 1.4 % slower on some
-# other rows; verify, at four rows a chunk, lost 0.4-1.2 % with them: bench/RESULTS.md, 'Ragged batches').
+# MLA's latent, one query row a chunk (decode): column blocks on the grid, doubled while rows x head blocks x column
+# blocks are under MERGE_PASS_LATENT_PROGRAMS, where a long request's merge programs each walked its chunks once a
+# column block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us, MLA-16 bs 13 38.8 -> 35.7; up to 1.4 % slower on some
+# other rows; verify, at four rows a chunk, lost 0.4-1.2 % with all four: bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_LATENT_PROGRAMS = 1024
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
@@ -277,7 +277,7 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     request's merge is a chain of loads, kept short, spread over heads; from MERGE_PASS_DEEP_FROM,
     MERGE_PASS_DEEP_CHUNKS over MERGE_PASS_DEEP_DV columns a program, every column block on the grid).
     Each program's columns are cut into grid blocks while rows x head blocks leave fewer than
-    MERGE_PASS_PROGRAMS programs (MERGE_PASS_LATENT_PROGRAMS for MLA's decode); the
+    MERGE_PASS_PROGRAMS programs (MERGE_PASS_LATENT_PROGRAMS for MLA's decode: up to twice that many with them); the
     invariant schedule's always, so that its tiles and steps are a function of ``H`` and ``Dv`` alone and a row's
     sums do not depend on the batch."""
     fat = Dv > 256 and 0 < chunks <= 2

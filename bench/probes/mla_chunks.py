@@ -120,7 +120,11 @@ def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
 def variant(name: str):
     """The knobs of ``--variants`` form ``name`` (module docstring)."""
     with contextlib.ExitStack() as stack:
-        for part in name.split("#")[0].split("+")[1:]:       # "#N": the same form again (a second round)
+        form, _, again = name.partition("#")               # "#N": the same form again (a second round)
+        base, *mods = form.split("+")
+        if base != "rule" or not (again == "" or again.isdigit()):
+            raise ValueError(f"variant {name!r}: 'rule', '+z1' / '+one' after it, then '#N'")
+        for part in mods:
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
                                                       chunk_kernels.MERGE_PASS_PROGRAMS))
@@ -174,6 +178,8 @@ def main(argv=None) -> int:
         hw, bs = spec.split(":")
         H, W = (int(x) for x in hw.split("x"))
         bs, _, splits = bs.partition("/")
+        if args.variants and splits:
+            raise ValueError(f"--rows {spec}: --variants times the backend's split count, not /{splits}")
         for dist in args.dists.split(","):
             if args.variants:
                 names = args.variants.split(",")

@@ -69,10 +69,9 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
 @pytest.mark.parametrize("single", [False, True])
 def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass):
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program: DV_STEPS > 1
-    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     lens, H, Dv, W, block_n, budget = [3000, 40, 300], 12, 520, 2, 16, 2
-    block_c, block_hm, block_dv, steps, z = merge_pass_tiles(len(lens) * W, H, Dv, budget)
+    block_c, block_hm, block_dv, steps, z = merge_pass_tiles(len(lens) * W, H, Dv, budget, W == 1)
     assert (block_c, block_hm, steps, z) == (4, 8, 5, 1), (block_c, block_hm, steps, z)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single)
     assert spans[0][1] > block_c                               # the long request: more chunks than a load
@@ -92,14 +91,15 @@ def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
 
 
 def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
-    """MLA's decode: the latent's 4 column blocks on the grid up to MERGE_PASS_LATENT_PROGRAMS programs, fat tiles
-    of 8 heads (MLA-128 at 1-2 chunks a request: bs 24 384 x 4, half of them at bs 48, none at bs 100) or one head
-    (MLA-16 at 5 and 10 chunks a request: 384 x 4, 208 x 4; MLA-128 at 5: 1,664 x 1); verify (4 rows a chunk) and
+    """MLA's decode: the latent's 4 column blocks on the grid, doubled while the programs (rows x head blocks x
+    column blocks) are under MERGE_PASS_LATENT_PROGRAMS, over fat tiles of 8 heads (MLA-128 at 1-2 chunks a
+    request: bs 24 384 x 4, bs 48 768 x 2, bs 100 1,600 x 1) or one head (MLA-16 at 5 and 10 chunks a request:
+    384 x 4, 208 x 4; MLA-128 at 5: 1,664 x 1); verify (4 rows a chunk: 512 x 1 where decode would take 2) and
     GQA's head dims keep MERGE_PASS_PROGRAMS."""
     assert merge_pass_tiles(24, 128, 512, 2) == (4, 8, 128, 1, 4)
     assert merge_pass_tiles(48, 128, 512, 1) == (4, 8, 128, 2, 2)
     assert merge_pass_tiles(100, 128, 512, 1) == (4, 8, 128, 4, 1)
-    assert merge_pass_tiles(96, 128, 512, 1, one_row=False) == (4, 8, 128, 4, 1)
+    assert merge_pass_tiles(32, 128, 512, 2, one_row=False) == (4, 8, 128, 4, 1)
     assert merge_pass_tiles(24, 16, 512, 5) == (16, 1, 128, 1, 4)
     assert merge_pass_tiles(13, 16, 512, 10) == (16, 1, 128, 1, 4)
     assert merge_pass_tiles(13, 128, 512, 5) == (16, 1, 128, 4, 1)
