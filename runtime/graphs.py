@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from attn_backends.graph_gc import collected_before_capture
+
 from .attention_hook import splitting
 
 
@@ -58,7 +60,7 @@ class CudaGraph:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with collected_before_capture(), torch.cuda.graph(self.graph, pool=self.pool):
             self.out = fn()
         return self.out
 
@@ -111,6 +113,10 @@ class SegmentedCudaGraph(_Segments):
         super().__init__(pool)
         self.graphs: list = []
         self._ctx = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        with collected_before_capture():        # every segment's capture, and the eager attention between
+            return super().capture(fn)
 
     def _prepare(self, fn) -> None:
         side = torch.cuda.Stream()

@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from attn_backends.graph_gc import collected_before_capture
+
 TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
 MIN_ITERS, MAX_ITERS = 8, 30
 HOST_ITERS = 25           # calls a host median takes (26 made: a few launches each, far below the launch queue's depth)
@@ -184,6 +186,6 @@ def capture(fn, warmup: bool = True) -> tuple:
             fn()
         torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collected_before_capture(), torch.cuda.graph(g):
         out = fn()
     return g, out
