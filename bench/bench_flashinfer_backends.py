@@ -35,7 +35,7 @@ from bench_runtime import host_times as _host_times
 
 from attn_backends import ForwardMode, ModelConfig, get_backend
 from attn_backends.check.scenarios import Scenario, make_memory, materialize, verify_spec
-from attn_backends.graph_gc import collected_before_capture
+from attn_backends.graph_gc import collector_off
 from attn_backends.step import Step
 
 BATCH_SIZES = (1, 8, 64)
@@ -147,7 +147,7 @@ def _graph_us(fn) -> float:
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with collected_before_capture(), torch.cuda.graph(g):
+    with collector_off(), torch.cuda.graph(g):
         fn()
     return triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode="median") * 1e3
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from attn_backends.graph_gc import collected_before_capture
+from attn_backends.graph_gc import collector_off
 
 from .attention_hook import splitting
 
@@ -60,7 +60,7 @@ class CudaGraph:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with collected_before_capture(), torch.cuda.graph(self.graph, pool=self.pool):
+        with collector_off(), torch.cuda.graph(self.graph, pool=self.pool):
             self.out = fn()
         return self.out
 
@@ -115,7 +115,7 @@ class SegmentedCudaGraph(_Segments):
         self._ctx = None
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        with collected_before_capture():        # every segment's capture, and the eager attention between
+        with collector_off():        # every segment's capture, and the eager attention between
             return super().capture(fn)
 
     def _prepare(self, fn) -> None:

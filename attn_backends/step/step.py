@@ -40,7 +40,7 @@ import torch
 
 from .. import layout as _layout
 from ..batch import ForwardBatch, ForwardMode, GraphInputs, GraphKey, SpecInfo, query_width
-from ..graph_gc import collected_before_capture
+from ..graph_gc import collector_off
 from ..layout import (
     I32,
     Layout,
@@ -378,7 +378,7 @@ def _capture(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a CUDA graph (after one warm-up run: Triton compiles outside capture)."""
     fn()
     g = torch.cuda.CUDAGraph()
-    with collected_before_capture(), torch.cuda.graph(g, pool=pool):
+    with collector_off(), torch.cuda.graph(g, pool=pool):
         fn()
     g.replay()                       # capture records, it does not run
     return g

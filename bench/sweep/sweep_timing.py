@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from attn_backends.graph_gc import collected_before_capture
+from attn_backends.graph_gc import collector_off
 
 TARGET_US = 20_000        # per timing: about this much device time, within the bounds below
 MIN_ITERS, MAX_ITERS = 8, 30
@@ -186,6 +186,6 @@ def capture(fn, warmup: bool = True) -> tuple:
             fn()
         torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with collected_before_capture(), torch.cuda.graph(g):
+    with collector_off(), torch.cuda.graph(g):
         out = fn()
     return g, out

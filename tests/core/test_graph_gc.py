@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from attn_backends.graph_gc import collected_before_capture
+from attn_backends.graph_gc import collector_off
 
 
 class _Cycle:
@@ -15,33 +15,27 @@ class _Cycle:
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_dead_cycles_go_before_the_block_and_none_during_it(enabled):
-    """A dead cycle made with the collector off is collected on entering (not by chance: nothing else collects);
-    inside the block the collector is off, one made there is not collected by the block's allocations; after the
-    block the collector is as it was, also when the block raised."""
+def test_no_collection_inside_the_block_and_the_collector_as_it_was_after(enabled):
+    """Inside the block the collector is off: a dead cycle made there survives the block's allocations with the
+    collector set to run at every one; after the block the collector is as it was, also when the block raised, and
+    a collection frees the cycle."""
     was = gc.isenabled()
-    gc.disable()
+    (gc.enable if enabled else gc.disable)()
+    gone = []
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)                # where the collector runs, it runs at every allocation
     try:
-        gone = []
-        weakref.finalize(_Cycle(), gone.append, "before")
-        if enabled:
-            gc.enable()
-        old = gc.get_threshold()
-        gc.set_threshold(1, 1, 1)            # where the collector runs, it runs at every allocation
-        try:
-            with pytest.raises(RuntimeError), collected_before_capture():
-                assert gone == ["before"]
-                assert not gc.isenabled()
-                weakref.finalize(_Cycle(), gone.append, "inside")
-                junk = [[i] for i in range(1000)]
-                assert gone == ["before"] and junk
-                raise RuntimeError("a failed capture")
-        finally:
-            gc.set_threshold(*old)
+        with pytest.raises(RuntimeError), collector_off():
+            assert not gc.isenabled()
+            weakref.finalize(_Cycle(), gone.append, "inside")
+            junk = [[i] for i in range(1000)]
+            assert gone == [] and junk
+            raise RuntimeError("a failed capture")
         assert gc.isenabled() == enabled
         gc.collect()
-        assert gone == ["before", "inside"]
+        assert gone == ["inside"]
     finally:
+        gc.set_threshold(*old)
         (gc.enable if was else gc.disable)()
 
 
@@ -50,8 +44,8 @@ def test_dead_cycles_go_before_the_block_and_none_during_it(enabled):
 @pytest.mark.parametrize("via", ["runner", "segments", "step"])
 def test_a_dead_graph_collected_during_a_capture_does_not_fail_it(via):
     """The captured call drops the last reference to a cycle that holds an earlier CUDA graph, then allocates,
-    with the collector set to run at every allocation: without ``collected_before_capture`` the cycle (and its
-    graph) is destroyed inside the capture. Through the runner's ``CudaGraph``, ``SegmentedCudaGraph`` and the
+    with the collector set to run at every allocation: without ``collector_off`` the cycle (and its graph) is
+    destroyed inside the capture. Through the runner's ``CudaGraph``, ``SegmentedCudaGraph`` and the
     step's ``_capture``: the capture succeeds and replays."""
     from attn_backends.step.step import _capture
     from attn_backends_runtime.graphs import CudaGraph, SegmentedCudaGraph
