@@ -8,6 +8,7 @@ buffer binding, padding and slicing run the same code with or without CUDA.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -116,7 +117,19 @@ class SegmentedCudaGraph(_Segments):
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         with collector_off():        # every segment's capture, and the eager attention between
-            return super().capture(fn)
+            try:
+                return super().capture(fn)
+            except BaseException:
+                self._abandon_segment()
+                raise
+
+    def _abandon_segment(self) -> None:
+        """A failed capture's open segment ended (best effort: its end may raise too), so that the stream leaves
+        capture mode for what runs next."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                ctx.__exit__(None, None, None)
 
     def _prepare(self, fn) -> None:
         side = torch.cuda.Stream()

@@ -70,15 +70,19 @@ def test_a_dead_graph_collected_during_a_capture_does_not_fail_it(via):
         return out
 
     old = gc.get_threshold()
+    gc.freeze()                               # no long-lived objects: a full collection is never put off
     gc.set_threshold(1, 1, 1)
     try:
         if via == "step":
-            _capture(fn, None)
+            graph = _capture(fn, None)
         else:
             graph = (CudaGraph if via == "runner" else SegmentedCudaGraph)(None)
             graph.capture(fn)
-            graph.replay()
+        out.zero_()                           # the warm-up wrote what the replay must write
+        graph.replay()
+        torch.cuda.synchronize()
     finally:
         gc.set_threshold(*old)
-    torch.cuda.synchronize()
+        gc.unfreeze()
+        gc.collect()                          # the dead cycles and their graphs, outside any capture
     assert torch.equal(out, x * 2 + 1000)
