@@ -81,18 +81,24 @@ def launches(g, n: int = 20) -> dict:
     return {k: (round(v, 1), *info[k]) for k, v in total.items()}
 
 
-def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
+def _data(H: int, W: int, bs: int, dist: str, exact_below: int) -> tuple:
+    """A row's batch (lengths of ``dist``, shuffled pages, random latent cache and queries), its programs a split
+    and split count (``choose_num_kv_splits`` at ``exact_below``) and the default tile's partial dtype."""
     gen = torch.Generator().manual_seed(bs + H + W)
-    lens = lengths(dist, bs, kv=16384)
-    lens = [max(n, W) for n in lens]
+    lens = [max(n, W) for n in lengths(dist, bs, kv=16384)]
     table, seq, slots = paged(lens, gen)
     kv = torch.randn(slots * PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(bs * W, H, 576, device="cuda", dtype=torch.bfloat16)
     bw, bh = tile_shape(W, H)
     programs = bs * -(-W // bw) * -(-H // bh)
     S = choose_num_kv_splits(programs, q.device, table.shape[1], 1, W, 1, None,
-                             1 if W == 1 else SPLIT_TOKENS // PAGE, 1) if splits is None else splits
-    part16 = partial_dtype(kv.dtype, q.device, PAGE, bw * bh, 512, 64)
+                             1 if W == 1 else SPLIT_TOKENS // PAGE, exact_below)
+    return lens, table, seq, kv, q, programs, S, partial_dtype(kv.dtype, q.device, PAGE, bw * bh, 512, 64)
+
+
+def row(H: int, W: int, bs: int, dist: str, splits=None) -> dict:
+    lens, table, seq, kv, q, _, S, part16 = _data(H, W, bs, dist, 1)
+    S = S if splits is None else splits
     res = {"row": f"mla{H} W{W} bs{bs} {dist}", "S": S, "part": str(part16)[6:], "tokens": sum(lens)}
     outs = {}
 
@@ -138,18 +144,9 @@ def variant(name: str):
 def variants_row(H: int, W: int, bs: int, dist: str, names: list) -> dict:
     """The backend's chunk launch of a row (``row``'s data: its count, partial dtype and wave fit) under each
     form in ``names``."""
-    gen = torch.Generator().manual_seed(bs + H + W)
-    lens = [max(n, W) for n in lengths(dist, bs, kv=16384)]
-    table, seq, slots = paged(lens, gen)
-    kv = torch.randn(slots * PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(bs * W, H, 576, device="cuda", dtype=torch.bfloat16)
-    bw, bh = tile_shape(W, H)
-    programs = bs * -(-W // bw) * -(-H // bh)
+    lens, table, seq, kv, q, programs, S, part16 = _data(H, W, bs, dist, 65)     # the chunked launch's exact count
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    S = choose_num_kv_splits(programs, q.device, table.shape[1], 1, W, 1, None,
-                             1 if W == 1 else SPLIT_TOKENS // PAGE, 65)
     fit = S == sms // programs and 8 * S * programs >= 7 * sms            # triton_common._split_plan's
-    part16 = partial_dtype(kv.dtype, q.device, PAGE, bw * bh, 512, 64)
     res = {"row": f"mla{H} W{W} bs{bs} {dist}", "S": S, "fit": fit, "tokens": sum(lens)}
     ref = torch.empty(bs * W, H, 512, device="cuda", dtype=q.dtype)
     mla_attention_fwd(q, kv, table, seq, PAGE, 0.07, S, ref, q_per_req=W,
