@@ -4,7 +4,7 @@ Usage (repository root)::
 
     python bench/sweep/sweep.py [--out DIR] [--grid issue40|issue10] [--quick] [--only gqa|mla]
         [--dist ragged,longtail,bimodal,uniform] [--workloads NAME|PATTERN,...] [--bs 8,24,48]
-        [--kv 16384] [--seed N] [--budget-s S] [--no-invariant]
+        [--kv 16384] [--seed N] [--budget-s S] [--no-invariant] [--trace N]
     python bench/sweep/sweep.py --grid issue10          # issue #10's uniform grid, as it was
     STAGES="sweep" bash bench/run_gpu.sh DIR            # the same, from the GPU script
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 python bench/sweep/sweep.py --smoke --out DIR
@@ -32,6 +32,8 @@ least of interleaved rounds over ours, ours_invariant and every configuration (`
 graph rounds of a power-capped row start after ``graph_settle_s`` seconds of replays of each in turn,
 ``sweep_timing.settle``); output checked against ours (``max|out - ours| / max|ours| < 2e-2``). Before
 timing, every JIT module and Triton kernel is built in parallel processes (``sweep_prewarm``).
+``--trace N``: each graph's kernels, busy time, span and gaps over N profiled replays (``sweep_trace``),
+printed and kept in the record (``trace``).
 ``--smoke`` (CPU, interpreter): a tiny shape of each workload (uniform) and of a few workloads for every
 other distribution (lengths / 128), ours (and ours_invariant) eager only, and each FlashInfer configuration's arguments
 checked by ``sweep_fi_emulate`` instead of run.
@@ -71,6 +73,7 @@ from pathlib import Path  # noqa: E402
 
 import sweep_prewarm  # noqa: E402
 import sweep_report  # noqa: E402
+import sweep_trace  # noqa: E402
 import torch  # noqa: E402
 from sweep_args import environment, import_flashinfer, parse_args  # noqa: E402
 from sweep_fi_emulate import emulate  # noqa: E402
@@ -95,6 +98,7 @@ class Ctx:
     ws: object = None                    # FlashInfer's float workspace
     deadline: float = float("inf")
     invariant: bool = True               # GQA rows: our batch-invariant mode too (--no-invariant: not)
+    trace: int = 0                       # --trace N: each graph's kernels over N replays (sweep_trace)
     broken: dict = field(default_factory=dict)
     failures: collections.Counter = field(default_factory=collections.Counter)
     mismatches: list = field(default_factory=list)
@@ -280,12 +284,26 @@ def interleaved_times(ctx: Ctx, row, recs: list, ours_fn, inp, graphs: dict, min
                                   f"{errors[rec['impl']][:160]}")
                 _drain()
         if kind == "graph":
+            trace_graphs(ctx, recs, graphs)
             graphs.clear()
     for rec in (r for r in recs if r["status"] == "ok"):      # rates of the times kept, or none
         for k in ("gbs", "tflops", "frac_copy", "frac_matmul"):
             rec.pop(k, None)
         rec.update(roofline(row.wl, row.bs, row.kv, rec.get("graph_us") or rec.get("eager_us"), ctx.env, row.lens))
     return recs
+
+
+def trace_graphs(ctx: Ctx, recs: list, graphs: dict) -> None:
+    """``--trace N``: each graph's kernels, span and gaps over N replays (``sweep_trace``) in its record
+    (``trace``; a failure in ``trace_error``, the row goes on)."""
+    for rec in (r for r in recs if ctx.trace and r["impl"] in graphs):
+        try:
+            rec["trace"] = sweep_trace.trace(graphs[rec["impl"]][0].replay, ctx.clock.flush, ctx.trace)
+            print(sweep_trace.line(rec["impl"], rec, rec["trace"]), flush=True)
+        except Exception as e:  # recorded in the row, never hidden
+            _drain()
+            rec["trace_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"!! trace {rec['impl']}: {rec['trace_error']}", file=sys.stderr, flush=True)
 
 
 def measure_group(ctx: Ctx, pt) -> None:
@@ -343,7 +361,7 @@ def main(argv=None) -> int:
     path = out_dir / "sweep.jsonl"
     with open(path, "w") as f:
         ctx = Ctx(device, Clock(device), env, f, fi, new_workspace(device) if fi else None,
-                  deadline=t0 + args.budget_s, invariant=not args.no_invariant)
+                  deadline=t0 + args.budget_s, invariant=not args.no_invariant, trace=args.trace)
         for job, res in env.get("prewarm", {}).items():
             if res["rc"] not in (0, -9) and not job.startswith(("ours:", f"{INVARIANT}:")):
                 ctx.failures[sweep_prewarm.config_of(job)] = MAX_FAILURES - 1   # its prewarm failed: one more try only

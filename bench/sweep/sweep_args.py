@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--no-flashinfer", action="store_true", help="ours only")
     p.add_argument("--no-invariant", action="store_true",
                    help="skip our batch-invariant mode (ours_invariant, measured on GQA rows by default)")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="profile N replays of each graph: its kernels, span and the gaps between them (sweep_trace)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no new group after this many seconds (default 420; "
                         "the groups left are recorded as skipped)")

@@ -58,6 +58,10 @@ class Clock:
         self._flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
         self.settled: dict = {}           # {name: seconds} of the latest ``interleaved_us``' settling
 
+    def flush(self) -> None:
+        """The L2 flush queued before each timed call."""
+        self._flush.zero_()
+
     def _iters(self, fn) -> int:
         """Two warm-up calls; the second, synchronized, sizes the number of timed calls."""
         fn()

@@ -72,7 +72,7 @@ def test_graph_host_and_eager_times_interleave_rounds_and_a_failure_keeps_the_ro
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
     monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env, lens=None: {"gbs": us} if us else {})
-    ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={})
+    ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={}, trace=0)
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64, lens=(64,), dist="uniform")
     recs = [dict(impl="ours", status="ok"), dict(impl="fa2", status="ok"), dict(impl="broken", status="ok"),
             dict(impl="fa3", status="skipped")]
@@ -239,7 +239,7 @@ def test_power_capped_rows_settle_before_their_graph_rounds(monkeypatch):
         order, released, refs, tries = [], [], [], []
         clock, _Peer, _Graph = _interleave_fakes(sweep_timing, order, released, refs)
         monkeypatch.setattr(sweep, "Peer", _Peer)
-        ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[],
+        ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], trace=0,
                               env={"ridge_flop_per_byte": ridge} if ridge else {})
         row = SimpleNamespace(wl=SimpleNamespace(name="mla128_verify4"), bs=1, kv=64, lens=(64,), dist="uniform")
         recs = [dict(impl="ours", status="ok", intensity=intensity), dict(impl="fa3", status="ok"),
@@ -280,7 +280,7 @@ def test_the_batch_invariant_mode_is_timed_in_the_same_rounds_from_its_own_call(
     monkeypatch.setattr(sweep, "Peer", _Peer)
     monkeypatch.setattr(sweep, "_drain", lambda: None)
     monkeypatch.setattr(sweep, "roofline", lambda wl, bs, kv, us, env, lens=None: {})
-    ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={})
+    ctx = SimpleNamespace(device="cuda", clock=clock, fi=None, ws=None, errors=[], env={}, trace=0)
     row = SimpleNamespace(wl=SimpleNamespace(name="gqa32_decode"), bs=1, kv=64, lens=(64,), dist="uniform")
     names = ["ours", "ours_invariant", "fa2"]
     recs = [dict(impl=n, status="ok") for n in names]

@@ -1,0 +1,94 @@
+"""Where a graph replay's time goes (``sweep.py --trace N``): each implementation's graph replayed ``N`` times
+under the profiler, the L2 flushed before each replay as in the timed rounds, and per replay its kernels' device
+times, ``busy`` (the union of its kernels' intervals), ``span`` (first kernel's start to last kernel's end) and
+``gaps`` (span - busy: the device idle between the graph's kernels); medians over the replays. The timed
+``graph_us`` minus ``span`` is what the graph costs outside its kernels (its head and tail latency)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+
+
+def _device_events(prof) -> list:
+    """``[(start us, end us, name)]`` of every kernel and memset the profiler saw, by start."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    out = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+           if e.get("cat") in ("kernel", "gpu_memset") and "dur" in e]
+    return sorted(out)
+
+
+def _profiled(calls) -> list:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    return _device_events(prof)
+
+
+def _busy(events: list) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e, _ in events:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its return type, namespaces, template and parameters."""
+    words = name.split("(")[0].split("<")[0].split()
+    return (words[-1] if words else "?").split("::")[-1][:48]
+
+
+def trace(replay, flush, n: int) -> dict:
+    """``{"kernels": {name: median us a replay}, "busy_us", "span_us", "gaps_us", "replays"}`` of ``replay``
+    (a graph's ``replay``), each of ``n`` replays after ``flush()`` (the L2 flush: its events, learnt from one
+    call profiled alone, mark where each replay starts and are left out)."""
+    flush_names = {name for _, _, name in _profiled([flush])}
+    if not flush_names:
+        raise RuntimeError("trace: the L2 flush launched nothing the profiler saw (no replay boundary)")
+    events = _profiled([lambda: (flush(), replay()) for _ in range(n)])
+    replays, cur = [], None
+    for ev in events:
+        if ev[2] in flush_names:
+            cur = []
+            replays.append(cur)
+        elif cur is not None:
+            cur.append(ev)
+    replays = [r for r in replays if r]
+    if len(replays) != n:
+        raise RuntimeError(f"trace: {len(replays)} replays with kernels seen, {n} made")
+    per_name: dict = {}
+    for r in replays:
+        sums: dict = {}
+        for s, e, name in r:
+            sums[_short(name)] = sums.get(_short(name), 0.0) + (e - s)
+        for name, us in sums.items():
+            per_name.setdefault(name, []).append(us)
+    busy = [_busy(r) for r in replays]
+    span = [max(e for _, e, _ in r) - r[0][0] for r in replays]      # the last to start may not end last
+    med = statistics.median
+    return {"kernels": {k: round(med(v), 2) for k, v in per_name.items()}, "busy_us": round(med(busy), 2),
+            "span_us": round(med(span), 2), "gaps_us": round(med(s - b for s, b in zip(span, busy)), 2),
+            "replays": n}
+
+
+def line(impl: str, rec: dict, t: dict) -> str:
+    """One printed line: the implementation, its timed graph us, span, busy, gaps, outside and kernels."""
+    g = rec.get("graph_us")
+    outside = f"{g - t['span_us']:.1f}" if g else "-"
+    ks = ", ".join(f"{k} {v:.1f}" for k, v in t["kernels"].items())
+    return (f"trace {impl}: graph {g if g is None else round(g, 1)} us = span {t['span_us']:.1f} (busy "
+            f"{t['busy_us']:.1f} + gaps {t['gaps_us']:.1f}) + outside {outside}; {ks}")

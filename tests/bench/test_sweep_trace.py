@@ -1,0 +1,82 @@
+"""``sweep.py --trace`` (bench/sweep/sweep_trace.py) on the CPU with a fake profiler: replays split at the L2
+flush's events, each replay's kernels, busy time (overlapping kernels counted once), span and gaps, medians
+over the replays; a miscount raises; ``trace_graphs`` keeps the trace, or its error, in the record."""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "sweep"
+
+
+def _fake(monkeypatch, replays: list, flush=("fill_kernel",)):
+    """``sweep_trace._profiled`` giving ``flush``'s events for the flush profiled alone, then the replays'
+    events (each replay's kernels ``(start, end, name)`` relative to its flush's end), 100 us apart."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep_trace
+
+    calls = []
+
+    def profiled(fns):
+        calls.append(len(fns))
+        if len(calls) == 1:
+            return [(0.0, 5.0, name) for name in flush]
+        events = []
+        for i, kernels in enumerate(replays):
+            t = 1000.0 * i
+            events += [(t, t + 5.0, name) for name in flush]
+            events += [(t + 5.0 + s, t + 5.0 + e, name) for s, e, name in kernels]
+        return sorted(events)
+
+    monkeypatch.setattr(sweep_trace, "_profiled", profiled)
+    return sweep_trace, calls
+
+
+def test_a_replay_is_its_kernels_busy_span_and_gaps(monkeypatch):
+    a = [(2.0, 12.0, "void chunk_pass<64>(int)"), (15.0, 20.0, "merge_pass(float*)")]       # gap 3
+    b = [(2.0, 14.0, "void chunk_pass<64>(int)"), (13.0, 19.0, "merge_pass(float*)")]       # overlap 1
+    c = [(2.0, 11.0, "void chunk_pass<64>(int)"), (16.0, 22.0, "merge_pass(float*)")]       # gap 5
+    sweep_trace, calls = _fake(monkeypatch, [a, b, c])
+    t = sweep_trace.trace(lambda: None, lambda: None, 3)
+    assert calls == [1, 3]
+    assert t["kernels"] == {"chunk_pass": 10.0, "merge_pass": 6.0}
+    assert t["busy_us"] == 15.0                # 15, 17 (12 + 6 - 1 overlapping), 15
+    assert t["span_us"] == 18.0                # 18, 17, 20
+    assert t["gaps_us"] == 3.0                 # 3, 0, 5
+    line = sweep_trace.line("ours", {"graph_us": 25.0}, t)
+    assert "span 18.0" in line and "outside 7.0" in line and "chunk_pass 10.0" in line
+
+
+def test_a_replay_count_that_does_not_match_raises(monkeypatch):
+    sweep_trace, _ = _fake(monkeypatch, [[(1.0, 2.0, "k")], []])          # the second replay launched nothing
+    with pytest.raises(RuntimeError, match="1 replays with kernels seen, 2 made"):
+        sweep_trace.trace(lambda: None, lambda: None, 2)
+    sweep_trace, _ = _fake(monkeypatch, [], flush=())
+    with pytest.raises(RuntimeError, match="no replay boundary"):
+        sweep_trace.trace(lambda: None, lambda: None, 2)
+
+
+def test_trace_graphs_keeps_the_trace_or_its_error_in_the_record(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep
+
+    def fake_trace(replay, flush, n):
+        replay()
+        return {"kernels": {"k": 1.0}, "busy_us": 1.0, "span_us": 1.0, "gaps_us": 0.0, "replays": n}
+
+    def broken():
+        raise RuntimeError("replay failed")
+
+    monkeypatch.setattr(sweep.sweep_trace, "trace", fake_trace)
+    monkeypatch.setattr(sweep, "_drain", lambda: None)
+    ctx = SimpleNamespace(trace=4, clock=SimpleNamespace(flush=lambda: None))
+    recs = [dict(impl="ours", graph_us=2.0), dict(impl="fa3"), dict(impl="fa2")]
+    graphs = {"ours": (SimpleNamespace(replay=lambda: None), None), "fa3": (SimpleNamespace(replay=broken), None)}
+    sweep.trace_graphs(ctx, recs, graphs)
+    assert recs[0]["trace"]["replays"] == 4
+    assert "replay failed" in recs[1]["trace_error"] and "trace" not in recs[1]
+    assert "trace" not in recs[2] and "trace_error" not in recs[2]
+    ctx.trace = 0
+    recs = [dict(impl="ours")]
+    sweep.trace_graphs(ctx, recs, graphs)
+    assert recs == [dict(impl="ours")]
