@@ -34,6 +34,11 @@ MERGE_PASS_PROGRAMS = 264
 # column block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us, MLA-16 bs 13 38.8 -> 35.7; up to 1.4 % slower on some
 # other rows; verify, at four rows a chunk, lost 0.4-1.2 % with all four: bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_LATENT_PROGRAMS = 1024
+# MLA's latent: budgets of at most MERGE_PASS_FAT_DECODE chunks a request in decode (MERGE_PASS_FAT_VERIFY in
+# verify) take the fat tiles (``merge_pass_tiles``): at 5 a request the one-head tiles walked the latent's four
+# column blocks one after another, 39-42 us of MLA-128 bs 13's graph (bench/RESULTS.md, 'Ragged batches').
+MERGE_PASS_FAT_DECODE = 8
+MERGE_PASS_FAT_VERIFY = 2
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
 
@@ -270,7 +275,8 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     """``(BLOCK_C, BLOCK_HM, BLOCK_DV, DV_STEPS, column blocks)`` of the merge pass over ``rows`` query
     rows of requests of up to ``chunks`` chunks a request in the budget (0: the invariant schedule),
     ``one_row`` query row a chunk (decode).
-    MLA's latent (``Dv`` > 256) at budgets of 1-2 chunks a request: 4 chunks of as many heads as fill
+    MLA's latent (``Dv`` > 256) at budgets of up to MERGE_PASS_FAT_DECODE chunks a request (decode;
+    MERGE_PASS_FAT_VERIFY else): the budget's chunks (4 at least, a power of two) of as many heads as fill
     MERGE_PASS_VALUES partial values a load (heads first: a program a head and 128 columns made tens of
     thousands of latency-bound programs). Else MERGE_PASS_CHUNKS chunks of one head a load
     (MERGE_PASS_WIDE_CHUNKS on decode budgets of MERGE_PASS_WIDE_FROM or more at Dv <= 256: a long
@@ -280,10 +286,11 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     MERGE_PASS_PROGRAMS programs (MERGE_PASS_LATENT_PROGRAMS for MLA's decode: up to twice that many with them); the
     invariant schedule's always, so that its tiles and steps are a function of ``H`` and ``Dv`` alone and a row's
     sums do not depend on the batch."""
-    fat = Dv > 256 and 0 < chunks <= 2
+    fat = Dv > 256 and 0 < chunks <= (MERGE_PASS_FAT_DECODE if one_row else MERGE_PASS_FAT_VERIFY)
     wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
     deep = wide and chunks >= MERGE_PASS_DEEP_FROM
-    block_c = 4 if fat else MERGE_PASS_DEEP_CHUNKS if deep else MERGE_PASS_WIDE_CHUNKS if wide else MERGE_PASS_CHUNKS
+    block_c = (max(4, pow2(chunks)) if fat else MERGE_PASS_DEEP_CHUNKS if deep else MERGE_PASS_WIDE_CHUNKS if wide
+               else MERGE_PASS_CHUNKS)
     block_dv = min(pow2(Dv), MERGE_PASS_DEEP_DV if deep else 128)
     block_hm = min(pow2(H), max(1, MERGE_PASS_VALUES // (block_c * block_dv))) if fat else 1
     col_blocks, programs = cdiv(Dv, block_dv), rows * cdiv(H, block_hm)
