@@ -44,13 +44,14 @@ MERGE_PASS_ONE_PASS = False
 
 
 @triton.jit
-def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr, BLOCK_N: tl.constexpr,
+def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr, per_ptr, BLOCK_N: tl.constexpr,
                   MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr, BLOCK_BS: tl.constexpr, MASK: tl.constexpr,
-                  WINDOW: tl.constexpr):
+                  WINDOW: tl.constexpr, PUBLISHED: tl.constexpr):
     """The schedule of the batch: ``(offs, lens, lo, per, n, ends)``, each request's length and
     first KV entry (``WINDOW``: its window's, ``kv_walk.window_lo`` of ``q_rows`` rows of mask kind
     ``MASK``; else 0), the chunk in tiles, each request's chunk count and their running sum. A
-    windowed request is cut from its window's start: the balance counts the KV read."""
+    windowed request is cut from its window's start: the balance counts the KV read. ``PUBLISHED``: the
+    chunk in tiles read at ``per_ptr`` (a float32 the chunk pass wrote: ``ChunkLaunch.published``)."""
     offs = tl.arange(0, BLOCK_BS)
     lens = tl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     lo = lens * 0
@@ -62,6 +63,8 @@ def _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr
     tiles = (lens - lo + BLOCK_N - 1) // BLOCK_N
     if FIXED_TILES > 0:
         per = tl.sum(tiles, 0) * 0 + FIXED_TILES
+    elif PUBLISHED:
+        per = tl.load(per_ptr).to(tl.int32)
     else:
         per = _balanced_per(tiles, offs < bs, bs, num_chunks, MIN_TILES)
     n = tl.where(offs < bs, tl.maximum((tiles + per - 1) // per, 1), 0)
@@ -108,7 +111,8 @@ def chunk_of(seq_lens_ptr, j, bs, num_chunks, window, q_rows, draft_prefix_ptr, 
     ``num_chunks``: the wave fit (``_balanced_per``). ``WINDOW``:
     chunks from each request's window start (``_chunk_counts``)."""
     offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, q_rows, draft_prefix_ptr,
-                                                 BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW)
+                                                 seq_lens_ptr, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW,
+                                                 False)
     b = tl.sum((ends <= j).to(tl.int32), 0)
     mine = offs == b
     count = tl.sum(tl.where(mine, n, 0), 0)
@@ -175,7 +179,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
                              SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
-                             MERGED_UPTO: tl.constexpr = 1):
+                             MERGED_UPTO: tl.constexpr = 1, PUBLISHED: tl.constexpr = False):
     """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
     chunks a load, in chunk order, where the request has more than ``MERGED_UPTO`` chunks (one chunk wrote
@@ -184,12 +188,17 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
-    the schedule found before ``gdc_wait``, the partials read after it."""
+    the schedule found before ``gdc_wait``, the partials read after it. ``PUBLISHED``: the chunk size read from the
+    first log-sum-exp past the grid's slots, where the chunk pass wrote it (after ``gdc_wait``)."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
+    if PDL and PUBLISHED:
+        tl.extra.cuda.gdc_wait()
+    per_at = lse_ptr + (tl.maximum(num_chunks, -num_chunks) + bs).to(tl.int64) * rows_per_chunk * stride_lt
     offs, lens, lo, per, n, ends = _chunk_counts(seq_lens_ptr, bs, num_chunks, window, rows_per_chunk, draft_prefix_ptr,
-                                                 BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW)
+                                                 per_at, BLOCK_N, MIN_TILES, FIXED_TILES, BLOCK_BS, MASK, WINDOW,
+                                                 PUBLISHED)
     count = tl.sum(tl.where(offs == b, n, 0), 0)
     first = tl.sum(tl.where(offs == b, ends, 0), 0) - count
     q_start = b * rows_per_chunk       # uniform rows (decode: one a request)
@@ -197,7 +206,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if HAS_CU:
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if PDL:             # every program, as PTX asks of a dependent whose primary triggers early
+    if PDL and not PUBLISHED:       # every program, as PTX asks of a dependent whose primary triggers early
         tl.extra.cuda.gdc_wait()
     if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)

@@ -94,6 +94,7 @@ class ChunkLaunch:
     fit: bool = False
     merged_upto: int = 1
     pdl: bool = False
+    published: bool = False
 
     @property
     def budget(self) -> int:
@@ -126,7 +127,7 @@ class ChunkLaunch:
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
-               launch_pdl=pdl)
+               PUBLISHED=self.published, launch_pdl=pdl)
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
@@ -157,19 +158,29 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:
-    """Workspace slots of a chunk schedule of ``bs`` requests: ``num_chunks + bs``."""
+    """Chunk slots of a chunk schedule of ``bs`` requests (its grid's): ``num_chunks + bs``."""
     return bs * chunks_per_request + bs
+
+
+# The workspace's slots past the grid's: the first's log-sum-exp row holds the chunk size a chunk pass publishes
+# for its merge (``ChunkLaunch.published``).
+SCHEDULE_SLOTS = 1
+
+
+def workspace_rows(bs: int, chunks_per_request: int, rows_per_chunk: int) -> int:
+    """Partial and log-sum-exp rows of a chunk workspace: the grid's slots and ``SCHEDULE_SLOTS``."""
+    return (chunk_slots(bs, chunks_per_request) + SCHEDULE_SLOTS) * rows_per_chunk
 
 
 def chunk_workspace(bs: int, chunks_per_request: int, rows_per_chunk: int, num_heads: int,
                     num_kv_heads: int, head_dim_v: int, device, part_dtype: torch.dtype = torch.float32) -> tuple:
     """The workspace of a chunk schedule, allocated once (at graph capture): ``(part [slots *
     rows_per_chunk, H, Dv] part_dtype, lse [slots * rows_per_chunk, H] float32, counters [bs * Hkv]
-    int32 zeros)``, slots from :func:`chunk_slots`; ``rows_per_chunk``: the query rows of a
+    int32 zeros)``, slots from :func:`chunk_slots` and ``SCHEDULE_SLOTS``; ``rows_per_chunk``: the query rows of a
     request (1 for decode). ``part_dtype``: float32, or the output's 16-bit dtype where a kernel
     stores 16-bit partials faster (MLA's warp-specialized kernels: ``warpspec.partial_dtype``); the
     merge sums in float32 either way."""
-    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
+    rows = workspace_rows(bs, chunks_per_request, rows_per_chunk)
     return (torch.empty(rows, num_heads, head_dim_v, dtype=part_dtype, device=device),
             torch.empty(rows, num_heads, dtype=torch.float32, device=device),
             torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=device))
@@ -183,7 +194,7 @@ def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_r
     H, Dv = out.shape[1], out.shape[2]
     if workspace is None:
         return chunk_workspace(bs, chunks_per_request, rows_per_chunk, H, num_kv_heads, Dv, out.device, part_dtype)
-    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
+    rows = workspace_rows(bs, chunks_per_request, rows_per_chunk)
     if len(workspace) != 3:
         raise ValueError(f"{name}: a chunk workspace is (part, lse, counters) as chunk_workspace returns, "
                          f"got {len(workspace)} tensors")

@@ -16,7 +16,8 @@ and blocks an SM as the trace reports them. Outputs are compared with the split'
 forms of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on
 the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
 at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "+fatN" the merge pass's
-fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "#2" after a form:
+fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
+fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "#2" after a form:
 that form again, a second round.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ragged_decode import captured  # noqa: E402
 from attn_backends.backends.triton_common import choose_num_kv_splits  # noqa: E402
 from attn_backends_kernels import chunk_kernels  # noqa: E402
 from attn_backends_kernels.attention_core import decode_workspace  # noqa: E402
+from attn_backends_kernels.mla import balanced  # noqa: E402
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape  # noqa: E402
 from attn_backends_kernels.mla.balanced import mla_chunk_fwd  # noqa: E402
 from attn_backends_kernels.mla.warpspec import partial_dtype  # noqa: E402
@@ -130,17 +132,19 @@ def variant(name: str):
         form, _, again = name.partition("#")               # "#N": the same form again (a second round)
         base, *mods = form.split("+")
         if base != "rule" or not (again == "" or again.isdigit()):
-            raise ValueError(f"variant {name!r}: 'rule', '+z1' / '+one' / '+fatN' after it, then '#N'")
+            raise ValueError(f"variant {name!r}: 'rule', '+z1' / '+one' / '+fatN' / '+nopub' after it, then '#N'")
         for part in mods:
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
                                                       chunk_kernels.MERGE_PASS_PROGRAMS))
             elif part == "one":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_PASS", True))
+            elif part == "nopub":
+                stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN")
+                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub")
         yield
 
 

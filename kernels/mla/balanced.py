@@ -12,6 +12,8 @@ prefill keeps the split pass (``attention.mla_attention_fwd``). On sm_90 the Glu
 chunk then writing a partial; the Triton tile runs elsewhere and for the invariant schedule.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -113,6 +115,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                          f"bound {MAX_GRID_YZ}")
     grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
     if gluon is not None:
+        cl = dataclasses.replace(cl, published=cl.fit and PUBLISH_FIT)
         _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
                       sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask])
         cl.merge_pass(seq_lens_k, None, out, single=True)
@@ -150,6 +153,10 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
     block_w = max(1, CHUNK_TILE_ROWS // block_h)
     return block_w, block_h, fit_block_n(q, 64, D * q.element_size()), 8, num_stages or 3
 
+
+# Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)
+# instead of repeating the fit's search in each of its programs.
+PUBLISH_FIT = True
 
 # KV tokens of each Gluon kernel's tile: the chunk schedule's tile when it runs the launch
 GLUON_TOKENS = {"wgmma": 64, "seesaw": 32, "chunked": 64, "dbuf": 64, "swap": 64}

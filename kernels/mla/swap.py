@@ -75,7 +75,7 @@ def _consumer(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, 
     q_lat, q_pe, lat, rope, p_t, unused = smem
     ready, empty, unused_p, unused_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
     m = gl.full([HEADS], float("-inf"), gl.float32, layout=COL)
     l_i = gl.zeros([HEADS], gl.float32, layout=COL)
     acc = gl.zeros([LATENT, HEADS], gl.float32, layout=ST)

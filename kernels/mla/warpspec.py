@@ -130,7 +130,7 @@ def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: 
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
     row0 = b.to(gl.int64) * W
     j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW_L)
     return (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -157,7 +157,7 @@ def _loader_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W:
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
     return start, end, num_tiles, pt_row, kv_ptr, stride_kvs, (q_ptr, wb, hb, row0, W, stride_qt, stride_qh)

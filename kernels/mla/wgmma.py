@@ -68,7 +68,7 @@ def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
 
 
 @gluon.jit
-def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
+def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
              NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
              N: gl.constexpr, CHUNK_BS: gl.constexpr = 0):
     """This program's head block, row block, request, split, the request's prefix and draft
@@ -80,7 +80,9 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
     writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
     contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W, NUM_HEADS]``
     log-sum-exps: the stores add ``split * stride_os`` and ``split`` to the request's row, so
-    ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride."""
+    ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
+    negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
+    at the first log-sum-exp past the grid's slots, so that the merge's programs need not search for it."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
@@ -88,7 +90,10 @@ def _program(seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
     if CHUNK_BS > 0:
         c = gl.program_id(1)
         bs = gl.num_programs(1) - gl.maximum(NUM_SPLITS, -NUM_SPLITS)     # negative: the wave fit
-        b, start, end, total = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS)
+        b, start, end, total, per = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS)
+        if NUM_SPLITS < 0:
+            if (c == 0) & (pid == 0):
+                gl.store(lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS, per.to(gl.float32))
         split = (c - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
         if c >= total:
@@ -118,8 +123,8 @@ def _add(a, b):
 @gluon.jit
 def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr):
     """``chunk_kernels.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
-    (the last request past the batch's last chunk), KV range ``[start, end)`` and the batch's
-    chunk count. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
+    (the last request past the batch's last chunk), KV range ``[start, end)``, the batch's
+    chunk count and the chunk in tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
     within a warp: each partition of a warp-specialized kernel computes them alone."""
     L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
     MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
@@ -151,7 +156,7 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     mine = offs == b
     first = gl.sum(gl.where(mine, ends - n, 0), 0)
     start = (c - first) * per * N
-    return b, start, gl.minimum(start + per * N, gl.sum(gl.where(mine, lens, 0), 0)), total
+    return b, start, gl.minimum(start + per * N, gl.sum(gl.where(mine, lens, 0), 0)), total, per
 
 
 @gluon.jit
@@ -240,7 +245,7 @@ def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.cons
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
     row0 = b.to(gl.int64) * W
     q_len = W
     mask_base = b.to(gl.int64) * W * W
