@@ -17,7 +17,7 @@ forms of it, each timed and broken into launches the same way: "rule+z1" the mer
 the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
 at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "+fatN" the merge pass's
 fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
-fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "#2" after a form:
+fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "#2" after a form:
 that form again, a second round.
 """
 from __future__ import annotations
@@ -132,19 +132,21 @@ def variant(name: str):
         form, _, again = name.partition("#")               # "#N": the same form again (a second round)
         base, *mods = form.split("+")
         if base != "rule" or not (again == "" or again.isdigit()):
-            raise ValueError(f"variant {name!r}: 'rule', '+z1' / '+one' / '+fatN' / '+nopub' after it, then '#N'")
+            raise ValueError(f"variant {name!r}: 'rule', then '+z1', '+one', '+fatN', '+nopub' or '+lpN', then '#N'")
         for part in mods:
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
                                                       chunk_kernels.MERGE_PASS_PROGRAMS))
             elif part == "one":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_PASS", True))
+            elif part.startswith("lp") and part[2:].isdigit():
+                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", int(part[2:])))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub")
+                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN")
         yield
 
 
