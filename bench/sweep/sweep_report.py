@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import sweep_trace
+
 TARGETS = """Targets (issue #10): in graphs every GQA and MLA-16 row >= 1.0x FlashInfer's best,
 MLA-128 >= 0.8x fa3, verify N=4 <= 1.15x our decode at the same batch and kv; eagerly every
 row >= 0.95x FlashInfer's best and our host time per call <= FlashInfer's."""
@@ -357,6 +359,8 @@ def markdown(header: dict, results: list, footer: dict) -> str:
     parts += ["", "## Mismatches, errors, skips", ""] + problems(results, footer)
     parts += ["", "## Every FlashInfer configuration (times in us)", ""] + config_table(grouped)
     parts += ["", "## Our batch-invariant mode, ours_invariant (times in us)", ""] + invariant_table(grouped)
+    if any("trace" in r for r in results):
+        parts += ["", "## Where each graph's time goes (--trace; us)", ""] + sweep_trace.table(grouped, best)
     return "\n".join(parts) + "\n"
 
 

@@ -10,8 +10,6 @@ import os
 import statistics
 import tempfile
 
-import torch
-
 
 def _device_events(prof) -> list:
     """``[(start us, end us, name)]`` of every kernel and memset the profiler saw, by start."""
@@ -29,6 +27,7 @@ def _device_events(prof) -> list:
 
 
 def _profiled(calls) -> list:
+    import torch  # here: sweep_report imports this module without torch
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for call in calls:
@@ -89,6 +88,27 @@ def line(impl: str, rec: dict, t: dict) -> str:
     """One printed line: the implementation, its timed graph us, span, busy, gaps, outside and kernels."""
     g = rec.get("graph_us")
     outside = f"{g - t['span_us']:.1f}" if g else "-"
-    ks = ", ".join(f"{k} {v:.1f}" for k, v in t["kernels"].items())
     return (f"trace {impl}: graph {g if g is None else round(g, 1)} us = span {t['span_us']:.1f} (busy "
-            f"{t['busy_us']:.1f} + gaps {t['gaps_us']:.1f}) + outside {outside}; {ks}")
+            f"{t['busy_us']:.1f} + gaps {t['gaps_us']:.1f}) + outside {outside}; {_kernels(t)}")
+
+
+def _kernels(t: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in t["kernels"].items())
+
+
+def table(grouped: dict, best) -> list:
+    """SWEEP.md's table of the traced rows (``sweep_report.group``'s ``grouped``): ours and FlashInfer's fastest
+    graph (``best(recs, "graph_us")``), each with its timed graph, span, busy time, gaps, the rest (outside its
+    kernels) and its kernels."""
+    lines = ["| dist | workload | bs | kv | impl | graph | span | busy | gaps | outside | kernels |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for (dist, wl, bs, kv), recs in grouped.items():
+        fastest = best(recs, "graph_us")
+        for rec in (recs.get("ours"), fastest):
+            if not rec or "trace" not in rec:
+                continue
+            t, g = rec["trace"], rec.get("graph_us")
+            graph, outside = (f"{g:.1f}", f"{g - t['span_us']:.1f}") if g else ("-", "-")
+            lines.append(f"| {dist} | {wl} | {bs} | {kv} | {rec['impl']} | {graph} | {t['span_us']:.1f} | "
+                         f"{t['busy_us']:.1f} | {t['gaps_us']:.1f} | {outside} | {_kernels(t)} |")
+    return lines

@@ -80,3 +80,25 @@ def test_trace_graphs_keeps_the_trace_or_its_error_in_the_record(monkeypatch):
     recs = [dict(impl="ours")]
     sweep.trace_graphs(ctx, recs, graphs)
     assert recs == [dict(impl="ours")]
+
+
+def test_the_report_tables_ours_and_flashinfers_fastest_traced_graph(monkeypatch):
+    """SWEEP.md's trace table (``sweep_trace.table`` over ``sweep_report``'s grouping): per row ours and FlashInfer's
+    fastest graph (not a slower configuration), the timed graph minus the span as "outside"; rows without a trace
+    are left out."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import sweep_report
+    import sweep_trace
+
+    def rec(impl, graph, span, dist="uniform"):
+        r = dict(type="result", impl=impl, workload="mla16_decode", bs=24, kv=16384, dist=dist, status="ok",
+                 graph_us=graph)
+        if span is not None:
+            r["trace"] = {"kernels": {"k": span - 1.0}, "busy_us": span - 1.0, "span_us": span, "gaps_us": 1.0}
+        return r
+
+    results = [rec("ours", 70.0, 66.0), rec("fi_mla_fa3", 64.0, 61.0), rec("fi_mla_fa2", 90.0, 87.0),
+               rec("ours", 40.0, None, "ragged"), rec("fi_mla_fa3", 45.0, None, "ragged")]
+    rows = sweep_trace.table(sweep_report.group(results), sweep_report.best)[2:]
+    assert rows == ["| uniform | mla16_decode | 24 | 16384 | ours | 70.0 | 66.0 | 65.0 | 1.0 | 4.0 | k 65.0 |",
+                    "| uniform | mla16_decode | 24 | 16384 | fi_mla_fa3 | 64.0 | 61.0 | 60.0 | 1.0 | 3.0 | k 60.0 |"]
