@@ -82,7 +82,8 @@ def _balanced_per(tiles, valid, bs, num_chunks, MIN_TILES: tl.constexpr):
     budget = tl.maximum(num_chunks, -num_chunks)     # not abs: a launch arg of 1 is a constexpr
     total = tl.sum(tiles, 0)
     per = tl.maximum((total + budget - 1) // budget, MIN_TILES)
-    if num_chunks < 0:          # the fit's reductions where asked alone: every chunk and merge program runs this
+    if num_chunks < 0:          # the fit's reductions where asked alone: every chunk program runs this (and merge
+                                # program, unless the chunk pass published it)
         over = tl.sum(tl.where(valid, tl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
         # a request of t tiles takes at most t / p + 1 chunks: p = cdiv(total, budget - bs) fits
         hi = tl.maximum(tl.max(tiles, 0), per)
@@ -188,8 +189,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     else ``rows_per_chunk`` rows a request). Tiles from ``merge_pass_tiles``: the schedule, the
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
-    the schedule found before ``gdc_wait``, the partials read after it. ``PUBLISHED``: the chunk size read from the
-    first log-sum-exp past the grid's slots, where the chunk pass wrote it (after ``gdc_wait``)."""
+    the schedule found before ``gdc_wait``, the partials read after it; ``PUBLISHED``: the chunk size read from the
+    first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk

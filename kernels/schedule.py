@@ -12,7 +12,8 @@ the smallest chunk that fits it, so the few chunks past it do not run as a secon
 request is cut into many chunks and short ones stay whole, so programs read about the same KV
 whatever the lengths, and one captured graph serves any lengths its buffers allow: no host plan,
 no host sync, no schedule buffer (each program recomputes it from ``bs`` lengths, cheaper than a
-launch that would write one).
+launch that would write one; under the wave fit, whose search costs more, MLA's Gluon chunk pass publishes its
+chunk size for the merge: ``ChunkLaunch.published``).
 
 A request of one chunk writes its output directly. A request of several writes a partial per chunk
 (normalised output, log2-sum-exp) to the chunk's workspace slot, merged in chunk order by a second
@@ -162,27 +163,22 @@ def chunk_slots(bs: int, chunks_per_request: int) -> int:
     return bs * chunks_per_request + bs
 
 
-# The workspace's slots past the grid's: the first's log-sum-exp row holds the chunk size a chunk pass publishes
-# for its merge (``ChunkLaunch.published``).
-SCHEDULE_SLOTS = 1
-
-
-def workspace_rows(bs: int, chunks_per_request: int, rows_per_chunk: int) -> int:
-    """Partial and log-sum-exp rows of a chunk workspace: the grid's slots and ``SCHEDULE_SLOTS``."""
-    return (chunk_slots(bs, chunks_per_request) + SCHEDULE_SLOTS) * rows_per_chunk
+# Log-sum-exp rows past the grid's slots' (the partials have none): the first holds the chunk size a chunk pass
+# publishes for its merge (``ChunkLaunch.published``).
+SCHEDULE_ROWS = 1
 
 
 def chunk_workspace(bs: int, chunks_per_request: int, rows_per_chunk: int, num_heads: int,
                     num_kv_heads: int, head_dim_v: int, device, part_dtype: torch.dtype = torch.float32) -> tuple:
     """The workspace of a chunk schedule, allocated once (at graph capture): ``(part [slots *
-    rows_per_chunk, H, Dv] part_dtype, lse [slots * rows_per_chunk, H] float32, counters [bs * Hkv]
-    int32 zeros)``, slots from :func:`chunk_slots` and ``SCHEDULE_SLOTS``; ``rows_per_chunk``: the query rows of a
+    rows_per_chunk, H, Dv] part_dtype, lse [slots * rows_per_chunk + SCHEDULE_ROWS, H] float32, counters [bs * Hkv]
+    int32 zeros)``, slots from :func:`chunk_slots`; ``rows_per_chunk``: the query rows of a
     request (1 for decode). ``part_dtype``: float32, or the output's 16-bit dtype where a kernel
     stores 16-bit partials faster (MLA's warp-specialized kernels: ``warpspec.partial_dtype``); the
     merge sums in float32 either way."""
-    rows = workspace_rows(bs, chunks_per_request, rows_per_chunk)
+    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
     return (torch.empty(rows, num_heads, head_dim_v, dtype=part_dtype, device=device),
-            torch.empty(rows, num_heads, dtype=torch.float32, device=device),
+            torch.empty(rows + SCHEDULE_ROWS, num_heads, dtype=torch.float32, device=device),
             torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=device))
 
 
@@ -194,18 +190,18 @@ def chunk_targets(name: str, out: torch.Tensor, workspace, bs: int, chunks_per_r
     H, Dv = out.shape[1], out.shape[2]
     if workspace is None:
         return chunk_workspace(bs, chunks_per_request, rows_per_chunk, H, num_kv_heads, Dv, out.device, part_dtype)
-    rows = workspace_rows(bs, chunks_per_request, rows_per_chunk)
+    rows = chunk_slots(bs, chunks_per_request) * rows_per_chunk
     if len(workspace) != 3:
         raise ValueError(f"{name}: a chunk workspace is (part, lse, counters) as chunk_workspace returns, "
                          f"got {len(workspace)} tensors")
     part, lse, counters = workspace
     allowed = "float32" if part_dtype == torch.float32 else f"float32 or {str(part_dtype)[6:]}"
     if (part.shape[0] < rows or tuple(part.shape[1:]) != (H, Dv) or part.dtype not in (torch.float32, part_dtype)
-            or lse.shape[0] < rows or tuple(lse.shape[1:]) != (H,) or lse.dtype != torch.float32
+            or lse.shape[0] < rows + SCHEDULE_ROWS or tuple(lse.shape[1:]) != (H,) or lse.dtype != torch.float32
             or part.stride(-1) != 1 or lse.stride(-1) != 1 or counters.dtype != torch.int32
             or counters.numel() < bs * num_kv_heads or counters.stride(0) != 1
             or any(t.device != out.device for t in workspace)):
         raise ValueError(f"{name}: chunk workspace {tuple(part.shape)} {part.dtype} / {tuple(lse.shape)} / "
-                         f"counters {tuple(counters.shape)} does not fit {rows} rows, H={H}, Dv={Dv}, "
-                         f"{bs * num_kv_heads} counters ({allowed}, float32, int32 zeros on {out.device})")
+                         f"counters {tuple(counters.shape)} does not fit {rows} rows (+{SCHEDULE_ROWS} of lse), H={H}, "
+                         f"Dv={Dv}, {bs * num_kv_heads} counters ({allowed}, float32, int32 zeros on {out.device})")
     return workspace

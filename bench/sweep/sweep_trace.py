@@ -29,6 +29,7 @@ def _device_events(prof) -> list:
 def _profiled(calls) -> list:
     import torch  # here: sweep_report imports this module without torch
     from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()        # nothing of the work before in the trace (its kernels could pass for the flush)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for call in calls:
             call()
@@ -47,8 +48,8 @@ def _busy(events: list) -> float:
 
 def _short(name: str) -> str:
     """A kernel's name without its return type, namespaces, template and parameters."""
-    words = name.split("(")[0].split("<")[0].split()
-    return (words[-1] if words else "?").split("::")[-1][:48]
+    words = name.replace("(anonymous namespace)", "").split("(")[0].split("<")[0].split()
+    return (words[-1].split("::")[-1] if words else "")[:48] or "?"
 
 
 def trace(replay, flush, n: int) -> dict:

@@ -78,11 +78,12 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
     (``ChunkLaunch.budget``). Every chunk
     writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
-    contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W, NUM_HEADS]``
+    contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W + 1, NUM_HEADS]``
     log-sum-exps: the stores add ``split * stride_os`` and ``split`` to the request's row, so
     ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
     negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
-    at the first log-sum-exp past the grid's slots, so that the merge's programs need not search for it."""
+    at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
+    search for it. Each partition that calls this stores the same value there."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
@@ -132,7 +133,7 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + N - 1) // N
     valid = offs < bs
-    # chunk_kernels._balanced_per, op for op (the merge pass recomputes the schedule in Triton)
+    # chunk_kernels._balanced_per, op for op (the merge pass recomputes the schedule in Triton, or reads this `per`)
     budget = gl.maximum(num_chunks, -num_chunks)
     total = gl.sum(tiles, 0)
     per = gl.maximum((total + budget - 1) // budget, MIN_TILES)

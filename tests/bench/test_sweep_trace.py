@@ -102,3 +102,32 @@ def test_the_report_tables_ours_and_flashinfers_fastest_traced_graph(monkeypatch
     rows = sweep_trace.table(sweep_report.group(results), sweep_report.best)[2:]
     assert rows == ["| uniform | mla16_decode | 24 | 16384 | ours | 70.0 | 66.0 | 65.0 | 1.0 | 4.0 | k 65.0 |",
                     "| uniform | mla16_decode | 24 | 16384 | fi_mla_fa3 | 64.0 | 61.0 | 60.0 | 1.0 | 3.0 | k 60.0 |"]
+
+
+def test_kernel_names_and_the_profilers_events(monkeypatch, tmp_path):
+    """A kernel's short name drops its return type, namespaces (anonymous ones too), template and parameters;
+    ``_device_events`` keeps the trace's kernels and memsets (not its host events), by start."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import json
+
+    import sweep_trace
+
+    assert sweep_trace._short("void at::native::(anonymous namespace)::CatArrayBatchedCopy<int, 4>(int*)") == \
+        "CatArrayBatchedCopy"
+    assert sweep_trace._short("void flashinfer::BatchPrefillWithPagedKVCacheKernel<K>(P)") == \
+        "BatchPrefillWithPagedKVCacheKernel"
+    assert sweep_trace._short("_merge_chunk_pass_kernel") == "_merge_chunk_pass_kernel"
+    assert sweep_trace._short("Memset (Device)") == "Memset"
+    assert sweep_trace._short("(unnamed)") == "?"
+
+    class _Prof:
+        def export_chrome_trace(self, path):
+            json.dump({"traceEvents": [
+                {"cat": "kernel", "name": "b", "ts": 20.0, "dur": 5.0},
+                {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1.0, "dur": 3.0},
+                {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 10.0, "dur": 2.0},
+                {"cat": "kernel", "name": "a", "ts": 15.0, "dur": 1.0},
+                {"cat": "kernel", "name": "instant"}]}, open(path, "w"))
+
+    assert sweep_trace._device_events(_Prof()) == [(10.0, 12.0, "Memset (Device)"), (15.0, 16.0, "a"),
+                                                   (20.0, 25.0, "b")]

@@ -3,13 +3,15 @@ same partials, on tiles the other tests' shapes do not reach: MLA's fat tiles (s
 the last head block partial), several column steps a program (``DV_STEPS`` > 1: the steps after the
 first reuse the first's denominator), a column count that is no multiple of the block, and a request
 of more chunks than one load holds."""
+import dataclasses
+
 import pytest
 import torch
 import triton
 
 from attn_backends_kernels import chunk_kernels, schedule
 from attn_backends_kernels.chunk_kernels import merge_pass_tiles
-from attn_backends_kernels.schedule import ChunkLaunch
+from attn_backends_kernels.schedule import ChunkLaunch, chunk_workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
@@ -87,6 +89,32 @@ def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch):
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True)
     assert spans[0][1] > block_c and min(c for _, c in spans) == 1
+
+
+@pytest.mark.parametrize("W", [1, 3])
+def test_a_published_chunk_size_is_the_one_the_merge_uses(W):
+    """``ChunkLaunch.published``: the merge reads the chunk size from the log-sum-exp row past the grid's slots
+    (where MLA's Gluon chunk pass writes it under the wave fit) instead of searching: the fit's size there merges
+    as the search does, the plain share there (8 tiles, not the fit's 24) merges otherwise."""
+    lens, block_n, budget, H, Dv = [16384, 256, 512], 32, 8, 4, 64
+    bs = len(lens)
+    part, lse, counters = chunk_workspace(bs, budget, W, H, 1, Dv, DEVICE)
+    assert lse.shape[0] == part.shape[0] + schedule.SCHEDULE_ROWS == (bs * budget + bs) * W + 1
+    g = torch.Generator().manual_seed(0)
+    part.copy_(torch.randn(part.shape, generator=g))
+    lse.copy_(torch.randn(lse.shape, generator=g))
+    cl = ChunkLaunch(part, lse, counters, bs * budget, (1, 1), dict(MIN_TILES=schedule.min_tiles(block_n),
+                     FIXED_TILES=0, BLOCK_BS=triton.next_power_of_2(bs)), bs, W, block_n, "chunks", fit=True)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    outs = {}
+    for name, published, per in (("search", False, None), ("fit", True, 24.0), ("plain", True, 8.0)):
+        if per is not None:
+            lse[(bs * budget + bs) * W, 0] = per
+        out = torch.zeros(bs * W, H, Dv, device=DEVICE)
+        dataclasses.replace(cl, published=published).merge_pass(seq, None, out, single=True)
+        outs[name] = out
+    assert torch.equal(outs["search"], outs["fit"])
+    assert not torch.equal(outs["search"], outs["plain"])
 
 
 def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
