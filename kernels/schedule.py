@@ -135,7 +135,7 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
                  num_kv_heads: int, page_table: torch.Tensor, page_size: int, schedule: str, block_n: int,
                  heads_first, window: int = 0, mask: int = -1, draft_prefix_lens=None,
                  part_dtype: torch.dtype = torch.float32, fit: bool = False, min_tokens=None,
-                 merged_upto: int = 1) -> ChunkLaunch:
+                 merged_upto: int = 1, published: bool = False) -> ChunkLaunch:
     """The shared setup of a chunk pass of ``schedule`` over ``bs`` requests of ``rows_per_chunk``
     query rows: its workspace (``chunk_targets``: as many chunks a request as
     ``slots_per_request`` allows for the page table's width), budget ``bs * num_kv_splits`` and
@@ -144,7 +144,8 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     for the merge pass's schedule; ``part_dtype``: the partials' dtype where the workspace is
     allocated here (a given one may hold float32 or ``part_dtype``); ``fit``: the wave fit
     (``_balanced_per``; the balanced schedule only); ``min_tokens``: a chunk's floor (None: MIN_CHUNK_TOKENS);
-    ``merged_upto``: requests of at most that many chunks merged by their last chunk program (``ChunkLaunch``)."""
+    ``merged_upto``: requests of at most that many chunks merged by their last chunk program, ``published``: the chunk
+    pass publishes its chunk size for the merge (both ``ChunkLaunch``)."""
     if fit and schedule != "chunks":
         raise ValueError(f"{name}: the wave fit is the 'chunks' schedule's, not {schedule!r}'s")
     per_request = slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size)
@@ -155,7 +156,8 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
     consts = dict(MIN_TILES=min_tiles(block_n, min_tokens), FIXED_TILES=fixed_tiles(schedule, block_n),
                   BLOCK_BS=pow2(bs), HEADS_FIRST=heads_first)
     return ChunkLaunch(part, lse, counters, bs * num_kv_splits, grid, consts, bs, rows_per_chunk, block_n, schedule,
-                       window or 0, mask, draft_prefix_lens, fit, merged_upto, _pdl.merge_pass(out.device))
+                       window or 0, mask, draft_prefix_lens, fit, merged_upto, _pdl.merge_pass(out.device),
+                       published)
 
 
 def chunk_slots(bs: int, chunks_per_request: int) -> int:

@@ -12,8 +12,6 @@ prefill keeps the split pass (``attention.mla_attention_fwd``). On sm_90 the Glu
 chunk then writing a partial; the Triton tile runs elsewhere and for the invariant schedule.
 """
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -108,14 +106,14 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     rows = tile_shape(W, H)         # the default tile's: the backend sizes its graph workspace alike
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
                       heads_first=False, part_dtype=partial_dtype(kv_buffer.dtype, out.device, page_size,
-                                                                  rows[0] * rows[1], Dv, D - Dv), fit=fit)
+                                                                  rows[0] * rows[1], Dv, D - Dv), fit=fit,
+                      published=fit and gluon is not None and PUBLISH_FIT)   # the Gluon pass writes it
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
                          f"bound {MAX_GRID_YZ}")
     grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
     if gluon is not None:
-        cl = dataclasses.replace(cl, published=cl.fit and PUBLISH_FIT)
         _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
                       sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask])
         cl.merge_pass(seq_lens_k, None, out, single=True)
