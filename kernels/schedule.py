@@ -29,7 +29,7 @@ import torch
 from . import chunk_kernels
 from . import pdl as _pdl
 from .attention_core import heads_first_grid
-from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles
+from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles, merge_pass_warps
 from .launch_record import cdiv, launch, pow2
 
 # The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
@@ -128,7 +128,8 @@ class ChunkLaunch:
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
-               PUBLISHED=self.published, launch_pdl=pdl)
+               PUBLISHED=self.published, launch_pdl=pdl,
+               num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size()))
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,

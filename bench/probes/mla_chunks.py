@@ -17,7 +17,8 @@ forms of it, each timed and broken into launches the same way: "rule+z1" the mer
 the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
 at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "+fatN" the merge pass's
 fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
-fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "#2" after a form:
+fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
+merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "#2" after a form:
 that form again, a second round.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ragged_decode import captured  # noqa: E402
 
 from attn_backends.backends.triton_common import choose_num_kv_splits  # noqa: E402
-from attn_backends_kernels import chunk_kernels  # noqa: E402
+from attn_backends_kernels import chunk_kernels, schedule  # noqa: E402
 from attn_backends_kernels.attention_core import decode_workspace  # noqa: E402
 from attn_backends_kernels.mla import balanced  # noqa: E402
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape  # noqa: E402
@@ -143,11 +144,26 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", int(part[2:])))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
+            elif part[:1] in "ws" and part[1:].isdigit() or part == "nopdl":
+                stack.enter_context(mock.patch.object(schedule, "launch", _merge_launch(part, schedule.launch)))
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN")
+                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN, wN, sN, nopdl")
         yield
+
+
+def _merge_launch(part: str, launch):
+    """``schedule.launch`` with the merge pass launched at ``part``'s warps (wN) or stages (sN), or not as a
+    dependent (nopdl: stream order, no ``gdc_wait``)."""
+    def launched(kernel, grid, *args, **kwargs):
+        if kernel is chunk_kernels._merge_chunk_pass_kernel:
+            if part == "nopdl":
+                kwargs.update(PDL=False, launch_pdl=False)
+            else:
+                kwargs["num_warps" if part[0] == "w" else "num_stages"] = int(part[1:])
+        return launch(kernel, grid, *args, **kwargs)
+    return launched
 
 
 def variants_row(H: int, W: int, bs: int, dist: str, names: list) -> dict:

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from attn_backends_kernels import chunk_kernels, schedule
-from attn_backends_kernels.chunk_kernels import merge_pass_tiles
+from attn_backends_kernels.chunk_kernels import merge_pass_tiles, merge_pass_warps
 from attn_backends_kernels.schedule import ChunkLaunch, chunk_workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,17 +26,18 @@ def _chunks(lens, num_chunks, block_n, min_tiles):
     return list(zip(firsts, counts))
 
 
-def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spike=False):
+def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spike=False,
+                           part_dtype=torch.float32):
     """The merge pass over random partials of ``lens`` against a float64 merge; requests in ``dead`` have every
     log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. ``spike``: the first
     request's last chunk 300 above the rest in head 0 (2^300 overflows float32 unless the maximum saw it). Returns
-    the spans."""
+    the spans. ``part_dtype``: the partials' (16-bit as MLA's warp-specialized chunk passes store them)."""
     bs = len(lens)
     least = least or schedule.min_tiles(block_n)
     spans = _chunks(lens, bs * budget, block_n, least)
     slots = bs * budget + bs
     g = torch.Generator().manual_seed(0)
-    part = torch.randn(slots * W, H, Dv, generator=g).to(DEVICE)
+    part = torch.randn(slots * W, H, Dv, generator=g).to(DEVICE, part_dtype)
     lse = torch.randn(slots * W, H, generator=g) * 4
     for b in dead:
         first, count = spans[b]
@@ -79,15 +80,17 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass)
     assert spans[0][1] > block_c                               # the long request: more chunks than a load
 
 
-def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch):
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     """MLA's decode at 5 chunks a request: fat tiles of 8 chunks and 4 heads (the last head block partial), every
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
-    single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's)."""
+    single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's); float32 partials at 4
+    warps, bfloat16 at 2 (``merge_pass_warps``)."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
     lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900], 14, 520, 1, 16, 5
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True)
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True, part_dtype=part_dtype)
     assert spans[0][1] > block_c and min(c for _, c in spans) == 1
 
 
@@ -186,3 +189,14 @@ def test_few_chunk_requests_merged_by_their_last_chunk_the_rest_by_the_pass(monk
     assert_close(out[:len(lens)], ref, tol)
     assert not ws[2].any(), "a merge left its counter set: the next launch would merge early"
     assert int(ws[1][:, 0].isfinite().sum()) == 2 + 3 + 4 + 5 + 11, "the chunks' partials: 64-token chunks"
+
+
+def test_fat_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
+    """16-bit partials on the fat tiles at 2 warps (4 took shared-memory layout conversions and halved the MLA-128 bs
+    13 merge's speed), float32 at 4; one-head tiles keep 4."""
+    assert merge_pass_warps(*merge_pass_tiles(13, 128, 512, 5)[:3], 2) == 2      # [4 heads, 8 chunks, 128]
+    assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2)[:3], 2) == 2      # [8 heads, 4 chunks, 128]
+    assert merge_pass_warps(*merge_pass_tiles(24, 16, 512, 5)[:3], 4) == 4       # MLA-16's float32 partials
+    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 2) == 4      # one head a program
+    assert merge_pass_warps(*merge_pass_tiles(48, 8, 128, 4)[:3], 4) == 4        # GQA
+    assert merge_pass_warps(4, 2, 16, 2) == 1
