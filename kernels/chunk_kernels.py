@@ -39,9 +39,9 @@ MERGE_PASS_LATENT_PROGRAMS = 1024
 # column blocks one after another, 39-42 us of MLA-128 bs 13's graph (bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_FAT_DECODE = 8
 MERGE_PASS_FAT_VERIFY = 2
-# The fat tiles' warps: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps 16-bit
-# partials took a layout of shared-memory conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9
-# at 2 warps; float32 partials, MLA-16's, were slower at 2: bench/RESULTS.md, 'Ragged batches').
+# The merge pass's warps in decode: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps
+# MLA's fat tiles of 16-bit partials took shared-memory layout conversions and unvectorized stores (MLA-128 bs 13's
+# merge 13.5 us, 5.9 at 2 warps: bench/RESULTS.md, 'Ragged batches'); verify keeps 4 (mixed at 2).
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
@@ -285,10 +285,10 @@ def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
              mask=ok_h[:, None] & ok_dv[None, :])
 
 
-def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int) -> int:
-    """The merge pass's warps on tiles of ``merge_pass_tiles`` over partials of ``part_bytes`` a value: 4, and on
-    the fat tiles (``block_hm`` > 1) 1-4, a thread's share of a load MERGE_PASS_THREAD_BYTES."""
-    if block_hm == 1:
+def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int, one_row: bool = True) -> int:
+    """The merge pass's warps on tiles of ``merge_pass_tiles`` over partials of ``part_bytes`` a value: in decode
+    (``one_row``) 1-4, a thread's share of a load MERGE_PASS_THREAD_BYTES; else 4."""
+    if not one_row:
         return 4
     return max(1, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
 

@@ -129,7 +129,7 @@ class ChunkLaunch:
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
                PUBLISHED=self.published, launch_pdl=pdl,
-               num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size()))
+               num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), self.rows_per_chunk == 1))
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,
