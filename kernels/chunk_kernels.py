@@ -39,9 +39,10 @@ MERGE_PASS_LATENT_PROGRAMS = 1024
 # column blocks one after another, 39-42 us of MLA-128 bs 13's graph (bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_FAT_DECODE = 8
 MERGE_PASS_FAT_VERIFY = 2
-# The merge pass's warps in decode: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps
-# MLA's fat tiles of 16-bit partials took shared-memory layout conversions and unvectorized stores (MLA-128 bs 13's
-# merge 13.5 us, 5.9 at 2 warps: bench/RESULTS.md, 'Ragged batches'); verify keeps 4 (mixed at 2).
+# The warps of MLA's fat decode tiles: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps
+# 16-bit partials took shared-memory layout conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9
+# at 2). One-head tiles keep 4 (at 1-2, long tails' chains of loads 7-10 % slower) and verify (mixed at 2): bench/
+# RESULTS.md, 'Ragged batches'.
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
@@ -286,9 +287,9 @@ def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
 
 
 def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int, one_row: bool = True) -> int:
-    """The merge pass's warps on tiles of ``merge_pass_tiles`` over partials of ``part_bytes`` a value: in decode
-    (``one_row``) 1-4, a thread's share of a load MERGE_PASS_THREAD_BYTES; else 4."""
-    if not one_row:
+    """The merge pass's warps on tiles of ``merge_pass_tiles`` over partials of ``part_bytes`` a value: on decode's
+    fat tiles (``one_row``, ``block_hm`` > 1) 1-4, a thread's share of a load MERGE_PASS_THREAD_BYTES; else 4."""
+    if not one_row or block_hm == 1:
         return 4
     return max(1, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
 

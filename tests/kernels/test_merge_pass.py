@@ -191,13 +191,13 @@ def test_few_chunk_requests_merged_by_their_last_chunk_the_rest_by_the_pass(monk
     assert int(ws[1][:, 0].isfinite().sum()) == 2 + 3 + 4 + 5 + 11, "the chunks' partials: 64-token chunks"
 
 
-def test_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
-    """Decode's merge pass at the warps that give a thread 128 bytes of partials a load (4 warps laid MLA's 16-bit fat
-    tiles out through shared memory, the merge at half speed); verify at 4."""
+def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
+    """MLA's fat decode tiles at the warps that give a thread 128 bytes of partials a load (4 warps laid 16-bit tiles
+    out through shared memory, the merge at half speed); one-head tiles and verify at 4."""
     assert merge_pass_warps(*merge_pass_tiles(13, 128, 512, 5)[:3], 2) == 2      # [4 heads, 8 chunks, 128] bf16
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2)[:3], 2) == 2      # [8 heads, 4 chunks, 128] bf16
     assert merge_pass_warps(*merge_pass_tiles(24, 16, 512, 5)[:3], 4) == 4       # MLA-16's float32 partials
-    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4) == 2      # [1 head, 16 chunks, 128] float32
-    assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4) == 1         # GQA d64: [1, 16, 64]
-    assert merge_pass_warps(*merge_pass_tiles(48, 8, 128, 16)[:3], 4) == 4       # wide: [1, 64, 128]
+    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4) == 4      # one head a program
+    assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4) == 4         # GQA
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2, False)[:3], 2, False) == 4    # verify
+    assert merge_pass_warps(4, 2, 16, 2) == 1
