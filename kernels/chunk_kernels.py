@@ -46,6 +46,8 @@ MERGE_PASS_FAT_VERIFY = 2
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
+# A request whose chunks fit one load merged in one round of loads (``_merge_one_load``).
+MERGE_PASS_ONE_LOAD = True
 
 
 @triton.jit
@@ -185,7 +187,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
                              SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
-                             MERGED_UPTO: tl.constexpr = 1, PUBLISHED: tl.constexpr = False):
+                             MERGED_UPTO: tl.constexpr = 1, PUBLISHED: tl.constexpr = False,
+                             ONE_LOAD: tl.constexpr = False):
     """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
     chunks a load, in chunk order, where the request has more than ``MERGED_UPTO`` chunks (one chunk wrote
@@ -195,7 +198,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     log-sum-exps and the partials are a chain of dependent loads, so MLA's programs take many heads
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
     the schedule found before ``gdc_wait``, the partials read after it; ``PUBLISHED``: the chunk size read from the
-    first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``."""
+    first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``.
+    ``ONE_LOAD``: a request whose chunks fit one load merged by ``_merge_one_load``."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
@@ -217,42 +221,82 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
         ok_h = offs_h < NUM_HEADS
-        offs_c = tl.arange(0, BLOCK_C)
         if ONE_PASS:
             for step in tl.static_range(DV_STEPS):
                 _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                                 (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV), stride_pt,
                                 stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM, BLOCK_DV,
                                 BLOCK_C)
+        elif (count <= BLOCK_C) & ONE_LOAD:
+            _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
+                            stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
+                            BLOCK_DV, DV_STEPS, BLOCK_C)
         else:
-            m = tl.full([BLOCK_HM, BLOCK_C], float("-inf"), tl.float32)
-            for c0 in range(0, count, BLOCK_C):
-                rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-                ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
-                m = tl.maximum(m, tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
-                                          other=float("-inf")))
-            top = tl.maximum(tl.max(m, 1), -1e30)            # a row no chunk saw anything of: zeros
-            w_sum = tl.zeros([BLOCK_HM, BLOCK_C], tl.float32)
-            den = tl.full([BLOCK_HM], 1.0, tl.float32)
-            for step in tl.static_range(DV_STEPS):
-                offs_dv = (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-                ok_dv = offs_dv < HEAD_DIM_V
-                acc = tl.zeros([BLOCK_HM, BLOCK_C, BLOCK_DV], tl.float32)
-                for c0 in range(0, count, BLOCK_C):
-                    rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-                    ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
-                    w = tl.exp2(tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
-                                        other=float("-inf")) - top[:, None])
-                    if step == 0:
-                        w_sum += w                           # elementwise: the sums over chunks after the loop
-                    part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
-                                   + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
-                    acc += w[:, :, None] * part.to(tl.float32)
-                if step == 0:
-                    den = tl.maximum(tl.sum(w_sum, 1), 1e-30)
-                out = tl.sum(acc, 1) / den[:, None]
-                tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
-                         + offs_dv[None, :], out, mask=ok_h[:, None] & ok_dv[None, :])
+            _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
+                            stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
+                            BLOCK_DV, DV_STEPS, BLOCK_C)
+
+
+@triton.jit
+def _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h, stride_pt,
+                    stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The merge pass's program over its column steps: the chunks' maximum log-sum-exp in one walk, the weighted
+    sum in another, BLOCK_C chunks a load."""
+    offs_c = tl.arange(0, BLOCK_C)
+    m = tl.full([BLOCK_HM, BLOCK_C], float("-inf"), tl.float32)
+    for c0 in range(0, count, BLOCK_C):
+        rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+        ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
+        m = tl.maximum(m, tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
+                                  other=float("-inf")))
+    top = tl.maximum(tl.max(m, 1), -1e30)            # a row no chunk saw anything of: zeros
+    w_sum = tl.zeros([BLOCK_HM, BLOCK_C], tl.float32)
+    den = tl.full([BLOCK_HM], 1.0, tl.float32)
+    for step in tl.static_range(DV_STEPS):
+        offs_dv = (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        ok_dv = offs_dv < HEAD_DIM_V
+        acc = tl.zeros([BLOCK_HM, BLOCK_C, BLOCK_DV], tl.float32)
+        for c0 in range(0, count, BLOCK_C):
+            rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+            ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
+            w = tl.exp2(tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
+                                other=float("-inf")) - top[:, None])
+            if step == 0:
+                w_sum += w                           # elementwise: the sums over chunks after the loop
+            part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
+                           + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
+            acc += w[:, :, None] * part.to(tl.float32)
+        if step == 0:
+            den = tl.maximum(tl.sum(w_sum, 1), 1e-30)
+        out = tl.sum(acc, 1) / den[:, None]
+        tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+                 + offs_dv[None, :], out, mask=ok_h[:, None] & ok_dv[None, :])
+
+
+@triton.jit
+def _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h, stride_pt,
+                    stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``_merge_two_pass`` where the request's ``count`` chunks fit one load: each column step's partials loaded
+    before the log-sum-exps are used, so the two loads are in flight together, not a chain of three."""
+    offs_c = tl.arange(0, BLOCK_C)
+    rows = (first + offs_c).to(tl.int64) * rows_per_chunk + j
+    ok = ok_h[:, None] & (offs_c < count)[None, :]
+    lse = tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok, other=float("-inf"))
+    w = tl.zeros([BLOCK_HM, BLOCK_C], tl.float32)
+    den = tl.full([BLOCK_HM], 1.0, tl.float32)
+    for step in tl.static_range(DV_STEPS):
+        offs_dv = (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        ok_dv = offs_dv < HEAD_DIM_V
+        part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
+                       + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
+        if step == 0:
+            w = tl.exp2(lse - tl.maximum(tl.max(lse, 1), -1e30)[:, None])    # a row no chunk saw anything of: zeros
+            den = tl.maximum(tl.sum(w, 1), 1e-30)
+        out = tl.sum(w[:, :, None] * part.to(tl.float32), 1) / den[:, None]
+        tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
+                 mask=ok_h[:, None] & ok_dv[None, :])
 
 
 @triton.jit

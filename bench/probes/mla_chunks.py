@@ -18,8 +18,9 @@ the grid only while programs are few, as for the other head dims (``chunk_kernel
 at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "+fatN" the merge pass's
 fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
 fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
-merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "#2" after a form:
-that form again, a second round.
+merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "+twopass"
+requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "#2" after a form: that
+form again, a second round.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def variant(name: str):
         form, _, again = name.partition("#")               # "#N": the same form again (a second round)
         base, *mods = form.split("+")
         if base != "rule" or not (again == "" or again.isdigit()):
-            raise ValueError(f"variant {name!r}: 'rule', then '+z1', '+one', '+fatN', '+nopub' or '+lpN', then '#N'")
+            raise ValueError(f"variant {name!r}: 'rule', then '+' modifiers (module docstring), then '#N'")
         for part in mods:
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
@@ -142,6 +143,8 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_PASS", True))
             elif part.startswith("lp") and part[2:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", int(part[2:])))
+            elif part == "twopass":
+                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_LOAD", False))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif part[:1] in "ws" and part[1:].isdigit() or part == "nopdl":
@@ -149,7 +152,7 @@ def variant(name: str):
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN, wN, sN, nopdl")
+                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN, wN, sN, nopdl, twopass")
         yield
 
 
