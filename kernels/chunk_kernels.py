@@ -46,7 +46,9 @@ MERGE_PASS_FAT_VERIFY = 2
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
-# A request whose chunks fit one load merged in one round of loads (``_merge_one_load``).
+# On the fat tiles, a request whose chunks fit one load merged in one round of loads (``_merge_one_load``: MLA-128
+# bs 13's merge 6.0 -> 4.9 us); one-head tiles keep the two walks (GQA within +-1.2 us either way: bench/RESULTS.md,
+# 'Ragged batches').
 MERGE_PASS_ONE_LOAD = True
 
 

@@ -128,7 +128,8 @@ class ChunkLaunch:
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
-               PUBLISHED=self.published, ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD, launch_pdl=pdl,
+               PUBLISHED=self.published, ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and block_hm > 1,
+               launch_pdl=pdl,
                num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), self.rows_per_chunk == 1))
 
 

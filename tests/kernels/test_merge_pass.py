@@ -84,13 +84,15 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass)
 def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     """MLA's decode at 5 chunks a request: fat tiles of 8 chunks and 4 heads (the last head block partial), every
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
-    single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's); float32 partials at 4
-    warps, bfloat16 at 2 (``merge_pass_warps``)."""
+    single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
+    saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8
+    chunks in one round of loads (``_merge_one_load``), the long one in two walks."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
     lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900], 14, 520, 1, 16, 5
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True, part_dtype=part_dtype)
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True, part_dtype=part_dtype,
+                                   dead=(3,))
     assert spans[0][1] > block_c and min(c for _, c in spans) == 1
 
 
