@@ -41,14 +41,14 @@ MERGE_PASS_FAT_DECODE = 8
 MERGE_PASS_FAT_VERIFY = 2
 # The warps of MLA's fat decode tiles: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps
 # 16-bit partials took shared-memory layout conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9
-# at 2). One-head tiles keep 4 (at 1-2, long tails' chains of loads 7-10 % slower) and verify (mixed at 2): bench/
-# RESULTS.md, 'Ragged batches'.
+# at 2); at least 2 (1 was no faster). One-head tiles keep 4 (at 1-2, long tails' chains of loads up to 10 % slower)
+# and verify (mixed at 2): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
-# On the fat tiles, a request whose chunks fit one load merged in one round of loads (``_merge_one_load``: MLA-128
-# bs 13's merge 6.0 -> 4.9 us); one-head tiles keep the two walks (GQA within +-1.2 us either way: bench/RESULTS.md,
-# 'Ragged batches').
+# On the fat decode tiles, a request whose chunks fit one load merged in one round of loads (``_merge_one_load``:
+# MLA-128 bs 13's merge 6.0 -> 4.9 us); one-head tiles keep the two walks (GQA within +-1.2 us either way) and verify
+# (not measured): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_ONE_LOAD = True
 
 
@@ -201,7 +201,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
     the schedule found before ``gdc_wait``, the partials read after it; ``PUBLISHED``: the chunk size read from the
     first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``.
-    ``ONE_LOAD``: a request whose chunks fit one load merged by ``_merge_one_load``."""
+    ``ONE_LOAD``: a request whose chunks fit one load merged by ``_merge_one_load`` (``ONE_PASS`` before it)."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
@@ -229,10 +229,15 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                                 (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV), stride_pt,
                                 stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM, BLOCK_DV,
                                 BLOCK_C)
-        elif (count <= BLOCK_C) & ONE_LOAD:
-            _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
-                            stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
-                            BLOCK_DV, DV_STEPS, BLOCK_C)
+        elif ONE_LOAD:
+            if count <= BLOCK_C:
+                _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
+                                stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
+                                BLOCK_DV, DV_STEPS, BLOCK_C)
+            else:
+                _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
+                                stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
+                                BLOCK_DV, DV_STEPS, BLOCK_C)
         else:
             _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                             stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
@@ -332,12 +337,12 @@ def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
              mask=ok_h[:, None] & ok_dv[None, :])
 
 
-def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int, one_row: bool = True) -> int:
+def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int, one_row: bool) -> int:
     """The merge pass's warps on tiles of ``merge_pass_tiles`` over partials of ``part_bytes`` a value: on decode's
-    fat tiles (``one_row``, ``block_hm`` > 1) 1-4, a thread's share of a load MERGE_PASS_THREAD_BYTES; else 4."""
+    fat tiles (``one_row``, ``block_hm`` > 1) 2-4, a thread's share of a load MERGE_PASS_THREAD_BYTES; else 4."""
     if not one_row or block_hm == 1:
         return 4
-    return max(1, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
+    return max(2, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
 
 
 def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = True) -> tuple:

@@ -115,7 +115,8 @@ class ChunkLaunch:
         H, Dv = out.shape[1], out.shape[2]
         rows = self.bs * self.rows_per_chunk
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
-        block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, self.rows_per_chunk == 1)
+        one_row = self.rows_per_chunk == 1
+        block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, one_row)
         part, lse = self.part, self.lse
         pdl = self.pdl
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
@@ -128,9 +129,8 @@ class ChunkLaunch:
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
-               PUBLISHED=self.published, ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and block_hm > 1,
-               launch_pdl=pdl,
-               num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), self.rows_per_chunk == 1))
+               PUBLISHED=self.published, ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and block_hm > 1 and one_row,
+               launch_pdl=pdl, num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), one_row))
 
 
 def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits: int, rows_per_chunk: int,

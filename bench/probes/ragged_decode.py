@@ -87,9 +87,7 @@ def captured(fn) -> tuple:
 def knobs(min_tokens=None, pass_form=None, pdl=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
     for the launches inside (read at each launch; None: as they are): "fN" requests of at most N chunks merged by
-    their last chunk program (``DECODE_FEW_LAST``), "tN" the merge pass's warps at N bytes a thread
-    (``MERGE_PASS_THREAD_BYTES``), "twopass" every request's merge in two walks (``MERGE_PASS_ONE_LOAD`` off),
-    "C" chunks a load over 128 columns at every
+    their last chunk program (``DECODE_FEW_LAST``), "C" chunks a load over 128 columns at every
     budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
     on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
     ("off"; "exit": allowed as the chunk programs exit; "start": from their start; ``pdl.py``)."""
@@ -98,10 +96,6 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
         dv["DECODE_MIN_CHUNK_TOKENS"] = min_tokens
     if pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
         dv["DECODE_FEW_LAST"] = int(pass_form[1:])
-    elif pass_form == "twopass":
-        cv["MERGE_PASS_ONE_LOAD"] = False
-    elif pass_form is not None and pass_form.startswith("t"):    # "t1": 4 warps on every tile
-        cv["MERGE_PASS_THREAD_BYTES"] = int(pass_form[1:])
     elif pass_form is not None and pass_form.startswith("w"):
         c, d = pass_form[1:].split("d")
         cv.update(MERGE_PASS_DEEP_FROM=chunk_kernels.MERGE_PASS_WIDE_FROM, MERGE_PASS_DEEP_CHUNKS=int(c),
@@ -268,7 +262,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-forms", default="none",
                    help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), "
                         "wCdD (every wide budget: C chunks, D columns a program), fN (DECODE_FEW_LAST N), "
-                        "tN (MERGE_PASS_THREAD_BYTES N), twopass (MERGE_PASS_ONE_LOAD off), "
                         "e.g. 16,64p,w128d64,f8")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",

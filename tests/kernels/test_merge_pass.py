@@ -11,6 +11,7 @@ import triton
 
 from attn_backends_kernels import chunk_kernels, schedule
 from attn_backends_kernels.chunk_kernels import merge_pass_tiles, merge_pass_warps
+from attn_backends_kernels.launch_record import recording
 from attn_backends_kernels.schedule import ChunkLaunch, chunk_workspace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,11 +27,11 @@ def _chunks(lens, num_chunks, block_n, min_tiles):
     return list(zip(firsts, counts))
 
 
-def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spike=False,
+def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spikes=(),
                            part_dtype=torch.float32):
     """The merge pass over random partials of ``lens`` against a float64 merge; requests in ``dead`` have every
-    log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. ``spike``: the first
-    request's last chunk 300 above the rest in head 0 (2^300 overflows float32 unless the maximum saw it). Returns
+    log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. ``spikes``: these
+    requests' last chunk 300 above the rest in head 0 (2^300 overflows float32 unless the maximum saw it). Returns
     the spans. ``part_dtype``: the partials' (16-bit as MLA's warp-specialized chunk passes store them)."""
     bs = len(lens)
     least = least or schedule.min_tiles(block_n)
@@ -42,8 +43,8 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
     for b in dead:
         first, count = spans[b]
         lse[first * W:(first + count) * W] = float("-inf")
-    if spike:                                                  # one head: the other checks the whole merge
-        first, count = spans[0]
+    for b in spikes:                                           # one head: the other checks the whole merge
+        first, count = spans[b]
         lse[(first + count - 1) * W:(first + count) * W, 0] += 300.0
     lse = lse.to(DEVICE)
     out = torch.full((bs * W, H, Dv), float("nan"), device=DEVICE)
@@ -86,14 +87,15 @@ def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
     single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
     saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8
-    chunks in one round of loads (``_merge_one_load``), the long one in two walks."""
+    chunks in one round of loads (``_merge_one_load``: request 3, 3 chunks, the last far above the rest), the long
+    one in two walks."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
-    lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900], 14, 520, 1, 16, 5
+    lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900, 900], 14, 520, 1, 16, 5
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spike=True, part_dtype=part_dtype,
-                                   dead=(3,))
-    assert spans[0][1] > block_c and min(c for _, c in spans) == 1
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spikes=(0, 3), part_dtype=part_dtype,
+                                   dead=(4,))
+    assert spans[0][1] > block_c and min(c for _, c in spans) == 1 and 1 < spans[3][1] <= block_c, spans
 
 
 @pytest.mark.parametrize("W", [1, 3])
@@ -170,7 +172,7 @@ def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv, 
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_DV", block_dv)
     lens, H, W, block_n, budget = [20000, 300, 5, 700], 2, 1, 16, 64
     assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, -(-Dv // block_dv))
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spike=True)
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spikes=(0,))
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
 
 
@@ -194,12 +196,35 @@ def test_few_chunk_requests_merged_by_their_last_chunk_the_rest_by_the_pass(monk
 
 
 def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
-    """MLA's fat decode tiles at the warps that give a thread 128 bytes of partials a load (4 warps laid 16-bit tiles
-    out through shared memory, the merge at half speed); one-head tiles and verify at 4."""
-    assert merge_pass_warps(*merge_pass_tiles(13, 128, 512, 5)[:3], 2) == 2      # [4 heads, 8 chunks, 128] bf16
-    assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2)[:3], 2) == 2      # [8 heads, 4 chunks, 128] bf16
-    assert merge_pass_warps(*merge_pass_tiles(24, 16, 512, 5)[:3], 4) == 4       # MLA-16's float32 partials
-    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4) == 4      # one head a program
-    assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4) == 4         # GQA
+    """MLA's fat decode tiles at the warps that give a thread 128 bytes of partials a load, 2 at least (4 warps laid
+    16-bit tiles out through shared memory, the merge at half speed); one-head tiles and verify at 4."""
+    assert merge_pass_warps(*merge_pass_tiles(13, 128, 512, 5)[:3], 2, True) == 2    # [4 heads, 8 chunks, 128] bf16
+    assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2)[:3], 2, True) == 2    # [8 heads, 4 chunks, 128] bf16
+    assert merge_pass_warps(*merge_pass_tiles(24, 16, 512, 5)[:3], 4, True) == 4     # MLA-16's float32 partials
+    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4, True) == 4    # one head a program
+    assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4, True) == 4       # GQA
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2, False)[:3], 2, False) == 4    # verify
-    assert merge_pass_warps(4, 2, 16, 2) == 1
+    assert merge_pass_warps(8, 2, 128, 2, True) == 2                                  # two heads: 1 was no faster
+
+
+@pytest.mark.parametrize("H, Dv, W, dtype, want", [
+    (14, 520, 1, torch.bfloat16, (2, True)),     # MLA's fat decode tiles, 16-bit partials
+    (14, 520, 1, torch.float32, (4, True)),      # float32 partials (MLA-16's transposed kernel)
+    (8, 128, 1, torch.float32, (4, False)),      # GQA: one head a program
+    (14, 520, 2, torch.bfloat16, (4, False)),    # verify's fat tiles
+])
+def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(H, Dv, W, dtype, want):
+    """``ChunkLaunch.merge_pass`` launches with ``merge_pass_warps`` of the partials' dtype and ONE_LOAD on the fat
+    decode tiles alone."""
+    lens, budget = [900, 40, 300], 2
+    bs = len(lens)
+    part, lse, counters = chunk_workspace(bs, budget, W, H, 1, Dv, DEVICE, dtype)
+    part.normal_()
+    lse.normal_()
+    out = torch.empty(bs * W, H, Dv, dtype=torch.float32, device=DEVICE)       # 4 bytes a value, unlike bf16 partials
+    cl = ChunkLaunch(part, lse, counters, bs * budget, (1, 1),
+                     dict(MIN_TILES=1, FIXED_TILES=0, BLOCK_BS=triton.next_power_of_2(bs)), bs, W, 16, "chunks")
+    with recording() as launches:
+        cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=True)
+    (kernel, _, _, _, kwargs), = launches
+    assert (kwargs["num_warps"], kwargs["ONE_LOAD"]) == want, kwargs
