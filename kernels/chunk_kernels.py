@@ -39,10 +39,10 @@ MERGE_PASS_LATENT_PROGRAMS = 1024
 # column blocks one after another, 39-42 us of MLA-128 bs 13's graph (bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_FAT_DECODE = 8
 MERGE_PASS_FAT_VERIFY = 2
-# The warps of MLA's fat decode tiles: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load. At 4 warps
-# 16-bit partials took shared-memory layout conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9
-# at 2); at least 2 (1 was no faster). One-head tiles keep 4 (at 1-2, long tails' chains of loads up to 10 % slower)
-# and verify (mixed at 2): bench/RESULTS.md, 'Ragged batches'.
+# The warps of MLA's fat decode tiles: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load, 2 at least
+# (1 no faster on full tiles, smaller ones unmeasured). At 4 warps 16-bit partials took shared-memory layout
+# conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9 at 2). One-head tiles keep 4 (at 1-2, long
+# tails' chains of loads up to 10 % slower) and verify (mixed at 2): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_THREAD_BYTES = 128
 # The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
 MERGE_PASS_ONE_PASS = False
@@ -201,7 +201,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
     the schedule found before ``gdc_wait``, the partials read after it; ``PUBLISHED``: the chunk size read from the
     first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``.
-    ``ONE_LOAD``: a request whose chunks fit one load merged by ``_merge_one_load`` (``ONE_PASS`` before it)."""
+    ``ONE_LOAD`` (ignored under ``ONE_PASS``): a request whose chunks fit one load merged by ``_merge_one_load``."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk

@@ -111,7 +111,8 @@ class ChunkLaunch:
     def merge_pass(self, seq_lens_k: torch.Tensor, cu_seqlens_q, out: torch.Tensor, single: bool = False) -> None:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
         one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
-        None: ``rows_per_chunk`` rows a request; ``single``: requests of one chunk too (their pass wrote a partial)."""
+        None: ``rows_per_chunk`` rows a request; ``single``: requests of one chunk too (their pass wrote a partial).
+        Its warps ``merge_pass_warps`` of the partials' dtype; ``ONE_LOAD`` on decode's fat tiles alone."""
         H, Dv = out.shape[1], out.shape[2]
         rows = self.bs * self.rows_per_chunk
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs

@@ -147,7 +147,8 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_LOAD", False))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
-            elif part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0 or part == "nopdl":
+            elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
+                  and (part[0] == "s" or int(part[1:]) & (int(part[1:]) - 1) == 0) or part == "nopdl"):
                 stack.enter_context(mock.patch.object(schedule, "launch", _merge_launch(part, schedule.launch)))
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))

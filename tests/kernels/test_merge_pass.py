@@ -90,6 +90,7 @@ def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     chunks in one round of loads (``_merge_one_load``: request 3, 3 chunks, the last far above the rest), the long
     one in two walks."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_LOAD", True)
     lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900, 900], 14, 520, 1, 16, 5
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
@@ -204,14 +205,14 @@ def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
     assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4, True) == 4    # one head a program
     assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4, True) == 4       # GQA
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2, False)[:3], 2, False) == 4    # verify
-    assert merge_pass_warps(8, 2, 128, 2, True) == 2                                  # two heads: 1 was no faster
+    assert merge_pass_warps(8, 2, 128, 2, True) == 2                                  # two heads: 2 at least
 
 
 @pytest.mark.parametrize("H, Dv, W, dtype, want", [
-    (14, 520, 1, torch.bfloat16, (2, True)),     # MLA's fat decode tiles, 16-bit partials
-    (14, 520, 1, torch.float32, (4, True)),      # float32 partials (MLA-16's transposed kernel)
-    (8, 128, 1, torch.float32, (4, False)),      # GQA: one head a program
-    (14, 520, 2, torch.bfloat16, (4, False)),    # verify's fat tiles
+    (14, 520, 1, torch.bfloat16, (2, True, True)),     # MLA's fat decode tiles, 16-bit partials
+    (14, 520, 1, torch.float32, (4, True, True)),      # float32 partials (MLA-16's transposed kernel)
+    (8, 128, 1, torch.float32, (4, False, False)),     # GQA: one head a program
+    (14, 520, 2, torch.bfloat16, (4, False, True)),    # verify's fat tiles
 ])
 def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(H, Dv, W, dtype, want):
     """``ChunkLaunch.merge_pass`` launches with ``merge_pass_warps`` of the partials' dtype and ONE_LOAD on the fat
@@ -227,4 +228,5 @@ def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(H, Dv, 
     with recording() as launches:
         cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=True)
     (kernel, _, _, _, kwargs), = launches
-    assert (kwargs["num_warps"], kwargs["ONE_LOAD"]) == want, kwargs
+    assert kernel is chunk_kernels._merge_chunk_pass_kernel
+    assert (kwargs["num_warps"], kwargs["ONE_LOAD"], kwargs["BLOCK_HM"] > 1) == want, kwargs
