@@ -10,34 +10,42 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "sweep"
 
 
 def _fake(monkeypatch, replays: list, flush=("fill_kernel",)):
-    """``sweep_trace._profiled`` giving ``flush``'s events for the flush profiled alone, then the replays'
-    events (each replay's kernels ``(start, end, name)`` relative to its flush's end), 100 us apart."""
+    """``sweep_trace._profiled`` running the calls it is handed and giving the events of what they ran: each call of
+    the returned ``flush_fn`` the ``flush`` kernels (5 us), each call of ``replay_fn`` the next replay's kernels
+    ``(start, end, name)`` relative to the last flush's end; replays 1000 us apart. Returns ``(sweep_trace, calls,
+    flush_fn, replay_fn, ran)``: ``calls`` the count of calls each profile was handed, ``ran`` what the last one ran."""
     monkeypatch.syspath_prepend(str(BENCH))
     import sweep_trace
 
-    calls = []
+    calls, ran = [], []
+    flush_fn, replay_fn = (lambda: ran.append("flush")), (lambda: ran.append("replay"))
 
     def profiled(fns):
         calls.append(len(fns))
-        if len(calls) == 1:
-            return [(0.0, 5.0, name) for name in flush]
-        events = []
-        for i, kernels in enumerate(replays):
-            t = 1000.0 * i
-            events += [(t, t + 5.0, name) for name in flush]
-            events += [(t + 5.0 + s, t + 5.0 + e, name) for s, e, name in kernels]
+        ran.clear()
+        for fn in fns:
+            fn()
+        events, base, after_flush, done = [], 0.0, 0.0, 0
+        for what in ran:
+            if what == "flush":
+                events += [(base, base + 5.0, name) for name in flush]
+                after_flush = base + 5.0
+            else:
+                events += [(after_flush + s, after_flush + e, name) for s, e, name in replays[done]]
+                done += 1
+            base += 1000.0 if what == "replay" else 0.0
         return sorted(events)
 
     monkeypatch.setattr(sweep_trace, "_profiled", profiled)
-    return sweep_trace, calls
+    return sweep_trace, calls, flush_fn, replay_fn, ran
 
 
 def test_a_replay_is_its_kernels_busy_span_and_gaps(monkeypatch):
     a = [(2.0, 12.0, "void chunk_pass<64>(int)"), (15.0, 20.0, "merge_pass(float*)")]       # gap 3
     b = [(2.0, 14.0, "void chunk_pass<64>(int)"), (13.0, 19.0, "merge_pass(float*)")]       # overlap 1
     c = [(2.0, 11.0, "void chunk_pass<64>(int)"), (16.0, 22.0, "merge_pass(float*)")]       # gap 5
-    sweep_trace, calls = _fake(monkeypatch, [a, b, c])
-    t = sweep_trace.trace(lambda: None, lambda: None, 3)
+    sweep_trace, calls, flush, replay, _ = _fake(monkeypatch, [a, b, c])
+    t = sweep_trace.trace(replay, flush, 3)
     assert calls == [1, 3]
     assert t["kernels"] == {"chunk_pass": 10.0, "merge_pass": 6.0}
     assert t["busy_us"] == 15.0                # 15, 17 (12 + 6 - 1 overlapping), 15
@@ -47,13 +55,20 @@ def test_a_replay_is_its_kernels_busy_span_and_gaps(monkeypatch):
     assert "span 18.0" in line and "outside 7.0" in line and "chunk_pass 10.0" in line
 
 
+def test_each_replay_follows_its_flush(monkeypatch):
+    """Each replay runs right after an L2 flush, as in the timed rounds (the replays are split at the flushes)."""
+    sweep_trace, _, flush, replay, ran = _fake(monkeypatch, [[(1.0, 2.0, "k")], [(1.0, 3.0, "k")], [(1.0, 4.0, "k")]])
+    assert sweep_trace.trace(replay, flush, 3)["kernels"] == {"k": 2.0}
+    assert ran == ["flush", "replay"] * 3
+
+
 def test_a_replay_count_that_does_not_match_raises(monkeypatch):
-    sweep_trace, _ = _fake(monkeypatch, [[(1.0, 2.0, "k")], []])          # the second replay launched nothing
+    sweep_trace, _, flush, replay, _ = _fake(monkeypatch, [[(1.0, 2.0, "k")], []])    # the second launched nothing
     with pytest.raises(RuntimeError, match="1 replays with kernels seen, 2 made"):
-        sweep_trace.trace(lambda: None, lambda: None, 2)
-    sweep_trace, _ = _fake(monkeypatch, [], flush=())
+        sweep_trace.trace(replay, flush, 2)
+    sweep_trace, _, flush, replay, _ = _fake(monkeypatch, [], flush=())
     with pytest.raises(RuntimeError, match="no replay boundary"):
-        sweep_trace.trace(lambda: None, lambda: None, 2)
+        sweep_trace.trace(replay, flush, 2)
 
 
 def test_trace_graphs_keeps_the_trace_or_its_error_in_the_record(monkeypatch):
