@@ -44,7 +44,8 @@ MERGE_PASS_FAT_VERIFY = 2
 # conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9 at 2). One-head tiles keep 4 (at 1-2, long
 # tails' chains of loads up to 10 % slower) and verify (mixed at 2): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_THREAD_BYTES = 128
-# The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off until measured on a GPU.
+# The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off (on MLA's fat decode tiles no
+# faster at 4 warps, slower at 2: bench/RESULTS.md, 'Ragged batches', session 67).
 MERGE_PASS_ONE_PASS = False
 # On the fat decode tiles, a request whose chunks fit one load merged in one round of loads (``_merge_one_load``:
 # MLA-128 bs 13's merge 6.0 -> 4.9 us); one-head tiles keep the two walks (GQA within +-1.2 us either way) and verify
