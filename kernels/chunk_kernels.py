@@ -44,13 +44,14 @@ MERGE_PASS_FAT_VERIFY = 2
 # conversions and unvectorized stores (MLA-128 bs 13's merge 13.5 us, 5.9 at 2). One-head tiles keep 4 (at 1-2, long
 # tails' chains of loads up to 10 % slower) and verify (mixed at 2): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_THREAD_BYTES = 128
-# The merge pass in one walk of the chunks (``_merge_one_pass``) instead of two: off (on MLA's fat decode tiles no
-# faster at 4 warps, slower at 2: bench/RESULTS.md, 'Ragged batches', session 67).
-MERGE_PASS_ONE_PASS = False
 # On the fat decode tiles, a request whose chunks fit one load merged in one round of loads (``_merge_one_load``:
 # MLA-128 bs 13's merge 6.0 -> 4.9 us); one-head tiles keep the two walks (GQA within +-1.2 us either way) and verify
 # (not measured): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_ONE_LOAD = True
+# The sum's walk of a request's chunks with its next load in flight (``_merge_two_pass``'s PREFETCH), where the walks
+# were chains of single dependent loads: decode's tiles but the fat ones of 16-bit partials (whose registers cost
+# MLA-128 bs 13 a wave of the merge); verify as before (not measured): bench/RESULTS.md, 'Ragged batches'.
+MERGE_PASS_PREFETCH = True
 
 
 @triton.jit
@@ -189,9 +190,9 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
                              BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, FIXED_TILES: tl.constexpr,
                              BLOCK_BS: tl.constexpr, HAS_CU: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
-                             SINGLE: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False,
+                             SINGLE: tl.constexpr = False, PDL: tl.constexpr = False,
                              MERGED_UPTO: tl.constexpr = 1, PUBLISHED: tl.constexpr = False,
-                             ONE_LOAD: tl.constexpr = False):
+                             ONE_LOAD: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """The separate merge (``merge="pass"``): program (query row j of request b, head block, column
     block) merges that row's chunk partials for BLOCK_HM heads and DV_STEPS x BLOCK_DV columns, BLOCK_C
     chunks a load, in chunk order, where the request has more than ``MERGED_UPTO`` chunks (one chunk wrote
@@ -202,7 +203,8 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     (bench/RESULTS.md, 'Ragged batches'). ``PDL``: launched as a dependent of the chunk pass (``pdl.py``):
     the schedule found before ``gdc_wait``, the partials read after it; ``PUBLISHED``: the chunk size read from the
     first log-sum-exp row past the grid's slots, where the chunk pass wrote it, so the schedule after ``gdc_wait``.
-    ``ONE_LOAD`` (ignored under ``ONE_PASS``): a request whose chunks fit one load merged by ``_merge_one_load``."""
+    ``ONE_LOAD``: a request whose chunks fit one load merged by ``_merge_one_load``; ``PREFETCH``: as
+    ``_merge_two_pass`` takes it."""
     r = tl.program_id(0)
     b = r // rows_per_chunk
     j = r % rows_per_chunk
@@ -224,13 +226,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
         ok_h = offs_h < NUM_HEADS
-        if ONE_PASS:
-            for step in tl.static_range(DV_STEPS):
-                _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
-                                (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV), stride_pt,
-                                stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM, BLOCK_DV,
-                                BLOCK_C)
-        elif ONE_LOAD:
+        if ONE_LOAD:                # a constexpr branch apart: the kernels without it compile as before
             if count <= BLOCK_C:
                 _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                                 stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
@@ -238,20 +234,40 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
             else:
                 _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                                 stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
-                                BLOCK_DV, DV_STEPS, BLOCK_C)
+                                BLOCK_DV, DV_STEPS, BLOCK_C, PREFETCH)
         else:
             _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                             stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,
-                            BLOCK_DV, DV_STEPS, BLOCK_C)
+                            BLOCK_DV, DV_STEPS, BLOCK_C, PREFETCH)
+
+
+@triton.jit
+def _merge_block(part_ptr, lse_ptr, first, c0, count, rows_per_chunk, j, offs_h, ok_h, offs_dv, ok_dv, stride_pt,
+                 stride_ph, stride_lt, stride_lh, BLOCK_C: tl.constexpr):
+    """Chunks ``c0 .. c0 + BLOCK_C`` of a request's ``count``: their log-sum-exps and partials (-inf and zeros past
+    ``count``, not read)."""
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    rows = (first + offs_c).to(tl.int64) * rows_per_chunk + j
+    ok = ok_h[:, None] & (offs_c < count)[None, :]
+    lse = tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok, other=float("-inf"))
+    part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
+                   + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
+    return lse, part
 
 
 @triton.jit
 def _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h, stride_pt,
                     stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr):
+                    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, DV_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """The merge pass's program over its column steps: the chunks' maximum log-sum-exp in one walk, the weighted
-    sum in another, BLOCK_C chunks a load."""
+    sum in another, BLOCK_C chunks a load. ``PREFETCH``: the sum's next load issued before this one is used, its
+    first before the maximum's walk, so that two loads are in flight, not a chain of single ones."""
     offs_c = tl.arange(0, BLOCK_C)
+    if PREFETCH:
+        dv0 = tl.program_id(2) * DV_STEPS * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        lse_n, part_n = _merge_block(part_ptr, lse_ptr, first, 0, count, rows_per_chunk, j, offs_h, ok_h, dv0,
+                                     dv0 < HEAD_DIM_V, stride_pt, stride_ph, stride_lt, stride_lh, BLOCK_C)
     m = tl.full([BLOCK_HM, BLOCK_C], float("-inf"), tl.float32)
     for c0 in range(0, count, BLOCK_C):
         rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
@@ -265,16 +281,29 @@ def _merge_two_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
         offs_dv = (tl.program_id(2) * DV_STEPS + step) * BLOCK_DV + tl.arange(0, BLOCK_DV)
         ok_dv = offs_dv < HEAD_DIM_V
         acc = tl.zeros([BLOCK_HM, BLOCK_C, BLOCK_DV], tl.float32)
-        for c0 in range(0, count, BLOCK_C):
-            rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-            ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
-            w = tl.exp2(tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
-                                other=float("-inf")) - top[:, None])
-            if step == 0:
-                w_sum += w                           # elementwise: the sums over chunks after the loop
-            part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
-                           + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
-            acc += w[:, :, None] * part.to(tl.float32)
+        if PREFETCH:
+            if step > 0:
+                lse_n, part_n = _merge_block(part_ptr, lse_ptr, first, 0, count, rows_per_chunk, j, offs_h, ok_h,
+                                             offs_dv, ok_dv, stride_pt, stride_ph, stride_lt, stride_lh, BLOCK_C)
+            for c0 in range(BLOCK_C, count + BLOCK_C, BLOCK_C):
+                lse, part = lse_n, part_n
+                lse_n, part_n = _merge_block(part_ptr, lse_ptr, first, c0, count, rows_per_chunk, j, offs_h, ok_h,
+                                             offs_dv, ok_dv, stride_pt, stride_ph, stride_lt, stride_lh, BLOCK_C)
+                w = tl.exp2(lse - top[:, None])
+                if step == 0:
+                    w_sum += w
+                acc += w[:, :, None] * part.to(tl.float32)
+        else:
+            for c0 in range(0, count, BLOCK_C):
+                rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
+                ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
+                w = tl.exp2(tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok,
+                                    other=float("-inf")) - top[:, None])
+                if step == 0:
+                    w_sum += w                           # elementwise: the sums over chunks after the loop
+                part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
+                               + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
+                acc += w[:, :, None] * part.to(tl.float32)
         if step == 0:
             den = tl.maximum(tl.sum(w_sum, 1), 1e-30)
         out = tl.sum(acc, 1) / den[:, None]
@@ -305,37 +334,6 @@ def _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j,
         out = tl.sum(w[:, :, None] * part.to(tl.float32), 1) / den[:, None]
         tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
                  mask=ok_h[:, None] & ok_dv[None, :])
-
-
-@triton.jit
-def _merge_one_pass(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h, offs_dv,
-                    stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The merge pass's ``ONE_PASS`` form for one column block: each of the BLOCK_C lanes keeps its own running
-    maximum, denominator and sum over the chunks it reads (a rescale where its maximum grows), combined after
-    the loop, so the log-sum-exps and the partials are read in one walk of the chunks, not a walk for the
-    maximum and another for the sum (each a chain of dependent loads); no reduction inside the loop."""
-    ok_dv = offs_dv < HEAD_DIM_V
-    offs_c = tl.arange(0, BLOCK_C)
-    m = tl.full([BLOCK_HM, BLOCK_C], -1e30, tl.float32)       # finite: a lane that saw nothing keeps weight 0
-    den = tl.zeros([BLOCK_HM, BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_HM, BLOCK_C, BLOCK_DV], tl.float32)
-    for c0 in range(0, count, BLOCK_C):
-        rows = (first + c0 + offs_c).to(tl.int64) * rows_per_chunk + j
-        ok = ok_h[:, None] & (c0 + offs_c < count)[None, :]
-        lse = tl.load(lse_ptr + rows[None, :] * stride_lt + offs_h[:, None] * stride_lh, mask=ok, other=float("-inf"))
-        part = tl.load(part_ptr + rows[None, :, None] * stride_pt + offs_h[:, None, None] * stride_ph
-                       + offs_dv[None, None, :], mask=ok[:, :, None] & ok_dv[None, None, :], other=0.0)
-        new = tl.maximum(m, lse)
-        scale = tl.exp2(m - new)
-        w = tl.exp2(lse - new)
-        acc = acc * scale[:, :, None] + w[:, :, None] * part.to(tl.float32)
-        den = den * scale + w
-        m = new
-    lane = tl.exp2(m - tl.max(m, 1)[:, None])
-    out = tl.sum(acc * lane[:, :, None], 1) / tl.maximum(tl.sum(den * lane, 1), 1e-30)[:, None]
-    tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_dv[None, :], out,
-             mask=ok_h[:, None] & ok_dv[None, :])
 
 
 def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int, one_row: bool) -> int:

@@ -112,13 +112,16 @@ class ChunkLaunch:
         """The separate merge (``merge="pass"``) of this launch's partials into ``out [T, H, Dv]``:
         one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
         None: ``rows_per_chunk`` rows a request; ``single``: requests of one chunk too (their pass wrote a partial).
-        Its warps ``merge_pass_warps`` of the partials' dtype; ``ONE_LOAD`` on decode's fat tiles alone."""
+        Its warps ``merge_pass_warps`` of the partials' dtype; ``ONE_LOAD`` on decode's fat tiles alone; ``PREFETCH``
+        on decode's tiles but the fat ones of 16-bit partials (``chunk_kernels.MERGE_PASS_PREFETCH``)."""
         H, Dv = out.shape[1], out.shape[2]
         rows = self.bs * self.rows_per_chunk
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
         one_row = self.rows_per_chunk == 1
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, one_row)
+        fat = block_hm > 1 and one_row         # decode's fat tiles (MLA's latent)
         part, lse = self.part, self.lse
+        prefetch = chunk_kernels.MERGE_PASS_PREFETCH and one_row and not (fat and part.element_size() == 2)
         pdl = self.pdl
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
@@ -129,8 +132,8 @@ class ChunkLaunch:
                DV_STEPS=steps, BLOCK_C=block_c, BLOCK_N=self.block_n, MIN_TILES=self.consts["MIN_TILES"],
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
-               ONE_PASS=chunk_kernels.MERGE_PASS_ONE_PASS, PDL=pdl, MERGED_UPTO=self.merged_upto,
-               PUBLISHED=self.published, ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and block_hm > 1 and one_row,
+               PDL=pdl, MERGED_UPTO=self.merged_upto, PUBLISHED=self.published,
+               ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and fat, PREFETCH=prefetch,
                launch_pdl=pdl, num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), one_row))
 
 

@@ -2,7 +2,7 @@
 chunk pass's time goes on uniform rows (issue #40), and what 16-bit chunk partials change.
 
     python bench/probes/mla_chunks.py [--rows 16x1:48,128x1:48,16x4:48,128x4:24/2] [--dists uniform,ragged,longtail]
-    python bench/probes/mla_chunks.py --variants rule+z1,rule,rule+one [--rows ...] [--dists ...]
+    python bench/probes/mla_chunks.py --variants rule+z1,rule,rule+nopf [--rows ...] [--dists ...]
 
 Per row (heads x query rows a request : batch[/split count, else the backend's]) and length
 distribution (``bench/sweep``'s), bf16, page 64, shuffled pages: graph-replay time
@@ -15,11 +15,12 @@ and blocks an SM as the trace reports them. Outputs are compared with the split'
 ``--variants``: the backend's chunk launch alone ("rule": its split count, partial dtype and wave fit) beside
 forms of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on
 the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
-at ``MERGE_PASS_PROGRAMS``); "+one" the merge pass in one walk (``MERGE_PASS_ONE_PASS``); "+fatN" the merge pass's
+at ``MERGE_PASS_PROGRAMS``); "+fatN" the merge pass's
 fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
 fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
 merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "+twopass"
-requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "#2" after a form: that
+requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "+nopf" the sum's walk
+without its next load in flight (``MERGE_PASS_PREFETCH`` off); "#2" after a form: that
 form again, a second round.
 """
 from __future__ import annotations
@@ -139,12 +140,12 @@ def variant(name: str):
             if part == "z1":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS",
                                                       chunk_kernels.MERGE_PASS_PROGRAMS))
-            elif part == "one":
-                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_PASS", True))
             elif part.startswith("lp") and part[2:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", int(part[2:])))
             elif part == "twopass":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_LOAD", False))
+            elif part == "nopf":
+                stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_PREFETCH", False))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
@@ -153,7 +154,7 @@ def variant(name: str):
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, one, fatN, nopub, lpN, wN, sN, nopdl, twopass")
+                raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, nopf")
         yield
 
 

@@ -95,7 +95,7 @@ def offline():
 
     def compile_instead(kernel, grid, *args, **kwargs):
         compiled = compile_sm90(kernel, args, kwargs)
-        extra = {"one_pass": kwargs["ONE_PASS"]} if "ONE_PASS" in kwargs else {}     # the merge pass's form
+        extra = {"prefetch": kwargs["PREFETCH"]} if "PREFETCH" in kwargs else {}     # the merge pass's form
         launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 
@@ -303,28 +303,26 @@ def deep_configs() -> dict:
             for label, kv in (("deep 8/1 d128", torch.bfloat16), ("deep 8/1 d128 fp8", torch.float8_e4m3fn))}
 
 
-def one_pass_configs() -> dict:
-    """``{label: thunk}``: the merge pass in one walk of the chunks (``chunk_kernels.MERGE_PASS_ONE_PASS``, off by
-    default) at 16 and 64 chunks a load over 128 columns (the deep tiles off: ``MERGE_PASS_DEEP_FROM``), on GQA's
-    tiles and MLA's fat ones (several heads a program)."""
+def prefetch_configs() -> dict:
+    """``{label: thunk}``: GQA's decode merge pass (its sum's walk prefetched: ``chunk_kernels.MERGE_PASS_PREFETCH``)
+    at 16 and 64 chunks a load over 128 columns (the deep tiles off: ``MERGE_PASS_DEEP_FROM``)."""
     from unittest import mock
 
     import attn_backends_kernels.chunk_kernels as ck
 
-    def one_pass(thunk, block_c):
+    def tiles(thunk, block_c):
         return mock.patch.multiple(ck, MERGE_PASS_CHUNKS=block_c, MERGE_PASS_WIDE_CHUNKS=block_c,
-                                   MERGE_PASS_ONE_PASS=True, MERGE_PASS_DEEP_FROM=1 << 30)(thunk)
-    gqa, mla = gqa_chunk_configs(), mla_chunk_configs()
-    return {"one pass c16 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 16),
-            "one pass c64 8/1 d128": one_pass(gqa["chunks 8/1 d128"], 64),
-            "one pass c64 32/8 d64": one_pass(gqa["chunks 32/8 d64"], 64),
-            "one pass mla128 decode": one_pass(mla["balanced mla128 decode"], 16)}
+                                   MERGE_PASS_DEEP_FROM=1 << 30)(thunk)
+    gqa = gqa_chunk_configs()
+    return {"prefetch c16 8/1 d128": tiles(gqa["chunks 8/1 d128"], 16),
+            "prefetch c64 8/1 d128": tiles(gqa["chunks 8/1 d128"], 64),
+            "prefetch c64 32/8 d64": tiles(gqa["chunks 32/8 d64"], 64)}
 
 
 def measure(labels=None) -> list:
     """``[{config, kernel, grid, **resources}]`` of every launch of the chosen configs."""
     rows = []
-    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **verify_chunk_configs(), **one_pass_configs(),
+    configs = {**mla_configs(), **gqa_configs(), **gqa_chunk_configs(), **verify_chunk_configs(), **prefetch_configs(),
                **deep_configs(),
                **resident_configs()}
     for label, thunk in configs.items():

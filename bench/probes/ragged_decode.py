@@ -88,22 +88,24 @@ def knobs(min_tokens=None, pass_form=None, pdl=None):
     """Decode chunks' floor (``DECODE_MIN_CHUNK_TOKENS``) and the merge pass's form (``chunk_kernels.MERGE_PASS_*``)
     for the launches inside (read at each launch; None: as they are): "fN" requests of at most N chunks merged by
     their last chunk program (``DECODE_FEW_LAST``), "C" chunks a load over 128 columns at every
-    budget, "Cp" in one walk (both with the deep tiles off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM``
-    on) C chunks over D columns a program (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
+    budget (the deep tiles off), "nopf" the sum's walk without its next load in flight (``MERGE_PASS_PREFETCH``
+    off), or "wCdD" every wide budget (``MERGE_PASS_WIDE_FROM`` on) C chunks over D columns a program
+    (``MERGE_PASS_DEEP_*``); ``pdl``: the merge pass a dependent launch
     ("off"; "exit": allowed as the chunk programs exit; "start": from their start; ``pdl.py``)."""
     dv, cv, pv = {}, {}, {}         # decode_attention's, chunk_kernels' and pdl's values inside
     if min_tokens is not None:
         dv["DECODE_MIN_CHUNK_TOKENS"] = min_tokens
-    if pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
+    if pass_form == "nopf":
+        cv["MERGE_PASS_PREFETCH"] = False
+    elif pass_form is not None and pass_form.startswith("f"):     # "f8": DECODE_FEW_LAST 8
         dv["DECODE_FEW_LAST"] = int(pass_form[1:])
     elif pass_form is not None and pass_form.startswith("w"):
         c, d = pass_form[1:].split("d")
         cv.update(MERGE_PASS_DEEP_FROM=chunk_kernels.MERGE_PASS_WIDE_FROM, MERGE_PASS_DEEP_CHUNKS=int(c),
                   MERGE_PASS_DEEP_DV=int(d))
     elif pass_form is not None:
-        c = int(pass_form.rstrip("p"))
-        cv.update(MERGE_PASS_CHUNKS=c, MERGE_PASS_WIDE_CHUNKS=c, MERGE_PASS_ONE_PASS=pass_form.endswith("p"),
-                  MERGE_PASS_DEEP_FROM=1 << 30)
+        c = int(pass_form)
+        cv.update(MERGE_PASS_CHUNKS=c, MERGE_PASS_WIDE_CHUNKS=c, MERGE_PASS_DEEP_FROM=1 << 30)
     if pdl is not None:
         pv["MERGE_PASS_PDL"], pv["CHUNK_PDL_TRIGGER"] = {"off": (False, False), "exit": (True, False),
                                                        "start": (True, True)}[pdl]
@@ -260,9 +262,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-chunk-tokens", default="none",
                    help="decode chunks' floors to try (DECODE_MIN_CHUNK_TOKENS): none (as it is), 64, ...")
     p.add_argument("--pass-forms", default="none",
-                   help="merge pass forms to try: none (as it is), C (C chunks a load), Cp (and one walk), "
-                        "wCdD (every wide budget: C chunks, D columns a program), fN (DECODE_FEW_LAST N), "
-                        "e.g. 16,64p,w128d64,f8")
+                   help="merge pass forms to try: none (as it is), C (C chunks a load), nopf (the sum's walk "
+                        "without prefetch), wCdD (every wide budget: C chunks, D columns a program), fN "
+                        "(DECODE_FEW_LAST N), e.g. 16,nopf,w128d64,f8")
     p.add_argument("--split-mults", default="1", help="the split schedule's counts to try, times the rule's: 1,2,4")
     p.add_argument("--merge-tiles", default="none",
                    help="the split merge's MERGE_TILE_VALUES: none (as it is), 0 (no column cut), 8192, ...")

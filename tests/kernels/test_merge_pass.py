@@ -69,11 +69,9 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
     return spans
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("single", [False, True])
-def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single, one_pass):
+def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single):
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program: DV_STEPS > 1
-    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
     lens, H, Dv, W, block_n, budget = [3000, 40, 300], 12, 520, 2, 16, 2
     block_c, block_hm, block_dv, steps, z = merge_pass_tiles(len(lens) * W, H, Dv, budget, W == 1)
     assert (block_c, block_hm, steps, z) == (4, 8, 5, 1), (block_c, block_hm, steps, z)
@@ -88,9 +86,10 @@ def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
     saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8
     chunks in one round of loads (``_merge_one_load``: request 3, 3 chunks, the last far above the rest), the long
-    one in two walks."""
+    one in two walks, the sum's prefetched over float32 partials (each column step's first load apart)."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_LOAD", True)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", True)
     lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900, 900], 14, 520, 1, 16, 5
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
     assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
@@ -156,23 +155,25 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
     assert merge_pass_tiles(48, 8, 256, 4) == (16, 1, 128, 2, 1)
 
 
-@pytest.mark.parametrize("one_pass,block_c,block_dv,Dv", [(False, 16, 128, 128), (False, 64, 128, 128),
-                                                         (True, 16, 128, 128), (True, 64, 128, 128),
-                                                         (False, 64, 32, 128), (False, 64, 64, 96)])
-def test_merge_pass_of_a_long_request(monkeypatch, one_pass, block_c, block_dv, Dv):
+@pytest.mark.parametrize("prefetch,block_c,block_dv,Dv,steps", [
+    (True, 16, 128, 128, 1), (True, 64, 128, 128, 1), (False, 16, 128, 128, 1), (False, 64, 128, 128, 1),
+    (True, 64, 32, 128, 1), (True, 64, 64, 96, 1), (True, 16, 128, 256, 2), (False, 16, 128, 256, 2)])
+def test_merge_pass_of_a_long_request(monkeypatch, prefetch, block_c, block_dv, Dv, steps):
     """GQA's tiles (a head and 128 columns a program, or 32 or 64 and the rest over the grid, the last block partial
-    at Dv 96: ``MERGE_PASS_DEEP_*``)
-    over a request of hundreds of chunks beside short ones, in two walks of the chunks or one
-    (``MERGE_PASS_ONE_PASS``), 16 or 64 chunks a load, the long request's last chunk far above the rest (the
+    at Dv 96: ``MERGE_PASS_DEEP_*``; two column steps a program at Dv 256)
+    over a request of hundreds of chunks beside short ones, the sum's walk prefetched or not
+    (``MERGE_PASS_PREFETCH``), 16 or 64 chunks a load, the long request's last chunk far above the rest (the
     maximum must see every load); a request whose chunks saw nothing merges to zeros."""
-    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_PASS", one_pass)
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_WIDE_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_FROM", 1 << 30 if block_dv == 128 else 1)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_DEEP_DV", block_dv)
+    if steps > 1:
+        monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program
     lens, H, W, block_n, budget = [20000, 300, 5, 700], 2, 1, 16, 64
-    assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, 1, -(-Dv // block_dv))
+    assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, steps, -(-Dv // block_dv) // steps)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spikes=(0,))
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
 
@@ -209,14 +210,17 @@ def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
 
 
 @pytest.mark.parametrize("H, Dv, W, dtype, want", [
-    (14, 520, 1, torch.bfloat16, (2, True, True)),     # MLA's fat decode tiles, 16-bit partials
-    (14, 520, 1, torch.float32, (4, True, True)),      # float32 partials (MLA-16's transposed kernel)
-    (8, 128, 1, torch.float32, (4, False, False)),     # GQA: one head a program
-    (14, 520, 2, torch.bfloat16, (4, False, True)),    # verify's fat tiles
+    (14, 520, 1, torch.bfloat16, (2, True, False, True)),     # MLA's fat decode tiles, 16-bit partials
+    (14, 520, 1, torch.float32, (4, True, True, True)),       # float32 partials (MLA-16's transposed kernel)
+    (8, 128, 1, torch.float32, (4, False, True, False)),      # GQA: one head a program
+    (8, 128, 1, torch.bfloat16, (4, False, True, False)),
+    (8, 128, 2, torch.float32, (4, False, False, False)),     # verify
+    (14, 520, 2, torch.bfloat16, (4, False, False, True)),    # verify's fat tiles
 ])
-def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(H, Dv, W, dtype, want):
-    """``ChunkLaunch.merge_pass`` launches with ``merge_pass_warps`` of the partials' dtype and ONE_LOAD on the fat
-    decode tiles alone."""
+def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(monkeypatch, H, Dv, W, dtype, want):
+    """``ChunkLaunch.merge_pass`` launches with ``merge_pass_warps`` of the partials' dtype, ONE_LOAD on the fat
+    decode tiles alone and PREFETCH on decode's tiles but the fat ones of 16-bit partials."""
+    monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", True)
     lens, budget = [900, 40, 300], 2
     bs = len(lens)
     part, lse, counters = chunk_workspace(bs, budget, W, H, 1, Dv, DEVICE, dtype)
@@ -229,4 +233,4 @@ def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(H, Dv, 
         cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=True)
     (kernel, _, _, _, kwargs), = launches
     assert kernel is chunk_kernels._merge_chunk_pass_kernel
-    assert (kwargs["num_warps"], kwargs["ONE_LOAD"], kwargs["BLOCK_HM"] > 1) == want, kwargs
+    assert (kwargs["num_warps"], kwargs["ONE_LOAD"], kwargs["PREFETCH"], kwargs["BLOCK_HM"] > 1) == want, kwargs

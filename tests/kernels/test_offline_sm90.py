@@ -190,16 +190,16 @@ def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label, few):
     assert held == said if said == 6 else held >= said, (chunk[0]["regs"], held, said)
 
 
-@pytest.mark.parametrize("label", ["one pass c16 8/1 d128", "one pass c64 8/1 d128", "one pass c64 32/8 d64",
-                                   "one pass mla128 decode"])
-def test_the_one_pass_merge_compiles_without_spills(compiled, label):
-    """The merge pass in one walk of the chunks (``MERGE_PASS_ONE_PASS``, off until measured on a GPU) builds
-    for sm_90 without a spill, at 64 chunks a load too, on GQA's tiles and MLA's fat ones; the default's
-    launches build the two-walk form."""
+@pytest.mark.parametrize("label,prefetch", [
+    ("prefetch c16 8/1 d128", True), ("prefetch c64 8/1 d128", True), ("prefetch c64 32/8 d64", True),
+    ("chunks 8/1 d128", True), ("chunks 28/4 d128", True), ("balanced mla16 decode", True),
+    ("balanced mla128 decode", False), ("chunks verify4 8/1 d128", False), ("balanced mla16 verify4", False)])
+def test_the_merge_pass_prefetches_on_decode_tiles_without_spills(compiled, label, prefetch):
+    """The merge pass's sum walk with its next load in flight (``MERGE_PASS_PREFETCH``) on decode's tiles, GQA's at
+    16 and 64 chunks a load and the deep ones, MLA-16's fat tiles of float32 partials, and not on MLA-128's of
+    bfloat16 nor in verify; it builds for sm_90 without a spill."""
     merges = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
-    assert len(merges) == 1 and merges[0]["stack"] == 0 and merges[0]["one_pass"] is True, compiled[label]
-    default = [r for r in compiled["chunks 8/1 d128"] if r["kernel"] == "_merge_chunk_pass_kernel"]
-    assert len(default) == 1 and default[0]["one_pass"] is False, default
+    assert len(merges) == 1 and merges[0]["stack"] == 0 and merges[0]["prefetch"] is prefetch, compiled[label]
 
 
 BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
