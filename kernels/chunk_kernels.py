@@ -49,8 +49,8 @@ MERGE_PASS_THREAD_BYTES = 128
 # (not measured): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_ONE_LOAD = True
 # The sum's walk of a request's chunks with its next load in flight (``_merge_two_pass``'s PREFETCH), where the walks
-# were chains of single dependent loads: decode's tiles but the fat ones of 16-bit partials (whose registers cost
-# MLA-128 bs 13 a wave of the merge); verify as before (not measured): bench/RESULTS.md, 'Ragged batches'.
+# were chains of single dependent loads (``merge_pass_prefetch``: decode's tiles but the deep ones and MLA's fat ones of
+# 16-bit partials, whose registers cost a wave of the merge; verify not measured): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_PREFETCH = True
 
 
@@ -342,6 +342,14 @@ def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int
     if not one_row or block_hm == 1:
         return 4
     return max(2, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
+
+
+def merge_pass_prefetch(Dv: int, chunks: int, one_row: bool, block_hm: int, part_bytes: int) -> bool:
+    """The merge pass's PREFETCH (MERGE_PASS_PREFETCH) on tiles of ``merge_pass_tiles`` (its ``Dv``, ``chunks``,
+    ``one_row``) of ``block_hm`` heads over partials of ``part_bytes`` a value: decode's, but the deep tiles and
+    the fat ones of 16-bit partials."""
+    deep = Dv <= 256 and chunks >= max(MERGE_PASS_WIDE_FROM, MERGE_PASS_DEEP_FROM)     # as merge_pass_tiles'
+    return MERGE_PASS_PREFETCH and one_row and not deep and not (block_hm > 1 and part_bytes == 2)
 
 
 def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = True) -> tuple:

@@ -29,7 +29,7 @@ import torch
 from . import chunk_kernels
 from . import pdl as _pdl
 from .attention_core import heads_first_grid
-from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_tiles, merge_pass_warps
+from .chunk_kernels import _merge_chunk_pass_kernel, merge_pass_prefetch, merge_pass_tiles, merge_pass_warps
 from .launch_record import cdiv, launch, pow2
 
 # The fewest KV tokens a chunk spans but in decode (``decode_attention.DECODE_MIN_CHUNK_TOKENS``): shorter
@@ -113,7 +113,7 @@ class ChunkLaunch:
         one program a (query row, head block, column block: ``merge_pass_tiles``); ``cu_seqlens_q``
         None: ``rows_per_chunk`` rows a request; ``single``: requests of one chunk too (their pass wrote a partial).
         Its warps ``merge_pass_warps`` of the partials' dtype; ``ONE_LOAD`` on decode's fat tiles alone; ``PREFETCH``
-        on decode's tiles but the fat ones of 16-bit partials (``chunk_kernels.MERGE_PASS_PREFETCH``)."""
+        by ``merge_pass_prefetch``."""
         H, Dv = out.shape[1], out.shape[2]
         rows = self.bs * self.rows_per_chunk
         budget = 0 if self.schedule == "invariant" else self.num_chunks // self.bs
@@ -121,7 +121,6 @@ class ChunkLaunch:
         block_c, block_hm, block_dv, steps, col_grid = merge_pass_tiles(rows, H, Dv, budget, one_row)
         fat = block_hm > 1 and one_row         # decode's fat tiles (MLA's latent)
         part, lse = self.part, self.lse
-        prefetch = chunk_kernels.MERGE_PASS_PREFETCH and one_row and not (fat and part.element_size() == 2)
         pdl = self.pdl
         launch(_merge_chunk_pass_kernel, (rows, cdiv(H, block_hm), col_grid),
                seq_lens_k, cu_seqlens_q if cu_seqlens_q is not None else seq_lens_k, part, lse, out, self.bs,
@@ -133,7 +132,8 @@ class ChunkLaunch:
                FIXED_TILES=self.consts["FIXED_TILES"], BLOCK_BS=self.consts["BLOCK_BS"],
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                PDL=pdl, MERGED_UPTO=self.merged_upto, PUBLISHED=self.published,
-               ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and fat, PREFETCH=prefetch,
+               ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and fat,
+               PREFETCH=merge_pass_prefetch(Dv, budget, one_row, block_hm, part.element_size()),
                launch_pdl=pdl, num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), one_row))
 
 

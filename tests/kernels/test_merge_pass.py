@@ -157,13 +157,14 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
 
 @pytest.mark.parametrize("prefetch,block_c,block_dv,Dv,steps", [
     (True, 16, 128, 128, 1), (True, 64, 128, 128, 1), (False, 16, 128, 128, 1), (False, 64, 128, 128, 1),
-    (True, 64, 32, 128, 1), (True, 64, 64, 96, 1), (True, 16, 128, 256, 2), (False, 16, 128, 256, 2)])
+    (True, 64, 32, 128, 1), (True, 64, 64, 96, 1), (True, 16, 128, 256, 2), (False, 16, 128, 256, 2),
+    (True, 16, 128, 256, 1)])
 def test_merge_pass_of_a_long_request(monkeypatch, prefetch, block_c, block_dv, Dv, steps):
     """GQA's tiles (a head and 128 columns a program, or 32 or 64 and the rest over the grid, the last block partial
-    at Dv 96: ``MERGE_PASS_DEEP_*``; two column steps a program at Dv 256)
-    over a request of hundreds of chunks beside short ones, the sum's walk prefetched or not
-    (``MERGE_PASS_PREFETCH``), 16 or 64 chunks a load, the long request's last chunk far above the rest (the
-    maximum must see every load); a request whose chunks saw nothing merges to zeros."""
+    at Dv 96: ``MERGE_PASS_DEEP_*``; at Dv 256 two column steps a program, or one and two column blocks on the grid)
+    over a request of hundreds of chunks beside short ones, the sum's walk prefetched (``MERGE_PASS_PREFETCH``, but
+    on the deep tiles: ``merge_pass_prefetch``) or not, 16 or 64 chunks a load, the long request's last chunk far
+    above the rest (the maximum must see every load); a request whose chunks saw nothing merges to zeros."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_WIDE_CHUNKS", block_c)
@@ -209,19 +210,20 @@ def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
     assert merge_pass_warps(8, 2, 128, 2, True) == 2                                  # two heads: 2 at least
 
 
-@pytest.mark.parametrize("H, Dv, W, dtype, want", [
-    (14, 520, 1, torch.bfloat16, (2, True, False, True)),     # MLA's fat decode tiles, 16-bit partials
-    (14, 520, 1, torch.float32, (4, True, True, True)),       # float32 partials (MLA-16's transposed kernel)
-    (8, 128, 1, torch.float32, (4, False, True, False)),      # GQA: one head a program
-    (8, 128, 1, torch.bfloat16, (4, False, True, False)),
-    (8, 128, 2, torch.float32, (4, False, False, False)),     # verify
-    (14, 520, 2, torch.bfloat16, (4, False, False, True)),    # verify's fat tiles
+@pytest.mark.parametrize("H, Dv, W, dtype, budget, want", [
+    (14, 520, 1, torch.bfloat16, 2, (2, True, False, True)),     # MLA's fat decode tiles, 16-bit partials
+    (14, 520, 1, torch.float32, 2, (4, True, True, True)),       # float32 partials (MLA-16's transposed kernel)
+    (8, 128, 1, torch.float32, 2, (4, False, True, False)),      # GQA: one head a program
+    (8, 128, 1, torch.bfloat16, 16, (4, False, True, False)),    # the wide tiles
+    (8, 128, 1, torch.bfloat16, 32, (4, False, False, False)),   # the deep ones
+    (8, 128, 2, torch.float32, 2, (4, False, False, False)),     # verify
+    (14, 520, 2, torch.bfloat16, 2, (4, False, False, True)),    # verify's fat tiles
 ])
-def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(monkeypatch, H, Dv, W, dtype, want):
+def test_the_merge_launch_takes_the_warps_and_the_one_round_of_its_tiles(monkeypatch, H, Dv, W, dtype, budget, want):
     """``ChunkLaunch.merge_pass`` launches with ``merge_pass_warps`` of the partials' dtype, ONE_LOAD on the fat
-    decode tiles alone and PREFETCH on decode's tiles but the fat ones of 16-bit partials."""
+    decode tiles alone and PREFETCH on decode's tiles but the deep ones and the fat ones of 16-bit partials."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", True)
-    lens, budget = [900, 40, 300], 2
+    lens = [900, 40, 300]
     bs = len(lens)
     part, lse, counters = chunk_workspace(bs, budget, W, H, 1, Dv, DEVICE, dtype)
     part.normal_()
