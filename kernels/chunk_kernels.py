@@ -49,8 +49,9 @@ MERGE_PASS_THREAD_BYTES = 128
 # (not measured): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_ONE_LOAD = True
 # The sum's walk of a request's chunks with its next load in flight (``_merge_two_pass``'s PREFETCH), where the walks
-# were chains of single dependent loads (``merge_pass_prefetch``: decode's tiles but the deep ones and MLA's fat ones of
-# 16-bit partials, whose registers cost a wave of the merge; verify not measured): bench/RESULTS.md, 'Ragged batches'.
+# were chains of single dependent loads (``merge_pass_prefetch``): decode's tiles but GQA's deep ones and MLA's fat
+# ones of 16-bit partials, where the second load's registers cost more programs an SM than its overlap gave back;
+# verify keeps the plain walk (a form with it measured slower there): bench/RESULTS.md, 'Ragged batches'.
 MERGE_PASS_PREFETCH = True
 
 
@@ -226,7 +227,7 @@ def _merge_chunk_pass_kernel(seq_lens_ptr, cu_q_ptr, part_ptr, lse_ptr, out_ptr,
     if ((count > MERGED_UPTO) | SINGLE) & (j < q_len):
         offs_h = tl.program_id(1) * BLOCK_HM + tl.arange(0, BLOCK_HM)
         ok_h = offs_h < NUM_HEADS
-        if ONE_LOAD:                # a constexpr branch apart: the kernels without it compile as before
+        if ONE_LOAD:                # a constexpr branch of its own: the kernels without it hold the two walks alone
             if count <= BLOCK_C:
                 _merge_one_load(part_ptr, lse_ptr, out_ptr, first, count, rows_per_chunk, j, q_start, offs_h, ok_h,
                                 stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_HM,

@@ -28,11 +28,12 @@ def _chunks(lens, num_chunks, block_n, min_tiles):
 
 
 def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=None, dead=(), spikes=(),
-                           part_dtype=torch.float32):
+                           part_dtype=torch.float32, launched=None):
     """The merge pass over random partials of ``lens`` against a float64 merge; requests in ``dead`` have every
     log-sum-exp -inf (their chunks saw nothing: zeros). ``least``: the chunk's floor in tiles. ``spikes``: these
     requests' last chunk 300 above the rest in head 0 (2^300 overflows float32 unless the maximum saw it). Returns
-    the spans. ``part_dtype``: the partials' (16-bit as MLA's warp-specialized chunk passes store them)."""
+    the spans. ``part_dtype``: the partials' (16-bit as MLA's warp-specialized chunk passes store them).
+    ``launched``: a dict given the output (``out``) and the merge launch's keyword arguments."""
     bs = len(lens)
     least = least or schedule.min_tiles(block_n)
     spans = _chunks(lens, bs * budget, block_n, least)
@@ -51,7 +52,10 @@ def _merge_against_float64(lens, H, Dv, W, block_n, budget, single=False, least=
     cl = ChunkLaunch(part, lse, torch.zeros(bs, dtype=torch.int32, device=DEVICE), bs * budget, (1, 1),
                      dict(MIN_TILES=least, FIXED_TILES=0, BLOCK_BS=triton.next_power_of_2(bs)), bs, W, block_n,
                      "chunks")
-    cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=single)
+    with recording() as launches:
+        cl.merge_pass(torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, out, single=single)
+    if launched is not None:
+        launched.update(launches[0][4], out=out)
     for b, (first, count) in enumerate(spans):
         rows = [(first + c) * W + j for j in range(W) for c in range(count)]
         got = out[b * W:(b + 1) * W].double().cpu()
@@ -157,13 +161,13 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
 
 @pytest.mark.parametrize("prefetch,block_c,block_dv,Dv,steps", [
     (True, 16, 128, 128, 1), (True, 64, 128, 128, 1), (False, 16, 128, 128, 1), (False, 64, 128, 128, 1),
-    (True, 64, 32, 128, 1), (True, 64, 64, 96, 1), (True, 16, 128, 256, 2), (False, 16, 128, 256, 2),
-    (True, 16, 128, 256, 1)])
+    (False, 64, 32, 128, 1), (False, 64, 64, 96, 1), (True, 16, 128, 256, 2), (False, 16, 128, 256, 2),
+    (True, 16, 128, 256, 1), (True, 16, 128, 96, 1)])
 def test_merge_pass_of_a_long_request(monkeypatch, prefetch, block_c, block_dv, Dv, steps):
     """GQA's tiles (a head and 128 columns a program, or 32 or 64 and the rest over the grid, the last block partial
     at Dv 96: ``MERGE_PASS_DEEP_*``; at Dv 256 two column steps a program, or one and two column blocks on the grid)
-    over a request of hundreds of chunks beside short ones, the sum's walk prefetched (``MERGE_PASS_PREFETCH``, but
-    on the deep tiles: ``merge_pass_prefetch``) or not, 16 or 64 chunks a load, the long request's last chunk far
+    over a request of hundreds of chunks beside short ones, the sum's walk prefetched or not (``MERGE_PASS_PREFETCH``;
+    never on the deep tiles: ``merge_pass_prefetch``), 16 or 64 chunks a load, the long request's last chunk far
     above the rest (the maximum must see every load); a request whose chunks saw nothing merges to zeros."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", prefetch)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_CHUNKS", block_c)
@@ -175,8 +179,38 @@ def test_merge_pass_of_a_long_request(monkeypatch, prefetch, block_c, block_dv, 
         monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PROGRAMS", 1)     # every column in one program
     lens, H, W, block_n, budget = [20000, 300, 5, 700], 2, 1, 16, 64
     assert merge_pass_tiles(len(lens) * W, H, Dv, budget) == (block_c, 1, block_dv, steps, -(-Dv // block_dv) // steps)
-    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spikes=(0,))
+    launched = {}
+    spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, least=1, dead=(3,), spikes=(0,),
+                                   launched=launched)
     assert spans[0][1] > 3 * block_c and spans[3][1] > 1, spans
+    assert launched["PREFETCH"] is prefetch, launched["PREFETCH"]
+
+
+@pytest.mark.parametrize("H, Dv, budget, patch, part_dtype, tiles", [
+    (2, 96, 16, dict(MERGE_PASS_WIDE_CHUNKS=16), torch.bfloat16, (16, 1, 128, 1, 1)),    # wide, a partial column block
+    (2, 512, 64, dict(MERGE_PASS_LATENT_PROGRAMS=16), torch.bfloat16, (16, 1, 128, 2, 2)),   # steps and grid blocks
+    (14, 520, 5, dict(MERGE_PASS_LATENT_PROGRAMS=40), torch.float32, (8, 4, 128, 3, 2)),     # MLA-16's fat tiles
+])
+def test_the_prefetched_merge_is_the_plain_one_bit_for_bit(monkeypatch, H, Dv, budget, patch, part_dtype, tiles):
+    """The merge pass with its sum's walk prefetched (``MERGE_PASS_PREFETCH``) writes what the plain walk writes, bit
+    for bit (the same chunks in the same order: the batch-invariant mode's fixed merge order), on tiles the rule
+    prefetches: GQA's wide ones at a partial column block, MLA's one-head tiles at two column steps a program over two
+    grid blocks, MLA-16's fat tiles of float32 partials at three steps (the last past Dv) over two blocks; each
+    against the float64 merge too."""
+    for name, value in patch.items():
+        monkeypatch.setattr(chunk_kernels, name, value)
+    lens = [20000, 300, 5, 700, 900]
+    assert merge_pass_tiles(len(lens), H, Dv, budget) == tiles
+    outs = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", prefetch)
+        launched = {}
+        spans = _merge_against_float64(lens, H, Dv, 1, 16, budget, single=True, least=1, dead=(3,), spikes=(0,),
+                                       part_dtype=part_dtype, launched=launched)
+        assert launched["PREFETCH"] is prefetch and launched["DV_STEPS"] == tiles[3], launched
+        outs[prefetch] = launched["out"]
+    assert spans[0][1] > 2 * tiles[0], spans
+    assert torch.equal(outs[True], outs[False]), (outs[True] - outs[False]).abs().max()
 
 
 @pytest.mark.parametrize("few", [0, 8])
