@@ -345,12 +345,19 @@ def merge_pass_warps(block_c: int, block_hm: int, block_dv: int, part_bytes: int
     return max(2, min(4, block_c * block_hm * block_dv * part_bytes // (32 * MERGE_PASS_THREAD_BYTES)))
 
 
-def merge_pass_prefetch(Dv: int, chunks: int, one_row: bool, block_hm: int, part_bytes: int) -> bool:
-    """The merge pass's PREFETCH (MERGE_PASS_PREFETCH) on tiles of ``merge_pass_tiles`` (its ``Dv``, ``chunks``,
-    ``one_row``) of ``block_hm`` heads over partials of ``part_bytes`` a value: decode's, but the deep tiles and
-    the fat ones of 16-bit partials."""
-    deep = Dv <= 256 and chunks >= max(MERGE_PASS_WIDE_FROM, MERGE_PASS_DEEP_FROM)     # as merge_pass_tiles'
-    return MERGE_PASS_PREFETCH and one_row and not deep and not (block_hm > 1 and part_bytes == 2)
+def merge_pass_prefetch(Dv: int, chunks: int, one_row: bool, part_bytes: int) -> bool:
+    """The merge pass's PREFETCH (MERGE_PASS_PREFETCH) on the tiles of ``merge_pass_tiles`` (its ``Dv``, ``chunks``,
+    ``one_row``) over partials of ``part_bytes`` a value: decode's, but the deep tiles and the fat ones of 16-bit
+    partials."""
+    fat, _, deep = _merge_pass_kind(Dv, chunks, one_row)
+    return MERGE_PASS_PREFETCH and one_row and not deep and not (fat and part_bytes == 2)
+
+
+def _merge_pass_kind(Dv: int, chunks: int, one_row: bool) -> tuple:
+    """``(fat, wide, deep)``: the merge pass's tile kind (``merge_pass_tiles``)."""
+    fat = Dv > 256 and 0 < chunks <= (MERGE_PASS_FAT_DECODE if one_row else MERGE_PASS_FAT_VERIFY)
+    wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
+    return fat, wide, wide and chunks >= MERGE_PASS_DEEP_FROM
 
 
 def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = True) -> tuple:
@@ -368,9 +375,7 @@ def merge_pass_tiles(rows: int, H: int, Dv: int, chunks: int, one_row: bool = Tr
     MERGE_PASS_PROGRAMS programs (MERGE_PASS_LATENT_PROGRAMS for MLA's decode: up to twice that many with them); the
     invariant schedule's always, so that its tiles and steps are a function of ``H`` and ``Dv`` alone and a row's
     sums do not depend on the batch."""
-    fat = Dv > 256 and 0 < chunks <= (MERGE_PASS_FAT_DECODE if one_row else MERGE_PASS_FAT_VERIFY)
-    wide = one_row and Dv <= 256 and chunks >= MERGE_PASS_WIDE_FROM
-    deep = wide and chunks >= MERGE_PASS_DEEP_FROM
+    fat, wide, deep = _merge_pass_kind(Dv, chunks, one_row)
     block_c = (max(4, pow2(chunks)) if fat else MERGE_PASS_DEEP_CHUNKS if deep else MERGE_PASS_WIDE_CHUNKS if wide
                else MERGE_PASS_CHUNKS)
     block_dv = min(pow2(Dv), MERGE_PASS_DEEP_DV if deep else 128)

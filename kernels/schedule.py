@@ -133,7 +133,7 @@ class ChunkLaunch:
                HAS_CU=cu_seqlens_q is not None, MASK=self.mask, WINDOW=self.window > 0, SINGLE=single,
                PDL=pdl, MERGED_UPTO=self.merged_upto, PUBLISHED=self.published,
                ONE_LOAD=chunk_kernels.MERGE_PASS_ONE_LOAD and fat,
-               PREFETCH=merge_pass_prefetch(Dv, budget, one_row, block_hm, part.element_size()),
+               PREFETCH=merge_pass_prefetch(Dv, budget, one_row, part.element_size()),
                launch_pdl=pdl, num_warps=merge_pass_warps(block_c, block_hm, block_dv, part.element_size(), one_row))
 
 
