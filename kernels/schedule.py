@@ -166,6 +166,21 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
                        published)
 
 
+# A one-chunk-a-request decode budget whose programs leave SMs idle: the count of at most MANY_WAVES waves whose
+# last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 40 and 48: 3 and 4 chunks a
+# request, 1.1-1.3x; bs 56, whose every count fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
+MANY_WAVES = 3
+
+
+def many_waves(programs: int, sms: int) -> int:
+    """The chunks a request of a budget of several waves for a launch of ``programs`` programs a chunk a request
+    (one an SM) on ``sms`` SMs, or 1 where none fills its last wave 1/16 fuller than one chunk a request."""
+    def fill(c: int) -> float:
+        return c * programs / (sms * -(-c * programs // sms))
+    best = max(range(1, MANY_WAVES * sms // programs + 1), key=lambda c: (fill(c), -c), default=1)
+    return best if fill(best) >= fill(1) + 1 / 16 else 1
+
+
 def chunk_slots(bs: int, chunks_per_request: int) -> int:
     """Chunk slots of a chunk schedule of ``bs`` requests (its grid's): ``num_chunks + bs``."""
     return bs * chunks_per_request + bs

@@ -11,7 +11,7 @@ import triton
 from attn_backends_kernels.attention_core import decode_workspace
 from attn_backends_kernels.device_facts import cuda_index, sm_count
 from attn_backends_kernels.launch_record import Recorded, recording
-from attn_backends_kernels.schedule import chunk_workspace, slots_per_request
+from attn_backends_kernels.schedule import chunk_workspace, many_waves, slots_per_request
 
 from ..base import ForwardMetadata, LayoutBackend
 from ..batch import GraphKey
@@ -67,12 +67,14 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
-    """The split count, wave fit (``_fits_wave``) and split workspace of a key (or an eager step),
+    """The split count, wave fit (``_fits_wave``), whether the count is a budget of several waves
+    (``_many_waves``) and split workspace of a key (or an eager step),
     and the launches recorded by graph metadata called outside a capture ((softmax scale, k_scale,
     v_scale[, window, softcap, has sinks]) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
     wave_fit: bool = False
+    many_waves: bool = False
     workspace: Optional[tuple] = None
     book: dict = field(default_factory=dict)
 
@@ -157,8 +159,18 @@ class TritonBackendBase(LayoutBackend):
         wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
         return self._split_plan(lay)[1]
 
+    def _many_waves(self, lay: Layout) -> bool:
+        """Whether a chunked launch's count is ``schedule.many_waves``' budget of several waves (under the wave fit)."""
+        return self._split_plan(lay)[2]
+
+    def _waves_allowed(self, lay: Layout) -> bool:
+        """Whether a chunked launch of one chunk a request that leaves SMs idle may take a budget of several
+        waves (``schedule.many_waves``): where it was measured (``triton_mla``'s 64-head decode)."""
+        return False
+
     def _split_plan(self, lay: Layout) -> tuple:
-        """``(count, fit)`` of the split rule for ``lay``, computed once a key (``_splits``, ``_fits_wave``)."""
+        """``(count, fit, many)`` of the split rule for ``lay``, computed once a key (``_splits``, ``_fits_wave``,
+        ``_many_waves``)."""
         width = lay.width or max(1, lay.max_seq_len_q)
         # the GraphKey's facts, and the instance's schedule and count rule (a caller may set them after construction)
         key = (lay.bs, width, lay.mode, lay.mask, self.schedule, self.EXACT_CHUNK_SPLITS)
@@ -174,8 +186,10 @@ class TritonBackendBase(LayoutBackend):
             count = choose_num_kv_splits(programs, device, max_pages, per_sm, width, floor, floor_per_sm,
                                          self._split_pages(width), exact, self._deep(lay))
             sms = sm_count(cuda_index(device)) if device.type == "cuda" else 0
-            cache[key] = count, (chunked_exact and per_sm == 1 and sms > 0 and count == sms // programs
-                                 and 8 * count * programs >= 7 * sms)
+            one_an_sm = chunked_exact and per_sm == 1 and sms > 0
+            fit = one_an_sm and count == sms // programs and 8 * count * programs >= 7 * sms
+            waves = many_waves(programs, sms) if one_an_sm and count == 1 and self._waves_allowed(lay) else 1
+            cache[key] = (waves, True, True) if waves > 1 else (count, fit, False)
         return cache[key]
 
     def _deep(self, lay: Layout) -> bool:
@@ -253,7 +267,7 @@ class TritonBackendBase(LayoutBackend):
                                   part_dtype=self._part_dtype(key.width))
         # the fit is a chunked launch's alone: other launches skip its lookup
         return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=chunked and self._fits_wave(view.layout),
-                              workspace=ws,
+                              many_waves=chunked and self._many_waves(view.layout), workspace=ws,
                               book={} if key is not None else self._step_book(view))
 
     def _extra_graph_buffers(self) -> dict:

@@ -68,6 +68,9 @@ class TritonMLABackend(TritonBackendBase):
         transposed = uniform_causal and self._decodes_transposed()      # either schedule (mla.balanced)
         return (1 if transposed else 2), 1, None
 
+    def _waves_allowed(self, lay) -> bool:
+        return (lay.width or 1) == 1 and lay.mode != ForwardMode.EXTEND and self.config.num_q_heads >= 64
+
     def _kernel_schedule(self) -> str:
         return "chunks" if self.schedule == "auto" else self.schedule     # "auto" chunks where _chunked says
 
@@ -104,7 +107,7 @@ class TritonMLABackend(TritonBackendBase):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
                           draft_prefix_lens=lay.draft_prefix_lens, schedule=self._kernel_schedule(),
-                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=meta.wave_fit)
+                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=meta.wave_fit, many_waves=meta.many_waves)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,

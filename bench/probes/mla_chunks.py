@@ -20,7 +20,9 @@ fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopu
 fit's chunk size itself (``balanced.PUBLISH_FIT`` off); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
 merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "+twopass"
 requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "+nopf" the sum's walk
-without its next load in flight (``MERGE_PASS_PREFETCH`` off); "#2" after a form: that
+without its next load in flight (``MERGE_PASS_PREFETCH`` off); "+onewave" no budget of several waves
+(``schedule.MANY_WAVES`` 0: the count of one wave); "+nocap" that budget without its cap (``MANY_WAVES_CAP`` 0);
+"#2" after a form: that
 form again, a second round.
 """
 from __future__ import annotations
@@ -146,6 +148,10 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_ONE_LOAD", False))
             elif part == "nopf":
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_PREFETCH", False))
+            elif part == "onewave":
+                stack.enter_context(mock.patch.object(schedule, "MANY_WAVES", 0))
+            elif part == "nocap":
+                stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", 0))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
@@ -154,7 +160,8 @@ def variant(name: str):
             elif part.startswith("fat") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
-                raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, nopf")
+                raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, "
+                                 "nopf, onewave, nocap")
         yield
 
 
@@ -171,22 +178,34 @@ def _merge_launch(part: str, launch):
     return launched
 
 
-def variants_row(H: int, W: int, bs: int, dist: str, names: list) -> dict:
-    """The backend's chunk launch of a row (``row``'s data: its count, partial dtype and wave fit) under each
-    form in ``names``."""
-    lens, table, seq, kv, q, programs, S, part16 = _data(H, W, bs, dist, 65)     # the chunked launch's exact count
+def _plan(H: int, W: int, programs: int, S: int, splits) -> tuple:
+    """``(count, fit, many_waves)`` of ``triton_common._split_plan`` for a row (``splits``: that count, under the fit
+    and as a budget of waves)."""
+    if splits is not None:
+        return splits, True, True
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fit = S == sms // programs and 8 * S * programs >= 7 * sms            # triton_common._split_plan's
-    res = {"row": f"mla{H} W{W} bs{bs} {dist}", "S": S, "fit": fit, "tokens": sum(lens)}
+    waves = schedule.many_waves(programs, sms) if S == 1 and W == 1 and H >= 64 else 1
+    if waves > 1:
+        return waves, True, True
+    return S, S == sms // programs and 8 * S * programs >= 7 * sms, False
+
+
+def variants_row(H: int, W: int, bs: int, dist: str, names: list, splits=None) -> dict:
+    """The backend's chunk launch of a row (``row``'s data: its count, partial dtype, wave fit and budget of waves,
+    ``_plan``) under each form in ``names``; ``splits``: this count instead, as a budget of waves."""
+    lens, table, seq, kv, q, programs, S1, part16 = _data(H, W, bs, dist, 65)     # the chunked launch's exact count
+    res = {"row": f"mla{H} W{W} bs{bs} {dist}", "tokens": sum(lens)}
     ref = torch.empty(bs * W, H, 512, device="cuda", dtype=q.dtype)
-    mla_attention_fwd(q, kv, table, seq, PAGE, 0.07, S, ref, q_per_req=W,
-                      workspace=decode_workspace(bs * W, H, 512, S, "cuda", 0, part16) if S > 1 else None)
+    mla_attention_fwd(q, kv, table, seq, PAGE, 0.07, S1, ref, q_per_req=W,
+                      workspace=decode_workspace(bs * W, H, 512, S1, "cuda", 0, part16) if S1 > 1 else None)
     for name in names:
         out = torch.empty_like(ref)
-        ws = chunk_workspace(bs, S, W, H, 1, 512, "cuda", part16)
         with variant(name):
+            S, fit, many = _plan(H, W, programs, S1, splits)
+            res[name + " plan"] = (S, fit, many)
+            ws = chunk_workspace(bs, S, W, H, 1, 512, "cuda", part16)
             g, us = captured(lambda: mla_chunk_fwd(q, kv, table, seq, PAGE, 0.07, S, out, q_per_req=W, workspace=ws,
-                                                   fit=fit))
+                                                   fit=fit, many_waves=many))
             res[name] = round(us, 1)
             res[name + " launches"] = launches(g)
         res[name + " max diff"] = round((out.float() - ref.float()).abs().max().item(), 4)
@@ -205,14 +224,12 @@ def main(argv=None) -> int:
         hw, bs = spec.split(":")
         H, W = (int(x) for x in hw.split("x"))
         bs, _, splits = bs.partition("/")
-        if args.variants and splits:
-            raise ValueError(f"--rows {spec}: --variants times the backend's split count, not /{splits}")
         for dist in args.dists.split(","):
             if args.variants:
                 names = args.variants.split(",")
-                r = variants_row(H, W, int(bs), dist, names)
-                print(f"{r['row']} S={r['S']} fit={r['fit']} tokens={r['tokens']}: "
-                      + " / ".join(f"{n} {r[n]} (diff {r[n + ' max diff']})" for n in names) + " us")
+                r = variants_row(H, W, int(bs), dist, names, int(splits) if splits else None)
+                print(f"{r['row']} tokens={r['tokens']}: " + " / ".join(
+                    f"{n} {r[n]} (S, fit, waves {r[n + ' plan']}; diff {r[n + ' max diff']})" for n in names) + " us")
                 for n in names:
                     print(f"    {n}: {r[n + ' launches']}")
                 if args.json:

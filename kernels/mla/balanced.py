@@ -72,7 +72,7 @@ def _mla_chunk_kernel(
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
                   merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None,
-                  kv_scale=1.0, kernel=None, fit=False):
+                  kv_scale=1.0, kernel=None, fit=False, many_waves=False):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
@@ -80,13 +80,17 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     the default tile (allocated here when None, with the latter, which a graph must avoid). ``kernel``:
     None: a Gluon kernel where one serves the "chunks" schedule's tile (``mla_attention_fwd``'s rule, knobs
     None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``chunk_kernels._balanced_per``:
-    chunks past the budget would run as a second wave)."""
+    chunks past the budget would run as a second wave). ``many_waves``: the count is ``schedule.many_waves``' budget
+    of several waves (under the fit), whose Gluon chunk pass keeps a request to MANY_WAVES_CAP chunks
+    (``wgmma._chunk_of``: the size it publishes; the Triton tile runs the budget as it is)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
     if merge != "pass":
         raise ValueError(f"{name}: merge={merge!r}: the MLA chunk pass merges by a second launch ('pass') only")
     check_schedule(name, schedule, merge)
+    if many_waves and not fit:
+        raise ValueError(f"{name}: many_waves=True is a budget of the wave fit (fit=False)")
     W, bs, mask_arg, draft_arg = _check_inputs(name, q, kv_buffer, page_table, seq_lens_k, page_size,
                                                num_kv_splits, out, q_per_req, mask, custom_mask, None, None,
                                                draft_prefix_lens, kv_scale)
@@ -108,6 +112,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                       heads_first=False, part_dtype=partial_dtype(kv_buffer.dtype, out.device, page_size,
                                                                   rows[0] * rows[1], Dv, D - Dv), fit=fit,
                       published=fit and gluon is not None and PUBLISH_FIT)   # the Gluon pass writes it
+    cap = MANY_WAVES_CAP if many_waves and cl.published else 0     # the merge reads the capped size published
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
@@ -115,7 +120,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
     if gluon is not None:
         _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
-                      sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask])
+                      sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask], cap)
         cl.merge_pass(seq_lens_k, None, out, single=True)
         return out
     launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
@@ -152,6 +157,10 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
     return block_w, block_h, fit_block_n(q, 64, D * q.element_size()), 8, num_stages or 3
 
 
+# A budget of several waves (``schedule.many_waves``) keeps a request to this many chunks (``wgmma._chunk_of``): at 4
+# chunks a request (MLA-128 bs 48) a long tail's long requests took 52, and their merge 11 -> 32 us; at 16, 11 us.
+MANY_WAVES_CAP = 16
+
 # Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)
 # instead of repeating the fit's search in each of its programs.
 PUBLISH_FIT = True
@@ -173,7 +182,7 @@ def _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel, kno
 
 
 def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, scale_log2, W, H, Dv,
-                  rope, page_size, block_w, block_h, mask_kind):
+                  rope, page_size, block_w, block_h, mask_kind, cap=0):
     """A Gluon kernel on the chunk schedule (``wgmma._program``): chunk budget in ``NUM_SPLITS``, every
     chunk's partial at row ``c * W + j`` of the contiguous workspace (the offset the kernel adds per
     chunk is a head stride times ``(c - b) * W * H``, hence the checks)."""
@@ -186,4 +195,4 @@ def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg,
            q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0), part.stride(0), part.stride(1),
            part.stride(1), lse.stride(0), lse.stride(1), W, cl.budget, NUM_HEADS=H, BLOCK_H=block_h,
            BLOCK_W=block_w, LATENT=Dv, ROPE=rope, PAGE_SIZE=page_size, WRITE_LSE=True, MASK=mask_kind,
-           CHUNK_BS=max(32, cl.consts["BLOCK_BS"]), **warps)
+           CHUNK_BS=max(32, cl.consts["BLOCK_BS"]), CHUNK_CAP=cap, **warps)

@@ -113,7 +113,7 @@ def _pages(pt_row, start, t, num_tiles, PAGE_SIZE: gl.constexpr):
 @gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """The loader warp group: q (tracked by the first chunks' barriers), then per pass the parts
     of tiles A (stage 0) and B (stage 1) in the order they are freed: A's latent 0..255 (left
     group), B's 256..511 (right group's own P_B . V_B), A's rope and 256..511 (right group's
@@ -121,7 +121,7 @@ def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BL
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
-        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS)
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP)
     if num_tiles > 0:   # q first (an empty split reads nothing)
         _copy_q(q_src, q_lat.index(0), q_pe.index(0), NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
     page_a, page_b = _pages(pt_row, start, 0, num_tiles, PAGE_SIZE)
@@ -189,14 +189,15 @@ def _scores(q_lat, q_pe, lat, rope, ready, STAGE: gl.constexpr, ph, zero):
 @gluon.jit
 def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 0..255: tile A's scores and softmax (the max after A to the right group), P_A .
     V_A; then, with the max after B, P_A rescaled to it for the right group, and P_B . V_B."""
     q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW64)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP,
+                                            ROW64)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)
     if num_tiles > 0:
         s = _scores(q_lat, q_pe, lat, rope, ready, 0, 0, num_tiles // (num_tiles + 2))
@@ -238,7 +239,7 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
 @gluon.jit
 def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 256..511: tile B's scores and, with the max after A, its softmax (the max after B
     and P_B to the left group); P_B . V_B from registers, then P_A . V_A with P_A from the left
     group."""
@@ -246,7 +247,8 @@ def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLO
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW64)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP,
+                                            ROW64)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S64)   # no tile B: all masked
     if num_tiles > 1:
         s = _scores(q_lat, q_pe, lat, rope, ready, 1, 0, num_tiles // (num_tiles + 2))

@@ -91,13 +91,13 @@ def _copy_tile(lat_t, rope_t, base, n0, end, stride_kvs, ready, empty, stage, ph
 @gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """The loader warp group: q (tracked by tile 0's first chunk barrier), then tile t into
     stage t % 2 once both groups have freed it."""
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
-        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS)
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP)
     if num_tiles > 0:   # q first (an empty split reads nothing)
         _copy_q(q_src, q_lat.index(0), q_pe.index(0), NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
     page = gl.load(pt_row + start // PAGE_SIZE, mask=num_tiles > 0, other=0)
@@ -128,14 +128,15 @@ def _tile_scores(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.cons
 @gluon.jit
 def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 0..127: each tile's scores and softmax, P and the rescale to the right group,
     P . V[:, :128]; the stage freed after it."""
     q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW64,
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP,
+                                            ROW64,
                                             LEFT, OL_LEFT)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
@@ -160,13 +161,14 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
 @gluon.jit
 def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 128..511 (two accumulators: 256..511 and 128..255): with each tile's P and
     rescale from the left group, P . V[:, 128:]; the stage freed after it."""
     q_lat, q_pe, lat, rope, alpha_x, l_x = smem
     ready, empty, p_ready, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW64)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP,
+                                            ROW64)
     acc_x = gl.zeros([BLOCK_M, EXTRA], gl.float32, layout=OL_EXTRA)
     for t in range(num_tiles):
         stage = t % NUM_STAGES

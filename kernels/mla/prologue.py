@@ -31,7 +31,7 @@ def _mla_chunked_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = chunked.NUM_STAGES
     RING: gl.constexpr = chunked.RING
@@ -69,11 +69,11 @@ def _mla_chunked_kernel(
     bars = (ready, empty, bar_a, bar_b, bar_l)
     gl.warp_specialize([
         (chunked._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                         CHUNK_BS)),
+                         CHUNK_BS, CHUNK_CAP)),
         (chunked._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                          CHUNK_BS)),
+                          CHUNK_BS, CHUNK_CAP)),
         (chunked._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                           CHUNK_BS)),
+                           CHUNK_BS, CHUNK_CAP)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -89,7 +89,7 @@ def _mla_dbuf_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = dbuf.NUM_STAGES
     RING: gl.constexpr = dbuf.RING
@@ -123,11 +123,11 @@ def _mla_dbuf_kernel(
     bars = (ready, empty, p_ready, bar_l)
     gl.warp_specialize([
         (dbuf._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                      CHUNK_BS)),
+                      CHUNK_BS, CHUNK_CAP)),
         (dbuf._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                       CHUNK_BS)),
+                       CHUNK_BS, CHUNK_CAP)),
         (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                        CHUNK_BS)),
+                        CHUNK_BS, CHUNK_CAP)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -143,7 +143,7 @@ def _mla_seesaw_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = seesaw.NUM_STAGES
     N: gl.constexpr = seesaw.BLOCK_N
@@ -176,11 +176,11 @@ def _mla_seesaw_kernel(
     bars = (ready, empty, bar_a, bar_b, bar_l)
     gl.warp_specialize([
         (seesaw._left, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                        CHUNK_BS)),
+                        CHUNK_BS, CHUNK_CAP)),
         (seesaw._right, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                         CHUNK_BS)),
+                         CHUNK_BS, CHUNK_CAP)),
         (seesaw._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                          CHUNK_BS)),
+                          CHUNK_BS, CHUNK_CAP)),
     ], [GROUP_WARPS, LOADER_WARPS], [GROUP_REGS, LOADER_REGS])
 
 
@@ -196,7 +196,7 @@ def _mla_swap_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0,
 ):
     STAGES: gl.constexpr = swap.NUM_STAGES
     RING: gl.constexpr = swap.RING
@@ -226,9 +226,9 @@ def _mla_swap_kernel(
     bars = (ready, empty, unused_bar, unused_bar)
     gl.warp_specialize([
         (swap._consumer, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                          CHUNK_BS)),
+                          CHUNK_BS, CHUNK_CAP)),
         (dbuf._loader, (ptrs, smem, bars, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK,
-                        CHUNK_BS)),
+                        CHUNK_BS, CHUNK_CAP)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
@@ -244,10 +244,10 @@ def _mla_wgmma_kernel(
     W, NUM_SPLITS,
     NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
     LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0,
+    WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0,
 ):
     gl.static_assert(BLOCK_W * BLOCK_H == BLOCK_M)
     wgmma._body((q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
                  scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh,
                  stride_os, stride_lt, stride_lh, W, NUM_SPLITS),
-                NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK, CHUNK_BS)
+                NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE, PAGE_SIZE, WRITE_LSE, MASK, CHUNK_BS, CHUNK_CAP)

@@ -73,13 +73,13 @@ ROW = gl.constexpr(gl.SliceLayout(1, S_L.value))
 @gluon.jit
 def _loader(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
             LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+            WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """The loader warp group: q, then KV tile t into stage t % NUM_STAGES once both groups have
     freed it."""
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     start, end, num_tiles, pt_row, kv_ptr, stride_kvs, q_src = _loader_start(
-        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS)
+        ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP)
     r_d, r_r, c_d, c_r = _slabs(LATENT, ROPE)   # KV tiles in the slabs of q
     if num_tiles > 0:   # q first, tracked by the first tile's arrival (an empty split reads nothing)
         _copy_q(q_src, q_lat, q_pe, NUM_HEADS, BLOCK_H, BLOCK_W, LATENT, ROPE)
@@ -131,13 +131,13 @@ def _p_view(rope_t):
 @gluon.jit
 def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 0..255: tile A's scores and softmax, P_A . V_A and P_B . V_B."""
     q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP, ROW)
     # Software-pipelined: the next tile A's scores are issued behind P_B . V_B.
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
     if num_tiles > 0:
@@ -186,14 +186,14 @@ def _left(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOC
 @gluon.jit
 def _right(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
            LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+           WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Columns 256..511: tile B's scores and softmax, P_A . V_A (behind which B's softmax runs)
     and P_B . V_B."""
     q_ptr, mask_ptr, scale_log2, W = _softmax_args(ptrs)
     q_lat, q_pe, lat, rope, m_a, m_b, l_x = smem
     ready, empty, bar_a, bar_b, bar_l = bars
     (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
-     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, ROW)
+     mask_base, m, l_i, acc) = _group_start(ptrs, NUM_HEADS, BLOCK_H, BLOCK_W, MASK, BLOCK_N, CHUNK_BS, CHUNK_CAP, ROW)
     # Software-pipelined: the next tile B's scores are issued behind P_B . V_B.
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)   # no tile B: all masked
     if num_tiles > 1:

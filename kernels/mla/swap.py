@@ -66,7 +66,7 @@ def _scores_t(q_lat, q_pe, lat, rope, ready, stage, ph, zero, LATENT: gl.constex
 @gluon.jit
 def _consumer(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
               LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-              WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+              WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """Each tile's S^T, softmax over its tokens, P^T to shared memory and O^T += V^T . P^T; the
     stage freed after it; at the end O^T normalized and stored transposed (and the log-sum-exp)."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
@@ -75,7 +75,8 @@ def _consumer(ptrs, smem, bars, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, 
     q_lat, q_pe, lat, rope, p_t, unused = smem
     ready, empty, unused_p, unused_l = bars
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS,
+        CHUNK_CAP)
     m = gl.full([HEADS], float("-inf"), gl.float32, layout=COL)
     l_i = gl.zeros([HEADS], gl.float32, layout=COL)
     acc = gl.zeros([LATENT, HEADS], gl.float32, layout=ST)

@@ -120,7 +120,8 @@ def _dot_a(p16, OL: gl.constexpr = O_L):
 
 @gluon.jit
 def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-                 MASK: gl.constexpr, N: gl.constexpr, CHUNK_BS: gl.constexpr, ROW_L: gl.constexpr,
+                 MASK: gl.constexpr, N: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr,
+                 ROW_L: gl.constexpr,
                  COLS: gl.constexpr = HALF, OL: gl.constexpr = O_L):
     """A warp group's start: its program (``_program`` on N-token tiles), its tile's rows (in
     ``ROW_L``), and the running max, row sums and output columns it carries (``COLS`` of them,
@@ -130,7 +131,8 @@ def _group_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: 
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS,
+        CHUNK_CAP)
     row0 = b.to(gl.int64) * W
     j, heads, rows, row_ok = _tile_rows(wb, hb, row0, W, NUM_HEADS, BLOCK_H, BLOCK_W, ROW_L)
     return (hb, wb, split, prefix, draft_prefix, start, end, num_tiles, row0, j, heads, rows, row_ok,
@@ -150,14 +152,15 @@ def _softmax_args(ptrs):
 
 @gluon.jit
 def _loader_start(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-                  MASK: gl.constexpr, N: gl.constexpr, CHUNK_BS: gl.constexpr):
+                  MASK: gl.constexpr, N: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """The loader's program (``_program`` on N-token tiles): (start, end, num_tiles, the request's
     page-table row, kv_ptr, stride_kvs, and where the tile's q rows are: ``_copy_q``'s ``q_src``)."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
      stride_lt, stride_lh, W, NUM_SPLITS) = ptrs
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, N, CHUNK_BS,
+        CHUNK_CAP)
     pt_row = page_table_ptr + b * stride_pb
     row0 = b.to(gl.int64) * W
     return start, end, num_tiles, pt_row, kv_ptr, stride_kvs, (q_ptr, wb, hb, row0, W, stride_qt, stride_qh)

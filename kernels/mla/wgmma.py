@@ -70,7 +70,7 @@ def _load_kv_tile(lat_dst, rope_dst, kv_ptr, pt_row, n0, end, stride_kvs,
 @gluon.jit
 def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.constexpr,
              NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
-             N: gl.constexpr, CHUNK_BS: gl.constexpr = 0):
+             N: gl.constexpr, CHUNK_BS: gl.constexpr = 0, CHUNK_CAP: gl.constexpr = 0):
     """This program's head block, row block, request, split, the request's prefix and draft
     prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
 
@@ -83,7 +83,8 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
     negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
     at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
-    search for it. Each partition that calls this stores the same value there."""
+    search for it. Each partition that calls this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit
+    alone): the many-waves budget's cap (``_chunk_of``)."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
@@ -91,7 +92,7 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     if CHUNK_BS > 0:
         c = gl.program_id(1)
         bs = gl.num_programs(1) - gl.maximum(NUM_SPLITS, -NUM_SPLITS)     # negative: the wave fit
-        b, start, end, total, per = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS)
+        b, start, end, total, per = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS, CHUNK_CAP)
         if NUM_SPLITS < 0:
             if (c == 0) & (pid == 0):
                 gl.store(lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS, per.to(gl.float32))
@@ -122,11 +123,15 @@ def _add(a, b):
 
 
 @gluon.jit
-def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr):
+def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr,
+              CHUNK_CAP: gl.constexpr = 0):
     """``chunk_kernels.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
     (the last request past the batch's last chunk), KV range ``[start, end)``, the batch's
     chunk count and the chunk in tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
-    within a warp: each partition of a warp-specialized kernel computes them alone."""
+    within a warp: each partition of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of
+    several waves: ``balanced.many_waves``): where a request would take more than ``CHUNK_CAP`` chunks, a chunk a
+    request's balanced size instead (the merge of a long request's many chunks cost more than the waves gave back:
+    bench/RESULTS.md, 'Ragged batches'); the merge reads it published."""
     L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
     MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
     offs = gl.arange(0, CHUNK_BS, layout=L)
@@ -150,6 +155,9 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
             hi = gl.where(fits, mid, hi)
             lo = gl.where(fits, lo, mid + 1)
         per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
+        if CHUNK_CAP > 0:
+            capped = (gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP > per
+            per = gl.where(capped, gl.maximum((total + bs - 1) // bs, MIN_TILES), per)
     n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
     ends = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, 0)
@@ -228,7 +236,7 @@ def _softmax(s, m_i, l_i, S_L: gl.constexpr, n0, end, j, row_ok, prefix, draft_p
 @gluon.jit
 def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr,
           LATENT: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr):
+          WRITE_LSE: gl.constexpr, MASK: gl.constexpr, CHUNK_BS: gl.constexpr, CHUNK_CAP: gl.constexpr = 0):
     """``_mla_wgmma_kernel`` (``prologue``) on its launch arguments ``ptrs``."""
     (q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mask_ptr, draft_prefix_ptr, o_ptr, lse_ptr,
      scale_log2, stride_qt, stride_qh, stride_kvs, stride_pb, stride_ot, stride_oh, stride_os,
@@ -246,7 +254,8 @@ def _body(ptrs, NUM_HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.cons
     SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles = _program(
-        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS)
+        seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK, NUM_HEADS, BLOCK_H, BLOCK_W, BLOCK_N, CHUNK_BS,
+        CHUNK_CAP)
     row0 = b.to(gl.int64) * W
     q_len = W
     mask_base = b.to(gl.int64) * W * W

@@ -297,9 +297,11 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     ("mla", 128, 1, 1, 13, 5, 4, True),      # 26 programs (two 64-head tiles a request), one an SM: 5 fill 130
     ("mla", 16, 1, 1, 13, 10, 8, True),      # the transposed kernel, one an SM: 10
     ("mla", 16, 1, 1, 3, 44, 32, True),
-    ("mla", 128, 1, 1, 48, 1, 1, False),     # 96 programs: 1.4 -> 1, the same either way; 36 SMs idle: no fit
-    ("mla", 128, 1, 1, 24, 2, 2, False),     # 96 programs of 132 again
-    ("mla", 128, 1, 1, 80, 1, 1, False),     # 160 programs: two waves whatever the chunks
+    ("mla", 128, 1, 1, 48, 4, 1, True),      # 96 programs, 36 SMs idle at a chunk a request: 4 fill 3 waves to 97 %
+    ("mla", 128, 1, 1, 24, 2, 2, False),     # 96 programs of 132 again, but 2 chunks a request: no budget of waves
+    ("mla", 128, 1, 1, 80, 2, 1, True),      # 160 programs: 2 waves at 61 %, 2 chunks 3 waves at 81 %
+    ("mla", 128, 1, 1, 56, 1, 1, False),     # 112 programs: 85 % at any count of at most 3 waves
+    ("mla", 16, 1, 1, 100, 1, 1, False),     # 16 heads: no budget of waves (not measured there)
     ("mla", 128, 1, 4, 3, 5, 4, True),       # verify: 24 programs, 5 splits fill 120 of 132 SMs
     ("mla32", 128, 1, 1, 13, 4, 4, False),   # a float32 cache: "auto" takes the split, a power of two either way
 ])
@@ -308,7 +310,8 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
     takes the split rule's count as it is; without it, and for launches that are not chunked, a power
     of two below it (MLA on a 16-bit cache: ``schedule = "auto"`` chunks there on sm_90). ``fits``:
     the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills at least
-    7/8 of the SMs), never without the exact count."""
+    7/8 of the SMs, or a budget of several waves: ``_many_waves``, MLA's 64-head decode alone), never without the
+    exact count."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
     from attn_backends.batch import ForwardMode
@@ -326,7 +329,7 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
     mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY if mla else ForwardMode.EXTEND
     lay = SimpleNamespace(bs=bs, width=width if width == 1 or mla else 0, max_seq_len_q=width, mode=mode,
                           mask=MaskKind.CAUSAL)
-    got, fit = {}, {}
+    got, fit, many = {}, {}, {}
     for name in (("triton_mla", "attn_backends.backends.triton_mla:Pow2SplitsTritonMLABackend") if mla else
                  ("triton", "attn_backends.backends.triton_backend:Pow2SplitsTritonBackend")):
         be = get_backend(name, cfg, mem)
@@ -334,6 +337,25 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
         monkeypatch.setattr(mem, "device", CUDA0)
         got[name.split(":")[-1]] = be._splits(lay)
         fit[name.split(":")[-1]] = be._fits_wave(lay)
+        many[name.split(":")[-1]] = be._many_waves(lay)
         monkeypatch.setattr(mem, "device", torch.device("cpu"))
     assert list(got.values()) == [want_exact, want_pow2], got
     assert list(fit.values()) == [fits, False], fit
+    assert list(many.values()) == [want_pow2 == 1 < want_exact, False], many     # more than 1 only as waves
+
+
+@pytest.mark.parametrize("programs,want", [
+    (96, 4),      # MLA-128 decode bs 48: 73 % at a chunk a request, 4 fill three waves to 97 %
+    (80, 3),      # bs 40: 61 % -> 91 %
+    (112, 1),     # bs 56: 85 % at every count of at most three waves
+    (120, 1),     # 91 %: full enough
+    (160, 2),     # bs 80: two waves at 61 %, three at 81 %
+    (400, 1),     # more programs than three waves
+])
+def test_many_waves_fills_the_last_wave(programs, want):
+    """``schedule.many_waves``: the count of at most MANY_WAVES waves whose last wave is fullest, where it fills
+    1/16 more of the SMs than a chunk a request (the rows of 132 SMs named)."""
+    from attn_backends_kernels.schedule import MANY_WAVES, many_waves
+    assert many_waves(programs, 132) == want
+    if want > 1:
+        assert -(-want * programs // 132) <= MANY_WAVES

@@ -95,6 +95,38 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     assert_close(out[:len(seq_lens) * W], ref, 1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("seq_lens,capped", [
+    ([20000] + [64] * 8, True),                   # the long request would take 20 chunks of 11 tiles: capped
+    ([3000, 2900, 40, 2500, 700, 3100], False),   # near-uniform: the fit's size
+])
+def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, capped, splits=4, page_size=64):
+    """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass keeps a
+    request to ``MANY_WAVES_CAP`` chunks by taking a chunk a request's balanced size, published for the merge (a
+    merge that recomputed the uncapped size would cut otherwise); the published size is that rule's."""
+    from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
+    latent, rope, H, W = 512, 64, 128, 1
+    page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
+    bs = lens.shape[0]
+    out = torch.full((bs, H, latent), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    ws = chunk_workspace(bs, splits, W, H, 1, latent, DEVICE, partial_dtype(torch.bfloat16, q.device, page_size,
+                                                                             64, latent, rope))
+    ws[0].fill_(float("nan"))
+    ws[1].fill_(float("nan"))
+    mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, fit=True, many_waves=True)
+    ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, CAUSAL, None, None)
+    assert_close(out[:len(seq_lens)], ref, 2e-2)
+    tiles = [-(-int(n) // 64) for n in lens]
+    published = int(ws[1][(bs * splits + bs) * W, 0].item())
+    if capped:      # the fit's size (11 tiles) would cut the long request into 29 chunks
+        assert published == -(-sum(tiles) // bs) == 33 and -(-max(tiles) // 11) > MANY_WAVES_CAP
+    else:
+        assert -(-max(tiles) // MANY_WAVES_CAP) <= published < -(-sum(tiles) // bs)
+    with pytest.raises(ValueError, match="many_waves=True is a budget of the wave fit"):
+        mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, many_waves=True)
+
+
 def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
     q = torch.zeros(2, 16, 48)
     kv = torch.zeros(64, 1, 48)
