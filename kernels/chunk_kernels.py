@@ -36,8 +36,9 @@ MERGE_PASS_PROGRAMS = 264
 MERGE_PASS_LATENT_PROGRAMS = 1024
 # MLA's latent: budgets of at most MERGE_PASS_FAT_DECODE chunks a request in decode (MERGE_PASS_FAT_VERIFY in
 # verify) take the fat tiles (``merge_pass_tiles``): at 5 a request the one-head tiles walked the latent's four
-# column blocks one after another, 39-42 us of MLA-128 bs 13's graph (bench/RESULTS.md, 'Ragged batches').
-MERGE_PASS_FAT_DECODE = 8
+# column blocks one after another, 39-42 us of MLA-128 bs 13's graph; at 10 (MLA-16 bs 13) they took 0.3-2 us more
+# than fat tiles of 16 chunks (bench/RESULTS.md, 'Ragged batches').
+MERGE_PASS_FAT_DECODE = 16
 MERGE_PASS_FAT_VERIFY = 2
 # The warps of MLA's fat decode tiles: as many as give a thread MERGE_PASS_THREAD_BYTES of partials a load, 2 at least
 # (1 no faster on full tiles, smaller ones unmeasured). At 4 warps 16-bit partials took shared-memory layout

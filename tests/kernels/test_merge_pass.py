@@ -83,9 +83,11 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single):
     assert spans[0][1] > block_c                               # the long request: more chunks than a load
 
 
+@pytest.mark.parametrize("budget,tiles", [(5, (8, 4, 5, 1)), (10, (16, 2, 5, 1))])
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
-    """MLA's decode at 5 chunks a request: fat tiles of 8 chunks and 4 heads (the last head block partial), every
+def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype, budget, tiles):
+    """MLA's decode at 5 chunks a request: fat tiles of 8 chunks and 4 heads (the last head block partial; at 10, of
+    16 chunks and 2 heads: MLA-16 bs 13), every
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
     single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
     saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8
@@ -94,9 +96,9 @@ def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype):
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_LOAD", True)
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_PREFETCH", True)
-    lens, H, Dv, W, block_n, budget = [6000, 40, 300, 900, 900], 14, 520, 1, 16, 5
+    lens, H, Dv, W, block_n = [6000, 40, 300, 900, 900], 14, 520, 1, 16
     block_c, block_hm, _, steps, z = merge_pass_tiles(len(lens), H, Dv, budget, True)
-    assert (block_c, block_hm, steps, z) == (8, 4, 5, 1), (block_c, block_hm, steps, z)
+    assert (block_c, block_hm, steps, z) == tiles, (block_c, block_hm, steps, z)
     spans = _merge_against_float64(lens, H, Dv, W, block_n, budget, single=True, spikes=(0, 3), part_dtype=part_dtype,
                                    dead=(4,))
     assert spans[0][1] > block_c and min(c for _, c in spans) == 1 and 1 < spans[3][1] <= block_c, spans
@@ -131,14 +133,16 @@ def test_a_published_chunk_size_is_the_one_the_merge_uses(W):
 def test_merge_pass_loads_64_chunks_on_wide_decode_budgets():
     """16 chunks a load below a decode budget of 16 chunks a request (and the invariant schedule's 0), 64 from
     it on at Dv <= 256, 128 over 64 columns a program from 32 on (the other columns on the grid); several rows
-    a chunk (verify) and MLA's latent keep 16 (fat tiles on budgets of 1-8 in decode, 1-2 in verify: 4, 8 from 5)."""
+    a chunk (verify) and MLA's latent keep 16 (fat tiles on budgets of 1-16 in decode, 1-2 in verify: 4 chunks, 8
+    from 5, 16 from 9, of as many heads as fill 4,096 values)."""
     assert [merge_pass_tiles(8, 8, 128, c)[0] for c in (0, 2, 15, 16, 31, 32, 64)] == [16, 16, 16, 64, 64, 128, 128]
     assert merge_pass_tiles(8, 8, 128, 16) == (64, 1, 128, 1, 1)
     assert merge_pass_tiles(8, 8, 128, 32) == (128, 1, 64, 1, 2)
     assert merge_pass_tiles(8, 8, 256, 16)[0] == 64
     assert merge_pass_tiles(8, 8, 256, 32) == (128, 1, 64, 1, 4)
     assert merge_pass_tiles(8, 8, 128, 64, one_row=False)[0] == 16
-    assert [merge_pass_tiles(8, 16, 512, c)[0] for c in (2, 3, 5, 8, 9, 16)] == [4, 4, 8, 8, 16, 16]
+    assert ([merge_pass_tiles(8, 16, 512, c)[:2] for c in (2, 3, 5, 8, 9, 16, 17)]
+            == [(4, 8), (4, 8), (8, 4), (8, 4), (16, 2), (16, 2), (16, 1)])
     assert [merge_pass_tiles(8, 16, 512, c, one_row=False)[0] for c in (2, 3, 5)] == [4, 16, 16]
 
 
@@ -146,7 +150,8 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
     """MLA's decode: the latent's 4 column blocks on the grid, doubled while the programs (rows x head blocks x
     column blocks) are under MERGE_PASS_LATENT_PROGRAMS, over fat tiles of 8 heads (MLA-128 at 1-2 chunks a
     request: bs 24 384 x 4, bs 48 768 x 2, bs 100 1,600 x 1), of 4 heads and 8 chunks (MLA-16 bs 24 and MLA-128
-    bs 13 at 5 chunks a request: 96 x 4, 416 x 4) or one head (MLA-16 bs 13 at 10: 208 x 4); verify (4 rows a
+    bs 13 at 5 chunks a request: 96 x 4, 416 x 4), of 2 heads and 16 chunks (MLA-16 bs 13 at 10: 104 x 4) or one
+    head (past 16 chunks a request: MLA-16 bs 7 at 18, 112 x 4); verify (4 rows a
     chunk: 512 x 1 where decode would take 2) and
     GQA's head dims keep MERGE_PASS_PROGRAMS."""
     assert merge_pass_tiles(24, 128, 512, 2) == (4, 8, 128, 1, 4)
@@ -154,7 +159,8 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
     assert merge_pass_tiles(100, 128, 512, 1) == (4, 8, 128, 4, 1)
     assert merge_pass_tiles(32, 128, 512, 2, one_row=False) == (4, 8, 128, 4, 1)
     assert merge_pass_tiles(24, 16, 512, 5) == (8, 4, 128, 1, 4)
-    assert merge_pass_tiles(13, 16, 512, 10) == (16, 1, 128, 1, 4)
+    assert merge_pass_tiles(13, 16, 512, 10) == (16, 2, 128, 1, 4)
+    assert merge_pass_tiles(7, 16, 512, 18) == (16, 1, 128, 1, 4)
     assert merge_pass_tiles(13, 128, 512, 5) == (8, 4, 128, 1, 4)
     assert merge_pass_tiles(48, 8, 256, 4) == (16, 1, 128, 2, 1)
 
@@ -238,7 +244,8 @@ def test_fat_decode_merge_tiles_give_a_thread_128_bytes_of_partials_a_load():
     assert merge_pass_warps(*merge_pass_tiles(13, 128, 512, 5)[:3], 2, True) == 2    # [4 heads, 8 chunks, 128] bf16
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2)[:3], 2, True) == 2    # [8 heads, 4 chunks, 128] bf16
     assert merge_pass_warps(*merge_pass_tiles(24, 16, 512, 5)[:3], 4, True) == 4     # MLA-16's float32 partials
-    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4, True) == 4    # one head a program
+    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 10)[:3], 4, True) == 4    # [2 heads, 16 chunks, 128] f32
+    assert merge_pass_warps(*merge_pass_tiles(13, 16, 512, 17)[:3], 4, True) == 4    # one head a program
     assert merge_pass_warps(*merge_pass_tiles(48, 8, 64, 4)[:3], 4, True) == 4       # GQA
     assert merge_pass_warps(*merge_pass_tiles(24, 128, 512, 2, False)[:3], 2, False) == 4    # verify
     assert merge_pass_warps(8, 2, 128, 2, True) == 2                                  # two heads: 2 at least
