@@ -7,8 +7,9 @@ tiles (``BLOCK_N`` tokens) are cut into chunks of ``per = max(cdiv(tiles, num_ch
 tiles, a request of ``t`` tiles taking ``cdiv(t, per)`` of them (at least one), numbered request
 after request. ``sum(cdiv(t_b, per)) <= tiles / per + bs <= num_chunks + bs``, so the grid covers
 every chunk; programs past the last do nothing. Where whole chunks a request overrun the budget
-and the budget is one wave of programs, the wave fit (a negative budget: ``_balanced_per``) takes
-the smallest chunk that fits it, so the few chunks past it do not run as a second wave. A long
+and the budget is one wave of programs (or several: ``many_waves``), the wave fit (a negative budget:
+``_balanced_per``) takes the smallest chunk that fits it, so the few chunks past it do not run as a
+wave more. A long
 request is cut into many chunks and short ones stay whole, so programs read about the same KV
 whatever the lengths, and one captured graph serves any lengths its buffers allow: no host plan,
 no host sync, no schedule buffer (each program recomputes it from ``bs`` lengths, cheaper than a
@@ -167,8 +168,9 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
 
 
 # A one-chunk-a-request decode budget whose programs leave SMs idle: the count of at most MANY_WAVES waves whose
-# last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 40 and 48: 3 and 4 chunks a
-# request, 1.1-1.3x; bs 56, whose every count fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
+# last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 34-80: 1.1-1.4x on uniform,
+# ragged and bimodal lengths, long tails within 3.5 us but bs 34's 7 us; bs 56, whose every count of at most 3 waves
+# fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES = 3
 
 

@@ -156,7 +156,8 @@ class TritonBackendBase(LayoutBackend):
     def _fits_wave(self, lay: Layout) -> bool:
         """Whether a chunked launch asks for the wave fit (``chunk_kernels._balanced_per``): its budget
         of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
-        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches')."""
+        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches'),
+        or is a budget of several waves (``_many_waves``), whose last wave the fit keeps."""
         return self._split_plan(lay)[1]
 
     def _many_waves(self, lay: Layout) -> bool:
@@ -188,7 +189,9 @@ class TritonBackendBase(LayoutBackend):
             sms = sm_count(cuda_index(device)) if device.type == "cuda" else 0
             one_an_sm = chunked_exact and per_sm == 1 and sms > 0
             fit = one_an_sm and count == sms // programs and 8 * count * programs >= 7 * sms
-            waves = many_waves(programs, sms) if one_an_sm and count == 1 and self._waves_allowed(lay) else 1
+            # a chunk a request because the programs fill more than half the SMs (not a context of one page)
+            waves = (many_waves(programs, sms) if one_an_sm and count == 1 and 2 * programs > sms
+                     and self._waves_allowed(lay) else 1)
             cache[key] = (waves, True, True) if waves > 1 else (count, fit, False)
         return cache[key]
 

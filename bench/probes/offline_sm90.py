@@ -163,7 +163,7 @@ def mla_chunk_configs() -> dict:
     on the Gluon kernels (the default) and on the Triton tile (``balanced triton ...``)."""
     import torch
 
-    def chunked(H, W, splits=2, page=64, kernel=None, mask="causal"):   # the chunk pass (``mla.balanced``), merge
+    def chunked(H, W, splits=2, page=64, kernel=None, mask="causal", waves=False):   # the chunk pass, its merge
         from attn_backends_kernels.mla.balanced import mla_chunk_fwd
         bs, kv = 2, 256
         q, out = torch.zeros(bs * W, H, 576, dtype=torch.bfloat16), torch.zeros(bs * W, H, 512, dtype=torch.bfloat16)
@@ -173,7 +173,7 @@ def mla_chunk_configs() -> dict:
         cm = torch.ones(bs * W * W, dtype=torch.bool) if mask == "tree" else None
         draft = torch.zeros(bs, dtype=torch.int32) if mask == "draft" else None
         return lambda: mla_chunk_fwd(q, buf, pt, lens, page, 0.1, splits, out, q_per_req=W, kernel=kernel, mask=mask,
-                                     custom_mask=cm, draft_prefix_lens=draft)
+                                     custom_mask=cm, draft_prefix_lens=draft, fit=waves, many_waves=waves)
 
     configs = {}
     configs.update({f"balanced{'' if kernel is None else ' triton'} {label}": chunked(H, W, kernel=kernel)
@@ -182,7 +182,10 @@ def mla_chunk_configs() -> dict:
     configs.update({"balanced mla16 verify4 page 32": chunked(16, 4, page=32),      # seesaw's
                     "balanced mla16 verify4 page 16": chunked(16, 4, page=16),      # wgmma's
                     "balanced mla16 tree8 page 64": chunked(16, 8, mask="tree"),
-                    "balanced mla16 draft4 page 64": chunked(16, 4, mask="draft")})
+                    "balanced mla16 draft4 page 64": chunked(16, 4, mask="draft"),
+                    "balanced mla16 decode S10": chunked(16, 1, splits=10)})     # the merge's fat float32 16-chunk tile
+    configs.update({f"balanced mla128 decode waves page {page}": chunked(128, 1, splits=4, page=page, waves=True)
+                    for page in (64, 32, 16)})                                  # the capped chunk pass (CHUNK_CAP)
     return configs
 
 

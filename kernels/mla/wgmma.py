@@ -129,16 +129,18 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     (the last request past the batch's last chunk), KV range ``[start, end)``, the batch's
     chunk count and the chunk in tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
     within a warp: each partition of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of
-    several waves: ``balanced.many_waves``): where a request would take more than ``CHUNK_CAP`` chunks, a chunk a
-    request's balanced size instead (the merge of a long request's many chunks cost more than the waves gave back:
-    bench/RESULTS.md, 'Ragged batches'); the merge reads it published."""
+    several waves: ``schedule.many_waves``): where the fitted size would cut a request into more than ``CHUNK_CAP``
+    chunks, the size of a budget of one chunk a request instead (the count before the waves: the merge of a long
+    request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged batches'); the merge reads
+    it published."""
     L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
     MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
     offs = gl.arange(0, CHUNK_BS, layout=L)
     lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
     tiles = (lens + N - 1) // N
     valid = offs < bs
-    # chunk_kernels._balanced_per, op for op (the merge pass recomputes the schedule in Triton, or reads this `per`)
+    # chunk_kernels._balanced_per, op for op but the cap (the merge pass recomputes the schedule in Triton, or reads
+    # this `per`: always where the cap applies)
     budget = gl.maximum(num_chunks, -num_chunks)
     total = gl.sum(tiles, 0)
     per = gl.maximum((total + budget - 1) // budget, MIN_TILES)

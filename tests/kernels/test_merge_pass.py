@@ -85,9 +85,9 @@ def test_merge_pass_on_fat_tiles_and_column_steps(monkeypatch, single):
 
 @pytest.mark.parametrize("budget,tiles", [(5, (8, 4, 5, 1)), (10, (16, 2, 5, 1))])
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_merge_on_fat_tiles_of_eight_chunks(monkeypatch, part_dtype, budget, tiles):
+def test_mla_decode_merge_on_fat_tiles(monkeypatch, part_dtype, budget, tiles):
     """MLA's decode at 5 chunks a request: fat tiles of 8 chunks and 4 heads (the last head block partial; at 10, of
-    16 chunks and 2 heads: MLA-16 bs 13), every
+    16 chunks and 2 heads: MLA-16 bs 13, request 3 then of 4 chunks), every
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
     single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
     saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8

@@ -97,14 +97,16 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
 
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("seq_lens,capped", [
-    ([20000] + [64] * 8, True),                   # the long request would take 20 chunks of 11 tiles: capped
-    ([3000, 2900, 40, 2500, 700, 3100], False),   # near-uniform: the fit's size
+@pytest.mark.parametrize("page_size", [64, 16, 32])     # the chunked, wgmma and seesaw kernels (seesaw: 32-token tiles)
+@pytest.mark.parametrize("seq_lens,fitted", [
+    ([20000] + [64] * 8, {64: 11, 32: 21}),         # the fit's size would cut the long request into 29-30 chunks
+    ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
 ])
-def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, capped, splits=4, page_size=64):
-    """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass keeps a
-    request to ``MANY_WAVES_CAP`` chunks by taking a chunk a request's balanced size, published for the merge (a
-    merge that recomputed the uncapped size would cut otherwise); the published size is that rule's."""
+def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, page_size, splits=4):
+    """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass, where the
+    fitted size would cut a request into more than ``MANY_WAVES_CAP`` chunks, takes a budget of one chunk a request's
+    size, published for the merge (a merge that recomputed the uncapped size would cut otherwise); the published
+    size is that rule's."""
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
     latent, rope, H, W = 512, 64, 128, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
@@ -117,12 +119,13 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, capped, splits=4, page_si
     mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, fit=True, many_waves=True)
     ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, CAUSAL, None, None)
     assert_close(out[:len(seq_lens)], ref, 2e-2)
-    tiles = [-(-int(n) // 64) for n in lens]
-    published = int(ws[1][(bs * splits + bs) * W, 0].item())
-    if capped:      # the fit's size (11 tiles) would cut the long request into 29 chunks
-        assert published == -(-sum(tiles) // bs) == 33 and -(-max(tiles) // 11) > MANY_WAVES_CAP
+    n = 32 if page_size == 32 else 64
+    tiles = [-(-int(x) // n) for x in lens]
+    published, fit = int(ws[1][(bs * splits + bs) * W, 0].item()), fitted[n]
+    if -(-max(tiles) // fit) > MANY_WAVES_CAP:      # capped: the size of one chunk a request's budget
+        assert published == -(-sum(tiles) // bs) and len(seq_lens) > 6
     else:
-        assert -(-max(tiles) // MANY_WAVES_CAP) <= published < -(-sum(tiles) // bs)
+        assert published == fit and len(seq_lens) == 6
     with pytest.raises(ValueError, match="many_waves=True is a budget of the wave fit"):
         mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, many_waves=True)
 

@@ -193,10 +193,12 @@ def test_the_chunk_pass_holds_what_the_wave_fit_assumes(compiled, label, few):
 @pytest.mark.parametrize("label,prefetch", [
     ("prefetch c16 8/1 d128", True), ("prefetch c64 8/1 d128", True), ("prefetch c64 32/8 d64", True),
     ("chunks 8/1 d128", False), ("chunks 28/4 d128", True), ("balanced mla16 decode", True),
-    ("balanced mla128 decode", False), ("chunks verify4 8/1 d128", False), ("balanced mla16 verify4", False)])
+    ("balanced mla128 decode", False), ("chunks verify4 8/1 d128", False), ("balanced mla16 verify4", False),
+    ("balanced mla16 decode S10", True)])
 def test_the_merge_pass_prefetches_on_decode_tiles_without_spills(compiled, label, prefetch):
     """The merge pass's sum walk with its next load in flight (``MERGE_PASS_PREFETCH``) on decode's tiles, GQA's at
-    16 and 64 chunks a load and MLA-16's fat tiles of float32 partials, and not on GQA's deep tiles (8/1 d128 at 32
+    16 and 64 chunks a load and MLA-16's fat tiles of float32 partials (of 16 chunks at 10 a request too), and not on
+    GQA's deep tiles (8/1 d128 at 32
     chunks a request), MLA-128's fat ones of bfloat16 nor in verify; it builds for sm_90 without a spill."""
     merges = [r for r in compiled[label] if r["kernel"] == "_merge_chunk_pass_kernel"]
     assert len(merges) == 1 and merges[0]["stack"] == 0 and merges[0]["prefetch"] is prefetch, compiled[label]
@@ -208,7 +210,10 @@ BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
                   ("balanced mla16 tree8 page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
                   ("balanced mla16 draft4 page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),
                   ("balanced mla16 verify4 page 32", "_mla_seesaw_kernel", SEESAW_MAX_STACK),
-                  ("balanced mla16 verify4 page 16", "_mla_wgmma_kernel", 0)]
+                  ("balanced mla16 verify4 page 16", "_mla_wgmma_kernel", 0),
+                  ("balanced mla128 decode waves page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),   # CHUNK_CAP
+                  ("balanced mla128 decode waves page 32", "_mla_seesaw_kernel", SEESAW_MAX_STACK),
+                  ("balanced mla128 decode waves page 16", "_mla_wgmma_kernel", 0)]
 
 
 @pytest.mark.parametrize("label,kernel,max_stack", BALANCED_GLUON)
