@@ -69,10 +69,11 @@ class TritonMLABackend(TritonBackendBase):
         return (1 if transposed else 2), 1, None
 
     def _waves_allowed(self, lay) -> bool:
-        """Decode of 64-head tiles where the Gluon chunk pass serves it (a 16-bit cache of the 512 + 64 layout on
-        sm_90: ``wgmma_refusal``), which caps the budget's chunks (``wgmma._chunk_of``): measured there alone."""
+        """Decode of two or more 64-head tiles a request (measured at 128 heads) where the Gluon chunk pass serves it
+        (a 16-bit cache of the 512 + 64 layout on sm_90: ``wgmma_refusal``), which caps the budget's chunks
+        (``wgmma._chunk_of``): measured there alone."""
         cfg = self.config
-        return (lay.mode == ForwardMode.DECODE and (lay.width or 1) == 1 and cfg.num_q_heads >= 64
+        return (lay.mode == ForwardMode.DECODE and (lay.width or 1) == 1 and cfg.num_q_heads > 64
                 and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (512, 64)
                 and self.memory.pool.kv[0].dtype in (torch.float16, torch.bfloat16)
                 and hopper_device(self.memory.device))

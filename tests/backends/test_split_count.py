@@ -363,8 +363,9 @@ def test_many_waves_fills_the_last_wave(programs, want):
 
 def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     """``_waves_allowed`` / ``_split_plan``: MLA-128 decode at bs 48 on a 16-bit cache of the 512 + 64 layout on sm_90
-    takes 4 chunks a request; not width-1 verify, not a float32 cache, not off sm_90 (the Triton tile: no cap), not
-    other latent dims, and not a context of one page (a chunk a request there at any batch)."""
+    takes 4 chunks a request; not width-1 verify, not a float32 cache, not off sm_90 (the Triton tile: no cap, both
+    asked for with ``schedule="chunks"``, which "auto" would not chunk), not other latent dims, not 64 heads (one tile
+    a request) and not a context of one page (a chunk a request there at any batch)."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
     from attn_backends.batch import ForwardMode
@@ -375,11 +376,12 @@ def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     hopper = {"on": True}
     monkeypatch.setattr(triton_mla, "hopper_device", lambda device: hopper["on"])
 
-    def plan(bs=48, mode=ForwardMode.DECODE, dtype=torch.float16, rank=512, context=16384):
-        cfg = ModelConfig(num_layers=1, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True,
+    def plan(bs=48, mode=ForwardMode.DECODE, dtype=torch.float16, rank=512, context=16384, heads=128, schedule="auto"):
+        cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True,
                           kv_lora_rank=rank, qk_rope_head_dim=64, page_size=64, dtype=dtype)
         mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=context)
         be = get_backend("triton_mla", cfg, mem)
+        be.schedule = schedule          # "chunks": chunked where "auto" would not (a float32 cache, off sm_90)
         monkeypatch.setattr(mem, "device", CUDA0)
         lay = SimpleNamespace(bs=bs, width=1, max_seq_len_q=1, mode=mode, mask=MaskKind.CAUSAL)
         return be._split_plan(lay)
@@ -388,6 +390,7 @@ def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     assert plan(bs=1, context=64) == (1, False, False)                 # one page: the count is 1 at any batch
     assert plan(mode=ForwardMode.TARGET_VERIFY)[2] is False
     assert plan(rank=256)[2] is False
-    assert plan(dtype=torch.float32)[2] is False
+    assert plan(bs=80, heads=64)[2] is False                            # one 64-head tile a request: not measured
+    assert plan(dtype=torch.float32, schedule="chunks")[2] is False     # the Triton tile: no cap
     hopper["on"] = False
-    assert plan()[2] is False
+    assert plan(schedule="chunks")[2] is False

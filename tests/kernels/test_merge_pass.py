@@ -90,8 +90,9 @@ def test_mla_decode_merge_on_fat_tiles(monkeypatch, part_dtype, budget, tiles):
     16 chunks and 2 heads: MLA-16 bs 13, request 3 then of 4 chunks), every
     column step in one program, a request of more chunks than a load (its last chunk far above the rest), the
     single-chunk requests' partials merged too (the Gluon chunk pass writes every chunk's), one request whose chunks
-    saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most 8
-    chunks in one round of loads (``_merge_one_load``: request 3, 3 chunks, the last far above the rest), the long
+    saw nothing (zeros); float32 partials at 4 warps, bfloat16 at 2 (``merge_pass_warps``); the requests of at most a
+    load's chunks in one round of loads (``_merge_one_load``: request 3, of 3 chunks at 5 a request and 4 at 10, the
+    last far above the rest), the long
     one in two walks, the sum's prefetched over float32 partials (each column step's first load apart)."""
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_LATENT_PROGRAMS", 1)    # every column in one program
     monkeypatch.setattr(chunk_kernels, "MERGE_PASS_ONE_LOAD", True)
