@@ -168,9 +168,9 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
 
 
 # A one-chunk-a-request decode budget whose programs leave SMs idle: the count of at most MANY_WAVES waves whose
-# last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 34-80: 1.1-1.4x on uniform,
-# ragged and bimodal lengths, long tails within 3.5 us but bs 34's 7 us; bs 56, whose every count of at most 3 waves
-# fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
+# last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 34-80, MLA-16 and -64 bs
+# 67-96: 1.1-1.4x on uniform, ragged and bimodal lengths, long tails within 4 us but 7 at MLA-128 bs 34 and MLA-64 bs
+# 72; bs 56, whose every count of at most 3 waves fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES = 3
 
 

@@ -166,7 +166,7 @@ class TritonBackendBase(LayoutBackend):
 
     def _waves_allowed(self, lay: Layout) -> bool:
         """Whether a chunked launch of one chunk a request that leaves SMs idle may take a budget of several
-        waves (``schedule.many_waves``): where it was measured (``triton_mla``'s 64-head decode)."""
+        waves (``schedule.many_waves``): where it was measured (``triton_mla``'s decode on the Gluon chunk pass)."""
         return False
 
     def _split_plan(self, lay: Layout) -> tuple:

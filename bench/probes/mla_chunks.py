@@ -184,7 +184,8 @@ def _plan(H: int, W: int, programs: int, S: int, splits) -> tuple:
     if splits is not None:
         return splits, True, True
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    waves = schedule.many_waves(programs, sms) if S == 1 and W == 1 and H > 64 and 2 * programs > sms else 1
+    waves = (schedule.many_waves(programs, sms) if S == 1 and W == 1 and (H >= 64 or H == 16) and 2 * programs > sms
+             else 1)
     if waves > 1:
         return waves, True, True
     return S, S == sms // programs and 8 * S * programs >= 7 * sms, False

@@ -301,7 +301,8 @@ def test_the_interpreter_keeps_two_decode_chunks(monkeypatch):
     ("mla", 128, 1, 1, 24, 2, 2, False),     # 96 programs of 132 again, but 2 chunks a request: no budget of waves
     ("mla", 128, 1, 1, 80, 2, 1, True),      # 160 programs: 2 waves at 61 %, 2 chunks 3 waves at 81 %
     ("mla", 128, 1, 1, 56, 1, 1, False),     # 112 programs: 85 % at any count of at most 3 waves
-    ("mla", 16, 1, 1, 100, 1, 1, False),     # 16 heads: no budget of waves (not measured there)
+    ("mla", 16, 1, 1, 100, 1, 1, False),     # 16 heads, 100 programs: 76 % at every count of at most 3 waves
+    ("mla", 16, 1, 1, 80, 3, 1, True),       # 80 programs (the transposed kernel, one an SM): 3 fill 2 waves to 91 %
     ("mla", 128, 1, 4, 3, 5, 4, True),       # verify: 24 programs, 5 splits fill 120 of 132 SMs
     ("mla32", 128, 1, 1, 13, 4, 4, False),   # a float32 cache: "auto" takes the split, a power of two either way
 ])
@@ -310,7 +311,7 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
     takes the split rule's count as it is; without it, and for launches that are not chunked, a power
     of two below it (MLA on a 16-bit cache: ``schedule = "auto"`` chunks there on sm_90). ``fits``:
     the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills at least
-    7/8 of the SMs, or a budget of several waves: ``_many_waves``, MLA's 64-head decode alone), never without the
+    7/8 of the SMs, or a budget of several waves: ``_many_waves``, MLA's decode alone), never without the
     exact count."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
@@ -363,9 +364,10 @@ def test_many_waves_fills_the_last_wave(programs, want):
 
 def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     """``_waves_allowed`` / ``_split_plan``: MLA-128 decode at bs 48 on a 16-bit cache of the 512 + 64 layout on sm_90
-    takes 4 chunks a request; not width-1 verify, not a float32 cache, not off sm_90 (the Triton tile: no cap, both
-    asked for with ``schedule="chunks"``, which "auto" would not chunk), not other latent dims, not 64 heads (one tile
-    a request) and not a context of one page (a chunk a request there at any batch)."""
+    takes 4 chunks a request, 64 heads at bs 80 3, 16 heads at bs 80 3 on the transposed kernel (one program an SM),
+    not on the Triton tile (two an SM); not width-1 verify, not a float32 cache, not off sm_90 (the Triton tile: no
+    cap, both asked for with ``schedule="chunks"``, which "auto" would not chunk), not other latent dims, not 32 heads
+    (not measured) and not a context of one page (a chunk a request there at any batch)."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
     from attn_backends.batch import ForwardMode
@@ -376,12 +378,14 @@ def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     hopper = {"on": True}
     monkeypatch.setattr(triton_mla, "hopper_device", lambda device: hopper["on"])
 
-    def plan(bs=48, mode=ForwardMode.DECODE, dtype=torch.float16, rank=512, context=16384, heads=128, schedule="auto"):
+    def plan(bs=48, mode=ForwardMode.DECODE, dtype=torch.float16, rank=512, context=16384, heads=128, schedule="auto",
+             transposed=True):
         cfg = ModelConfig(num_layers=1, num_q_heads=heads, num_kv_heads=1, head_dim=16, is_mla=True,
                           kv_lora_rank=rank, qk_rope_head_dim=64, page_size=64, dtype=dtype)
         mem = make_memory(cfg, num_pages=4, max_reqs=2, max_context_len=context)
         be = get_backend("triton_mla", cfg, mem)
         be.schedule = schedule          # "chunks": chunked where "auto" would not (a float32 cache, off sm_90)
+        monkeypatch.setattr(be, "_decodes_transposed", lambda: transposed, raising=False)
         monkeypatch.setattr(mem, "device", CUDA0)
         lay = SimpleNamespace(bs=bs, width=1, max_seq_len_q=1, mode=mode, mask=MaskKind.CAUSAL)
         return be._split_plan(lay)
@@ -390,7 +394,11 @@ def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     assert plan(bs=1, context=64) == (1, False, False)                 # one page: the count is 1 at any batch
     assert plan(mode=ForwardMode.TARGET_VERIFY)[2] is False
     assert plan(rank=256)[2] is False
-    assert plan(bs=80, heads=64)[2] is False                            # one 64-head tile a request: not measured
+    assert plan(bs=80, heads=64) == (3, True, True)                    # one 64-head tile a request
+    assert plan(bs=80, heads=16) == (3, True, True)                    # the transposed kernel: one program an SM
+    assert plan(bs=80, heads=16, transposed=False) == (3, False, False)     # the Triton tile: two an SM, no waves
+    assert plan(bs=48, heads=16)[2] is False                            # 2 chunks a request: no budget of waves
+    assert plan(bs=80, heads=32)[2] is False                            # two 16-head tiles a request: not measured
     assert plan(dtype=torch.float32, schedule="chunks")[2] is False     # the Triton tile: no cap
     hopper["on"] = False
     assert plan(schedule="chunks")[2] is False
