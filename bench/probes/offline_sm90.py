@@ -186,6 +186,7 @@ def mla_chunk_configs() -> dict:
                     "balanced mla16 decode S10": chunked(16, 1, splits=10)})     # the merge's fat float32 16-chunk tile
     configs.update({f"balanced mla128 decode waves page {page}": chunked(128, 1, splits=4, page=page, waves=True)
                     for page in (64, 32, 16)})                                  # the capped chunk pass (CHUNK_CAP)
+    configs["balanced mla16 decode waves"] = chunked(16, 1, splits=3, waves=True)       # the transposed one capped
     return configs
 
 

@@ -84,7 +84,8 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
     at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
     search for it. Each partition that calls this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit
-    alone): the many-waves budget's cap (``_chunk_of``)."""
+    alone): the many-waves budget's cap (``_chunk_of``). A slot past the batch's chunks returns the head block
+    ``NUM_HB``: no head of it is in range."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
@@ -98,8 +99,9 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
                 gl.store(lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS, per.to(gl.float32))
         split = (c - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
-        if c >= total:
-            end = start        # a slot past the batch's last chunk: no tile
+        if c >= total:         # a slot past the batch's last chunk: no tile, and its head block past the heads, so
+            end = start        # that it loads no query and stores nothing (every load and store masks heads)
+            hb = hb * 0 + NUM_HB
     else:
         b = gl.program_id(1)
         split = gl.program_id(2)

@@ -97,18 +97,19 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
 
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("page_size", [64, 16, 32])     # the chunked, wgmma and seesaw kernels (seesaw: 32-token tiles)
+# 128 heads: the chunked, wgmma and seesaw kernels (seesaw: 32-token tiles); 16 heads at page 64: the transposed one
+@pytest.mark.parametrize("H,page_size", [(128, 64), (128, 16), (128, 32), (16, 64)])
 @pytest.mark.parametrize("seq_lens,fitted", [
     ([20000] + [64] * 8, {64: 11, 32: 21}),         # the fit's size would cut the long request into 29-30 chunks
     ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
 ])
-def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, page_size, splits=4):
+def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, splits=4):
     """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass, where the
     fitted size would cut a request into more than ``MANY_WAVES_CAP`` chunks, takes a budget of one chunk a request's
     size, published for the merge (a merge that recomputed the uncapped size would cut otherwise); the published
-    size is that rule's."""
+    size is that rule's. The slots past the batch's chunks (most of the grid where capped) store nothing."""
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
-    latent, rope, H, W = 512, 64, 128, 1
+    latent, rope, W = 512, 64, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
     bs = lens.shape[0]
     out = torch.full((bs, H, latent), float("nan"), device=DEVICE, dtype=torch.bfloat16)
@@ -126,6 +127,11 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, page_size, splits
         assert published == -(-sum(tiles) // bs) and len(seq_lens) > 6
     else:
         assert published == fit and len(seq_lens) == 6
+    chunks = sum(-(-t // published) for t in tiles)
+    assert chunks < bs * splits + bs
+    past = slice(chunks * W, (bs * splits + bs) * W)
+    assert ws[0][past].isnan().all() and ws[1][past].isnan().all()
+    assert not ws[1][:chunks * W].isnan().any()
     with pytest.raises(ValueError, match="many_waves=True is a budget of the wave fit"):
         mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, many_waves=True)
 

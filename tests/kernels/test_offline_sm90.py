@@ -213,7 +213,8 @@ BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
                   ("balanced mla16 verify4 page 16", "_mla_wgmma_kernel", 0),
                   ("balanced mla128 decode waves page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),   # CHUNK_CAP
                   ("balanced mla128 decode waves page 32", "_mla_seesaw_kernel", SEESAW_MAX_STACK),
-                  ("balanced mla128 decode waves page 16", "_mla_wgmma_kernel", 0)]
+                  ("balanced mla128 decode waves page 16", "_mla_wgmma_kernel", 0),
+                  ("balanced mla16 decode waves", "_mla_swap_kernel", 0)]
 
 
 @pytest.mark.parametrize("label,kernel,max_stack", BALANCED_GLUON)
