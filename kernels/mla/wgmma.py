@@ -153,6 +153,8 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
                                                              per)), hi)
         lo = per
         hi = gl.where(over & (budget >= bs), hi, per)
+        if CHUNK_CAP > 0:       # the search finds at most hi: where hi already cuts into more than CHUNK_CAP, the cap
+            lo = gl.where((gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP > hi, hi, lo)     # holds: no search
         while lo < hi:
             mid = (lo + hi) // 2
             fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget

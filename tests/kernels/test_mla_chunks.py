@@ -114,7 +114,7 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, spl
     bs = lens.shape[0]
     out = torch.full((bs, H, latent), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     ws = chunk_workspace(bs, splits, W, H, 1, latent, DEVICE, partial_dtype(torch.bfloat16, q.device, page_size,
-                                                                             64, latent, rope))
+                                                                             min(H, 64), latent, rope))
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
     mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, fit=True, many_waves=True)
