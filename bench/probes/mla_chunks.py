@@ -23,7 +23,8 @@ merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a
 requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "+nopf" the sum's walk
 without its next load in flight (``MERGE_PASS_PREFETCH`` off); "+onewave" no budget of several waves
 (``schedule.MANY_WAVES`` 0: the count of one wave; nothing on a row given its count, ``/S``); "+nocap" that
-budget without its cap (``MANY_WAVES_CAP`` 0); "#2" after a form: that form again, a second round.
+budget without its cap (``MANY_WAVES_CAP`` 0), "+capN" with a cap of N chunks a request; "#2" after a form: that
+form again, a second round.
 """
 from __future__ import annotations
 
@@ -152,6 +153,8 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(schedule, "MANY_WAVES", 0))
             elif part == "nocap":
                 stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", 0))
+            elif part.startswith("cap") and part[3:].isdigit():
+                stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", int(part[3:])))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
@@ -161,7 +164,7 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
                 raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, "
-                                 "nopf, onewave, nocap")
+                                 "nopf, onewave, nocap, capN")
         yield
 
 

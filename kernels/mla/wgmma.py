@@ -131,10 +131,9 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
     (the last request past the batch's last chunk), KV range ``[start, end)``, the batch's
     chunk count and the chunk in tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
     within a warp: each partition of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of
-    several waves: ``schedule.many_waves``): where the fitted size would cut a request into more than ``CHUNK_CAP``
-    chunks, the size of a budget of one chunk a request instead (the count before the waves: the merge of a long
-    request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged batches'); the merge reads
-    it published."""
+    several waves: ``schedule.many_waves``): at least the size that cuts the longest request into ``CHUNK_CAP``
+    chunks (the merge of a long request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged
+    batches'); the merge reads it published."""
     L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
     MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
     offs = gl.arange(0, CHUNK_BS, layout=L)
@@ -161,9 +160,8 @@ def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.con
             hi = gl.where(fits, mid, hi)
             lo = gl.where(fits, lo, mid + 1)
         per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
-        if CHUNK_CAP > 0:
-            capped = (gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP > per
-            per = gl.where(capped, gl.maximum((total + bs - 1) // bs, MIN_TILES), per)
+        if CHUNK_CAP > 0:       # the longest request in at most CHUNK_CAP chunks
+            per = gl.maximum(per, (gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP)
     n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
     ends = gl.associative_scan(n, 0, _add)
     total = gl.sum(n, 0)

@@ -104,10 +104,10 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
 ])
 def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, splits=4):
-    """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass, where the
-    fitted size would cut a request into more than ``MANY_WAVES_CAP`` chunks, takes a budget of one chunk a request's
-    size, published for the merge (a merge that recomputed the uncapped size would cut otherwise); the published
-    size is that rule's. The slots past the batch's chunks (most of the grid where capped) store nothing."""
+    """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass cuts no
+    request into more than ``MANY_WAVES_CAP`` chunks, its size published for the merge (a merge that recomputed the
+    uncapped size would cut otherwise); the published size is that rule's. The slots past the batch's chunks (most
+    of the grid where capped) store nothing."""
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
     latent, rope, W = 512, 64, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
@@ -123,8 +123,8 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, spl
     n = 32 if page_size == 32 else 64
     tiles = [-(-int(x) // n) for x in lens]
     published, fit = int(ws[1][(bs * splits + bs) * W, 0].item()), fitted[n]
-    if -(-max(tiles) // fit) > MANY_WAVES_CAP:      # capped: the size of one chunk a request's budget
-        assert published == -(-sum(tiles) // bs) and len(seq_lens) > 6
+    if -(-max(tiles) // fit) > MANY_WAVES_CAP:      # capped: the longest request in MANY_WAVES_CAP chunks
+        assert published == -(-max(tiles) // MANY_WAVES_CAP) and len(seq_lens) > 6
     else:
         assert published == fit and len(seq_lens) == 6
     chunks = sum(-(-t // published) for t in tiles)
