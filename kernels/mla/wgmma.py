@@ -100,7 +100,7 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
         split = (c - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
         if c >= total:         # a slot past the batch's last chunk: no tile, and its head block past the heads, so
-            end = start        # that it loads no query and stores nothing (every load and store masks heads)
+            end = start        # that it stores no partial (every q and KV load and every store masks heads or tokens)
             hb = hb * 0 + NUM_HB
     else:
         b = gl.program_id(1)

@@ -396,6 +396,7 @@ def test_a_budget_of_waves_only_where_it_was_measured(h200, monkeypatch):
     assert plan(rank=256)[2] is False
     assert plan(bs=80, heads=64) == (3, True, True)                    # one 64-head tile a request
     assert plan(bs=80, heads=16) == (3, True, True)                    # the transposed kernel: one program an SM
+    assert plan(bs=150, heads=64) == (2, True, True)                   # 150 programs: two waves of 2 a request
     assert plan(bs=80, heads=16, transposed=False) == (3, False, False)     # the Triton tile: two an SM, no waves
     assert plan(bs=48, heads=16)[2] is False                            # 2 chunks a request: no budget of waves
     assert plan(bs=80, heads=32)[2] is False                            # two 16-head tiles a request: not measured
