@@ -96,6 +96,8 @@ def offline():
     def compile_instead(kernel, grid, *args, **kwargs):
         compiled = compile_sm90(kernel, args, kwargs)
         extra = {"prefetch": kwargs["PREFETCH"]} if "PREFETCH" in kwargs else {}     # the merge pass's form
+        if "CHUNK_CAP" in kwargs:                                                       # a Gluon chunk pass's cap
+            extra["cap"] = kwargs["CHUNK_CAP"]
         launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 

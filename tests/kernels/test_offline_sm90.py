@@ -221,9 +221,12 @@ BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
 def test_chunk_schedule_runs_the_gluon_kernels(compiled, label, kernel, max_stack):
     """The MLA chunk pass on sm_90 (``mla.balanced``, kernel=None): the Gluon kernel that serves the
     launch's tile (the split launch's rule) on the chunk schedule, then the merge pass; within one
-    program's shared memory and the split launch's spill bounds; ``kernel="triton"`` keeps the Triton tile."""
+    program's shared memory and the split launch's spill bounds; ``kernel="triton"`` keeps the Triton tile. A budget
+    of waves passes its cap down (``CHUNK_CAP``), no other launch does."""
+    from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
     launches = compiled[label]
     assert [r["kernel"] for r in launches] == [kernel, "_merge_chunk_pass_kernel"], launches
+    assert launches[0]["cap"] == (MANY_WAVES_CAP if "waves" in label else 0), launches[0]     # the budget of waves
     assert launches[0]["stack"] <= max_stack, f"spills: {launches[0]}"
     assert launches[0]["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {launches[0]}"
     if f"balanced triton {label[9:]}" in compiled:
