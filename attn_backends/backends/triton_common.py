@@ -67,8 +67,8 @@ def choose_num_kv_splits(programs: int, device: torch.device, max_pages: int, pe
 
 @dataclass(eq=False)
 class TritonMetadata(ForwardMetadata):
-    """The split count, wave fit (``_fits_wave``), whether the count is a budget of several waves
-    (``_many_waves``) and split workspace of a key (or an eager step),
+    """The split count, wave fit and whether the count is a budget of several waves (``_split_plan``), and split
+    workspace of a key (or an eager step),
     and the launches recorded by graph metadata called outside a capture ((softmax scale, k_scale,
     v_scale[, window, softcap, has sinks]) -> :class:`Recorded`)."""
 
@@ -153,25 +153,17 @@ class TritonBackendBase(LayoutBackend):
     def _splits(self, lay: Layout) -> int:
         return self._split_plan(lay)[0]
 
-    def _fits_wave(self, lay: Layout) -> bool:
-        """Whether a chunked launch asks for the wave fit (``chunk_kernels._balanced_per``): its budget
-        of one-an-SM programs fills at least 7/8 of the SMs, so chunks past it would run past one
-        wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x: bench/RESULTS.md, 'Ragged batches'),
-        or is a budget of several waves (``_many_waves``), whose last wave the fit keeps."""
-        return self._split_plan(lay)[1]
-
-    def _many_waves(self, lay: Layout) -> bool:
-        """Whether a chunked launch's count is ``schedule.many_waves``' budget of several waves (under the wave fit)."""
-        return self._split_plan(lay)[2]
-
     def _waves_allowed(self, lay: Layout) -> bool:
         """Whether a chunked launch of one chunk a request that leaves SMs idle may take a budget of several
         waves (``schedule.many_waves``): where it was measured (``triton_mla``'s decode on the Gluon chunk pass)."""
         return False
 
     def _split_plan(self, lay: Layout) -> tuple:
-        """``(count, fit, many)`` of the split rule for ``lay``, computed once a key (``_splits``, ``_fits_wave``,
-        ``_many_waves``)."""
+        """``(count, fit, many)`` of the split rule for ``lay``, computed once a key: ``fit``, whether a chunked launch
+        asks for the wave fit (``chunk_kernels._balanced_per``): its budget of one-an-SM programs fills at least 7/8 of
+        the SMs, so chunks past it would run past one wave (a fit to a budget that leaves SMs idle lost 0.75-0.81x:
+        bench/RESULTS.md, 'Ragged batches'), or is a budget of several waves, whose last wave the fit keeps; ``many``,
+        whether the count is ``schedule.many_waves``' budget of several waves."""
         width = lay.width or max(1, lay.max_seq_len_q)
         # the GraphKey's facts, and the instance's schedule and count rule (a caller may set them after construction)
         key = (lay.bs, width, lay.mode, lay.mask, self.schedule, self.EXACT_CHUNK_SPLITS)
@@ -268,9 +260,9 @@ class TritonBackendBase(LayoutBackend):
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
                                   part_dtype=self._part_dtype(key.width))
-        # the fit is a chunked launch's alone: other launches skip its lookup
-        return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=chunked and self._fits_wave(view.layout),
-                              many_waves=chunked and self._many_waves(view.layout), workspace=ws,
+        # the fit and the waves are a chunked launch's alone: other launches skip their lookup
+        fit, many = self._split_plan(view.layout)[1:] if chunked else (False, False)
+        return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=fit, many_waves=many, workspace=ws,
                               book={} if key is not None else self._step_book(view))
 
     def _extra_graph_buffers(self) -> dict:

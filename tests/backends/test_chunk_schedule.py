@@ -206,13 +206,14 @@ def test_exact_chunk_counts_through_the_backend(monkeypatch, name, backend):
 
 @pytest.mark.parametrize("fits", [True, False])
 def test_triton_mla_hands_the_wave_fit_to_the_chunk_pass(monkeypatch, fits, name="decode"):
-    """``triton_mla`` passes ``_fits_wave``'s answer to the chunk pass as ``fit`` (a launch without it
+    """``triton_mla`` passes ``_split_plan``'s fit to the chunk pass as ``fit`` (a launch without it
     would overrun one wave where the rule asks for the fit; a GPU decides it, so it is patched
     here), and the fitted schedule matches the reference and its replay."""
     from attn_backends.backends import triton_mla
     seen = []
     real = triton_mla.mla_chunk_fwd
     monkeypatch.setattr(triton_mla, "mla_chunk_fwd", lambda *a, **kw: seen.append(kw["fit"]) or real(*a, **kw))
-    monkeypatch.setattr(TritonMLABackend, "_fits_wave", lambda self, lay: fits)
+    plan = TritonMLABackend._split_plan
+    monkeypatch.setattr(TritonMLABackend, "_split_plan", lambda self, lay: (plan(self, lay)[0], fits, False))
     test_chunk_schedule_through_the_backend(name, "triton_mla", False, "pass")
     assert seen and set(seen) == {fits}, seen

@@ -305,8 +305,8 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
     """``EXACT_CHUNK_SPLITS`` (the default; off in the ``Pow2Splits*`` classes): a chunked launch
     takes the split rule's count as it is; without it, and for launches that are not chunked, a power
     of two below it (MLA on a 16-bit cache: ``schedule = "auto"`` chunks there on sm_90). ``fits``:
-    the launch asks for the wave fit (``_fits_wave``: one-an-SM programs whose budget fills at least
-    7/8 of the SMs, or a budget of several waves: ``_many_waves``, MLA's decode alone), never without the
+    the launch asks for the wave fit (``_split_plan``: one-an-SM programs whose budget fills at least
+    7/8 of the SMs, or a budget of several waves, MLA's decode alone), never without the
     exact count."""
     from attn_backends import ModelConfig, get_backend
     from attn_backends.backends import triton_mla
@@ -332,8 +332,7 @@ def test_exact_chunk_splits(h200, monkeypatch, family, heads, kv_heads, width, b
         monkeypatch.setattr(be, "_decodes_transposed", lambda: heads < 64, raising=False)
         monkeypatch.setattr(mem, "device", CUDA0)
         got[name.split(":")[-1]] = be._splits(lay)
-        fit[name.split(":")[-1]] = be._fits_wave(lay)
-        many[name.split(":")[-1]] = be._many_waves(lay)
+        fit[name.split(":")[-1]], many[name.split(":")[-1]] = be._split_plan(lay)[1:]
         monkeypatch.setattr(mem, "device", torch.device("cpu"))
     assert list(got.values()) == [want_exact, want_pow2], got
     assert list(fit.values()) == [fits, False], fit
