@@ -82,7 +82,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``chunk_kernels._balanced_per``:
     chunks past the budget would run as a second wave). ``many_waves``: the count is ``schedule.many_waves``' budget
     of several waves (under the fit), whose Gluon chunk pass cuts no request into more than MANY_WAVES_CAP chunks
-    (``wgmma._chunk_of``: the size it publishes; the Triton tile runs the budget as it is)."""
+    (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton tile runs the budget as it is)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
@@ -158,7 +158,7 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
 
 
 # A budget of several waves (``schedule.many_waves``) cuts no request into more than this many chunks (its chunk at
-# least the longest request's / MANY_WAVES_CAP: ``wgmma._chunk_of``): at 4 chunks a request (MLA-128 bs 48) a long
+# least the longest request's / MANY_WAVES_CAP: ``chunk_map.gluon_chunk_of``): at 4 chunks a request (MLA-128 bs 48) a long
 # tail's long requests took 52, and their merge 11 -> 31 us. The size of one chunk a request there instead left SMs
 # idle (MLA-128 bs 34's long tail 123.6 us, 96.1 at 16; 32 and 64 a request slower: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES_CAP = 16

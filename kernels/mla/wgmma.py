@@ -30,13 +30,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..device_facts import capability, cuda_index
-from ..schedule import MIN_CHUNK_TOKENS as _MIN_CHUNK_TOKENS
+from .chunk_map import gluon_chunk_of
 
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
 BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group
 BLOCK_N = gl.constexpr(TILE_TOKENS)  # KV tokens of one tile
 NUM_WARPS = gl.constexpr(WARPS)      # two warp groups
-MIN_CHUNK_TOKENS = gl.constexpr(_MIN_CHUNK_TOKENS)   # the chunk schedule's shortest chunk
 
 
 @gluon.jit
@@ -74,7 +73,7 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     """This program's head block, row block, request, split, the request's prefix and draft
     prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
 
-    ``CHUNK_BS`` > 0: the chunk schedule (``chunk_kernels.chunk_of``; ``_chunk_of``) over the grid's
+    ``CHUNK_BS`` > 0: the chunk schedule (``chunk_kernels.chunk_of``; ``chunk_map.gluon_chunk_of``) over the grid's
     ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
     (``ChunkLaunch.budget``). Every chunk
     writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
@@ -84,7 +83,7 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
     at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
     search for it. Each partition that calls this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit
-    alone): the many-waves budget's cap (``_chunk_of``). A slot past the batch's chunks returns the head block
+    alone): the many-waves budget's cap and order (``chunk_map``). A slot past the batch's chunks returns the head block
     ``NUM_HB``: no head of it is in range."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
@@ -93,11 +92,11 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     if CHUNK_BS > 0:
         c = gl.program_id(1)
         bs = gl.num_programs(1) - gl.maximum(NUM_SPLITS, -NUM_SPLITS)     # negative: the wave fit
-        b, start, end, total, per = _chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS, CHUNK_CAP)
+        b, k, start, end, total, per = gluon_chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS, CHUNK_CAP)
         if NUM_SPLITS < 0:
             if (c == 0) & (pid == 0):
                 gl.store(lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS, per.to(gl.float32))
-        split = (c - b).to(gl.int64) * W * NUM_HEADS
+        split = (k - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
         if c >= total:         # a slot past the batch's last chunk: no tile, and its head block past the heads, so
             end = start        # that it stores no partial (every q and KV load and every store masks heads or tokens)
@@ -117,59 +116,6 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
         end = gl.minimum(end, prefix + wb * BLOCK_W + BLOCK_W)
     num_tiles = gl.maximum(end - start + N - 1, 0) // N
     return hb, wb, b, split, prefix, draft_prefix, start, end, num_tiles
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _chunk_of(seq_lens_ptr, c, bs, num_chunks, N: gl.constexpr, CHUNK_BS: gl.constexpr,
-              CHUNK_CAP: gl.constexpr = 0):
-    """``chunk_kernels.chunk_of`` without a window or fixed chunks, in Gluon: chunk ``c``'s request
-    (the last request past the batch's last chunk), KV range ``[start, end)``, the batch's
-    chunk count and the chunk in tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scan stay
-    within a warp: each partition of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of
-    several waves: ``schedule.many_waves``): at least the size that cuts the longest request into ``CHUNK_CAP``
-    chunks (the merge of a long request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged
-    batches'); the merge reads it published."""
-    L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
-    MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N
-    offs = gl.arange(0, CHUNK_BS, layout=L)
-    lens = gl.load(seq_lens_ptr + offs, mask=offs < bs, other=0)
-    tiles = (lens + N - 1) // N
-    valid = offs < bs
-    # chunk_kernels._balanced_per, op for op but the cap (the merge pass recomputes the schedule in Triton, or reads
-    # this `per`: always where the cap applies)
-    budget = gl.maximum(num_chunks, -num_chunks)
-    total = gl.sum(tiles, 0)
-    per = gl.maximum((total + budget - 1) // budget, MIN_TILES)
-    if num_chunks < 0:
-        over = gl.sum(gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0), 0) > budget
-        hi = gl.maximum(gl.max(tiles, 0), per)
-        hi = gl.where(budget > bs, gl.minimum(hi, gl.maximum((total + budget - bs - 1) // gl.maximum(budget - bs, 1),
-                                                             per)), hi)
-        lo = per
-        hi = gl.where(over & (budget >= bs), hi, per)
-        if CHUNK_CAP > 0:       # the search finds at most hi: where hi already cuts into more than CHUNK_CAP, the cap
-            lo = gl.where((gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP > hi, hi, lo)     # holds: no search
-        while lo < hi:
-            mid = (lo + hi) // 2
-            fits = gl.sum(gl.where(valid, gl.maximum((tiles + mid - 1) // mid, 1), 0), 0) <= budget
-            hi = gl.where(fits, mid, hi)
-            lo = gl.where(fits, lo, mid + 1)
-        per = gl.where(3 * (hi + MIN_TILES) <= 4 * (per + MIN_TILES), hi, per)
-        if CHUNK_CAP > 0:       # the longest request in at most CHUNK_CAP chunks
-            per = gl.maximum(per, (gl.max(tiles, 0) + CHUNK_CAP - 1) // CHUNK_CAP)
-    n = gl.where(valid, gl.maximum((tiles + per - 1) // per, 1), 0)
-    ends = gl.associative_scan(n, 0, _add)
-    total = gl.sum(n, 0)
-    b = gl.minimum(gl.sum((ends <= c).to(gl.int32), 0), bs - 1)
-    mine = offs == b
-    first = gl.sum(gl.where(mine, ends - n, 0), 0)
-    start = (c - first) * per * N
-    return b, start, gl.minimum(start + per * N, gl.sum(gl.where(mine, lens, 0), 0)), total, per
 
 
 @gluon.jit
