@@ -31,9 +31,10 @@ MERGE_PASS_VALUES = 4096
 MERGE_PASS_PROGRAMS = 264
 # MLA's latent, one query row a chunk (decode): column blocks on the grid, doubled while rows x head blocks x column
 # blocks are under MERGE_PASS_LATENT_PROGRAMS, where a long request's merge programs each walked its chunks once a
-# column block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us, MLA-16 bs 13 38.8 -> 35.7; up to 1.4 % slower on some
-# other rows; verify, at four rows a chunk, lost 0.4-1.2 % with all four: bench/RESULTS.md, 'Ragged batches').
-MERGE_PASS_LATENT_PROGRAMS = 1024
+# column block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us at 1,024; at 2,048 bs 67 / 96's long tails' merges
+# 21.9 / 25.7 -> 14.4 / 17.6 us, the other rows' within 1 us; verify, at four rows a chunk, lost 0.4-1.2 % with all
+# four: bench/RESULTS.md, 'Ragged batches').
+MERGE_PASS_LATENT_PROGRAMS = 2048
 # MLA's latent: budgets of at most MERGE_PASS_FAT_DECODE chunks a request in decode (MERGE_PASS_FAT_VERIFY in
 # verify) take the fat tiles (``merge_pass_tiles``): at 5 a request the one-head tiles walked the latent's four
 # column blocks one after another, 39-42 us of MLA-128 bs 13's graph; at 10 (MLA-16 bs 13) they took 0.3-2 us more

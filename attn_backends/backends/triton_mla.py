@@ -70,9 +70,10 @@ class TritonMLABackend(TritonBackendBase):
 
     def _waves_allowed(self, lay) -> bool:
         """Decode where the Gluon chunk pass serves it (a 16-bit cache of the 512 + 64 layout on sm_90:
-        ``wgmma_refusal``), which caps the budget's chunks (``chunk_map.gluon_chunk_of``), on the tiles it was measured on:
-        64-head tiles (64 heads or more; measured at 64 and 128) and 16 heads on the transposed kernel
-        (``_split_rule``'s one program an SM; 32 or 48 heads, two or three 16-head tiles a request, not measured)."""
+        ``wgmma_refusal``), which caps the budget's chunks and runs the largest first (``chunk_map.gluon_chunk_of``),
+        on the tiles it was measured on: 64-head tiles (64 heads or more; measured at 64 and 128) and 16 heads on the
+        transposed kernel (``_split_rule``'s one program an SM; 32 or 48 heads, two or three 16-head tiles a request,
+        not measured)."""
         cfg = self.config
         return (lay.mode == ForwardMode.DECODE and (lay.width or 1) == 1
                 and (cfg.num_q_heads >= 64 or cfg.num_q_heads == 16)

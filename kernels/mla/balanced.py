@@ -158,8 +158,8 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
 
 
 # A budget of several waves (``schedule.many_waves``) cuts no request into more than this many chunks (its chunk at
-# least the longest request's / MANY_WAVES_CAP: ``chunk_map.gluon_chunk_of``): at 4 chunks a request (MLA-128 bs 48) a long
-# tail's long requests took 52, and their merge 11 -> 31 us. The size of one chunk a request there instead left SMs
+# least the longest request's / MANY_WAVES_CAP: ``chunk_map.gluon_chunk_of``): at 4 chunks a request (MLA-128 bs 48) a
+# long tail's long requests took 52, and their merge 11 -> 31 us. The size of one chunk a request there instead left SMs
 # idle (MLA-128 bs 34's long tail 123.6 us, 96.1 at 16; 32 and 64 a request slower: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES_CAP = 16
 
