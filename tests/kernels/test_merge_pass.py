@@ -151,8 +151,8 @@ def test_mla_decode_merge_puts_its_columns_on_the_grid_while_programs_are_few():
     """MLA's decode: the latent's 4 column blocks on the grid, doubled while the programs (rows x head blocks x
     column blocks) are under MERGE_PASS_LATENT_PROGRAMS, over fat tiles of 8 heads (MLA-128 at 1-2 chunks a
     request: bs 24 384 x 4, bs 48 768 x 4, bs 100 1,600 x 2, bs 128 2,048 x 1), of 4 heads and 8 chunks (MLA-16
-    bs 24 and MLA-128 bs 13 at 5 chunks a request: 96 x 4, 416 x 4), of 2 heads and 16 chunks (MLA-16 bs 13 at 10: 104 x 4) or one
-    head (past 16 chunks a request: MLA-16 bs 7 at 18, 112 x 4); verify (4 rows a
+    bs 24 and MLA-128 bs 13 at 5 chunks a request: 96 x 4, 416 x 4), of 2 heads and 16 chunks (MLA-16 bs 13 at
+    10: 104 x 4) or one head (past 16 chunks a request: MLA-16 bs 7 at 18, 112 x 4); verify (4 rows a
     chunk: 512 x 1 where decode would take 2) and
     GQA's head dims keep MERGE_PASS_PROGRAMS."""
     assert merge_pass_tiles(24, 128, 512, 2) == (4, 8, 128, 1, 4)
