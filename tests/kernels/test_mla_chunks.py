@@ -101,13 +101,15 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
 @pytest.mark.parametrize("H,page_size", [(128, 64), (128, 16), (128, 32), (16, 64)])
 @pytest.mark.parametrize("seq_lens,fitted", [
     ([20000] + [64] * 8, {64: 11, 32: 21}),         # the fit's size would cut the long request into 29-30 chunks
+    ([64] * 4 + [20000] + [64] * 4, {64: 11, 32: 21}),  # mid-batch: the first slots run its chunks (largest first)
     ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
 ])
 def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, splits=4):
     """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass cuts no
     request into more than ``MANY_WAVES_CAP`` chunks, its size published for the merge (a merge that recomputed the
-    uncapped size would cut otherwise); the published size is that rule's. The slots past the batch's chunks (most
-    of the grid where capped) store nothing."""
+    uncapped size would cut otherwise); the published size is that rule's. Its slots run the largest chunks first
+    (``chunk_map``): every chunk once, into its slot in request order (a chunk never run leaves NaN). The slots past
+    the batch's chunks (most of the grid where capped) store nothing."""
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
     latent, rope, W = 512, 64, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
