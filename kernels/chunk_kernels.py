@@ -32,8 +32,8 @@ MERGE_PASS_PROGRAMS = 264
 # MLA's latent, one query row a chunk (decode): column blocks on the grid, doubled while rows x head blocks x column
 # blocks are under MERGE_PASS_LATENT_PROGRAMS, where a long request's merge programs each walked its chunks once a
 # column block (MLA-128 decode bs 24 long tail 75.6 -> 64.9 us at 1,024; at 2,048 bs 67 / 96's long tails' merges
-# 21.9 / 25.7 -> 14.4 / 17.6 us, the other rows' within 1 us; verify, at four rows a chunk, lost 0.4-1.2 % with all
-# four: bench/RESULTS.md, 'Ragged batches').
+# 21.9 / 25.7 -> 14.4 / 17.6 us, MLA-128 bs 34-96's other merges within 1 us, MLA-64 not measured; verify, at four
+# rows a chunk, lost 0.4-1.2 % with all four: bench/RESULTS.md, 'Ragged batches').
 MERGE_PASS_LATENT_PROGRAMS = 2048
 # MLA's latent: budgets of at most MERGE_PASS_FAT_DECODE chunks a request in decode (MERGE_PASS_FAT_VERIFY in
 # verify) take the fat tiles (``merge_pass_tiles``): at 5 a request the one-head tiles walked the latent's four

@@ -170,8 +170,8 @@ def chunk_launch(name: str, out: torch.Tensor, workspace, bs: int, num_kv_splits
 # A one-chunk-a-request decode budget whose programs leave SMs idle: the count of at most MANY_WAVES waves whose
 # last wave is fullest, where it fills at least 1/16 of the SMs more (MLA-128 decode bs 34-80, MLA-16 and -64 bs
 # 67-96: 1.1-1.4x on uniform, ragged and bimodal lengths; long tails, with the cap by the longest request and the
-# largest chunks first, 0.81-0.97x of one chunk a request; bs 56, whose every count of at most 3 waves fills 85 %, lost
-# at 4: bench/RESULTS.md, 'Ragged batches').
+# largest chunks first, 0.89-0.92x (MLA-128 bs 48-96) and 0.97x (MLA-16 bs 67) of one chunk a request; bs 56,
+# whose every count of at most 3 waves fills 85 %, lost at 4: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES = 3
 
 

@@ -186,8 +186,8 @@ def _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel, kno
 def _launch_gluon(use, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, scale_log2, W, H, Dv,
                   rope, page_size, block_w, block_h, mask_kind, cap=0):
     """A Gluon kernel on the chunk schedule (``wgmma._program``): chunk budget in ``NUM_SPLITS``, every
-    chunk's partial at row ``c * W + j`` of the contiguous workspace (the offset the kernel adds per
-    chunk is a head stride times ``(c - b) * W * H``, hence the checks)."""
+    chunk's partial at row ``k * W + j`` of the contiguous workspace, ``k`` its index in request order (the offset the
+    kernel adds per chunk is a head stride times ``(k - b) * W * H``, hence the checks)."""
     part, lse = cl.part, cl.lse
     if part.stride(0) != H * part.stride(1) or lse.stride(0) != H or lse.stride(1) != 1:
         raise ValueError(f"mla_chunk_fwd: the Gluon chunk pass needs a contiguous workspace (part strides "

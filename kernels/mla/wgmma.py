@@ -76,10 +76,11 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     ``CHUNK_BS`` > 0: the chunk schedule (``chunk_kernels.chunk_of``; ``chunk_map.gluon_chunk_of``) over the grid's
     ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
     (``ChunkLaunch.budget``). Every chunk
-    writes a partial (the merge pass combines one-chunk requests too), at row ``c * W + j`` of a
+    writes a partial (the merge pass combines one-chunk requests too), at row ``k * W + j`` of a
     contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W + 1, NUM_HEADS]``
-    log-sum-exps: the stores add ``split * stride_os`` and ``split`` to the request's row, so
-    ``split`` is the offset ``(c - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
+    log-sum-exps, ``k`` the chunk's index in request order (slot ``c`` runs chunk ``k``: ``gluon_chunk_of``): the
+    stores add ``split * stride_os`` and ``split`` to the request's row, so ``split`` is the offset
+    ``(k - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
     negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
     at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
     search for it. Each partition that calls this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit
