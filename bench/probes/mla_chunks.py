@@ -12,19 +12,19 @@ chunk partials) and "chunks" (``warpspec.partial_dtype``'s partials, as the back
 then each launch's device time from the profiler over 20 replays, with its registers, shared memory
 and blocks an SM as the trace reports them. Outputs are compared with the split's.
 
-``--variants``: the backend's chunk launch alone ("rule": its split count, partial dtype and wave fit) beside
-forms of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on
-the grid only while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS``
-at ``MERGE_PASS_PROGRAMS``); "+fatN" the merge pass's
-fat tiles in decode up to N chunks a request (``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave
-fit's chunk size itself (``balanced.PUBLISH_FIT`` off; on a budget of waves the cap goes with it: it lives in the
-published size); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
+``--variants``: the backend's chunk launch alone ("rule": its split count, partial dtype and wave fit) beside forms
+of it, each timed and broken into launches the same way: "rule+z1" the merge pass's column blocks on the grid only
+while programs are few, as for the other head dims (``chunk_kernels.MERGE_PASS_LATENT_PROGRAMS`` at
+``MERGE_PASS_PROGRAMS``); "+fatN" the merge pass's fat tiles in decode up to N chunks a request
+(``MERGE_PASS_FAT_DECODE``); "+nopub" the merge searching for the wave fit's chunk size itself
+(``balanced.PUBLISH_FIT`` off; on a budget of waves the cap and the largest-first order go with it: the kernels take
+both from ``CHUNK_CAP``, which is 0 unless published); "+lpN" ``MERGE_PASS_LATENT_PROGRAMS`` at N; "+wN" / "+sN" the
 merge pass at N warps / N stages; "+nopdl" the merge pass in stream order, not a dependent launch; "+twopass"
 requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOAD`` off); "+nopf" the sum's walk
 without its next load in flight (``MERGE_PASS_PREFETCH`` off); "+onewave" no budget of several waves
-(``schedule.MANY_WAVES`` 0: the count of one wave; nothing on a row given its count, ``/S``); "+nocap" that
-budget without its cap (``MANY_WAVES_CAP`` 0), "+capN" with a cap of N chunks a request; "#2" after a form: that
-form again, a second round.
+(``schedule.MANY_WAVES`` 0: the count of one wave; nothing on a row given its count, ``/S``); "+nocap" that budget
+without its cap and in request order (``MANY_WAVES_CAP`` 0: ``chunk_map``'s order rides on the cap), "+capN" with a
+cap of N chunks a request; "#2" after a form: that form again, a second round.
 """
 from __future__ import annotations
 
