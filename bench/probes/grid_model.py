@@ -1,10 +1,10 @@
 """A model of MLA decode's chunk pass on a budget of chunks: which order the grid's slots should run the chunks in,
 without a GPU (issue #40).
 
-    python bench/probes/grid_model.py [--rows 128x1:67/2,16x1:80/3] [--dists longtail,bimodal] [--caps 16,8]
+    python bench/probes/grid_model.py [--rows 128x1:67,16x1:80/4] [--dists longtail,bimodal] [--caps 16,8]
 
-Per row (heads x 1 : batch / chunks a request, the budget of several waves ``schedule.many_waves`` gives) and length
-distribution (``bench/sweep``'s): the chunk size of ``chunk_map.gluon_chunk_of`` under the wave fit and a cap
+Per row (heads x 1 : batch [/ chunks a request; else the budget of several waves ``schedule.many_waves`` gives]) and
+length distribution (``bench/sweep``'s): the chunk size of ``chunk_map.gluon_chunk_of`` under the wave fit and a cap
 (the longest request in at most ``cap`` chunks), its chunks, and the time of the grid when every SM takes the next
 slot as it frees (one program an SM, ``heads / 64`` programs a chunk, 16 heads one), a program costing ``--fixed-us``
 plus ``--token-us`` a KV token, slots in request order ("request") or largest first ("largest": ``_largest_first``).
@@ -22,12 +22,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sweep"))
 from sweep_rows import lengths  # noqa: E402
 
-TILE = 64          # the Gluon chunk pass's KV tile
-MIN_TILES = 4      # schedule.MIN_CHUNK_TOKENS / TILE
+from attn_backends_kernels.launch_record import cdiv  # noqa: E402
+from attn_backends_kernels.mla.wgmma import TILE_TOKENS as TILE  # noqa: E402
+from attn_backends_kernels.schedule import MIN_CHUNK_TOKENS, many_waves  # noqa: E402
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+MIN_TILES = MIN_CHUNK_TOKENS // TILE
 
 
 def chunk_tiles(lens: list, budget: int, cap: int) -> int:
@@ -71,7 +70,7 @@ def grid_us(sizes: list, programs_a_chunk: int, empty: int, sms: int, fixed_us: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="128x1:48/4,128x1:67/2,128x1:80/2,128x1:96/2")
+    ap.add_argument("--rows", default="128x1:48,128x1:67,128x1:80,128x1:96")
     ap.add_argument("--dists", default="uniform,ragged,longtail,bimodal")
     ap.add_argument("--caps", default="16")
     ap.add_argument("--sms", type=int, default=132)
@@ -81,7 +80,9 @@ def main(argv=None) -> int:
     for spec in args.rows.split(","):
         hw, batch = spec.split(":")
         heads = int(hw.split("x")[0])
-        bs, per_request = (int(x) for x in batch.split("/"))
+        bs, _, count = batch.partition("/")
+        bs, programs = int(bs), int(bs) * max(1, heads // 64)
+        per_request = int(count) if count else many_waves(programs, args.sms)
         for dist in args.dists.split(","):
             lens = lengths(dist, bs, kv=16384)
             for cap in (int(c) for c in args.caps.split(",")):
