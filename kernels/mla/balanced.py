@@ -18,12 +18,10 @@ import triton.language as tl
 
 from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
 from ..chunk_kernels import chunk_of
-from ..device_facts import device_sms
 from ..extend_attention import MASK_KINDS
 from ..launch_record import cdiv, launch
 from ..schedule import check_schedule, chunk_launch, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
-from .chunk_map import chunk_cap_arg
 from .walk import _mla_rows, _mla_store, _mla_walk
 from .warpspec import partial_dtype
 
@@ -84,8 +82,7 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``chunk_kernels._balanced_per``:
     chunks past the budget would run as a second wave). ``many_waves``: the count is ``schedule.many_waves``' budget
     of several waves (under the fit), whose Gluon chunk pass cuts no request into more than MANY_WAVES_CAP chunks
-    and runs the wave model's size where PICK_WAVES (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton
-    tile runs the budget as it is)."""
+    (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton tile runs the budget as it is)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
@@ -116,7 +113,6 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                                                                   rows[0] * rows[1], Dv, D - Dv), fit=fit,
                       published=fit and gluon is not None and PUBLISH_FIT)   # the Gluon pass writes it
     cap = MANY_WAVES_CAP if many_waves and cl.published else 0     # the merge reads the capped size published
-    cap = chunk_cap_arg(cap, device_sms(out.device) or 0 if cap and PICK_WAVES else 0)
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
@@ -166,10 +162,6 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
 # long tail's long requests took 52, and their merge 11 -> 31 us. The size of one chunk a request there instead left SMs
 # idle (MLA-128 bs 34's long tail 123.6 us, 96.1 at 16; 32 and 64 a request slower: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES_CAP = 16
-
-# Under that cap the chunk size of the wave model (``chunk_map.picked_tiles``): where the capped size's last wave is
-# nearly empty, fewer, larger chunks (MLA-128 bs 34 bimodal, MLA-16 bs 80 bimodal: bench/RESULTS.md, 'Ragged batches').
-PICK_WAVES = True
 
 # Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)
 # instead of repeating the fit's search in each of its programs.
