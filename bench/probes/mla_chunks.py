@@ -24,7 +24,8 @@ requests whose chunks fit one load merged in two walks too (``MERGE_PASS_ONE_LOA
 without its next load in flight (``MERGE_PASS_PREFETCH`` off); "+onewave" no budget of several waves
 (``schedule.MANY_WAVES`` 0: the count of one wave; nothing on a row given its count, ``/S``); "+nocap" that budget
 without its cap and in request order (``MANY_WAVES_CAP`` 0: ``chunk_map``'s order rides on the cap), "+capN" with a
-cap of N chunks a request; "#2" after a form: that form again, a second round.
+cap of N chunks a request; "+plan" the chunk size a launch before the chunk pass plans by a wave model
+(``balanced.PLAN_WAVES``, ``mla.chunk_plan``); "#2" after a form: that form again, a second round.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", 0))
             elif part.startswith("cap") and part[3:].isdigit():
                 stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", int(part[3:])))
+            elif part == "plan":
+                stack.enter_context(mock.patch.object(balanced, "PLAN_WAVES", True))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
@@ -164,7 +167,7 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
                 raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, "
-                                 "nopf, onewave, nocap, capN")
+                                 "nopf, onewave, nocap, capN, plan")
         yield
 
 

@@ -101,18 +101,20 @@ def offline():
         launches.append((kernel.__name__, tuple(grid), {**resources(compiled), **extra}))
         return compiled
 
-    saved = [m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device
+    saved = ([m.launch for m in modules], wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device,
+             balanced.device_sms)
     for m in modules:
         m.launch = compile_instead
     wgmma.on_hopper = lambda t: True
     warpspec.hopper_device = lambda device: True        # the split partials' dtype, as on sm_90
     pdl.pdl_device = lambda device: True                # merges as dependent launches, as on sm_90
+    balanced.device_sms = lambda device: 132            # an H100's or H200's SMs (the chunk plan's)
     try:
         yield launches
     finally:
         for m, fn in zip(modules, saved[0]):
             m.launch = fn
-        wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device = saved[1], saved[2], saved[3]
+        wgmma.on_hopper, warpspec.hopper_device, pdl.pdl_device, balanced.device_sms = saved[1:]
 
 
 def mla_configs() -> dict:
@@ -189,6 +191,17 @@ def mla_chunk_configs() -> dict:
     configs.update({f"balanced mla128 decode waves page {page}": chunked(128, 1, splits=4, page=page, waves=True)
                     for page in (64, 32, 16)})                                  # the capped chunk pass (CHUNK_CAP)
     configs["balanced mla16 decode waves"] = chunked(16, 1, splits=3, waves=True)       # the transposed one capped
+
+    def planned(thunk):             # the chunk size planned first (``balanced.PLAN_WAVES``, ``mla.chunk_plan``)
+        def run():
+            from unittest import mock
+
+            from attn_backends_kernels.mla import balanced
+            with mock.patch.object(balanced, "PLAN_WAVES", True):
+                thunk()
+        return run
+    configs["balanced mla128 decode waves planned"] = planned(chunked(128, 1, splits=4, waves=True))
+    configs["balanced mla16 decode waves planned"] = planned(chunked(16, 1, splits=3, waves=True))
     return configs
 
 

@@ -18,10 +18,13 @@ import triton.language as tl
 
 from ..attention_core import LOG2E, MAX_GRID_YZ, fit_block_n
 from ..chunk_kernels import chunk_of
+from ..device_facts import device_sms
 from ..extend_attention import MASK_KINDS
 from ..launch_record import cdiv, launch
 from ..schedule import check_schedule, chunk_launch, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
+from .chunk_map import PLANNED
+from .chunk_plan import plan_chunks
 from .walk import _mla_rows, _mla_store, _mla_walk
 from .warpspec import partial_dtype
 
@@ -82,7 +85,8 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     None), else the Triton tile; "triton": the Triton tile. ``fit``: the wave fit (``chunk_kernels._balanced_per``:
     chunks past the budget would run as a second wave). ``many_waves``: the count is ``schedule.many_waves``' budget
     of several waves (under the fit), whose Gluon chunk pass cuts no request into more than MANY_WAVES_CAP chunks
-    (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton tile runs the budget as it is)."""
+    (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton tile runs the budget as it is), at the size a
+    launch before it plans where PLAN_WAVES (``chunk_plan``)."""
     name = "mla_chunk_fwd"
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
@@ -119,6 +123,10 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                          f"bound {MAX_GRID_YZ}")
     grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
     if gluon is not None:
+        if cap and PLAN_WAVES:      # the size planned once, where the merge reads it (the chunk pass then too)
+            plan_chunks(seq_lens_k, cl.lse[slots * W], bs, cl.budget, grid[0], device_sms(out.device), block_n, cap,
+                        cl.consts["MIN_TILES"], max(32, cl.consts["BLOCK_BS"]), launch)
+            cap += PLANNED.value
         _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
                       sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask], cap)
         cl.merge_pass(seq_lens_k, None, out, single=True)
@@ -162,6 +170,11 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
 # long tail's long requests took 52, and their merge 11 -> 31 us. The size of one chunk a request there instead left SMs
 # idle (MLA-128 bs 34's long tail 123.6 us, 96.1 at 16; 32 and 64 a request slower: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES_CAP = 16
+
+# Under that cap the chunk size planned by a wave model of the grid, by a launch before the chunk pass (``chunk_plan``):
+# fewer, larger chunks where the capped fit's last wave is nearly empty. Off: its launch, one program, costs 9-14 us a
+# call, more than the larger chunks give back but on bimodal and ragged rows (bench/RESULTS.md, 'Ragged batches').
+PLAN_WAVES = False
 
 # Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)
 # instead of repeating the fit's search in each of its programs.

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..device_facts import capability, cuda_index
-from .chunk_map import gluon_chunk_of
+from .chunk_map import PLANNED, gluon_chunk_of
 
 TILE_ROWS, TILE_TOKENS, WARPS = 64, 64, 8
 BLOCK_M = gl.constexpr(TILE_ROWS)    # query rows x heads of one tile: one wgmma M per warp group
@@ -74,18 +74,17 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     prefix, its split's KV range [start, end) (split boundaries on N-token tiles) and tile count.
 
     ``CHUNK_BS`` > 0: the chunk schedule (``chunk_kernels.chunk_of``; ``chunk_map.gluon_chunk_of``) over the grid's
-    ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget
-    (``ChunkLaunch.budget``). Every chunk
-    writes a partial (the merge pass combines one-chunk requests too), at row ``k * W + j`` of a
-    contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W + 1, NUM_HEADS]``
-    log-sum-exps, ``k`` the chunk's index in request order (slot ``c`` runs chunk ``k``: ``gluon_chunk_of``): the
-    stores add ``split * stride_os`` and ``split`` to the request's row, so ``split`` is the offset
-    ``(k - b) * W * NUM_HEADS`` with ``stride_os`` the head stride. Under the wave fit (a
-    negative budget) the first program publishes the chunk size for the merge pass (``ChunkLaunch.published``):
-    at the log-sum-exp row past the grid's slots (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not
-    search for it. Each partition that calls this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit
-    alone): the many-waves budget's cap and order (``chunk_map``). A slot past the batch's chunks returns the head block
-    ``NUM_HB``: no head of it is in range."""
+    ``num_programs(1) = |NUM_SPLITS| + bs`` chunk slots, ``NUM_SPLITS`` the chunk budget (``ChunkLaunch.budget``).
+    Every chunk writes a partial (the merge pass combines one-chunk requests too), at row ``k * W + j`` of a
+    contiguous ``[slots * W, NUM_HEADS, latent]`` workspace and its ``[slots * W + 1, NUM_HEADS]`` log-sum-exps,
+    ``k`` the chunk's index in request order (slot ``c`` runs chunk ``k``: ``gluon_chunk_of``): the stores add
+    ``split * stride_os`` and ``split`` to the request's row, so ``split`` is the offset ``(k - b) * W * NUM_HEADS``
+    with ``stride_os`` the head stride. Under the wave fit (a negative budget) the first program publishes the chunk
+    size for the merge pass (``ChunkLaunch.published``): at the log-sum-exp row past the grid's slots
+    (``schedule.SCHEDULE_ROWS``), so that the merge's programs need not search for it. Each partition that calls
+    this stores the same value there. ``CHUNK_CAP`` > 0 (under the fit alone): the many-waves budget's cap and order
+    (``chunk_map``), at least ``PLANNED`` its planned size read there. A slot past the batch's chunks returns the
+    head block ``NUM_HB``: no head of it is in range."""
     NUM_HB: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     hb = pid % NUM_HB
@@ -93,10 +92,13 @@ def _program(seq_lens_ptr, draft_prefix_ptr, lse_ptr, W, NUM_SPLITS, MASK: gl.co
     if CHUNK_BS > 0:
         c = gl.program_id(1)
         bs = gl.num_programs(1) - gl.maximum(NUM_SPLITS, -NUM_SPLITS)     # negative: the wave fit
-        b, k, start, end, total, per = gluon_chunk_of(seq_lens_ptr, c, bs, NUM_SPLITS, N, CHUNK_BS, CHUNK_CAP)
-        if NUM_SPLITS < 0:
-            if (c == 0) & (pid == 0):
-                gl.store(lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS, per.to(gl.float32))
+        published = lse_ptr + gl.num_programs(1).to(gl.int64) * W * NUM_HEADS
+        b, k, start, end, total, per = gluon_chunk_of(seq_lens_ptr, published, c, bs, NUM_SPLITS, N, CHUNK_BS,
+                                                      CHUNK_CAP)
+        if CHUNK_CAP < PLANNED:         # else the plan wrote it there
+            if NUM_SPLITS < 0:
+                if (c == 0) & (pid == 0):
+                    gl.store(published, per.to(gl.float32))
         split = (k - b).to(gl.int64) * W * NUM_HEADS
         seq_len = gl.load(seq_lens_ptr + b)
         if c >= total:         # a slot past the batch's last chunk: no tile, and its head block past the heads, so

@@ -9,6 +9,10 @@ import math
 import torch
 
 CAUSAL, TREE, DRAFT = "causal", "tree", "draft"
+# Long requests of 4-8k tokens among short ones: at 4 chunks a request the capped fit's last wave of 128 heads'
+# programs is nearly empty on 132 SMs, and the MLA chunk plan takes larger chunks (test_chunk_plan.py)
+BIMODAL = [481, 289, 6883, 87, 555, 454, 384, 7181, 397, 415, 4166, 561, 5730, 146, 330, 177, 4476, 7753, 475, 379,
+           379, 87, 273, 5284]
 
 
 def make_paged_batch(seq_lens, page_size, pad_rows=0, pad_len=1, spare_pages=3,

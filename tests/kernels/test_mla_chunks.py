@@ -4,7 +4,7 @@ tails), a NaN-filled workspace, and the graph form: captured on one batch, repla
 lengths (another schedule, the same grid)."""
 import pytest
 import torch
-from kernel_refs import CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
+from kernel_refs import BIMODAL, CAUSAL, DRAFT, TREE, assert_close, make_paged_batch, ref_paged_attention
 
 from attn_backends_kernels.mla.attention import tile_shape
 from attn_backends_kernels.mla.balanced import mla_chunk_fwd
@@ -103,14 +103,20 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     ([20000] + [64] * 8, {64: 11, 32: 21}),         # the fit's size would cut the long request into 29-30 chunks
     ([64] * 4 + [20000] + [64] * 4, {64: 11, 32: 21}),  # mid-batch: the first slots run its chunks (largest first)
     ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
+    (BIMODAL, {64: 9, 32: 17}),     # the planned size past the fit's at 128 heads (test_chunk_plan.py)
 ])
-def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, splits=4):
+@pytest.mark.parametrize("planned", [False, True])
+def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, planned, monkeypatch, splits=4):
     """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass cuts no
     request into more than ``MANY_WAVES_CAP`` chunks, its size published for the merge (a merge that recomputed the
-    uncapped size would cut otherwise); the published size is that rule's. Its slots run the largest chunks first
-    (``chunk_map``): every chunk once, into its slot in request order (a chunk never run leaves NaN). The slots past
-    the batch's chunks (most of the grid where capped) store nothing."""
+    uncapped size would cut otherwise); the published size is that rule's, or where ``planned`` (``PLAN_WAVES``) the
+    plan's (``chunk_plan``), which the chunk pass reads. Its slots run the largest chunks first (``chunk_map``):
+    every chunk once, into its slot in request order (a chunk never run leaves NaN). The slots past the batch's
+    chunks (most of the grid where capped) store nothing."""
+    from attn_backends_kernels.mla import balanced
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
+    from attn_backends_kernels.mla.chunk_plan import planned_tiles
+    monkeypatch.setattr(balanced, "PLAN_WAVES", planned)
     latent, rope, W = 512, 64, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
     bs = lens.shape[0]
@@ -125,10 +131,12 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, spl
     n = 32 if page_size == 32 else 64
     tiles = [-(-int(x) // n) for x in lens]
     published, fit = int(ws[1][(bs * splits + bs) * W, 0].item()), fitted[n]
-    if -(-max(tiles) // fit) > MANY_WAVES_CAP:      # capped: the longest request in MANY_WAVES_CAP chunks
-        assert published == -(-max(tiles) // MANY_WAVES_CAP) and len(seq_lens) > 6
-    else:
-        assert published == fit and len(seq_lens) == 6
+    capped = -(-max(tiles) // fit) > MANY_WAVES_CAP         # the longest request in MANY_WAVES_CAP chunks
+    assert capped == (max(seq_lens) == 20000)
+    rule = -(-max(tiles) // MANY_WAVES_CAP) if capped else fit
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    programs = -(-H // tile_shape(W, H)[1])
+    assert published == (planned_tiles(tiles, rule, programs, sms, n) if planned else rule)
     chunks = sum(-(-t // published) for t in tiles)
     assert chunks < bs * splits + bs        # slots past the chunks exist: the NaN check below is not vacuous
     past = slice(chunks * W, (bs * splits + bs) * W)

@@ -214,7 +214,9 @@ BALANCED_GLUON = [("balanced mla16 decode", "_mla_swap_kernel", 0),
                   ("balanced mla128 decode waves page 64", "_mla_chunked_kernel", CHUNKED_MAX_STACK),   # CHUNK_CAP
                   ("balanced mla128 decode waves page 32", "_mla_seesaw_kernel", SEESAW_MAX_STACK),
                   ("balanced mla128 decode waves page 16", "_mla_wgmma_kernel", 0),
-                  ("balanced mla16 decode waves", "_mla_swap_kernel", 0)]
+                  ("balanced mla16 decode waves", "_mla_swap_kernel", 0),
+                  ("balanced mla128 decode waves planned", "_mla_chunked_kernel", CHUNKED_MAX_STACK),   # PLANNED
+                  ("balanced mla16 decode waves planned", "_mla_swap_kernel", 0)]
 
 
 @pytest.mark.parametrize("label,kernel,max_stack", BALANCED_GLUON)
@@ -222,11 +224,17 @@ def test_chunk_schedule_runs_the_gluon_kernels(compiled, label, kernel, max_stac
     """The MLA chunk pass on sm_90 (``mla.balanced``, kernel=None): the Gluon kernel that serves the
     launch's tile (the split launch's rule) on the chunk schedule, then the merge pass; within one
     program's shared memory and the split launch's spill bounds; ``kernel="triton"`` keeps the Triton tile. A budget
-    of waves passes its cap down (``CHUNK_CAP``), no other launch does."""
+    of waves passes its cap down (``CHUNK_CAP``), no other launch does; planned (``PLAN_WAVES``), its chunk size
+    planned first (``chunk_plan``) and the plan's flag with the cap."""
     from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
+    from attn_backends_kernels.mla.chunk_map import PLANNED
     launches = compiled[label]
+    if "planned" in label:
+        assert launches[0]["kernel"] == "_mla_chunk_plan_kernel" and launches[0]["stack"] == 0, launches
+        launches = launches[1:]
     assert [r["kernel"] for r in launches] == [kernel, "_merge_chunk_pass_kernel"], launches
-    assert launches[0]["cap"] == (MANY_WAVES_CAP if "waves" in label else 0), launches[0]     # the budget of waves
+    cap = (MANY_WAVES_CAP if "waves" in label else 0) + (PLANNED.value if "planned" in label else 0)
+    assert launches[0]["cap"] == cap, launches[0]
     assert launches[0]["stack"] <= max_stack, f"spills: {launches[0]}"
     assert launches[0]["smem"] <= offline_sm90.SM90_MAX_SHARED, f"shared memory: {launches[0]}"
     if f"balanced triton {label[9:]}" in compiled:
