@@ -25,7 +25,9 @@ without its next load in flight (``MERGE_PASS_PREFETCH`` off); "+onewave" no bud
 (``schedule.MANY_WAVES`` 0: the count of one wave; nothing on a row given its count, ``/S``); "+nocap" that budget
 without its cap and in request order (``MANY_WAVES_CAP`` 0: ``chunk_map``'s order rides on the cap), "+capN" with a
 cap of N chunks a request; "+plan" the chunk size a launch before the chunk pass plans by a wave model
-(``balanced.PLAN_WAVES``, ``mla.chunk_plan``); "#2" after a form: that form again, a second round.
+(``balanced.PLAN_WAVES``, ``mla.chunk_plan``), "+planonce" that plan launched by the eager call alone, not in the
+graph (as a plan made once a step for every layer: the graph's chunk pass and merge read the eager call's size, the
+same batch's); "#2" after a form: that form again, a second round.
 """
 from __future__ import annotations
 
@@ -158,6 +160,9 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(balanced, "MANY_WAVES_CAP", int(part[3:])))
             elif part == "plan":
                 stack.enter_context(mock.patch.object(balanced, "PLAN_WAVES", True))
+            elif part == "planonce":
+                stack.enter_context(mock.patch.object(balanced, "PLAN_WAVES", True))
+                stack.enter_context(mock.patch.object(balanced, "plan_chunks", _outside_graphs(balanced.plan_chunks)))
             elif part == "nopub":
                 stack.enter_context(mock.patch.object(balanced, "PUBLISH_FIT", False))
             elif (part[:1] in ("w", "s") and part[1:].isdigit() and int(part[1:]) > 0
@@ -167,8 +172,16 @@ def variant(name: str):
                 stack.enter_context(mock.patch.object(chunk_kernels, "MERGE_PASS_FAT_DECODE", int(part[3:])))
             else:
                 raise ValueError(f"variant modifier {part!r} not in z1, fatN, nopub, lpN, wN, sN, nopdl, twopass, "
-                                 "nopf, onewave, nocap, capN, plan")
+                                 "nopf, onewave, nocap, capN, plan, planonce")
         yield
+
+
+def _outside_graphs(plan):
+    """``plan`` launched where no stream is capturing (the eager call before ``captured``'s capture), else not."""
+    def planned(*args, **kwargs):
+        if not torch.cuda.is_current_stream_capturing():
+            plan(*args, **kwargs)
+    return planned
 
 
 def _merge_launch(part: str, launch):
