@@ -117,6 +117,8 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
                                                                   rows[0] * rows[1], Dv, D - Dv), fit=fit,
                       published=fit and gluon is not None and PUBLISH_FIT)   # the Gluon pass writes it
     cap = MANY_WAVES_CAP if many_waves and cl.published else 0     # the merge reads the capped size published
+    if not 0 <= cap < PLANNED.value:        # CHUNK_CAP's values from PLANNED on say "planned"
+        raise ValueError(f"{name}: MANY_WAVES_CAP {cap} not in [0, {PLANNED.value})")
     slots = chunk_slots(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] * page_size))
     if slots > MAX_GRID_YZ:       # the tiles of one chunk stay adjacent on x (their KV reads hit L2)
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
@@ -173,7 +175,7 @@ MANY_WAVES_CAP = 16
 
 # Under that cap the chunk size planned by a wave model of the grid, by a launch before the chunk pass (``chunk_plan``):
 # fewer, larger chunks where the capped fit's last wave is nearly empty. Off: its launch, one program, costs 9-14 us a
-# call, more than the larger chunks give back but on bimodal and ragged rows (bench/RESULTS.md, 'Ragged batches').
+# call, more than the larger chunks give back on 20 of 32 rows measured (bench/RESULTS.md, 'Ragged batches').
 PLAN_WAVES = False
 
 # Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)

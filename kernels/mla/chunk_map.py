@@ -20,13 +20,13 @@ def gluon_chunk_of(seq_lens_ptr, plan_ptr, c, bs, num_chunks, N: gl.constexpr, C
                    CHUNK_CAP: gl.constexpr = 0):
     """``chunk_kernels.chunk_of`` without a window or fixed chunks, in Gluon: slot ``c``'s request (the last request
     past the batch's last chunk), its chunk's index in request order (the partial's slot: ``c``, but under a budget
-    of several waves, ``_largest_first``), KV range ``[start, end)``, the batch's chunk count and the chunk in tiles.
-    Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scans stay within a warp: each partition
-    of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of several waves:
-    ``schedule.many_waves``): the chunk at least the size that cuts the longest request into ``CHUNK_CAP`` (the merge
-    of a long request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged batches'; the
-    merge reads it published), and the slots run the largest chunks first. ``CHUNK_CAP`` >= PLANNED: the chunk size
-    planned at ``plan_ptr`` (``chunk_plan``; float32) instead of the fit's search."""
+    of several waves, ``_largest_first``), KV range ``[start, end)``, the batch's chunk count and the chunk in
+    tiles. Every warp holds all ``CHUNK_BS`` (>= 32) lengths, so the sums and the scans stay within a warp: each
+    partition of a warp-specialized kernel computes them alone. ``CHUNK_CAP`` > 0 (a budget of several waves:
+    ``schedule.many_waves``): the chunk at least the size that cuts the longest request into ``CHUNK_CAP % PLANNED``
+    (the merge of a long request's many chunks cost more than the waves gave back, bench/RESULTS.md, 'Ragged
+    batches'; the merge reads it published), and the slots run the largest chunks first. ``CHUNK_CAP`` >= PLANNED:
+    the chunk size planned at ``plan_ptr`` (``chunk_plan``; float32) instead of the fit's search."""
     CAP: gl.constexpr = CHUNK_CAP % PLANNED
     L: gl.constexpr = gl.BlockedLayout([CHUNK_BS // 32], [32], [gl.num_warps()], [0])
     MIN_TILES: gl.constexpr = MIN_CHUNK_TOKENS // N

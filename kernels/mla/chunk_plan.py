@@ -24,7 +24,7 @@ PLAN_KEEP = (17, 20)
 
 def wave_estimate(tiles: list, per: int, programs: int, sms: int, tile_tokens: int) -> int:
     """The model's time (PLAN_LEVELS times, in its units) of chunks of ``per`` tiles of ``tile_tokens`` over requests
-    of ``tiles``, ``programs`` programs a chunk on ``sms`` SMs."""
+    of ``tiles``, ``programs`` programs a chunk on ``sms`` SMs (the grid's empty slots cost nothing in it)."""
     unit = tile_tokens // PLAN_TOKENS
     n = [max(-(-t // per), 1) for t in tiles]
     full = sum(k - 1 for k in n)
@@ -40,7 +40,7 @@ def wave_estimate(tiles: list, per: int, programs: int, sms: int, tile_tokens: i
 def planned_tiles(tiles: list, per: int, programs: int, sms: int, tile_tokens: int) -> int:
     """The plan's size (tiles) from the capped fit's ``per``, as ``_mla_chunk_plan_kernel`` finds it: the smallest of
     the sizes of least estimate, where under PLAN_KEEP of ``per``'s; else ``per``. Never below ``per``, whose count
-    fits the budget."""
+    fits the grid's slots (budget + bs)."""
     e0 = wave_estimate(tiles, per, programs, sms, tile_tokens)
     longest = max(tiles)
     sizes = {max(per, -(-longest // k)) for k in range(1, PLAN_SIZES + 1)} | {per}
@@ -52,10 +52,11 @@ def planned_tiles(tiles: list, per: int, programs: int, sms: int, tile_tokens: i
 @triton.jit
 def _mla_chunk_plan_kernel(seq_lens_ptr, out_ptr, bs, num_chunks, programs, sms, N: tl.constexpr,
                            CAP: tl.constexpr, MIN_TILES: tl.constexpr, BLOCK_BS: tl.constexpr,
-                           SIZES: tl.constexpr, LEVELS: tl.constexpr, UNIT: tl.constexpr, FIXED: tl.constexpr,
-                           KEEP_NUM: tl.constexpr, KEEP_DEN: tl.constexpr):
+                           SIZES: tl.constexpr, LAST: tl.constexpr, LEVELS: tl.constexpr, UNIT: tl.constexpr,
+                           FIXED: tl.constexpr, KEEP_NUM: tl.constexpr, KEEP_DEN: tl.constexpr):
     """``planned_tiles`` of the capped fit (``_balanced_per``, then at least the longest request's / CAP), every size
-    at once (row 0 the fit's, row k the longest request's / k), stored as float32 at ``out_ptr``."""
+    at once (row 0 the fit's, row k <= LAST the longest request's / k, rows past LAST the fit's again: SIZES is a
+    power of two), stored as float32 at ``out_ptr``."""
     offs = tl.arange(0, BLOCK_BS)
     valid = offs < bs
     tiles = (tl.load(seq_lens_ptr + offs, mask=valid, other=0) + N - 1) // N
@@ -63,7 +64,7 @@ def _mla_chunk_plan_kernel(seq_lens_ptr, out_ptr, bs, num_chunks, programs, sms,
     per = tl.maximum(_balanced_per(tiles, valid, bs, num_chunks, MIN_TILES), (longest + CAP - 1) // CAP)
     k = tl.arange(0, SIZES)
     p = tl.maximum(per, (longest + k - 1) // tl.maximum(k, 1))                  # [SIZES]
-    p = tl.where(k == 0, per, p)
+    p = tl.where((k == 0) | (k > LAST), per, p)
     n = tl.maximum((tiles[None, :] + p[:, None] - 1) // p[:, None], 1)            # [SIZES, BLOCK_BS]
     full = tl.sum(tl.where(valid[None, :], n - 1, 0), 1).to(tl.int64)
     last = UNIT * (tiles[None, :] - (n - 1) * p[:, None]) + FIXED
@@ -83,6 +84,7 @@ def plan_chunks(seq_lens, out, bs: int, num_chunks: int, programs: int, sms: int
                 min_tiles: int, block_bs: int, launch) -> None:
     """Launch the plan: its size into ``out[0]`` (float32) for the chunk pass and the merge."""
     launch(_mla_chunk_plan_kernel, (1,), seq_lens, out, bs, num_chunks, programs, sms, N=tile_tokens, CAP=cap,
-           MIN_TILES=min_tiles, BLOCK_BS=block_bs, SIZES=triton.next_power_of_2(PLAN_SIZES + 1), LEVELS=PLAN_LEVELS,
+           MIN_TILES=min_tiles, BLOCK_BS=block_bs, SIZES=triton.next_power_of_2(PLAN_SIZES + 1), LAST=PLAN_SIZES,
+           LEVELS=PLAN_LEVELS,
            UNIT=tile_tokens // PLAN_TOKENS, FIXED=PLAN_FIXED, KEEP_NUM=PLAN_KEEP[0], KEEP_DEN=PLAN_KEEP[1],
            num_warps=4)

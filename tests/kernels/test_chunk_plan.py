@@ -3,6 +3,7 @@ model on the CPU (interpreter) and the GPU."""
 import heapq
 import random
 
+import pytest
 import torch
 from kernel_refs import BIMODAL
 
@@ -17,6 +18,7 @@ from attn_backends_kernels.mla.chunk_plan import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []      # the kernel on the GPU where there is one
 
 
 def _tiles(lens, n=64):
@@ -45,7 +47,7 @@ def test_plan_takes_larger_chunks_where_the_last_wave_is_nearly_empty():
 def test_wave_model_is_a_bound_no_grid_beats():
     """``wave_estimate`` is at most PLAN_LEVELS times the finish of the chunks' programs on the SMs (each SM takes the
     next as it frees, largest first), at any size; the plan never takes a size below the fit's (whose count fits the
-    budget)."""
+    grid's slots)."""
     rng = random.Random(5)
     for _ in range(200):
         tiles = [rng.choice([rng.randint(0, 30), rng.randint(60, 300)]) for _ in range(rng.randint(1, 40))]
@@ -59,10 +61,10 @@ def test_wave_model_is_a_bound_no_grid_beats():
         assert planned_tiles(tiles, per, programs, sms, n) >= per
 
 
-def _plan(lens, num_chunks, programs, sms, n, cap, min_tiles=4):
+def _plan(lens, num_chunks, programs, sms, n, cap, min_tiles=4, block_bs=None):
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = torch.full((2,), float("nan"), device=DEVICE)
-    block_bs = max(32, 1 << (len(lens) - 1).bit_length())
+    block_bs = block_bs or max(32, 1 << (len(lens) - 1).bit_length())
     plan_chunks(seq, out, len(lens), num_chunks, programs, sms, n, cap, min_tiles, block_bs, launch)
     assert out[1].isnan()                       # one float written, no more
     return out[0].item()
@@ -72,16 +74,20 @@ def test_plan_kernel_is_its_model():
     """The kernel's size is ``planned_tiles`` of the capped fit: BIMODAL's fit (9 tiles at 4 chunks a request, the
     search of ``_balanced_per``) planned to 12 at 128 heads, kept at 16; on random batches at a plain budget (no
     search: the size ``cdiv(total, budget)``, at least 4 tiles, capped) the model's size, exactly; of two sizes of
-    equal estimates the smaller."""
+    equal estimates the smaller; lanes past the batch (a wider block) change nothing."""
     lens = BIMODAL + [1]
     assert _plan(lens, -4 * len(lens), 2, 132, 64, 16) == 12.0
     assert _plan(lens, -4 * len(lens), 1, 132, 64, 16) == 9.0
     ties = [7554, 6985, 4379, 30, 6926, 421, 6074, 400, 5702, 7386, 40, 342, 574, 5134, 110, 256, 84, 7112, 386, 501,
             141]
-    assert _plan(ties, 84, 2, 132, 64, 16) == 14.0          # 12 tiles planned: of the equal estimates the smaller
+    assert _plan(ties, 84, 2, 132, 64, 16) == 14.0          # the fit's 12 planned to 14, the smaller of equal estimates
+    assert _plan(lens, -4 * len(lens), 2, 132, 64, 16, block_bs=256) == 12.0      # lanes past the batch count nothing
+    few = [300] * 4 + [5000]                                                         # at no level of the model either:
+    assert _plan(few, 10, 2, 132, 64, 16, block_bs=1024) == planned_tiles(_tiles(few), 10, 2, 132, 64) == 10.0
     rng = random.Random(7)
     for _ in range(12 if DEVICE == "cpu" else 200):
-        lens = [rng.choice([rng.randint(1, 700), rng.randint(3000, 9000)]) for _ in range(rng.randint(2, 70))]
+        lens = [rng.choice([rng.randint(1, 700), rng.randint(3000, 9000), 64 * rng.randint(1, 140)])  # whole tiles too
+                for _ in range(rng.randint(2, 70))]
         budget, programs, sms = rng.randint(1, 5) * len(lens), rng.randint(1, 2), rng.choice([66, 132])
         n, cap = rng.choice([32, 64]), rng.choice([8, 16])
         tiles = _tiles(lens, n)
