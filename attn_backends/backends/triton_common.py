@@ -70,13 +70,16 @@ class TritonMetadata(ForwardMetadata):
     """The split count, wave fit and whether the count is a budget of several waves (``_split_plan``), and split
     workspace of a key (or an eager step),
     and the launches recorded by graph metadata called outside a capture ((softmax scale, k_scale,
-    v_scale[, window, softcap, has sinks]) -> :class:`Recorded`)."""
+    v_scale[, window, softcap, has sinks]) -> :class:`Recorded`; "plan" -> the step plan's, ``triton_mla``)."""
 
     num_kv_splits: int = 1
     wave_fit: bool = False
     many_waves: bool = False
     workspace: Optional[tuple] = None
     book: dict = field(default_factory=dict)
+    # a step's planned chunk size (``triton_mla``): what the plan reads q and out for, whether it planned one
+    plan: Optional[tuple] = None
+    planned: bool = False
 
 
 class TritonBackendBase(LayoutBackend):
@@ -252,10 +255,7 @@ class TritonBackendBase(LayoutBackend):
         splits, chunked = self._splits(view.layout), self._chunked(view.layout)
         ws = None
         if chunked and key is not None:     # _chunked before any chunk workspace: it refuses a bad schedule
-            tokens = view.layout.page_table.shape[1] * self.memory.page_size      # the longest request the key holds
-            ws = chunk_workspace(key.bs, slots_per_request(self._kernel_schedule(), splits, tokens), key.width,
-                                 self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device,
-                                 self._part_dtype(key.width))
+            ws = self._chunk_workspace(view.layout, key.bs, key.width, splits)
         elif key is not None and splits > 1:
             ws = decode_workspace(key.bs * key.width, self.config.num_q_heads, self._out_dim(), splits,
                                   self.memory.device, num_counters=None if self.fuses_merge else 0,
@@ -264,6 +264,13 @@ class TritonBackendBase(LayoutBackend):
         fit, many = self._split_plan(view.layout)[1:] if chunked else (False, False)
         return TritonMetadata(view, key, num_kv_splits=splits, wave_fit=fit, many_waves=many, workspace=ws,
                               book={} if key is not None else self._step_book(view))
+
+    def _chunk_workspace(self, lay: Layout, bs: int, width: int, splits: int) -> tuple:
+        """A chunk launch's workspace for ``bs`` requests of ``width`` rows, as long as ``lay``'s page table allows."""
+        tokens = lay.page_table.shape[1] * self.memory.page_size      # the longest request the layout holds
+        return chunk_workspace(bs, slots_per_request(self._kernel_schedule(), splits, tokens), width,
+                               self.config.num_q_heads, self.config.num_kv_heads, self._out_dim(), self.memory.device,
+                               self._part_dtype(width))
 
     def _extra_graph_buffers(self) -> dict:
         """The split workspaces' partials. Not their counters (the fused merge's, see

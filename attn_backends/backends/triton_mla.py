@@ -15,16 +15,18 @@ from typing import ClassVar
 import torch
 
 from attn_backends_kernels.kv_store import store_mla_kv
+from attn_backends_kernels.launch_record import Recorded, recording
 from attn_backends_kernels.mla.attention import mla_attention_fwd, tile_shape
-from attn_backends_kernels.mla.balanced import mla_chunk_fwd
+from attn_backends_kernels.mla.balanced import mla_chunk_fwd, mla_chunk_plan
 from attn_backends_kernels.mla.swap import decodes_transposed
 from attn_backends_kernels.mla.warpspec import partial_dtype
 from attn_backends_kernels.mla.wgmma import hopper_device
 
-from ..base import Capabilities, GraphSupport
+from ..base import Capabilities, GraphSupport, LayoutBackend
 from ..batch import ForwardMode
 from ..config import FP8_KV, AttentionLayer
 from ..layout import MaskKind
+from ..step import LibraryKey, StepView
 from .triton_common import TritonBackendBase, TritonMetadata
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
@@ -74,12 +76,82 @@ class TritonMLABackend(TritonBackendBase):
         on the tiles it was measured on: 64-head tiles (64 heads or more; measured at 64 and 128) and 16 heads on the
         transposed kernel (``_split_rule``'s one program an SM; 32 or 48 heads, two or three 16-head tiles a request,
         not measured)."""
+        return lay.mode == ForwardMode.DECODE and (lay.width or 1) == 1 and self._waves_facts()
+
+    def _waves_facts(self) -> bool:
+        """``_waves_allowed``'s facts of the model and the KV memory."""
         cfg = self.config
-        return (lay.mode == ForwardMode.DECODE and (lay.width or 1) == 1
-                and (cfg.num_q_heads >= 64 or cfg.num_q_heads == 16)
+        return ((cfg.num_q_heads >= 64 or cfg.num_q_heads == 16)
                 and (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (512, 64)
                 and self.memory.pool.kv[0].dtype in (torch.float16, torch.bfloat16)
                 and hopper_device(self.memory.device))
+
+    # A budget of several waves' chunk size planned once a step (``kernels/mla/chunk_plan.py``: a wave model of the
+    # grid, one program over the device's lengths) by the update (eager, capture, every replay: outside the step's
+    # graph, as FlashInfer's plan()), read by every layer's chunk pass and merge: fewer, larger chunks where the capped
+    # fit's last wave is nearly empty (bench/RESULTS.md, 'Ragged batches'). A runner then preps the layout before it.
+    PLAN_STEP: ClassVar[bool] = True
+
+    @property
+    def replay_work(self) -> bool:
+        """The step's plan where one may run (``_plans``), or replay work a subclass adds."""
+        cls = type(self)
+        return self._plans() or cls._update is not TritonMLABackend._update or \
+            cls.init_forward_metadata_replay_cuda_graph is not LayoutBackend.init_forward_metadata_replay_cuda_graph
+
+    def _plans(self) -> bool:
+        """Whether this instance plans its budgets of several waves (PLAN_STEP, on ``_waves_facts``)."""
+        return (self.PLAN_STEP and self.schedule in ("chunks", "auto") and self.chunk_merge == "pass"
+                and self._waves_facts())
+
+    def _metadata(self, view: StepView, key) -> TritonMetadata:
+        meta = super()._metadata(view, key)
+        if meta.many_waves and self._plans():
+            lay, cfg = view.layout, self.config
+            rows, dv, dev = lay.bs * (lay.width or 1), cfg.kv_lora_rank, self.memory.device
+            one = torch.empty((1, cfg.num_q_heads, dv + cfg.qk_rope_head_dim), dtype=cfg.dtype, device=dev)
+            meta.plan = (one.expand(rows, -1, -1), one[..., :dv].expand(rows, -1, -1))   # q's and out's facts
+            if key is None:         # eager: the step's workspace, one for every instance, which the plan writes
+                meta.workspace = self._eager_plan(view, meta)[0]
+        return meta
+
+    def _eager_plan(self, view: StepView, meta: TritonMetadata) -> list:
+        """``[workspace, planned]`` of an eager step (``planned`` None until planned), shared like ``_step_book``."""
+        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge,
+                                        self.EXACT_CHUNK_SPLITS), None, "planned chunk size")
+        held = view.cache.get(owner)
+        if held is None or held[0] != view.step_id:
+            lay = view.layout
+            ws = self._chunk_workspace(lay, lay.bs, lay.width or 1, meta.num_kv_splits)
+            held = view.cache[owner] = (view.step_id, [ws, None])
+        return held[1]
+
+    def _update(self, meta: TritonMetadata, view: StepView) -> None:
+        """Plan the step's chunk size (``mla_chunk_plan``): an eager step once for every instance; a graph record's
+        launch recorded once and replayed (its tensors are the key's)."""
+        if meta.plan is None:
+            return
+        if meta.key is None:
+            state = self._eager_plan(view, meta)
+            if state[1] is None:
+                state[1] = self._plan(meta, view)
+            meta.planned = state[1]
+            return
+        rec = meta.book.get("plan")
+        if rec is not None and rec.replay(()):
+            return
+        with recording() as launches:
+            meta.planned = self._plan(meta, view)
+        if meta.planned:
+            meta.book["plan"] = Recorded(launches, ())
+
+    def _plan(self, meta: TritonMetadata, view: StepView) -> bool:
+        lay = view.layout
+        q, out = meta.plan
+        return mla_chunk_plan(q, self.memory.pool.kv[0], lay.page_table, lay.seq_lens_k, lay.page_size,
+                              meta.num_kv_splits, out, meta.workspace, q_per_req=lay.width or 1, mask=lay.mask.value,
+                              custom_mask=lay.custom_mask, draft_prefix_lens=lay.draft_prefix_lens,
+                              fit=meta.wave_fit, many_waves=meta.many_waves)
 
     def _kernel_schedule(self) -> str:
         return "chunks" if self.schedule == "auto" else self.schedule     # "auto" chunks where _chunked says
@@ -117,7 +189,8 @@ class TritonMLABackend(TritonBackendBase):
             mla_chunk_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling, splits, out,
                           q_per_req=lay.width or 1, mask=lay.mask.value, custom_mask=lay.custom_mask, workspace=ws,
                           draft_prefix_lens=lay.draft_prefix_lens, schedule=self._kernel_schedule(),
-                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=meta.wave_fit, many_waves=meta.many_waves)
+                          merge=self.chunk_merge, kv_scale=layer.k_scale, fit=meta.wave_fit, many_waves=meta.many_waves,
+                          planned=meta.planned)
             return
         ragged = lay.mode == ForwardMode.EXTEND
         mla_attention_fwd(q, kv[0], lay.page_table, lay.seq_lens_k, lay.page_size, layer.scaling,

@@ -12,6 +12,8 @@ prefill keeps the split pass (``attention.mla_attention_fwd``). On sm_90 the Glu
 chunk then writing a partial; the Triton tile runs elsewhere and for the invariant schedule.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,7 @@ from ..chunk_kernels import chunk_of
 from ..device_facts import device_sms
 from ..extend_attention import MASK_KINDS
 from ..launch_record import cdiv, launch
-from ..schedule import check_schedule, chunk_launch, chunk_slots, slots_per_request
+from ..schedule import ChunkLaunch, check_schedule, chunk_launch, chunk_slots, slots_per_request
 from .attention import GLUON_LAUNCH, _check_inputs, _pick_kernel, _tile_config, tile_shape
 from .chunk_map import PLANNED
 from .chunk_plan import plan_chunks
@@ -75,7 +77,7 @@ def _mla_chunk_kernel(
 def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num_kv_splits, out, q_per_req=1,
                   mask="causal", custom_mask=None, workspace=None, draft_prefix_lens=None, schedule="chunks",
                   merge="pass", block_h=None, block_w=None, block_n=None, num_warps=None, num_stages=None,
-                  kv_scale=1.0, kernel=None, fit=False, many_waves=False):
+                  kv_scale=1.0, kernel=None, fit=False, many_waves=False, planned=False):
     """``mla_attention_fwd``'s uniform modes under the chunk schedule ``schedule`` ("chunks" or
     "invariant"): the same arguments but ragged EXTEND and the kernel choice; ``merge``: "pass" only. ``workspace``: a
     ``schedule.chunk_workspace(bs, slots_per_request(schedule, num_kv_splits, page_table.shape[1] *
@@ -86,8 +88,80 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     chunks past the budget would run as a second wave). ``many_waves``: the count is ``schedule.many_waves``' budget
     of several waves (under the fit), whose Gluon chunk pass cuts no request into more than MANY_WAVES_CAP chunks
     (``chunk_map.gluon_chunk_of``: the size it publishes; the Triton tile runs the budget as it is), at the size a
-    launch before it plans where PLAN_WAVES (``chunk_plan``)."""
+    launch before it plans where PLAN_WAVES (``chunk_plan``). ``planned``: that size was planned into ``workspace``
+    by ``mla_chunk_plan`` with these arguments (once a step for every layer): read there, not planned or searched
+    again; a launch without a planned size (``mla_chunk_plan`` False: the Triton tile) reads none."""
     name = "mla_chunk_fwd"
+    if planned and (workspace is None or not many_waves):
+        raise ValueError(f"{name}: planned=True reads a budget of several waves' size from a given workspace "
+                         f"(workspace {'None' if workspace is None else 'given'}, many_waves={many_waves})")
+    s = _setup(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out, q_per_req, mask,
+               custom_mask, workspace, draft_prefix_lens, schedule, merge, kv_scale, kernel, fit, many_waves,
+               (block_w, block_h, block_n, num_warps, num_stages))
+    if s is None:
+        return out
+    cl, cap, H, D, Dv, W = s.cl, s.cap, q.shape[1], q.shape[2], out.shape[-1], s.W
+    if s.gluon is not None:
+        if cap and (PLAN_WAVES or planned):     # the size planned where the merge reads it (the chunk pass then too)
+            if not planned:
+                _plan(s, seq_lens_k, out.device)
+            cap += PLANNED.value
+        _launch_gluon(s.gluon, s.grid, cl, q, kv_buffer, page_table, seq_lens_k, s.mask_arg, s.draft_arg,
+                      sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, s.block_w, s.block_h, MASK_KINDS[mask],
+                      cap)
+        cl.merge_pass(seq_lens_k, None, out, single=True)
+        return out
+    launch(_mla_chunk_kernel, s.grid, q, kv_buffer, page_table, seq_lens_k, s.mask_arg, s.draft_arg, out, cl.part,
+           cl.lse, sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0),
+           out.stride(0), out.stride(1), cl.part.stride(0), cl.part.stride(1), cl.lse.stride(0), cl.lse.stride(1), W,
+           s.bs, cl.budget, NUM_HEADS=H, BLOCK_H=s.block_h, BLOCK_W=s.block_w, LATENT=Dv, ROPE=D - Dv,
+           PAGE_SIZE=page_size, BLOCK_N=s.block_n, MASK=MASK_KINDS[mask],
+           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_TILES=cl.consts["MIN_TILES"],
+           FIXED_TILES=cl.consts["FIXED_TILES"], BLOCK_BS=cl.consts["BLOCK_BS"], num_warps=s.num_warps,
+           num_stages=s.num_stages, v_scale=kv_scale)
+    cl.merge_pass(seq_lens_k, None, out)
+    return out
+
+
+def mla_chunk_plan(q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out, workspace, q_per_req=1,
+                   mask="causal", custom_mask=None, draft_prefix_lens=None, kv_scale=1.0, fit=False,
+                   many_waves=False) -> bool:
+    """Plan the chunk size that ``mla_chunk_fwd`` with these arguments and ``planned=True`` reads, into
+    ``workspace`` (``chunk_plan``: one program, from the device's ``seq_lens_k``): True where the launch has one (the
+    Gluon chunk pass runs a budget of several waves), else False with nothing launched. ``q`` and ``out`` are read
+    for their facts alone (shape, dtype, strides, alignment and device decide the kernel), so views of one row expanded
+    to the batch's serve; their data is never read."""
+    if workspace is None:
+        raise ValueError("mla_chunk_plan: the plan is written into a given workspace (None)")
+    s = _setup("mla_chunk_plan", q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out, q_per_req, mask,
+               custom_mask, workspace, draft_prefix_lens, "chunks", "pass", kv_scale, None, fit, many_waves,
+               (None,) * 5)
+    if s is None or s.gluon is None or not s.cap:
+        return False
+    _plan(s, seq_lens_k, out.device)
+    return True
+
+
+class _Setup(NamedTuple):
+    """What a chunk launch's checked arguments decide (``_setup``)."""
+    W: int
+    bs: int
+    mask_arg: torch.Tensor
+    draft_arg: torch.Tensor
+    gluon: Optional[str]
+    block_w: int
+    block_h: int
+    block_n: int
+    num_warps: Optional[int]
+    num_stages: Optional[int]
+    cl: ChunkLaunch
+    cap: int
+    grid: tuple
+
+
+def _setup(name, q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out, q_per_req, mask, custom_mask,
+           workspace, draft_prefix_lens, schedule, merge, kv_scale, kernel, fit, many_waves, knobs):
+    """The checks and the launch's facts, shared by the chunk pass and its plan (None for an empty batch)."""
     if schedule == "split":
         raise ValueError(f"{name}: schedule='split' is mla_attention_fwd's")
     if merge != "pass":
@@ -102,15 +176,13 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
     Dv = out.shape[-1]
     if kernel not in (None, "triton"):
         raise ValueError(f"{name}: kernel={kernel!r} not in (None, 'triton')")
-    gluon, tile = _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel,
-                                (block_w, block_h, block_n, num_warps, num_stages))
+    gluon, tile = _gluon_kernel(q, kv_buffer, W, H, Dv, page_size, mask, schedule, kernel, knobs)
     if gluon is not None:
-        (block_w, block_h), block_n = tile, GLUON_TOKENS[gluon]
+        (block_w, block_h), block_n, num_warps, num_stages = tile, GLUON_TOKENS[gluon], None, None
     else:
-        block_w, block_h, block_n, num_warps, num_stages = _tile_config(
-            q, W, H, D, *chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages))
+        block_w, block_h, block_n, num_warps, num_stages = _tile_config(q, W, H, D, *chunk_tile(q, W, H, D, *knobs))
     if bs == 0:
-        return out
+        return None
     rows = tile_shape(W, H)         # the default tile's: the backend sizes its graph workspace alike
     cl = chunk_launch(name, out, workspace, bs, num_kv_splits, W, 1, page_table, page_size, schedule, block_n,
                       heads_first=False, part_dtype=partial_dtype(kv_buffer.dtype, out.device, page_size,
@@ -124,26 +196,14 @@ def mla_chunk_fwd(q, kv_buffer, page_table, seq_lens_k, page_size, sm_scale, num
         raise ValueError(f"{name}: {slots} chunk slots (bs={bs}, schedule={schedule!r}) past CUDA's grid y "
                          f"bound {MAX_GRID_YZ}")
     grid = (cdiv(W, block_w) * cdiv(H, block_h), slots)
-    if gluon is not None:
-        if cap and PLAN_WAVES:      # the size planned once, where the merge reads it (the chunk pass then too)
-            plan_chunks(seq_lens_k, cl.lse[slots * W], bs, cl.budget, grid[0], device_sms(out.device), block_n, cap,
-                        cl.consts["MIN_TILES"], max(32, cl.consts["BLOCK_BS"]), launch)
-            cap += PLANNED.value
-        _launch_gluon(gluon, grid, cl, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg,
-                      sm_scale * LOG2E * kv_scale, W, H, Dv, D - Dv, page_size, block_w, block_h, MASK_KINDS[mask], cap)
-        cl.merge_pass(seq_lens_k, None, out, single=True)
-        return out
-    launch(_mla_chunk_kernel, grid, q, kv_buffer, page_table, seq_lens_k, mask_arg, draft_arg, out, cl.part, cl.lse,
-           sm_scale * LOG2E * kv_scale, q.stride(0), q.stride(1), kv_buffer.stride(0), page_table.stride(0),
-           out.stride(0),
-           out.stride(1), cl.part.stride(0), cl.part.stride(1), cl.lse.stride(0), cl.lse.stride(1), W, bs,
-           cl.budget, NUM_HEADS=H, BLOCK_H=block_h, BLOCK_W=block_w, LATENT=Dv, ROPE=D - Dv,
-           PAGE_SIZE=page_size, BLOCK_N=block_n, MASK=MASK_KINDS[mask],
-           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_TILES=cl.consts["MIN_TILES"],
-           FIXED_TILES=cl.consts["FIXED_TILES"], BLOCK_BS=cl.consts["BLOCK_BS"], num_warps=num_warps,
-           num_stages=num_stages, v_scale=kv_scale)
-    cl.merge_pass(seq_lens_k, None, out)
-    return out
+    return _Setup(W, bs, mask_arg, draft_arg, gluon, block_w, block_h, block_n, num_warps, num_stages, cl, cap, grid)
+
+
+def _plan(s: _Setup, seq_lens_k, device) -> None:
+    """The plan's launch (``chunk_plan.plan_chunks``) into the log-sum-exp row the chunk pass publishes at."""
+    cl = s.cl
+    plan_chunks(seq_lens_k, cl.lse[s.grid[1] * s.W], s.bs, cl.budget, s.grid[0], device_sms(device), s.block_n, s.cap,
+                cl.consts["MIN_TILES"], max(32, cl.consts["BLOCK_BS"]), launch)
 
 
 # The chunk pass's tiles hold at most this many rows (query rows x heads): compiled for sm_90, the

@@ -105,18 +105,19 @@ def test_mla_chunk_pass_against_float64(page_size, seq_lens, W, H, mask, splits,
     ([3000, 2900, 40, 2500, 700, 3100], {64: 8, 32: 16}),   # near-uniform: the fit's size (7 or 14 a chunk cut 31)
     (BIMODAL, {64: 9, 32: 17}),     # the planned size past the fit's at 128 heads (test_chunk_plan.py)
 ])
-@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("planned", [False, True, "step"])
 def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, planned, monkeypatch, splits=4):
     """``many_waves``: the fit's budget of several waves (``schedule.many_waves``), whose Gluon chunk pass cuts no
     request into more than ``MANY_WAVES_CAP`` chunks, its size published for the merge (a merge that recomputed the
-    uncapped size would cut otherwise); the published size is that rule's, or where ``planned`` (``PLAN_WAVES``) the
-    plan's (``chunk_plan``), which the chunk pass reads. Its slots run the largest chunks first (``chunk_map``):
-    every chunk once, into its slot in request order (a chunk never run leaves NaN). The slots past the batch's
-    chunks (most of the grid where capped) store nothing."""
+    uncapped size would cut otherwise); the published size is that rule's, or where ``planned`` the plan's
+    (``chunk_plan``), which the chunk pass reads: planned by the call (``PLAN_WAVES``) or, "step", before it by
+    ``mla_chunk_plan`` (a call with ``planned=True`` plans nothing itself). Its slots run the largest chunks first
+    (``chunk_map``): every chunk once, into its slot in request order (a chunk never run leaves NaN). The slots past
+    the batch's chunks (most of the grid where capped) store nothing."""
     from attn_backends_kernels.mla import balanced
-    from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP
+    from attn_backends_kernels.mla.balanced import MANY_WAVES_CAP, mla_chunk_plan
     from attn_backends_kernels.mla.chunk_plan import planned_tiles
-    monkeypatch.setattr(balanced, "PLAN_WAVES", planned)
+    monkeypatch.setattr(balanced, "PLAN_WAVES", planned is True)
     latent, rope, W = 512, 64, 1
     page_table, lens, kv, q, _, _ = _batch(seq_lens, W, page_size, H, latent, rope, torch.bfloat16, CAUSAL, 3)
     bs = lens.shape[0]
@@ -125,7 +126,11 @@ def test_mla_chunk_pass_on_a_budget_of_waves(seq_lens, fitted, H, page_size, pla
                                                                              min(H, 64), latent, rope))
     ws[0].fill_(float("nan"))
     ws[1].fill_(float("nan"))
-    mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, fit=True, many_waves=True)
+    if planned == "step":
+        assert mla_chunk_plan(q, kv, page_table, lens, page_size, splits, out, ws, fit=True, many_waves=True)
+        monkeypatch.setattr(balanced, "plan_chunks", lambda *a: pytest.fail("a planned call planned again"))
+    mla_chunk_fwd(q, kv, page_table, lens, page_size, 0.1, splits, out, workspace=ws, fit=True, many_waves=True,
+                  planned=planned == "step")
     ref = _reference(seq_lens, W, page_table, lens, kv, q, latent, page_size, CAUSAL, None, None)
     assert_close(out[:len(seq_lens)], ref, 2e-2)
     n = 32 if page_size == 32 else 64
@@ -162,6 +167,25 @@ def test_mla_chunk_pass_refuses_the_split_schedule_and_ragged_rows():
     ws = chunk_workspace(2, 2, 1, 16, 1, 32, "cpu", torch.float16)     # 16-bit partials where the tile takes float32
     with pytest.raises(ValueError, match=r"torch\.float16 / .*\(float32, float32, int32"):
         mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, torch.zeros(2, 16, 32), workspace=ws)
+
+
+def test_a_planned_call_names_what_it_reads(monkeypatch):
+    """``planned=True`` reads a budget of several waves' size from a given workspace: without one, or without
+    ``many_waves``, it says so; ``mla_chunk_plan`` writes into a given workspace only, and where the Triton tile runs
+    the launch (no planned size to read: here the CPU) it launches nothing and says False."""
+    from attn_backends_kernels.mla import balanced
+    from attn_backends_kernels.mla.balanced import mla_chunk_plan
+    q, kv = torch.zeros(2, 16, 48), torch.zeros(64, 1, 48)
+    pt, lens, out = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32), torch.zeros(2, 16, 32)
+    ws = chunk_workspace(2, 2, 1, 16, 1, 32, "cpu")
+    with pytest.raises(ValueError, match="workspace None, many_waves=True"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, out, fit=True, many_waves=True, planned=True)
+    with pytest.raises(ValueError, match="workspace given, many_waves=False"):
+        mla_chunk_fwd(q, kv, pt, lens, 16, 0.1, 2, out, workspace=ws, fit=True, planned=True)
+    with pytest.raises(ValueError, match="a given workspace"):
+        mla_chunk_plan(q, kv, pt, lens, 16, 2, out, None, fit=True, many_waves=True)
+    monkeypatch.setattr(balanced, "plan_chunks", lambda *a: pytest.fail("planned for the Triton tile"))
+    assert mla_chunk_plan(q, kv, pt, lens, 16, 2, out, ws, fit=True, many_waves=True) is False
 
 
 @pytest.mark.cuda
