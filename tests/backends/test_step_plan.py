@@ -1,5 +1,5 @@
 """``triton_mla``'s chunk size planned once a step (``PLAN_STEP``, ``kernels/mla/chunk_plan.py``): MLA-128 decode at
-bs 24, a budget of several waves on the Gluon chunk pass (sm_90), over bimodal lengths whose plan takes larger chunks
+bs 34, a budget of several waves on the Gluon chunk pass (sm_90), over bimodal lengths whose plan takes larger chunks
 than the capped fit's. Eager and every replay plan from the step's own lengths; every layer reads that plan; the
 graph path equals eager bitwise and both the float64 reference."""
 import pytest
@@ -15,13 +15,13 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                  reason="the Gluon chunk pass runs a budget of several waves on sm_90 alone")]
 
-# bs 24 of 128 heads on 132 SMs: 48 programs a chunk, 8 chunks a request; the capped fit's sizes 5 and 4 tiles (of 64
-# tokens), the plan's 11 and 9 (bench/probes/grid_model.py's kind of batch)
-A = [221, 3973, 420, 1553, 232, 3426, 303, 2121, 479, 181, 1627, 3936, 3248, 3863, 2049, 149, 2388, 3286, 3577, 2937,
-     2451, 1617, 2168, 593]
-B = [110, 2861, 2944, 477, 401, 3012, 3369, 3963, 190, 3012, 253, 495, 258, 434, 2267, 432, 2818, 2419, 514, 2393, 238,
-     117, 261, 2641]
-C = [4000] * 3 + [64] * 21          # the capture's batch
+# bs 34 of 128 heads on 132 SMs: 68 programs a chunk, one chunk a request leaves half the SMs idle, so 5 a request
+# (``schedule.many_waves``); bimodal lengths whose capped fit is 4 tiles (of 64 tokens), the plan's 7 and 8
+A = [1732, 464, 3706, 394, 126, 2183, 349, 498, 2429, 347, 571, 273, 254, 1635, 356, 368, 233, 586, 304, 471, 1645, 411,
+     599, 196, 140, 446, 324, 314, 492, 3752, 161, 576, 143, 297]
+B = [516, 415, 2035, 349, 590, 570, 251, 188, 199, 554, 144, 394, 3122, 3379, 540, 2723, 510, 2165, 532, 496, 267, 290,
+     415, 201, 393, 263, 412, 458, 353, 303, 3436, 3295, 407, 562]
+C = [4000] * 3 + [64] * 31          # the capture's batch
 
 
 def _backend(mem, cfg, plans: bool) -> TritonMLABackend:
@@ -39,24 +39,24 @@ def test_triton_mla_plans_a_budget_of_waves_once_a_step():
     from attn_backends_kernels.mla.chunk_plan import planned_tiles
     cfg = ModelConfig(num_layers=2, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
                       qk_rope_head_dim=64, page_size=64, dtype=torch.bfloat16)
-    mem = make_memory(cfg, num_pages=24 * 4096 // 64 + 64, max_reqs=26, max_context_len=4096, page_order="shuffled",
-                      seed=7, device="cuda")
+    mem = make_memory(cfg, num_pages=2400, max_reqs=5 * 34, max_context_len=4096, page_order="shuffled", seed=7,
+                      device="cuda")
     plain, planner = _backend(mem, cfg, False), _backend(mem, cfg, True)
     assert (plain.replay_work, planner.replay_work) == (False, True)
     assert prep_placement([planner]) is Prep.BEFORE_UPDATE and prep_placement([plain]) is Prep.IN_STEP_GRAPH
     fill = planner.get_cuda_graph_seq_len_fill_value()
-    cap = materialize(Scenario(ForwardMode.DECODE, 24, C), mem, fill)
+    cap = materialize(Scenario(ForwardMode.DECODE, 34, C), mem, fill)
     for be in (plain, planner):
-        be.init_cuda_graph_state(24, 24)
+        be.init_cuda_graph_state(34, 34)
         be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
     meta = planner.forward_metadata
-    assert meta.many_waves and meta.planned, "bs 24 of 128 heads: a budget of several waves, planned (132 SMs)"
+    assert meta.many_waves and meta.planned, "bs 34 of 128 heads: a budget of several waves, planned (132 SMs)"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator().manual_seed(11)
     seen = {}
     for name, lens in (("A", A), ("B", B), ("A", A)):
-        m = materialize(Scenario(ForwardMode.DECODE, 24, lens), mem, fill)
-        q = torch.randn(24, 128, 576, generator=g).to("cuda", torch.bfloat16)
+        m = materialize(Scenario(ForwardMode.DECODE, 34, lens), mem, fill)
+        q = torch.randn(34, 128, 576, generator=g).to("cuda", torch.bfloat16)
         plain.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
         plain.forward(q, None, None, cfg.layer(0), m.batch, save_kv_cache=False)
         fit = _published(plain)
@@ -89,14 +89,14 @@ def test_an_eager_step_plans_once_for_every_instance(monkeypatch):
     from attn_backends_kernels.mla import balanced
     cfg = ModelConfig(num_layers=2, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
                       qk_rope_head_dim=64, page_size=64, dtype=torch.bfloat16)
-    mem = make_memory(cfg, num_pages=24 * 4096 // 64 + 64, max_reqs=26, max_context_len=4096, page_order="shuffled",
-                      seed=7, device="cuda")
+    mem = make_memory(cfg, num_pages=1200, max_reqs=2 * 34, max_context_len=4096, page_order="shuffled", seed=7,
+                      device="cuda")
     a, b = TritonMLABackend(cfg, mem), TritonMLABackend(cfg, mem)
     calls = []
     real = balanced.plan_chunks
     monkeypatch.setattr(balanced, "plan_chunks", lambda *x: calls.append(1) or real(*x))
     for step in range(2):
-        m = materialize(Scenario(ForwardMode.DECODE, 24, A), mem, a.get_cuda_graph_seq_len_fill_value())
+        m = materialize(Scenario(ForwardMode.DECODE, 34, A), mem, a.get_cuda_graph_seq_len_fill_value())
         batch = eager_step(m.batch, [a, b])
         a.init_forward_metadata(batch)
         b.init_forward_metadata(batch)
