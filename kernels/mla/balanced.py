@@ -233,9 +233,10 @@ def chunk_tile(q, W, H, D, block_w, block_h, block_n, num_warps, num_stages) -> 
 # idle (MLA-128 bs 34's long tail 123.6 us, 96.1 at 16; 32 and 64 a request slower: bench/RESULTS.md, 'Ragged batches').
 MANY_WAVES_CAP = 16
 
-# Under that cap the chunk size planned by a wave model of the grid, by a launch before the chunk pass (``chunk_plan``):
-# fewer, larger chunks where the capped fit's last wave is nearly empty. Off: its launch, one program, costs 9-14 us a
-# call, more than the larger chunks give back on 20 of 32 rows measured (bench/RESULTS.md, 'Ragged batches').
+# Under that cap the chunk size planned by a wave model of the grid (``chunk_plan``) in every call, by a launch before
+# the chunk pass: fewer, larger chunks where the capped fit's last wave is nearly empty. Off: its launch, one program,
+# costs 9-14 us a call, more than the larger chunks give back on 20 of 32 rows measured; ``triton_mla`` plans once a
+# step instead (``mla_chunk_plan``, ``planned=True``; bench/RESULTS.md, 'Ragged batches').
 PLAN_WAVES = False
 
 # Under the wave fit the Gluon chunk pass publishes its chunk size and the merge reads it (``ChunkLaunch.published``)

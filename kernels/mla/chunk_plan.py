@@ -1,5 +1,6 @@
 """The chunk size of MLA decode's budget of several waves, planned on the device by one program before the chunk
-pass (``balanced.PLAN_WAVES``): of the capped fit's size and the sizes that cut the longest request into 1 ...
+pass (once a step for every layer: ``balanced.mla_chunk_plan``, which ``triton_mla`` launches; or in every call:
+``balanced.PLAN_WAVES``): of the capped fit's size and the sizes that cut the longest request into 1 ...
 PLAN_SIZES chunks, the one a wave model of the grid ranks first. Where the capped fit leaves its last wave nearly
 empty (bimodal and ragged lengths), fewer, larger chunks run fewer waves (bench/RESULTS.md, 'Ragged batches'). The
 plan writes the size where the chunk pass publishes it for the merge (``ChunkLaunch.published``); the chunk pass reads
