@@ -240,7 +240,8 @@ class LayoutBackend(AttentionBackend):
 
     def _update(self, meta: ForwardMetadata, view: StepView) -> None:
         """Work of each step on the record (eager, capture and every replay), after ``meta.view``
-        is ``view``. Overriding it makes the runner build the layout before it (``replay_work``)."""
+        is ``view``. Overriding it makes the runner build the layout before it (``replay_work``, which a
+        subclass may narrow to the instances whose update does work)."""
 
     def _extra_graph_buffers(self) -> dict[str, torch.Tensor]:
         return {}

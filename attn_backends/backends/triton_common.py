@@ -70,15 +70,15 @@ class TritonMetadata(ForwardMetadata):
     """The split count, wave fit and whether the count is a budget of several waves (``_split_plan``), and split
     workspace of a key (or an eager step),
     and the launches recorded by graph metadata called outside a capture ((softmax scale, k_scale,
-    v_scale[, window, softcap, has sinks]) -> :class:`Recorded`; "plan" -> the step plan's, ``triton_mla``)."""
+    v_scale[, window, softcap, has sinks]) -> :class:`Recorded`)."""
 
     num_kv_splits: int = 1
     wave_fit: bool = False
     many_waves: bool = False
     workspace: Optional[tuple] = None
     book: dict = field(default_factory=dict)
-    # a step's planned chunk size (``triton_mla``): what the plan reads q and out for, whether it planned one
-    plan: Optional[tuple] = None
+    # a step's planned chunk size (``triton_mla``): the plan's state shared by the step's instances, whether it planned
+    plan: Optional[dict] = None
     planned: bool = False
 
 

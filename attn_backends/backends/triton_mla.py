@@ -26,7 +26,7 @@ from ..base import Capabilities, GraphSupport, LayoutBackend
 from ..batch import ForwardMode
 from ..config import FP8_KV, AttentionLayer
 from ..layout import MaskKind
-from ..step import LibraryKey, StepView
+from ..step import LibraryKey, Prep, StepView
 from .triton_common import TritonBackendBase, TritonMetadata
 
 ALL_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
@@ -100,57 +100,61 @@ class TritonMLABackend(TritonBackendBase):
             cls.init_forward_metadata_replay_cuda_graph is not LayoutBackend.init_forward_metadata_replay_cuda_graph
 
     def _plans(self) -> bool:
-        """Whether this instance plans its budgets of several waves (PLAN_STEP, on ``_waves_facts``)."""
+        """Whether this instance plans its budgets of several waves: PLAN_STEP where one may run (``_waves_facts``,
+        the chunk schedule at the exact count, 16 heads on the transposed kernel)."""
         return (self.PLAN_STEP and self.schedule in ("chunks", "auto") and self.chunk_merge == "pass"
-                and self._waves_facts())
+                and self.EXACT_CHUNK_SPLITS and self._waves_facts()
+                and (self.config.num_q_heads >= 64 or self._decodes_transposed()))
 
     def _metadata(self, view: StepView, key) -> TritonMetadata:
         meta = super()._metadata(view, key)
-        if meta.many_waves and self._plans():
+        # a graph key plans at its replays only where its step preps the layout before the update (else the update
+        # would read the last step's lengths), as the runner does where replay_work was true at init_cuda_graph_state
+        if meta.many_waves and self._plans() and (key is None or (self._replays and view.prep is Prep.BEFORE_UPDATE)):
+            meta.plan = self._plan_state(view, meta)
+            meta.workspace = meta.plan["ws"]        # the step's, one for every instance, which the plan writes
+        return meta
+
+    def _plan_state(self, view: StepView, meta: TritonMetadata) -> dict:
+        """What every instance over this memory shares for the plan of ``view``'s key (an eager step: of the step):
+        the workspace it writes, q's and out's facts (``mla_chunk_plan``), the graph key's recorded launch, the step
+        it last planned and whether it planned; in the step's cache, as ``_step_book``'s launches."""
+        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge,
+                                        self.EXACT_CHUNK_SPLITS), view.key, "planned chunk size")
+        state = view.cache.get(owner)
+        if state is None or (view.key is None and state["made"] != view.step_id):
             lay, cfg = view.layout, self.config
             rows, dv, dev = lay.bs * (lay.width or 1), cfg.kv_lora_rank, self.memory.device
             one = torch.empty((1, cfg.num_q_heads, dv + cfg.qk_rope_head_dim), dtype=cfg.dtype, device=dev)
-            meta.plan = (one.expand(rows, -1, -1), one[..., :dv].expand(rows, -1, -1))   # q's and out's facts
-            if key is None:         # eager: the step's workspace, one for every instance, which the plan writes
-                meta.workspace = self._eager_plan(view, meta)[0]
-        return meta
-
-    def _eager_plan(self, view: StepView, meta: TritonMetadata) -> list:
-        """``[workspace, planned]`` of an eager step (``planned`` None until planned), shared like ``_step_book``."""
-        owner = LibraryKey(type(self), (self.config, id(self.memory), self.schedule, self.chunk_merge,
-                                        self.EXACT_CHUNK_SPLITS), None, "planned chunk size")
-        held = view.cache.get(owner)
-        if held is None or held[0] != view.step_id:
-            lay = view.layout
-            ws = self._chunk_workspace(lay, lay.bs, lay.width or 1, meta.num_kv_splits)
-            held = view.cache[owner] = (view.step_id, [ws, None])
-        return held[1]
+            ws = meta.workspace if view.key is not None else \
+                self._chunk_workspace(lay, lay.bs, lay.width or 1, meta.num_kv_splits)
+            state = view.cache[owner] = dict(made=view.step_id, ws=ws, q=one.expand(rows, -1, -1),
+                                             out=one[..., :dv].expand(rows, -1, -1), rec=None, step=None, planned=False)
+        return state
 
     def _update(self, meta: TritonMetadata, view: StepView) -> None:
-        """Plan the step's chunk size (``mla_chunk_plan``): an eager step once for every instance; a graph record's
-        launch recorded once and replayed (its tensors are the key's)."""
-        if meta.plan is None:
+        """Plan the step's chunk size (``mla_chunk_plan``) once for every instance: a graph key's launch recorded once
+        and replayed (its tensors are the key's); a key whose capture planned none plans at no replay."""
+        state = meta.plan
+        if state is None:
             return
-        if meta.key is None:
-            state = self._eager_plan(view, meta)
-            if state[1] is None:
-                state[1] = self._plan(meta, view)
-            meta.planned = state[1]
-            return
-        rec = meta.book.get("plan")
-        if rec is not None and rec.replay(()):
-            return
-        with recording() as launches:
-            meta.planned = self._plan(meta, view)
-        if meta.planned:
-            meta.book["plan"] = Recorded(launches, ())
+        if state["step"] != view.step_id:
+            state["step"] = view.step_id
+            rec = state["rec"]
+            if rec is None or not rec.replay(()):
+                with recording() as launches:
+                    state["planned"] = self._plan(state, meta, view)
+                if meta.key is not None and state["planned"]:
+                    state["rec"] = Recorded(launches, ())
+        meta.planned = state["planned"]
+        if not meta.planned and meta.key is not None:
+            meta.plan = None
 
-    def _plan(self, meta: TritonMetadata, view: StepView) -> bool:
+    def _plan(self, state: dict, meta: TritonMetadata, view: StepView) -> bool:
         lay = view.layout
-        q, out = meta.plan
-        return mla_chunk_plan(q, self.memory.pool.kv[0], lay.page_table, lay.seq_lens_k, lay.page_size,
-                              meta.num_kv_splits, out, meta.workspace, q_per_req=lay.width or 1, mask=lay.mask.value,
-                              custom_mask=lay.custom_mask, draft_prefix_lens=lay.draft_prefix_lens,
+        return mla_chunk_plan(state["q"], self.memory.pool.kv[0], lay.page_table, lay.seq_lens_k, lay.page_size,
+                              meta.num_kv_splits, state["out"], state["ws"], q_per_req=lay.width or 1,
+                              mask=lay.mask.value, custom_mask=lay.custom_mask, draft_prefix_lens=lay.draft_prefix_lens,
                               fit=meta.wave_fit, many_waves=meta.many_waves)
 
     def _kernel_schedule(self) -> str:

@@ -105,8 +105,8 @@ class LibraryKey:
 def prep_placement(backends) -> Prep:
     """The prep placement a runner over ``backends`` uses: in the step's graph when no backend
     does replay work of its own (``replay_work`` False: a ``LayoutBackend`` that overrides neither
-    ``_update`` nor its replay method), else before the replay update, so an update that reads
-    the layout reads the current step's."""
+    ``_update`` nor its replay method, or says so itself, as ``triton_mla`` where it plans nothing),
+    else before the replay update, so an update that reads the layout reads the current step's."""
     return Prep.IN_STEP_GRAPH if all(getattr(b, "replay_work", True) is False for b in backends) \
         else Prep.BEFORE_UPDATE
 

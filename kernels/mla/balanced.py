@@ -130,7 +130,9 @@ def mla_chunk_plan(q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_split
     ``workspace`` (``chunk_plan``: one program, from the device's ``seq_lens_k``): True where the launch has one (the
     Gluon chunk pass runs a budget of several waves), else False with nothing launched. ``q`` and ``out`` are read
     for their facts alone (shape, dtype, strides, alignment and device decide the kernel), so views of one row expanded
-    to the batch's serve; their data is never read."""
+    to the batch's serve; their data is never read. Such a view's facts are the most permissive (stride 0, an aligned
+    base): a call whose q the Gluon kernels refuse then runs the Triton tile, which neither reads nor writes the
+    planned size, so a True for it costs a launch and changes nothing; a False is never followed by a Gluon call."""
     if workspace is None:
         raise ValueError("mla_chunk_plan: the plan is written into a given workspace (None)")
     s = _setup("mla_chunk_plan", q, kv_buffer, page_table, seq_lens_k, page_size, num_kv_splits, out, q_per_req, mask,

@@ -24,6 +24,18 @@ B = [516, 415, 2035, 349, 590, 570, 251, 188, 199, 554, 144, 394, 3122, 3379, 54
 C = [4000] * 3 + [64] * 31          # the capture's batch
 
 
+def _config() -> ModelConfig:
+    return ModelConfig(num_layers=2, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
+                       qk_rope_head_dim=64, page_size=64, dtype=torch.bfloat16)
+
+
+def _memory(cfg, batches: int):
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the batches' plans are chosen for 132 SMs (an H200 or H100 SXM)")
+    return make_memory(cfg, num_pages=600 * batches, max_reqs=34 * batches, max_context_len=4096,
+                       page_order="shuffled", seed=7, device="cuda")
+
+
 def _backend(mem, cfg, plans: bool) -> TritonMLABackend:
     be = TritonMLABackend(cfg, mem)
     be.PLAN_STEP = plans
@@ -35,12 +47,27 @@ def _published(be) -> int:
     return int(be.forward_metadata.workspace[1][-1, 0].item())
 
 
+def _captured(fn):
+    """``(graph, outputs)`` of ``fn`` captured after a warm-up on a side stream (Triton compiles outside capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    return g, outs
+
+
 def test_triton_mla_plans_a_budget_of_waves_once_a_step():
+    """Replays of one captured CUDA graph of two layers over batches A, B, A: each replay update plans from its own
+    lengths (the published size is ``planned_tiles`` of them, larger than the capped fit's, which a backend without
+    the plan publishes), both layers read it, the graph's outputs equal eager calls bitwise and the float64
+    reference."""
     from attn_backends_kernels.mla.chunk_plan import planned_tiles
-    cfg = ModelConfig(num_layers=2, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
-                      qk_rope_head_dim=64, page_size=64, dtype=torch.bfloat16)
-    mem = make_memory(cfg, num_pages=2400, max_reqs=5 * 34, max_context_len=4096, page_order="shuffled", seed=7,
-                      device="cuda")
+    cfg = _config()
+    mem = _memory(cfg, 5)
     plain, planner = _backend(mem, cfg, False), _backend(mem, cfg, True)
     assert (plain.replay_work, planner.replay_work) == (False, True)
     assert prep_placement([planner]) is Prep.BEFORE_UPDATE and prep_placement([plain]) is Prep.IN_STEP_GRAPH
@@ -51,55 +78,97 @@ def test_triton_mla_plans_a_budget_of_waves_once_a_step():
         be.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
     meta = planner.forward_metadata
     assert meta.many_waves and meta.planned, "bs 34 of 128 heads: a budget of several waves, planned (132 SMs)"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q = torch.zeros(34, 128, 576, device="cuda", dtype=torch.bfloat16)
+    graph, graph_out = _captured(lambda: [planner.forward(q, None, None, cfg.layer(i), cap.batch, save_kv_cache=False)
+                                          for i in (0, 1)])
     g = torch.Generator().manual_seed(11)
     seen = {}
     for name, lens in (("A", A), ("B", B), ("A", A)):
         m = materialize(Scenario(ForwardMode.DECODE, 34, lens), mem, fill)
-        q = torch.randn(34, 128, 576, generator=g).to("cuda", torch.bfloat16)
+        q.copy_(torch.randn(34, 128, 576, generator=g).to("cuda", torch.bfloat16))
         plain.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
         plain.forward(q, None, None, cfg.layer(0), m.batch, save_kv_cache=False)
         fit = _published(plain)
-        replays = meta.book["plan"].replays
+        replays = meta.plan["rec"].replays
         planner.init_forward_metadata_replay_cuda_graph(m.batch.graph_inputs())
-        assert meta.book["plan"].replays == replays + 1, "a replay that did not plan its step"
-        want = planned_tiles([-(-x // 64) for x in lens], fit, 2, sms, 64)
+        assert meta.plan["rec"].replays == replays + 1, "a replay update that did not plan its step"
+        graph.replay()
+        want = planned_tiles([-(-x // 64) for x in lens], fit, 2, 132, 64)
         assert want > fit, f"batch {name}: the plan keeps the fit's {fit} tiles, the case is not exercised"
-        outs = []
-        for layer in (0, 1):            # every layer reads the step's plan
-            outs.append(planner.forward(q, None, None, cfg.layer(layer), m.batch, save_kv_cache=False))
-            assert _published(planner) == want, f"batch {name}, layer {layer}: read {_published(planner)} tiles"
-            ref = dense_reference(m.batch, mem, layer, q.cpu(), cfg.layer(layer).scaling, cfg.kv_lora_rank)
-            err = float((outs[-1].cpu().double() - ref).norm() / ref.norm())
-            assert err < 1e-2, f"batch {name}, layer {layer}: relative error {err:.2e}"
+        assert _published(planner) == want, f"batch {name}: the graph read {_published(planner)} tiles"
         planner.init_forward_metadata(m.batch)
         assert planner.forward_metadata.planned
-        for layer in (0, 1):
+        for layer in (0, 1):            # every layer reads the step's plan
             eager = planner.forward(q, None, None, cfg.layer(layer), m.batch, save_kv_cache=False)
-            assert torch.equal(eager, outs[layer]), f"batch {name}, layer {layer}: eager differs from the replay"
+            assert torch.equal(eager, graph_out[layer]), f"batch {name}, layer {layer}: eager differs from the graph"
+            ref = dense_reference(m.batch, mem, layer, q.cpu(), cfg.layer(layer).scaling, cfg.kv_lora_rank)
+            err = float((eager.cpu().double() - ref).norm() / ref.norm())
+            assert err < 1e-2, f"batch {name}, layer {layer}: relative error {err:.2e}"
         assert int(planner.forward_metadata.workspace[1][-1, 0].item()) == want
         seen.setdefault(name, want)
     assert seen["A"] != seen["B"], "batches of one plan: a stale plan would pass"
 
 
-def test_an_eager_step_plans_once_for_every_instance(monkeypatch):
-    """Two ``triton_mla`` instances on one eager step (a backend per layer) share the step's workspace and plan it
-    once; a new step plans again."""
+def test_the_instances_of_a_step_plan_once(monkeypatch):
+    """Two ``triton_mla`` instances on one step (a backend per layer) share its workspace and plan once: an eager
+    step, each new eager step, a graph key's capture and each of its replays."""
+    from attn_backends.step import Step
     from attn_backends.step.eager import eager_step
     from attn_backends_kernels.mla import balanced
-    cfg = ModelConfig(num_layers=2, num_q_heads=128, num_kv_heads=1, head_dim=16, is_mla=True, kv_lora_rank=512,
-                      qk_rope_head_dim=64, page_size=64, dtype=torch.bfloat16)
-    mem = make_memory(cfg, num_pages=1200, max_reqs=2 * 34, max_context_len=4096, page_order="shuffled", seed=7,
-                      device="cuda")
+    cfg = _config()
+    mem = _memory(cfg, 4)
     a, b = TritonMLABackend(cfg, mem), TritonMLABackend(cfg, mem)
     calls = []
     real = balanced.plan_chunks
     monkeypatch.setattr(balanced, "plan_chunks", lambda *x: calls.append(1) or real(*x))
+    fill = a.get_cuda_graph_seq_len_fill_value()
     for step in range(2):
-        m = materialize(Scenario(ForwardMode.DECODE, 34, A), mem, a.get_cuda_graph_seq_len_fill_value())
+        m = materialize(Scenario(ForwardMode.DECODE, 34, A), mem, fill)
         batch = eager_step(m.batch, [a, b])
         a.init_forward_metadata(batch)
         b.init_forward_metadata(batch)
         assert a.forward_metadata.workspace is b.forward_metadata.workspace
         assert a.forward_metadata.planned and b.forward_metadata.planned
-        assert len(calls) == step + 1, f"step {step}: {len(calls)} plans"
+        assert len(calls) == step + 1, f"eager step {step}: {len(calls)} plans"
+    for be in (a, b):
+        be.init_cuda_graph_state(34, 34)
+    step = Step(mem, fill, max_bs=34, max_width=1, prep=prep_placement([a, b]))
+    cap = materialize(Scenario(ForwardMode.DECODE, 34, C), mem, fill)
+    gi = step.graph_inputs(cap.batch.graph_key(), step.capture_inputs(cap.batch.graph_inputs()))
+    del calls[:]
+    for be in (a, b):
+        be.init_forward_metadata_capture_cuda_graph(gi)
+    assert len(calls) == 1, f"{len(calls)} plans for one capture of two instances"
+    ma, mb = a.forward_metadata, b.forward_metadata
+    assert ma.workspace is mb.workspace and ma.plan is mb.plan and ma.planned and mb.planned
+    m = materialize(Scenario(ForwardMode.DECODE, 34, B), mem, fill)
+    for _ in range(2):
+        gi = step.graph_inputs(m.batch.graph_key(), step.update_inputs(m.batch.graph_inputs()))
+        replays = ma.plan["rec"].replays
+        for be in (a, b):
+            be.init_forward_metadata_replay_cuda_graph(gi)
+        assert ma.plan["rec"].replays == replays + 1, "two instances, not one plan a replay"
+
+
+def test_a_key_plans_only_where_its_replays_do():
+    """A graph key plans only where every replay will plan again: not for a backend whose replay does no work
+    (``replay_work`` false at ``init_cuda_graph_state``, the plan switched on after), nor on a step whose layout prep
+    runs in the step's graph (the update would read the last step's lengths); such a key runs the capped fit."""
+    from attn_backends.step import Step
+    cfg = _config()
+    mem = _memory(cfg, 3)
+    fill = 1
+    late = _backend(mem, cfg, False)
+    late.init_cuda_graph_state(34, 34)
+    late.PLAN_STEP = True
+    cap = materialize(Scenario(ForwardMode.DECODE, 34, C), mem, fill)
+    late.init_forward_metadata_capture_cuda_graph(cap.batch.graph_inputs())
+    assert late.forward_metadata.many_waves and late.forward_metadata.plan is None
+    assert not late.forward_metadata.planned
+    planner = _backend(mem, cfg, True)
+    planner.init_cuda_graph_state(34, 34)
+    step = Step(mem, fill, max_bs=34, max_width=1, prep=Prep.IN_STEP_GRAPH)
+    cap = materialize(Scenario(ForwardMode.DECODE, 34, C), mem, fill)
+    gi = step.graph_inputs(cap.batch.graph_key(), step.capture_inputs(cap.batch.graph_inputs()))
+    planner.init_forward_metadata_capture_cuda_graph(gi)
+    assert planner.forward_metadata.many_waves and planner.forward_metadata.plan is None
